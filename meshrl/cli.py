@@ -1,0 +1,265 @@
+"""`meshrl` command line: run, plan, deploy and operate a mesh.
+
+    meshrl plan CONFIG [overrides] [--json]
+    meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR]
+    meshrl status|pause|resume|checkpoint|stop --address HOST:PORT [--token T]
+    meshrl set-staleness VALUE --address HOST:PORT [--token T]
+    meshrl bench coordinator [--out FILE]
+
+Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
+returning an exit code. Output to the terminal is this module's job (services log, never print).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import MeshError
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def _command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+    def register(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        _COMMANDS[name] = fn
+        return fn
+
+    return register
+
+
+def _config_args(p: argparse.ArgumentParser, config_required: bool = False) -> None:
+    if config_required:
+        p.add_argument("config", help="YAML config file")
+    else:
+        p.add_argument("config", nargs="?", default=None, help="YAML config file (default: the built-in example)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. async_training.staleness_threshold=0.5")
+
+
+def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)
+        config = None
+    return config, overrides
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=os.environ.get("MESHRL_ADDRESS", "127.0.0.1:50051"), help="coordinator host:port")
+    p.add_argument("--token", default=os.environ.get("MESHRL_TOKEN"), help="control token (or MESHRL_TOKEN)")
+    p.add_argument(
+        "--application", default=os.environ.get("MESHRL_APPLICATION"),
+        help="Serve application name (when the address is Serve's gRPC ingress with several apps)",
+    )
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshrl", description="Fully asynchronous RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="print the derived run quantities and resource layout; starts nothing")
+    _config_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("coordinator", help="run the coordinator without Ray")
+    csub = p.add_subparsers(dest="coordinator_command", required=True)
+    ps = csub.add_parser("serve", help="serve CoordinatorService on a plain grpc.aio server")
+    _config_args(ps)
+    ps.add_argument("--run-dir", default=None, help="run directory (ledger, resolved config)")
+
+    for name, helptext in [
+        ("status", "show the run's status"),
+        ("pause", "stop granting leases and delivering batches"),
+        ("resume", "undo pause"),
+        ("checkpoint", "ask the trainer to checkpoint at its next step"),
+        ("stop", "end the run: no new leases; the trainer checkpoints and exits"),
+    ]:
+        p = sub.add_parser(name, help=helptext)
+        _client_args(p)
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("set-staleness", help="change async_training.staleness_threshold on the live run")
+    p.add_argument("value", type=float)
+    _client_args(p)
+
+    p = sub.add_parser("bench", help="benchmarks (JSON out)")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    pb = bsub.add_parser("coordinator", help="groups/s and lease latency, Serve ingress and plain grpc.aio")
+    pb.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pb.add_argument("--seconds", type=float, default=5.0, help="measurement time per case")
+    pb.add_argument("--no-serve", action="store_true", help="skip the Ray Serve ingress cases")
+    return parser
+
+
+def _run_dir(arg: str | None, name: str) -> Path:
+    if arg:
+        return Path(arg)
+    import time
+
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@_command("plan")
+def _plan(args: argparse.Namespace) -> int:
+    from meshrl.plan import make_plan
+
+    config, overrides = _split_config_and_overrides(args)
+    plan = make_plan(config, overrides)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="meshrl plan", show_header=False)
+        for key, value in _flatten(plan):
+            table.add_row(key, str(value))
+        Console().print(table)
+    return 0
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.extend(_flatten(v, f"{prefix}{k}."))
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+@_command("coordinator")
+def _coordinator(args: argparse.Namespace) -> int:
+    from services.common.config import load_config, write_resolved_config
+    from services.common.logging import configure_logging
+    from services.coordinator.server import CoordinatorServer
+
+    config, overrides = _split_config_and_overrides(args)
+    cfg = load_config(config, overrides)
+    run_dir = _run_dir(args.run_dir, "coordinator")
+    write_resolved_config(cfg, run_dir)
+    configure_logging("coordinator")
+
+    async def main() -> None:
+        import signal
+
+        server = CoordinatorServer(cfg, run_dir)
+        await server.start()
+        print(f"coordinator listening on {server.address} (run dir {run_dir})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from services.coordinator.client import CoordinatorClient
+
+    return CoordinatorClient(args.address, token=args.token, application=args.application, timeout_s=args.timeout)
+
+
+def _status_dict(resp: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+@_command("status")
+def _status(args: argparse.Namespace) -> int:
+    async def main() -> dict[str, Any]:
+        async with _client(args) as c:
+            return _status_dict(await c.status())
+
+    status = asyncio.run(main())
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"run {status['run_id']}", show_header=False)
+    for key, value in _flatten(status):
+        table.add_row(key, json.dumps(value) if isinstance(value, list) else str(value))
+    Console().print(table)
+    return 0
+
+
+def _simple_control(method: str, done: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        async def main() -> None:
+            async with _client(args) as c:
+                await getattr(c, method)()
+
+        asyncio.run(main())
+        print(done)
+        return 0
+
+    return run
+
+
+_COMMANDS["pause"] = _simple_control("pause", "paused")
+_COMMANDS["resume"] = _simple_control("resume", "resumed")
+_COMMANDS["checkpoint"] = _simple_control("request_checkpoint", "checkpoint requested")
+_COMMANDS["stop"] = _simple_control("stop", "stop requested")
+
+
+@_command("set-staleness")
+def _set_staleness(args: argparse.Namespace) -> int:
+    async def main() -> int:
+        async with _client(args) as c:
+            return await c.set_staleness(args.value)
+
+    max_required = asyncio.run(main())
+    print(f"staleness_threshold={args.value} max_required_samples={max_required}")
+    return 0
+
+
+@_command("bench")
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "coordinator":
+        from meshrl.bench.coordinator import run_benchmark
+
+        result = run_benchmark(seconds=args.seconds, serve=not args.no_serve)
+    else:  # pragma: no cover - argparse restricts choices
+        raise SystemExit(f"unknown benchmark {args.bench_command}")
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except MeshError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        import grpc
+
+        if isinstance(exc, grpc.RpcError):
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            return 3
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

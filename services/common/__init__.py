@@ -1,0 +1,1 @@
+"""Code shared by every meshrl service: config, logging, device, gRPC helpers, errors, data."""

@@ -1,0 +1,258 @@
+"""`actor_rollout_ref.*`: the model, the actor (trainer), the rollout engine and the reference
+policy. Keys and defaults follow verl's `ppo_trainer.yaml` / `fully_async_ppo_trainer.yaml`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from .base import ConfigModel
+
+
+class ModelConfig(ConfigModel):
+    """The policy model, shared by actor, rollout and reference."""
+
+    path: str | None = None
+    """Local Hugging Face checkpoint directory. Null: the built-in tiny model (built or
+    warm-started by `meshrl pretrain`, cached in the user cache dir)."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory; defaults to `path`."""
+    override_config: dict[str, Any] = {}
+    """Overrides applied to the HF config before building the model (e.g. dropout)."""
+    use_remove_padding: bool = True
+    """Train on packed varlen batches. Must be false for Qwen3.5 (gated delta-net layers)."""
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in backward."""
+    trust_remote_code: bool = False
+    """Allow custom modeling code from the checkpoint directory."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training (mixed precision is engine-specific)."""
+
+
+class OptimConfig(ConfigModel):
+    """AdamW and the LR schedule. The schedule's total step count is fixed before the optimizer
+    is built (derived from `rollout.total_rollout_steps` unless set)."""
+
+    lr: float = Field(default=1e-6, ge=0)
+    """Peak learning rate."""
+    lr_warmup_steps: int = -1
+    """Warmup steps; negative: use `lr_warmup_steps_ratio`."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup as a fraction of total training steps."""
+    lr_scheduler_type: Literal["constant", "cosine", "linear"] = "constant"
+    """Schedule after warmup."""
+    min_lr_ratio: float = 0.0
+    """Floor of cosine/linear decay as a fraction of `lr`."""
+    num_cycles: float = 0.5
+    """Cosine cycles."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    total_training_steps: int = -1
+    """Optimizer steps for the schedule; negative: derived from the run length."""
+
+
+
+class FSDPConfig(ConfigModel):
+    """FSDP2 options (verl `fsdp_config`)."""
+
+    param_offload: bool = False
+    """Keep parameters on CPU between uses."""
+    optimizer_offload: bool = False
+    """Keep optimizer state on CPU."""
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (ZeRO-3 style)."""
+    fsdp_size: int = -1
+    """Ranks per FSDP shard group; -1: all ranks."""
+    model_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Master parameter dtype."""
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
+    """Compute dtype for forward/backward."""
+
+
+class PolicyLossConfig(ConfigModel):
+    """verl `actor.policy_loss`."""
+
+    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    """`vanilla` = PPO clip (with dual clip); `gspo` = sequence-level ratio."""
+
+
+class CheckpointContentsConfig(ConfigModel):
+    """What a checkpoint holds."""
+
+    save_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] = ["model", "optimizer", "extra"]
+    """Parts to save."""
+    load_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] = ["model", "optimizer", "extra"]
+    """Parts to load."""
+
+
+class ActorConfig(ConfigModel):
+    """The trained policy (verl `actor_rollout_ref.actor`)."""
+
+    strategy: Literal["fsdp", "fsdp2", "megatron", "mindspeed"] = "fsdp2"
+    """Training engine backend; `fsdp` is an alias of `fsdp2`."""
+    ppo_mini_batch_size: int = Field(default=256, ge=1)
+    """Prompts per optimizer step (each with `rollout.n` responses)."""
+    ppo_micro_batch_size_per_gpu: int | None = None
+    """Sequences per forward/backward on one rank; null: the whole mini-batch."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by token budget instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of a micro-batch when `use_dynamic_bsz`."""
+    ppo_epochs: int = 1
+    """Passes over each mini-batch."""
+    shuffle: bool = False
+    """Shuffle sequences across micro-batches."""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon (default for `clip_ratio_low/high`)."""
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon; null: `clip_ratio`."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon (DAPO clip-higher); null: `clip_ratio`."""
+    clip_ratio_c: float = Field(default=3.0, gt=1.0)
+    """Dual-clip constant for negative advantages (> 1)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How token losses are aggregated."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = False
+    """Add a KL(policy || reference) loss term."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    """KL estimator: k1 (`kl`), `abs`, k2 (`mse`), k3 (`low_var_kl`)."""
+    grad_clip: float = 1.0
+    """Max gradient norm."""
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    """Policy loss variant."""
+    use_rollout_log_probs: bool = True
+    """Use the rollout's logprobs as old logprobs (bypass mode)."""
+    ulysses_sequence_parallel_size: int = Field(default=1, ge=1)
+    """Ulysses sequence-parallel degree (all-to-all over attention heads)."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer and schedule."""
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """FSDP2 options."""
+    checkpoint: CheckpointContentsConfig = CheckpointContentsConfig()
+    """Checkpoint contents."""
+
+
+class ValKwargs(ConfigModel):
+    """Sampling for validation (verl `rollout.val_kwargs`)."""
+
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus threshold."""
+    top_k: int = -1
+    """-1 disables top-k."""
+    n: int = 1
+    """Samples per validation prompt."""
+    do_sample: bool = False
+    """Sample (true) or decode greedily (false)."""
+
+
+class CheckpointEngineConfig(ConfigModel):
+    """How weights reach this rollout group (verl `rollout.checkpoint_engine`)."""
+
+    backend: Literal["grpc", "object_store", "nccl", "hccl", "disk"] = "grpc"
+    """Transport from the param server (see param_server.proto)."""
+    update_weights_bucket_megabytes: int = 2048
+    """Bucket size for weight transfer."""
+
+
+class RolloutEngineConfig(ConfigModel):
+    """The inference engine (verl `actor_rollout_ref.rollout`)."""
+
+    name: Literal["transformers", "vllm"] = "transformers"
+    """Engine: `transformers` (CPU/GPU) or `vllm` (GPU; vllm-ascend on NPU)."""
+    mode: Literal["async"] = "async"
+    """Only async server mode exists in meshrl."""
+    n: int = Field(default=4, ge=1)
+    """Responses per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus threshold."""
+    top_k: int = -1
+    """-1 disables top-k."""
+    seed: int | None = None
+    """Base sampling seed (per-group seeds derive from it); null: random."""
+    stop: list[str] = []
+    """Stop strings."""
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    """Inference dtype."""
+    gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
+    """vLLM: fraction of device memory for weights + KV."""
+    tensor_model_parallel_size: int = 1
+    """Rollout TP degree."""
+    data_parallel_size: int = 1
+    """Rollout DP degree inside one engine."""
+    expert_parallel_size: int = 1
+    """Rollout EP degree (MoE)."""
+    max_num_seqs: int = 256
+    """Concurrent sequences per engine."""
+    max_num_batched_tokens: int = 8192
+    """Token budget per engine step (chunked prefill)."""
+    max_model_len: int | None = None
+    """Context length; null: prompt + response length."""
+    enable_chunked_prefill: bool = True
+    """vLLM chunked prefill."""
+    enable_prefix_caching: bool = True
+    """vLLM prefix caching (reset on every weight update)."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs / compilation."""
+    free_cache_engine: bool = True
+    """Release KV cache memory during weight updates."""
+    calculate_log_probs: bool = True
+    """Return per-token logprobs (required for fully async)."""
+    engine_kwargs: dict[str, dict[str, Any]] = {}
+    """Extra engine arguments by engine name, passed through (e.g. `vllm: {compilation_config: ...}`)."""
+    val_kwargs: ValKwargs = ValKwargs()
+    """Validation sampling."""
+    checkpoint_engine: CheckpointEngineConfig = CheckpointEngineConfig()
+    """Weight transport."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Micro-batch for recomputing logprobs (decoupled mode)."""
+
+
+
+class RefConfig(ConfigModel):
+    """The frozen reference policy for the KL loss."""
+
+    fsdp_config: FSDPConfig = FSDPConfig()
+    """Reference FSDP options (`param_offload` keeps it on CPU between uses)."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Micro-batch for reference logprobs."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses degree for the reference."""
+
+
+class ActorRolloutRefConfig(ConfigModel):
+    """verl's `actor_rollout_ref` section."""
+
+    hybrid_engine: bool = False
+    """Colocated actor+rollout; meshrl always separates them (must be false)."""
+    model: ModelConfig = ModelConfig()
+    """The policy model."""
+    actor: ActorConfig = ActorConfig()
+    """Training side."""
+    rollout: RolloutEngineConfig = RolloutEngineConfig()
+    """Inference side."""
+    ref: RefConfig = RefConfig()
+    """Reference policy."""
+    nccl_timeout: int = Field(default=600, ge=1)
+    """Seconds before a collective is declared hung."""
+
+    @field_validator("hybrid_engine")
+    @classmethod
+    def _no_hybrid(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("meshrl runs rollout and training on separate resources; set actor_rollout_ref.hybrid_engine=false")
+        return value

@@ -1,0 +1,48 @@
+"""`async_training.*`: the staleness budget and partial rollout (verl fully_async names)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .base import ConfigModel
+
+
+class AsyncTrainingConfig(ConfigModel):
+    """How far rollout may run ahead of training.
+
+    required_samples     = ppo_mini_batch_size * require_batches
+    max_required_samples = int(required_samples * (1 + staleness_threshold) * trigger_parameter_sync_step)
+    Leases are granted while the budget used since the last version commit is below
+    max_required_samples; at each commit the budget restarts at in-flight + queued prompts.
+    """
+
+    mode: Literal["fully_async", "one_step_off", "sync"] = "fully_async"
+    """`fully_async`: the staleness budget above. `one_step_off`: a whole batch generated with
+    the previous weights. `sync`: lock-step (staleness 0, trigger 1), for A/B comparisons."""
+    staleness_threshold: float = Field(default=0.1, ge=0)
+    """Extra fraction of a sync window that may be generated ahead (s); 0 with trigger 1 is on-policy."""
+    trigger_parameter_sync_step: int = Field(default=4, ge=1)
+    """Optimizer steps between weight publications (K)."""
+    require_batches: int = Field(default=1, ge=1)
+    """Mini-batches per optimizer step."""
+    partial_rollout: bool = True
+    """Let in-flight samples continue across a weight update (tokens tagged per version)."""
+    partial_rollout_mode: Literal["keep", "abort"] = "abort"
+    """`keep`: continue in-flight sequences on the new weights (KV kept). `abort`: resubmit
+    prompt + tokens so far with max_tokens reduced (re-prefill with the new weights)."""
+    concurrent_samples_per_replica: int = Field(default=16, ge=1)
+    """Prompt groups in flight per rollout replica."""
+    max_staleness_versions: int | None = Field(default=None, ge=0)
+    """Hard bound (AReaL's eta): groups whose oldest token is more than this many versions
+    behind are re-generated, never trained on. Null: only the budget applies."""
+    use_trainer_do_validate: bool = False
+    """verl knob; validation runs on the rollout replicas in meshrl (must be false)."""
+
+    @field_validator("use_trainer_do_validate")
+    @classmethod
+    def _no_trainer_validate(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("validation runs on rollout replicas in meshrl; set async_training.use_trainer_do_validate=false")
+        return value

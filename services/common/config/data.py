@@ -1,0 +1,72 @@
+"""`data.*`: where prompts come from. Keys follow verl's `data` section."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from .base import ConfigModel
+
+
+class SyntheticTaskConfig(ConfigModel):
+    """A built-in task with verifiable answers, generated from a seed (no downloads)."""
+
+    name: Literal["addition", "copy"] = "addition"
+    """Task: `addition` (two-number sums, answer after `####`) or `copy` (repeat a digit string)."""
+    num_train: int = 4096
+    """Training prompts generated."""
+    num_val: int = 128
+    """Held-out validation prompts generated (a disjoint seed)."""
+    digits: int = 2
+    """Digits per operand (addition) or string length (copy)."""
+    seed: int = 0
+    """Seed of the generator."""
+
+
+class DataConfig(ConfigModel):
+    """Prompt data. Files are JSONL or verl's parquet layout (`prompt` as chat messages,
+    `data_source`, `ability`, `reward_model.ground_truth`, `extra_info`)."""
+
+    train_files: list[str] = []
+    """Training files (JSONL or parquet). Empty: use `data.synthetic`."""
+    val_files: list[str] = []
+    """Validation files. Empty: the synthetic task's held-out split (if any)."""
+    synthetic: SyntheticTaskConfig | None = SyntheticTaskConfig()
+    """Built-in task used when `data.train_files` is empty; null to require files."""
+    prompt_key: str = "prompt"
+    """Column with the prompt: a list of chat messages or a string."""
+    max_prompt_length: int = Field(default=512, ge=1)
+    """Prompt token budget."""
+    max_response_length: int = Field(default=512, ge=1)
+    """Response token budget (max new tokens per sample)."""
+    train_batch_size: int = 0
+    """verl's colocated batch size in prompts. Fully async requires 0 (batches are
+    `ppo_mini_batch_size * require_batches`); sync mode may set it."""
+    gen_batch_size: int = 1
+    """Prompts per generation unit; only 1 is supported (as in verl's fully async)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch."""
+    seed: int = 1
+    """Seed of the shuffle."""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """What to do with prompts longer than `max_prompt_length`."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than `max_prompt_length` when loading."""
+    return_raw_chat: bool = True
+    """Keep prompts as chat messages (the rollout applies the chat template)."""
+    reward_fn_key: str = "data_source"
+    """Column that routes the reward function."""
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("gen_batch_size")
+    @classmethod
+    def _gen_batch_one(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only 1 is supported (one prompt group per generation unit); set data.gen_batch_size=1")
+        return value
+

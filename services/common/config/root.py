@@ -1,0 +1,142 @@
+"""The root of the config tree and the quantities derived from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import model_validator
+
+from services.coordinator.config import CoordinatorConfig
+from services.param_server.config import ParamServerConfig
+from services.reward.config import RewardServiceConfig
+
+from .actor_rollout_ref import ActorRolloutRefConfig
+from .algorithm import AlgorithmConfig, CustomRewardFunctionConfig, RewardModelConfig
+from .async_training import AsyncTrainingConfig
+from .base import ConfigModel
+from .data import DataConfig
+from .serve import ServeConfig
+from .trainer import RolloutResourcesConfig, TrainerConfig
+
+_GROUP_ESTIMATORS = {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"}
+
+
+class MeshConfig(ConfigModel):
+    """A whole meshrl run. verl's sections keep verl's names; meshrl's own services add theirs."""
+
+    data: DataConfig = DataConfig()
+    """Prompt data."""
+    actor_rollout_ref: ActorRolloutRefConfig = ActorRolloutRefConfig()
+    """Model, actor, rollout engine, reference."""
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Advantages, corrections, dynamic sampling."""
+    reward_model: RewardModelConfig = RewardModelConfig()
+    """Reward assembly (DAPO overlong shaping)."""
+    custom_reward_function: CustomRewardFunctionConfig = CustomRewardFunctionConfig()
+    """A verl-style `compute_score` function."""
+    trainer: TrainerConfig = TrainerConfig()
+    """Run length, training resources, checkpoints."""
+    rollout: RolloutResourcesConfig = RolloutResourcesConfig()
+    """Rollout resources and run length (verl fully async)."""
+    async_training: AsyncTrainingConfig = AsyncTrainingConfig()
+    """Staleness budget and partial rollout."""
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    """The coordinator service."""
+    param_server: ParamServerConfig = ParamServerConfig()
+    """The param server service."""
+    reward: RewardServiceConfig = RewardServiceConfig()
+    """The reward service."""
+    serve: ServeConfig = ServeConfig()
+    """Ray Serve deployment."""
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> MeshConfig:
+        arr = self.actor_rollout_ref
+        if self.rollout.n is not None and self.rollout.n != arr.rollout.n:
+            if "n" in arr.rollout.model_fields_set:
+                raise ValueError(
+                    f"rollout.n={self.rollout.n} disagrees with actor_rollout_ref.rollout.n={arr.rollout.n}; set one of them"
+                )
+            arr.rollout.n = self.rollout.n
+        if self.algorithm.adv_estimator in _GROUP_ESTIMATORS and arr.rollout.n < 2:
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a group baseline, so "
+                f"actor_rollout_ref.rollout.n must be >= 2 (got {arr.rollout.n}); set actor_rollout_ref.rollout.n=4"
+            )
+        if self.async_training.mode == "fully_async" and self.data.train_batch_size not in (0,):
+            raise ValueError(
+                "fully async batches are ppo_mini_batch_size * require_batches prompts; set data.train_batch_size=0"
+            )
+        if self.async_training.mode == "sync" and (
+            self.async_training.staleness_threshold != 0 or self.async_training.trigger_parameter_sync_step != 1
+        ):
+            if {"staleness_threshold", "trigger_parameter_sync_step"} & self.async_training.model_fields_set:
+                raise ValueError(
+                    "async_training.mode=sync is on-policy lock-step: it needs staleness_threshold=0 and "
+                    "trigger_parameter_sync_step=1 (or leave them unset)"
+                )
+            self.async_training.staleness_threshold = 0.0
+            self.async_training.trigger_parameter_sync_step = 1
+        if self.data.train_files == [] and self.data.synthetic is None:
+            raise ValueError("no prompt data: set data.train_files or data.synthetic")
+        if self.algorithm.filter_groups.enable and arr.rollout.n < 2:
+            raise ValueError("algorithm.filter_groups needs actor_rollout_ref.rollout.n >= 2")
+        if self.reward_model.overlong_buffer.enable:
+            ob = self.reward_model.overlong_buffer
+            if ob.len <= 0 or ob.len > self.data.max_response_length:
+                raise ValueError(
+                    f"reward_model.overlong_buffer.len must be in (0, data.max_response_length={self.data.max_response_length}], got {ob.len}"
+                )
+        return self
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Quantities computed from a config (see AsyncTrainingConfig's docstring)."""
+
+    required_samples: int
+    max_required_samples: int
+    total_rollout_steps: int
+    total_train_steps: int
+    total_optimizer_steps: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "required_samples": self.required_samples,
+            "max_required_samples": self.max_required_samples,
+            "total_rollout_steps": self.total_rollout_steps,
+            "total_train_steps": self.total_train_steps,
+            "total_optimizer_steps": self.total_optimizer_steps,
+        }
+
+
+def required_samples(ppo_mini_batch_size: int, require_batches: int) -> int:
+    """Prompts consumed per trainer optimizer step."""
+    return ppo_mini_batch_size * require_batches
+
+
+def max_required_samples(required: int, staleness_threshold: float, trigger_parameter_sync_step: int) -> int:
+    """verl's budget: prompts that may be issued between two version commits."""
+    return int(required * (1 + staleness_threshold) * trigger_parameter_sync_step)
+
+
+def derive(cfg: MeshConfig, dataset_size: int | None = None) -> Derived:
+    """Derived run quantities. `dataset_size` caps the run at `dataset_size * rollout.total_epochs`
+    prompts when known (verl: min(total_rollout_steps, len(dataloader) * total_epochs))."""
+    at = cfg.async_training
+    req = required_samples(cfg.actor_rollout_ref.actor.ppo_mini_batch_size, at.require_batches)
+    max_req = max_required_samples(req, at.staleness_threshold, at.trigger_parameter_sync_step)
+    total = cfg.rollout.total_rollout_steps
+    if dataset_size is not None:
+        total = min(total, dataset_size * cfg.rollout.total_epochs)
+    train_steps = int(total / (req * at.trigger_parameter_sync_step))
+    if cfg.trainer.total_training_steps is not None:
+        # verl's fully async counts trainer.total_training_steps like total_train_steps.
+        train_steps = min(train_steps, cfg.trainer.total_training_steps)
+    return Derived(
+        required_samples=req,
+        max_required_samples=max_req,
+        total_rollout_steps=total,
+        total_train_steps=train_steps,
+        total_optimizer_steps=train_steps * at.trigger_parameter_sync_step,
+    )

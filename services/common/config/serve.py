@@ -1,0 +1,70 @@
+"""`serve.*`: how the services are deployed on Ray Serve."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from .base import ConfigModel
+
+
+class AutoscalingConfig(ConfigModel):
+    """Ray Serve autoscaling for an application's deployment."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest replicas."""
+    max_replicas: int = Field(default=1, ge=1)
+    """Most replicas."""
+    target_ongoing_requests: float = Field(default=2.0, gt=0)
+    """Target in-flight work per replica."""
+    upscale_delay_s: float = 30.0
+    """Seconds above target before adding a replica."""
+    downscale_delay_s: float = 600.0
+    """Seconds below target before removing one."""
+
+
+class AppDeployConfig(ConfigModel):
+    """Replicas and resources of one application's deployment."""
+
+    num_replicas: int = Field(default=1, ge=1)
+    """Fixed replicas (ignored when autoscaling is set)."""
+    num_cpus: float = Field(default=1.0, ge=0)
+    """CPUs per replica."""
+    num_gpus: float = Field(default=0.0, ge=0)
+    """GPUs per replica (CUDA)."""
+    resources: dict[str, float] = {}
+    """Custom Ray resources per replica, e.g. {"NPU": 1}."""
+    autoscaling: AutoscalingConfig | None = None
+    """Autoscaling; null: fixed `num_replicas`."""
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    """Concurrent requests per replica (streams count)."""
+    runtime_env: dict[str, Any] = {}
+    """Ray runtime_env for the replica."""
+
+
+class ServeConfig(ConfigModel):
+    """Ray Serve options for the mesh."""
+
+    grpc_port: int = Field(default=9000, ge=0, le=65535)
+    """Serve's gRPC ingress port."""
+    http_port: int = Field(default=8000, ge=0, le=65535)
+    """Serve's HTTP proxy port (always started by Serve)."""
+    proxy_location: Literal["HeadOnly", "EveryNode", "Disabled"] = "HeadOnly"
+    """Where Serve runs proxies."""
+    request_timeout_s: float | None = None
+    """End-to-end timeout Serve applies to gRPC requests (streams included)."""
+    ray_address: str | None = None
+    """Ray cluster address; null: start a local Ray."""
+    num_cpus: int | None = None
+    """CPUs given to a local Ray; null: all."""
+    coordinator: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
+    """The coordinator (always one replica)."""
+    rollout: AppDeployConfig = AppDeployConfig()
+    """Rollout replicas (autoscaling allowed)."""
+    reward: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
+    """Reward replicas."""
+    param_server: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
+    """Param server replicas."""
+    trainer: AppDeployConfig = AppDeployConfig()
+    """The trainer driver replica (its ranks are separate actors in a placement group)."""

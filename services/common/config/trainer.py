@@ -1,0 +1,67 @@
+"""`trainer.*` and top-level `rollout.*`: run length, resources and persistence (verl names)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .base import ConfigModel
+
+
+class TrainerConfig(ConfigModel):
+    """verl's `trainer` section."""
+
+    project_name: str = "meshrl"
+    """Project name (logs, run directory)."""
+    experiment_name: str = "default"
+    """Experiment name (logs, run directory)."""
+    logger: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl"]
+    """Metric sinks."""
+    device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
+    """Accelerator for training; `auto` picks cuda, then npu, then cpu."""
+    nnodes: int = Field(default=1, ge=1)
+    """Training nodes."""
+    n_gpus_per_node: int = Field(default=1, ge=1)
+    """Training devices per node (ranks of the training group)."""
+    total_epochs: int = 1
+    """Passes over the prompt data."""
+    total_training_steps: int | None = None
+    """Cap on total_train_steps (policy versions, as verl fully async counts them); null: derived."""
+    save_freq: int = -1
+    """Checkpoint every N optimizer steps (-1: only at the end and on request)."""
+    test_freq: int = -1
+    """Validate every N policy versions (-1: never)."""
+    val_before_train: bool = False
+    """Validate the initial policy."""
+    default_local_dir: str | None = None
+    """Checkpoint directory; null: `<run_dir>/checkpoints`."""
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """Resume from the newest checkpoint (`auto`), never, or from `resume_from_path`."""
+    resume_from_path: str | None = None
+    """Checkpoint used with `resume_mode=resume_path`."""
+    seed: int = 42
+    """Seed for model init and training RNG."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        return self
+
+
+class RolloutResourcesConfig(ConfigModel):
+    """verl fully-async's top-level `rollout` section: rollout resources and run length."""
+
+    nnodes: int = Field(default=1, ge=1)
+    """Rollout nodes."""
+    n_gpus_per_node: int = Field(default=1, ge=1)
+    """Rollout devices per node."""
+    total_rollout_steps: int = Field(default=100, ge=1)
+    """Prompts to roll out over the run (verl counts prompts, not batches)."""
+    total_epochs: int = 10
+    """Upper bound on passes over the data (total = min(total_rollout_steps, len(data) * epochs))."""
+    n: int | None = None
+    """verl scripts set `rollout.n`; if given it must equal `actor_rollout_ref.rollout.n` or
+    replaces it when that is left at its default."""
+

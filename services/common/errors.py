@@ -1,0 +1,86 @@
+"""The exception tree shared by every service, and the one table that maps it to gRPC codes.
+
+Core code raises these; servicers translate them at the gRPC boundary (see grpc_util.rpc_method),
+so the same error reads the same whether the service runs under Ray Serve or a plain grpc.aio
+server. `ValueError` subclasses are for callers who passed something wrong; invariant violations
+inside meshrl are `assert`s.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class MeshError(Exception):
+    """Base of every error meshrl raises on purpose."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(MeshError, ValueError):
+    """A request or config value is malformed. `field` names it (dotted path)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{field}: {reason}")
+
+
+class ConfigError(MeshError, ValueError):
+    """A config file or override is invalid; the message names the key and the fix."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(MeshError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(MeshError):
+    """The request is well-formed but the state does not allow it (wrong version, stopping ...)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unauthenticated(MeshError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class ResourceExhausted(MeshError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(MeshError):
+    """A dependency (reward endpoint, param server, engine) cannot serve right now; retryable."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(MeshError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class DataLoss(MeshError):
+    """Bytes did not match their checksum."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class MissingDependency(MeshError, ImportError):
+    """An optional dependency is not installed; the message says which extra to install."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, what: str, install_hint: str) -> None:
+        super().__init__(f"{what} is not available: {install_hint}")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """Map an exception to (gRPC status code, details). Unknown exceptions are INTERNAL."""
+    if isinstance(exc, MeshError):
+        return exc.code, str(exc)
+    if isinstance(exc, (TimeoutError,)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,94 @@
+"""structlog setup: JSON lines in services, a readable console on a terminal.
+
+Call `configure_logging(service=...)` once per process (a Serve replica's `__init__`, a Ray actor,
+the CLI). Context that holds for the whole process (run, service, replica, rank) is bound once
+with `bind(...)`; per-request context uses `structlog.contextvars.bound_contextvars`. The same
+chain formats stdlib records (grpc, ray, transformers) so every line has one shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import structlog
+
+_configured: dict[str, Any] = {}
+
+
+def _shared_processors() -> list[Any]:
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.ExtraAdder(),
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+
+
+def configure_logging(
+    service: str | None = None,
+    *,
+    json: bool | None = None,
+    level: str | int | None = None,
+    stream: Any = None,
+    **context: Any,
+) -> None:
+    """Configure structlog + stdlib logging for this process.
+
+    json: None picks JSON unless stderr is a terminal (env MESHRL_LOG_FORMAT=json|console wins).
+    level: default from MESHRL_LOG_LEVEL, else INFO.
+    context: bound on every line of this process (e.g. run_id=..., replica=...).
+    """
+    fmt = os.environ.get("MESHRL_LOG_FORMAT")
+    if json is None:
+        json = fmt == "json" if fmt else not sys.stderr.isatty()
+    level = level or os.environ.get("MESHRL_LOG_LEVEL", "INFO")
+    renderer: Any
+    if json:
+        renderer = structlog.processors.JSONRenderer()
+        extra = [structlog.processors.dict_tracebacks]
+    else:
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        extra = []
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=_shared_processors(),
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *extra, renderer],
+        )
+    )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if getattr(old, "_meshrl", False):
+            root.removeHandler(old)
+    handler._meshrl = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(level)
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *_shared_processors(),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    structlog.contextvars.clear_contextvars()
+    if service is not None:
+        context["service"] = service
+    bind(**context)
+    _configured.update(service=service, json=json)
+
+
+def bind(**context: Any) -> None:
+    """Bind process-wide context (run_id, service, replica, rank, policy_version ...)."""
+    structlog.contextvars.bind_contextvars(**{k: v for k, v in context.items() if v is not None})
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    return structlog.get_logger(name)  # type: ignore[no-any-return]

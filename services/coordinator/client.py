@@ -1,0 +1,129 @@
+"""CoordinatorClient: the Python face of CoordinatorService (rollout, trainer, operator, CLI).
+
+Every call carries a deadline. Control calls carry the bearer token. Under Ray Serve's gRPC ingress
+the `application` metadata routes the call; it is sent when `application` is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, bearer_metadata, create_channel
+
+
+class CoordinatorClient:
+    """Async client. Use as `async with CoordinatorClient(addr) as c: await c.status()`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        application: str | None = None,
+        timeout_s: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = create_channel(address, max_message_bytes=max_message_bytes)
+        self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        route = [("application", application)] if application else []
+        self._md = tuple(route)
+        self._control_md = tuple(route + bearer_metadata(token))
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until the channel connects (raises TimeoutError after timeout_s)."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout=timeout_s)
+
+    def _kw(self, control: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
+        return {"metadata": self._control_md if control else self._md, "timeout": timeout_s or self.timeout_s}
+
+    # ---- rollout side ----------------------------------------------------------------------
+
+    async def lease(self, replica_id: str, max_groups: int) -> coordinator_pb2.LeasePromptsResponse:
+        req = coordinator_pb2.LeasePromptsRequest(replica_id=replica_id, max_groups=max_groups)
+        return await self.stub.LeasePrompts(req, **self._kw())
+
+    async def renew(self, replica_id: str, lease_ids: Sequence[str]) -> coordinator_pb2.RenewLeasesResponse:
+        req = coordinator_pb2.RenewLeasesRequest(replica_id=replica_id, lease_ids=list(lease_ids))
+        return await self.stub.RenewLeases(req, **self._kw())
+
+    async def return_leases(self, replica_id: str, lease_ids: Sequence[str]) -> int:
+        req = coordinator_pb2.ReturnLeasesRequest(replica_id=replica_id, lease_ids=list(lease_ids))
+        return (await self.stub.ReturnLeases(req, **self._kw())).returned
+
+    async def submit(
+        self, replica_id: str, groups: Sequence[common_pb2.TrajectoryGroup]
+    ) -> coordinator_pb2.SubmitGroupsResponse:
+        req = coordinator_pb2.SubmitGroupsRequest(replica_id=replica_id, groups=list(groups))
+        return await self.stub.SubmitGroups(req, **self._kw())
+
+    async def watch_versions(self, replica_id: str) -> AsyncIterator[coordinator_pb2.WatchVersionsResponse]:
+        call = self.stub.WatchVersions(coordinator_pb2.WatchVersionsRequest(replica_id=replica_id), metadata=self._md)
+        async for item in call:
+            yield item
+
+    # ---- trainer side ----------------------------------------------------------------------
+
+    async def fetch_batch(
+        self,
+        trainer_id: str,
+        step: int,
+        num_groups: int,
+        *,
+        timeout_ms: int = 10_000,
+        filtered_lease_ids: Sequence[str] = (),
+    ) -> coordinator_pb2.FetchBatchResponse:
+        req = coordinator_pb2.FetchBatchRequest(
+            trainer_id=trainer_id, step=step, num_groups=num_groups, timeout_ms=timeout_ms,
+            filtered_lease_ids=list(filtered_lease_ids),
+        )
+        return await self.stub.FetchBatch(req, **self._kw(timeout_s=self.timeout_s + timeout_ms / 1000.0))
+
+    async def commit_version(self, trainer_id: str, weights: common_pb2.WeightsRef) -> coordinator_pb2.CommitVersionResponse:
+        req = coordinator_pb2.CommitVersionRequest(trainer_id=trainer_id, weights=weights)
+        return await self.stub.CommitVersion(req, **self._kw(control=True))
+
+    async def report_checkpoint(self, trainer_id: str, step: int, policy_version: int, path: str) -> None:
+        req = coordinator_pb2.ReportCheckpointRequest(trainer_id=trainer_id, step=step, policy_version=policy_version, path=path)
+        await self.stub.ReportCheckpoint(req, **self._kw())
+
+    async def resume_trainer(self, trainer_id: str, checkpoint_step: int) -> coordinator_pb2.ResumeTrainerResponse:
+        req = coordinator_pb2.ResumeTrainerRequest(trainer_id=trainer_id, checkpoint_step=checkpoint_step)
+        return await self.stub.ResumeTrainer(req, **self._kw(control=True))
+
+    # ---- operator --------------------------------------------------------------------------
+
+    async def status(self) -> coordinator_pb2.GetStatusResponse:
+        return await self.stub.GetStatus(coordinator_pb2.GetStatusRequest(), **self._kw())
+
+    async def pause(self) -> None:
+        await self.stub.Pause(coordinator_pb2.PauseRequest(), **self._kw(control=True))
+
+    async def resume(self) -> None:
+        await self.stub.Resume(coordinator_pb2.ResumeRequest(), **self._kw(control=True))
+
+    async def set_staleness(self, threshold: float) -> int:
+        req = coordinator_pb2.SetStalenessRequest(staleness_threshold=threshold)
+        return (await self.stub.SetStaleness(req, **self._kw(control=True))).max_required_samples
+
+    async def request_checkpoint(self) -> None:
+        await self.stub.RequestCheckpoint(coordinator_pb2.RequestCheckpointRequest(), **self._kw(control=True))
+
+    async def stop(self) -> None:
+        await self.stub.Stop(coordinator_pb2.StopRequest(), **self._kw(control=True))
+
+    async def echo(self, payload: bytes) -> bytes:
+        return (await self.stub.Echo(coordinator_pb2.EchoRequest(payload=payload), **self._kw())).payload

@@ -1,0 +1,34 @@
+"""`coordinator.*`: what the coordinator service can be told."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config.base import ConfigModel
+
+
+class CoordinatorConfig(ConfigModel):
+    """The coordinator: leases, ledger and the control plane."""
+
+    host: str = "127.0.0.1"
+    """Bind address of the plain grpc.aio server (`meshrl coordinator serve`)."""
+    port: int = Field(default=50051, ge=0, le=65535)
+    """Port of the plain grpc.aio server; 0 picks a free one."""
+    lease_timeout_s: float = Field(default=600.0, gt=0)
+    """A lease not submitted, renewed or returned within this time expires and its prompt is
+    re-issued."""
+    ledger_path: str | None = None
+    """SQLite ledger file; null: `<run_dir>/ledger.sqlite`. Restarting on the same file resumes the run."""
+    ledger_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
+    """SQLite `synchronous` in WAL mode: NORMAL survives a process crash, FULL also a power loss."""
+    token: str | None = None
+    """Bearer token for control RPCs (Pause, Resume, SetStaleness, RequestCheckpoint, Stop,
+    CommitVersion, ResumeTrainer); falls back to the MESHRL_TOKEN environment variable."""
+    max_groups_per_call: int = Field(default=1024, ge=1)
+    """Upper bound on groups in one LeasePrompts/SubmitGroups call."""
+    max_message_mb: int = Field(default=64, ge=1)
+    """gRPC message size limit (both directions)."""
+    max_response_tokens: int = Field(default=1 << 20, ge=1)
+    """Sanity bound on tokens per submitted response."""

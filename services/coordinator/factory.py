@@ -1,0 +1,58 @@
+"""Build a coordinator (core + servicer) from a MeshConfig."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from meshrl.v1 import common_pb2
+from services.common.config import MeshConfig, derive
+from services.common.data import PromptStream, train_dataset
+
+from .core import CoordinatorCore, CoordinatorSettings
+from .ledger import Ledger
+from .servicer import CoordinatorServicer
+
+
+def sampling_from_config(cfg: MeshConfig) -> common_pb2.SamplingParams:
+    r = cfg.actor_rollout_ref.rollout
+    params = common_pb2.SamplingParams(
+        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        max_tokens=cfg.data.max_response_length, stop=r.stop,
+    )
+    if r.seed is not None:
+        params.seed = r.seed
+    return params
+
+
+def ledger_path(cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> Path:
+    return Path(cfg.coordinator.ledger_path) if cfg.coordinator.ledger_path else Path(run_dir) / "ledger.sqlite"
+
+
+def build_core(cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "") -> CoordinatorCore:
+    dataset = train_dataset(cfg.data)
+    derived = derive(cfg, dataset_size=len(dataset))
+    at = cfg.async_training
+    settings = CoordinatorSettings(
+        required_samples=derived.required_samples,
+        staleness_threshold=at.staleness_threshold,
+        trigger_parameter_sync_step=at.trigger_parameter_sync_step,
+        prompts_total=derived.total_rollout_steps,
+        lease_timeout_s=cfg.coordinator.lease_timeout_s,
+        max_staleness_versions=at.max_staleness_versions,
+        keep_delivered_payloads=cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable",
+        run_id=run_id,
+    )
+    prompts = PromptStream(dataset, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    ledger = Ledger(ledger_path(cfg, run_dir), synchronous=cfg.coordinator.ledger_synchronous)
+    return CoordinatorCore(settings, prompts, ledger)
+
+
+def build_servicer(cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "") -> CoordinatorServicer:
+    return CoordinatorServicer(
+        build_core(cfg, run_dir, run_id),
+        sampling=sampling_from_config(cfg),
+        token=cfg.coordinator.token or os.environ.get("MESHRL_TOKEN") or None,
+        max_groups_per_call=cfg.coordinator.max_groups_per_call,
+        max_response_tokens=cfg.coordinator.max_response_tokens,
+    )

@@ -1,0 +1,253 @@
+"""The coordinator's SQLite ledger (WAL). Every state change is one transaction, committed before
+the RPC that caused it is acknowledged; a coordinator restarted on the same file rebuilds its
+exact state from it (`Ledger.load`).
+
+Tables
+  run_state(id=1, json)       scalars: version, cursor, budget, flags, totals, histogram
+  leases(lease_id, seq, ...)  every lease ever granted and its fate
+  retry(rid, seq, reason)     prompts waiting to be re-issued (FIFO by rid)
+  groups(group_id, ...)       every submitted group: queued -> delivered -> consumed | filtered
+                              | rejected (stale); payload kept while it may still be trained on
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class LeaseState(IntEnum):
+    ACTIVE = 0
+    SUBMITTED = 1
+    EXPIRED = 2
+    RETURNED = 3
+
+
+class GroupState(IntEnum):
+    QUEUED = 0
+    DELIVERED = 1
+    CONSUMED = 2
+    REJECTED_STALE = 3
+    FILTERED = 4
+
+
+class RetryReason(IntEnum):
+    EXPIRED = 0
+    RETURNED = 1
+    STALE = 2
+    TRAINER_RESUME = 3
+
+
+@dataclass
+class LeaseRow:
+    lease_id: str
+    seq: int
+    replica_id: str
+    state: LeaseState
+    granted_at: float
+    deadline: float
+    granted_version: int
+
+
+@dataclass
+class GroupRow:
+    group_id: int
+    lease_id: str
+    seq: int
+    state: GroupState
+    min_version: int
+    max_version: int
+    step: int
+    staleness: int
+    qpos: int
+    payload: bytes | None
+
+
+@dataclass
+class LedgerSnapshot:
+    state: dict[str, Any] | None
+    active_leases: list[LeaseRow]
+    expired_leases: dict[str, int]
+    submitted_lease_ids: set[str]
+    retry: list[tuple[int, int]]
+    queued: list[GroupRow]
+    delivered: list[GroupRow]
+    max_group_id: int
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS run_state (id INTEGER PRIMARY KEY CHECK (id = 1), json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, replica_id TEXT NOT NULL, state INTEGER NOT NULL,
+    granted_at REAL NOT NULL, deadline REAL NOT NULL, granted_version INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS leases_state ON leases(state);
+CREATE TABLE IF NOT EXISTS retry (rid INTEGER PRIMARY KEY AUTOINCREMENT, seq INTEGER NOT NULL UNIQUE,
+    reason INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS groups (
+    group_id INTEGER PRIMARY KEY, lease_id TEXT NOT NULL UNIQUE, seq INTEGER NOT NULL,
+    state INTEGER NOT NULL, min_version INTEGER NOT NULL, max_version INTEGER NOT NULL,
+    step INTEGER NOT NULL DEFAULT -1, staleness INTEGER NOT NULL DEFAULT -1, qpos INTEGER NOT NULL,
+    payload BLOB);
+CREATE INDEX IF NOT EXISTS groups_state ON groups(state);
+"""
+
+
+class Ledger:
+    """Write-through persistence for CoordinatorCore. Not thread-safe: one owner (the core)."""
+
+    def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
+        self._db.execute("PRAGMA foreign_keys=OFF")
+        self._db.executescript(_SCHEMA)
+        self._in_tx = False
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic change. Nested use joins the outer transaction."""
+        if self._in_tx:
+            yield self._db
+            return
+        self._in_tx = True
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        else:
+            self._db.execute("COMMIT")
+        finally:
+            self._in_tx = False
+
+    # ---- writes (call inside transaction()) -------------------------------------------------
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        self._db.execute(
+            "INSERT INTO run_state (id, json) VALUES (1, ?) ON CONFLICT(id) DO UPDATE SET json = excluded.json",
+            (json.dumps(state, separators=(",", ":")),),
+        )
+
+    def insert_leases(self, rows: Iterable[LeaseRow]) -> None:
+        self._db.executemany(
+            "INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(r.lease_id, r.seq, r.replica_id, int(r.state), r.granted_at, r.deadline, r.granted_version) for r in rows],
+        )
+
+    def set_lease_state(self, lease_ids: Iterable[str], state: LeaseState) -> None:
+        self._db.executemany("UPDATE leases SET state = ? WHERE lease_id = ?", [(int(state), i) for i in lease_ids])
+
+    def set_lease_deadlines(self, items: Iterable[tuple[str, float]]) -> None:
+        self._db.executemany("UPDATE leases SET deadline = ? WHERE lease_id = ?", [(d, i) for i, d in items])
+
+    def push_retry(self, seqs: Iterable[int], reason: RetryReason) -> None:
+        self._db.executemany("INSERT INTO retry (seq, reason) VALUES (?, ?)", [(s, int(reason)) for s in seqs])
+
+    def pop_retry(self, seqs: Iterable[int]) -> None:
+        self._db.executemany("DELETE FROM retry WHERE seq = ?", [(s,) for s in seqs])
+
+    def insert_groups(self, rows: Iterable[GroupRow]) -> None:
+        self._db.executemany(
+            "INSERT INTO groups VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                (r.group_id, r.lease_id, r.seq, int(r.state), r.min_version, r.max_version, r.step, r.staleness, r.qpos, r.payload)
+                for r in rows
+            ],
+        )
+
+    def deliver_groups(self, items: Iterable[tuple[int, int, int, bool]]) -> None:
+        """(group_id, step, staleness, keep_payload)."""
+        rows = list(items)
+        self._db.executemany(
+            "UPDATE groups SET state = ?, step = ?, staleness = ? WHERE group_id = ?",
+            [(int(GroupState.DELIVERED), step, st, gid) for gid, step, st, _ in rows],
+        )
+        self._db.executemany(
+            "UPDATE groups SET payload = NULL WHERE group_id = ?", [(gid,) for gid, _, _, keep in rows if not keep]
+        )
+
+    def set_group_state(self, group_ids: Iterable[int], state: GroupState, drop_payload: bool = False) -> None:
+        sql = "UPDATE groups SET state = ?" + (", payload = NULL" if drop_payload else "") + " WHERE group_id = ?"
+        self._db.executemany(sql, [(int(state), gid) for gid in group_ids])
+
+    def requeue_groups(self, items: Iterable[tuple[int, int]]) -> None:
+        """(group_id, new qpos): back to QUEUED, delivery fields cleared."""
+        self._db.executemany(
+            "UPDATE groups SET state = ?, step = -1, staleness = -1, qpos = ? WHERE group_id = ?",
+            [(int(GroupState.QUEUED), q, gid) for gid, q in items],
+        )
+
+    def consume_through_step(self, step: int) -> None:
+        self._db.execute(
+            "UPDATE groups SET state = ?, payload = NULL WHERE state = ? AND step <= ?",
+            (int(GroupState.CONSUMED), int(GroupState.DELIVERED), step),
+        )
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def load(self) -> LedgerSnapshot:
+        row = self._db.execute("SELECT json FROM run_state WHERE id = 1").fetchone()
+        state = json.loads(row[0]) if row else None
+        leases = [
+            LeaseRow(r[0], r[1], r[2], LeaseState(r[3]), r[4], r[5], r[6])
+            for r in self._db.execute("SELECT * FROM leases WHERE state = ?", (int(LeaseState.ACTIVE),))
+        ]
+        expired = {
+            r[0]: r[1] for r in self._db.execute("SELECT lease_id, seq FROM leases WHERE state = ?", (int(LeaseState.EXPIRED),))
+        }
+        submitted = {
+            r[0] for r in self._db.execute("SELECT lease_id FROM leases WHERE state = ?", (int(LeaseState.SUBMITTED),))
+        }
+        retry = [(r[0], r[1]) for r in self._db.execute("SELECT seq, reason FROM retry ORDER BY rid")]
+
+        def groups(state_: GroupState, order: str) -> list[GroupRow]:
+            return [
+                GroupRow(r[0], r[1], r[2], GroupState(r[3]), r[4], r[5], r[6], r[7], r[8], r[9])
+                for r in self._db.execute(f"SELECT * FROM groups WHERE state = ? ORDER BY {order}", (int(state_),))
+            ]
+
+        max_gid = self._db.execute("SELECT COALESCE(MAX(group_id), 0) FROM groups").fetchone()[0]
+        return LedgerSnapshot(
+            state=state,
+            active_leases=leases,
+            expired_leases=expired,
+            submitted_lease_ids=submitted,
+            retry=retry,
+            queued=groups(GroupState.QUEUED, "qpos"),
+            delivered=groups(GroupState.DELIVERED, "qpos"),
+            max_group_id=int(max_gid),
+        )
+
+    def count_groups(self) -> dict[str, int]:
+        return {
+            GroupState(s).name.lower(): n
+            for s, n in self._db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall()
+        }
+
+    def live_seqs(self) -> dict[str, list[int]]:
+        """Where every prompt sequence number is now (for audits)."""
+        active = [r[0] for r in self._db.execute("SELECT seq FROM leases WHERE state = ?", (int(LeaseState.ACTIVE),))]
+        retry = [r[0] for r in self._db.execute("SELECT seq FROM retry")]
+        live_states = (int(GroupState.QUEUED), int(GroupState.DELIVERED), int(GroupState.CONSUMED), int(GroupState.FILTERED))
+        groups = [
+            r[0]
+            for r in self._db.execute(
+                f"SELECT seq FROM groups WHERE state IN ({','.join('?' * len(live_states))})", live_states
+            )
+        ]
+        return {"in_flight": active, "retry": retry, "groups": groups}

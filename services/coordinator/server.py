@@ -1,0 +1,60 @@
+"""The coordinator as a plain grpc.aio server, without Ray (`meshrl coordinator serve`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.common.config import MeshConfig
+from services.common.grpc_util import MiB, add_health_and_reflection, create_server, set_serving
+from services.common.logging import get_logger
+
+from .factory import build_servicer
+from .servicer import CoordinatorServicer
+
+log = get_logger(__name__)
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+
+
+class CoordinatorServer:
+    """Owns a grpc.aio server bound to host:port and the servicer behind it."""
+
+    def __init__(self, cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.servicer: CoordinatorServicer = build_servicer(cfg, run_dir)
+        self.server = create_server(max_message_bytes=cfg.coordinator.max_message_mb * MiB)
+        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(self.servicer, self.server)
+        self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = self.server.add_insecure_port(f"{cfg.coordinator.host}:{cfg.coordinator.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {cfg.coordinator.host}:{cfg.coordinator.port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.coordinator.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.servicer.start_sweeper()
+        await set_serving(self._health, [SERVICE_NAME])
+        log.info("coordinator_listening", address=self.address, ledger=self.servicer.core.ledger.path)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.server.stop(grace_s)
+        self.servicer.core.ledger.close()
+
+
+async def serve_forever(cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> None:
+    server = CoordinatorServer(cfg, run_dir)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"coordinator listening on {server.address}", flush=True)
+    await stop.wait()
+    await server.stop()

@@ -1,0 +1,225 @@
+"""CoordinatorService over gRPC: proto in -> core call -> proto out (or a status code).
+
+The same servicer runs under Ray Serve's gRPC proxy (deployment.py) and as a plain grpc.aio server
+(server.py). All core calls happen on one asyncio loop, so the core needs no locks. Waiting RPCs
+(FetchBatch, WatchVersions) sleep on `_changed`, an event replaced after every state change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.errors import InvalidArgument
+from services.common.grpc_util import rpc_method
+from services.common.logging import get_logger
+
+from . import convert
+from .core import CoordinatorCore
+
+log = get_logger(__name__)
+
+MAX_FETCH_GROUPS = 65536
+MAX_FETCH_TIMEOUT_MS = 600_000
+CONTROL_RPCS = ("Pause", "Resume", "SetStaleness", "RequestCheckpoint", "Stop", "CommitVersion", "ResumeTrainer")
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """Thin shim over CoordinatorCore. `token` guards the control RPCs (CONTROL_RPCS)."""
+
+    def __init__(
+        self,
+        core: CoordinatorCore,
+        *,
+        sampling: common_pb2.SamplingParams,
+        token: str | None = None,
+        max_groups_per_call: int = 1024,
+        max_response_tokens: int = 1 << 20,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.core = core
+        self.sampling = sampling
+        self.token = token
+        self.max_groups = max_groups_per_call
+        self.max_tokens = max_response_tokens
+        self.clock = clock
+        self._changed = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # ---- change notification -----------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self, timeout_s: float) -> None:
+        event = self._changed
+        try:
+            await asyncio.wait_for(event.wait(), timeout=max(0.0, timeout_s))
+        except TimeoutError:
+            pass
+
+    def start_sweeper(self, interval_s: float = 1.0) -> None:
+        """Expire leases on a timer too, so waiting trainers see re-issued work promptly."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(interval_s))
+
+    async def _sweep(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.core.expire(self.clock()):
+                self._notify()
+
+    # ---- rollout side --------------------------------------------------------------------------
+
+    @rpc_method()
+    async def LeasePrompts(self, request: coordinator_pb2.LeasePromptsRequest, context: Any) -> coordinator_pb2.LeasePromptsResponse:
+        convert.require_id(request.replica_id, "replica_id")
+        convert.check_count(request.max_groups, "max_groups", 1, self.max_groups)
+        grant = self.core.lease(request.replica_id, request.max_groups, self.clock())
+        return convert.lease_response(grant, self.sampling)
+
+    @rpc_method()
+    async def RenewLeases(self, request: coordinator_pb2.RenewLeasesRequest, context: Any) -> coordinator_pb2.RenewLeasesResponse:
+        convert.require_id(request.replica_id, "replica_id")
+        convert.check_count(len(request.lease_ids), "lease_ids", 1, self.max_groups)
+        renewed, lost, deadline = self.core.renew(request.replica_id, list(request.lease_ids), self.clock())
+        return coordinator_pb2.RenewLeasesResponse(renewed=renewed, lost=lost, deadline_unix_s=deadline)
+
+    @rpc_method()
+    async def ReturnLeases(self, request: coordinator_pb2.ReturnLeasesRequest, context: Any) -> coordinator_pb2.ReturnLeasesResponse:
+        convert.require_id(request.replica_id, "replica_id")
+        convert.check_count(len(request.lease_ids), "lease_ids", 1, self.max_groups)
+        n = self.core.return_leases(request.replica_id, list(request.lease_ids), self.clock())
+        if n:
+            self._notify()
+        return coordinator_pb2.ReturnLeasesResponse(returned=n)
+
+    @rpc_method()
+    async def SubmitGroups(self, request: coordinator_pb2.SubmitGroupsRequest, context: Any) -> coordinator_pb2.SubmitGroupsResponse:
+        groups = convert.groups_from_request(
+            request, max_groups=self.max_groups, max_tokens=self.max_tokens, expected_n=self.sampling.n or None
+        )
+        statuses = self.core.submit(request.replica_id, groups, self.clock())
+        self._notify()
+        return convert.submit_response(statuses, self.core.queued)
+
+    async def _watch(self) -> AsyncIterator[tuple[int, bool, bool]]:
+        last: tuple[int, bool, bool] | None = None
+        while True:
+            state = (self.core.policy_version, self.core.paused, self.core.stopping)
+            if state != last:
+                last = state
+                yield state
+                if state[2]:
+                    return
+            await self._wait_change(30.0)
+
+    @rpc_method()
+    async def WatchVersions(
+        self, request: coordinator_pb2.WatchVersionsRequest, context: Any
+    ) -> AsyncIterator[coordinator_pb2.WatchVersionsResponse]:
+        convert.require_id(request.replica_id, "replica_id")
+        async for version, paused, stopping in self._watch():
+            yield coordinator_pb2.WatchVersionsResponse(
+                weights=convert.weights_from_dict(self.core.weights, version), paused=paused, stopping=stopping
+            )
+
+    # ---- trainer side --------------------------------------------------------------------------
+
+    @rpc_method()
+    async def FetchBatch(self, request: coordinator_pb2.FetchBatchRequest, context: Any) -> coordinator_pb2.FetchBatchResponse:
+        convert.require_id(request.trainer_id, "trainer_id")
+        convert.check_count(request.num_groups, "num_groups", 1, MAX_FETCH_GROUPS)
+        convert.check_count(request.timeout_ms, "timeout_ms", 0, MAX_FETCH_TIMEOUT_MS)
+        deadline = time.monotonic() + request.timeout_ms / 1000.0
+        core = self.core
+        while (
+            (core.queued < request.num_groups or core.paused)
+            and not core.exhausted
+            and not core.stopping
+            and time.monotonic() < deadline
+        ):
+            await self._wait_change(deadline - time.monotonic())
+        batch = core.fetch(
+            request.trainer_id, request.step, request.num_groups, self.clock(), list(request.filtered_lease_ids)
+        )
+        if batch.regenerated or request.filtered_lease_ids:
+            self._notify()  # budget given back: rollouts may lease again
+        return convert.batch_response(batch)
+
+    @rpc_method(control=True)
+    async def CommitVersion(self, request: coordinator_pb2.CommitVersionRequest, context: Any) -> coordinator_pb2.CommitVersionResponse:
+        convert.require_id(request.trainer_id, "trainer_id")
+        if not request.HasField("weights"):
+            raise InvalidArgument("weights", "missing (the WeightsRef of the new version)")
+        version, budget = self.core.commit_version(request.weights.policy_version, convert.weights_to_dict(request.weights))
+        log.info("version_committed", policy_version=version, budget_used=budget)
+        self._notify()
+        return coordinator_pb2.CommitVersionResponse(policy_version=version, budget_used=budget)
+
+    @rpc_method()
+    async def ReportCheckpoint(
+        self, request: coordinator_pb2.ReportCheckpointRequest, context: Any
+    ) -> coordinator_pb2.ReportCheckpointResponse:
+        convert.require_id(request.trainer_id, "trainer_id")
+        self.core.report_checkpoint(request.step, request.policy_version, request.path)
+        self._notify()
+        return coordinator_pb2.ReportCheckpointResponse()
+
+    @rpc_method(control=True)
+    async def ResumeTrainer(self, request: coordinator_pb2.ResumeTrainerRequest, context: Any) -> coordinator_pb2.ResumeTrainerResponse:
+        convert.require_id(request.trainer_id, "trainer_id")
+        n = self.core.resume_trainer(request.checkpoint_step)
+        log.info("trainer_resumed", checkpoint_step=request.checkpoint_step, requeued=n)
+        self._notify()
+        return coordinator_pb2.ResumeTrainerResponse(requeued=n, policy_version=self.core.policy_version)
+
+    # ---- operator --------------------------------------------------------------------------------
+
+    @rpc_method()
+    async def GetStatus(self, request: coordinator_pb2.GetStatusRequest, context: Any) -> coordinator_pb2.GetStatusResponse:
+        return convert.status_response(self.core.status(self.clock()))
+
+    @rpc_method(control=True)
+    async def Pause(self, request: coordinator_pb2.PauseRequest, context: Any) -> coordinator_pb2.PauseResponse:
+        self.core.set_paused(True)
+        log.info("run_paused")
+        self._notify()
+        return coordinator_pb2.PauseResponse()
+
+    @rpc_method(control=True)
+    async def Resume(self, request: coordinator_pb2.ResumeRequest, context: Any) -> coordinator_pb2.ResumeResponse:
+        self.core.set_paused(False)
+        log.info("run_resumed")
+        self._notify()
+        return coordinator_pb2.ResumeResponse()
+
+    @rpc_method(control=True)
+    async def SetStaleness(self, request: coordinator_pb2.SetStalenessRequest, context: Any) -> coordinator_pb2.SetStalenessResponse:
+        max_required = self.core.set_staleness(request.staleness_threshold)
+        log.info("staleness_set", staleness_threshold=request.staleness_threshold, max_required_samples=max_required)
+        self._notify()
+        return coordinator_pb2.SetStalenessResponse(max_required_samples=max_required)
+
+    @rpc_method(control=True)
+    async def RequestCheckpoint(
+        self, request: coordinator_pb2.RequestCheckpointRequest, context: Any
+    ) -> coordinator_pb2.RequestCheckpointResponse:
+        self.core.request_checkpoint()
+        self._notify()
+        return coordinator_pb2.RequestCheckpointResponse()
+
+    @rpc_method(control=True)
+    async def Stop(self, request: coordinator_pb2.StopRequest, context: Any) -> coordinator_pb2.StopResponse:
+        self.core.stop()
+        log.info("run_stopping")
+        self._notify()
+        return coordinator_pb2.StopResponse()
+
+    @rpc_method()
+    async def Echo(self, request: coordinator_pb2.EchoRequest, context: Any) -> coordinator_pb2.EchoResponse:
+        return coordinator_pb2.EchoResponse(payload=request.payload)

@@ -1,0 +1,102 @@
+"""Config loading: YAML + dotted overrides, verl names, errors that name the key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.config import load_config, parse_override, write_resolved_config
+from services.common.errors import ConfigError
+
+
+def test_defaults_are_valid_and_verl_named() -> None:
+    cfg = load_config()
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 256
+    assert cfg.async_training.trigger_parameter_sync_step == 4
+    assert cfg.async_training.staleness_threshold == 0.1
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 2048
+
+
+def test_yaml_and_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"async_training": {"staleness_threshold": 0.3}, "data": {"max_response_length": 64}}))
+    cfg = load_config(f, ["async_training.staleness_threshold=0.5", "+trainer.save_freq=10", "rollout.n=8",
+                          "actor_rollout_ref.actor.optim.betas=[0.9, 0.95]"])
+    assert cfg.async_training.staleness_threshold == 0.5
+    assert cfg.data.max_response_length == 64
+    assert cfg.trainer.save_freq == 10
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.actor_rollout_ref.actor.optim.betas == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["async_training.staleness_treshold=0.5"], "did you mean async_training.staleness_threshold"),
+        (["async_training.staleness_threshold=-1"], "async_training.staleness_threshold"),
+        (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n=4"),
+        (["data.gen_batch_size=2"], "set data.gen_batch_size=1"),
+        (["actor_rollout_ref.hybrid_engine=true"], "hybrid_engine=false"),
+        (["data.train_batch_size=512"], "set data.train_batch_size=0"),
+        (["data.max_prompt_length=abc"], "data.max_prompt_length"),
+        (["nosuchsection.x=1"], "nosuchsection: unknown key"),
+        (["rollout.n=8", "actor_rollout_ref.rollout.n=4"], "rollout.n=8 disagrees"),
+        (["async_training.mode=sync", "async_training.staleness_threshold=0.5"], "staleness_threshold=0"),
+        (["algorithm.rollout_correction.rollout_rs=seq_mean_k1"], "rollout_rs_threshold"),
+        (["reward_model.overlong_buffer.enable=true"], "overlong_buffer.len"),
+        (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
+        (["data.train_files=[]", "data.synthetic=null"], "set data.train_files or data.synthetic"),
+    ],
+)
+def test_bad_config_names_key_and_fix(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert needle in str(info.value)
+
+
+def test_override_syntax_errors() -> None:
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("async_training.staleness_threshold")
+    with pytest.raises(ConfigError, match="empty key"):
+        parse_override("a..b=1")
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config(None, ["trainer.save_freq=3", "trainer.save_freq.x=1"])
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_sync_mode_forces_on_policy() -> None:
+    cfg = load_config(None, ["async_training.mode=sync"])
+    assert cfg.async_training.staleness_threshold == 0 and cfg.async_training.trigger_parameter_sync_step == 1
+
+
+def test_resolved_config_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(None, ["async_training.staleness_threshold=0.25"])
+    path = write_resolved_config(cfg, tmp_path)
+    again = load_config(path)
+    assert again == cfg
+
+
+def test_every_field_is_documented() -> None:
+    from pydantic import BaseModel
+
+    from services.common.config import MeshConfig
+
+    missing = []
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(prefix + name)
+            ann = field.annotation
+            for t in (ann, *getattr(ann, "__args__", ())):
+                if isinstance(t, type) and issubclass(t, BaseModel):
+                    walk(t, f"{prefix}{name}.")
+
+    walk(MeshConfig, "")
+    assert not missing, f"fields without a docstring: {missing}"

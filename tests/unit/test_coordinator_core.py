@@ -1,0 +1,243 @@
+"""CoordinatorCore: budget, leases, submission, delivery, versions, ledger restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.config import load_config, max_required_samples, required_samples
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.coordinator.core import LeaseLimit, SubmitStatus
+
+from .coord_helpers import group_for, make_core
+
+
+@pytest.mark.parametrize(
+    ("mini_batch", "require_batches", "staleness", "trigger", "expected"),
+    [
+        (128, 1, 0.5, 1, 192),  # Qwen3-235B recipe
+        (16, 1, 0.75, 2, 56),  # Qwen3-30B DAPO recipe
+        (32, 4, 0.5, 4, 768),  # verl 7B 128-GPU run: 32*4 * 1.5 * 4
+        (8, 1, 0.0, 1, 8),  # on-policy: exactly one mini-batch per version
+        (10, 1, 0.1, 3, 33),  # int() truncates 33.000000000000004
+        (7, 1, 0.3, 1, 9),  # 9.1 -> 9
+    ],
+)
+def test_staleness_arithmetic(mini_batch: int, require_batches: int, staleness: float, trigger: int, expected: int) -> None:
+    req = required_samples(mini_batch, require_batches)
+    assert max_required_samples(req, staleness, trigger) == expected
+
+
+def test_derive_from_config_matches_recipes() -> None:
+    from services.common.config import derive
+
+    c1 = load_config(None, [
+        "actor_rollout_ref.actor.ppo_mini_batch_size=128", "async_training.staleness_threshold=0.5",
+        "async_training.trigger_parameter_sync_step=1", "rollout.total_rollout_steps=204800", "rollout.n=16",
+    ])
+    d1 = derive(c1)
+    assert (d1.max_required_samples, d1.total_train_steps) == (192, 1600)
+    c2 = load_config(None, [
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16", "async_training.staleness_threshold=0.75",
+        "async_training.trigger_parameter_sync_step=2", "rollout.total_rollout_steps=3200", "rollout.n=4",
+    ])
+    d2 = derive(c2)
+    assert (d2.max_required_samples, d2.total_train_steps) == (56, 100)
+
+
+def test_budget_limits_leases_and_commit_resets_it(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=0.5, trigger=1)  # max_required = 6
+    grant = core.lease("r0", 10, now=0.0)
+    assert len(grant.leases) == 6 and grant.limit is LeaseLimit.STALENESS_BUDGET
+    assert core.lease("r0", 1, now=0.0).leases == []
+    # Submit 4, fetch 4: the budget does not move until a commit.
+    for lease in grant.leases[:4]:
+        core.submit("r0", [group_for(lease.lease_id, lease.seq, 0)], now=1.0)
+    batch = core.fetch("t", 1, 4, now=1.0)
+    assert [g.seq for g in batch.groups] == [lease.seq for lease in grant.leases[:4]]
+    assert core.lease("r0", 1, now=1.0).leases == []
+    # Commit: budget := in flight (2) + queued (0) -> 4 more leases allowed.
+    version, budget = core.commit_version(1, {"param_server_address": "x"})
+    assert (version, budget) == (1, 2)
+    assert len(core.lease("r0", 10, now=2.0).leases) == 4
+
+
+def test_on_policy_budget_is_one_batch(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=3, staleness=0.0, trigger=1)
+    assert len(core.lease("r", 100, 0.0).leases) == 3
+
+
+def test_submission_is_idempotent_and_ordered(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db")
+    leases = core.lease("r", 3, 0.0).leases
+    g = [group_for(lease.lease_id, lease.seq, 0) for lease in leases]
+    assert core.submit("r", [g[2], g[0]], 1.0) == [SubmitStatus.ACCEPTED, SubmitStatus.ACCEPTED]
+    assert core.submit("r", [g[0], g[1]], 1.0) == [SubmitStatus.DUPLICATE, SubmitStatus.ACCEPTED]
+    batch = core.fetch("t", 1, 10, 1.0)
+    assert [d.lease_id for d in batch.groups] == [leases[2].lease_id, leases[0].lease_id, leases[1].lease_id]
+    assert core.status(1.0).totals.duplicates == 1
+
+
+def test_bad_submissions_change_nothing(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db")
+    (lease,) = core.lease("r", 1, 0.0).leases
+    with pytest.raises(NotFound, match=r"groups\[1\]\.lease_id"):
+        core.submit("r", [group_for(lease.lease_id, lease.seq, 0), group_for("nope", 1, 0)], 1.0)
+    with pytest.raises(InvalidArgument, match="prompt_seq"):
+        core.submit("r", [group_for(lease.lease_id, lease.seq + 1, 0)], 1.0)
+    with pytest.raises(InvalidArgument, match="newer than the current policy version"):
+        core.submit("r", [group_for(lease.lease_id, lease.seq, 3)], 1.0)
+    assert core.in_flight == 1 and core.queued == 0
+    assert core.submit("r", [group_for(lease.lease_id, lease.seq, 0)], 1.0) == [SubmitStatus.ACCEPTED]
+
+
+def test_expired_lease_is_reissued_and_late_submit_is_handled(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", lease_timeout_s=10.0)
+    a, b = core.lease("dead", 2, 0.0).leases
+    assert core.expire(11.0) == 2
+    assert core.in_flight == 0 and core.status(11.0).retry_pending == 2
+    # A late answer for `a` is still welcome: its prompt was not re-issued yet.
+    assert core.submit("dead", [group_for(a.lease_id, a.seq, 0)], 12.0) == [SubmitStatus.ACCEPTED]
+    # `b`'s prompt is re-issued to another replica before the late answer comes.
+    (b2,) = core.lease("alive", 1, 12.0).leases
+    assert b2.seq == b.seq
+    assert core.submit("dead", [group_for(b.lease_id, b.seq, 0)], 13.0) == [SubmitStatus.EXPIRED]
+    assert core.submit("alive", [group_for(b2.lease_id, b2.seq, 0)], 13.0) == [SubmitStatus.ACCEPTED]
+    assert sorted(g.seq for g in core.fetch("t", 1, 10, 14.0).groups) == sorted([a.seq, b.seq])
+    assert core.audit()["balanced"]
+
+
+def test_renew_keeps_lease_alive(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", lease_timeout_s=10.0)
+    (lease,) = core.lease("r", 1, 0.0).leases
+    renewed, lost, deadline = core.renew("r", [lease.lease_id, "gone"], 8.0)
+    assert renewed == [lease.lease_id] and lost == ["gone"] and deadline == 18.0
+    assert core.expire(15.0) == 0
+    assert core.expire(18.0) == 1
+
+
+def test_return_leases_requeues_prompts_first(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", staleness=1.0)
+    leases = core.lease("r", 3, 0.0).leases
+    assert core.return_leases("r", [leases[1].lease_id, leases[1].lease_id, "unknown"], 1.0) == 1
+    (again,) = core.lease("r2", 1, 1.0).leases
+    assert again.seq == leases[1].seq
+
+
+def test_max_staleness_versions_regenerates_instead_of_dropping(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=1.0, trigger=1, eta=1)
+    old = core.lease("r", 2, 0.0).leases
+    for lease in old:
+        core.submit("r", [group_for(lease.lease_id, lease.seq, 0)], 0.0)
+    core.commit_version(1, {})
+    core.commit_version(2, {})
+    batch = core.fetch("t", 1, 2, 1.0)
+    assert batch.groups == [] and batch.regenerated == 2
+    st = core.status(1.0)
+    assert st.totals.regenerated == 2 and st.retry_pending == 2
+    again = core.lease("r", 2, 1.0).leases
+    assert sorted(lease.seq for lease in again) == sorted(lease.seq for lease in old)
+    for lease in again:
+        core.submit("r", [group_for(lease.lease_id, lease.seq, 2)], 2.0)
+    batch = core.fetch("t", 1, 2, 2.0)
+    assert [g.staleness for g in batch.groups] == [0, 0]
+    assert core.audit()["balanced"]
+
+
+def test_commit_version_must_advance_by_one(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db")
+    core.commit_version(1, {"a": 1})
+    assert core.commit_version(1, {"a": 1}) == (1, 0)  # replay of the same commit: no-op
+    with pytest.raises(FailedPrecondition, match="must be 2"):
+        core.commit_version(3, {})
+    with pytest.raises(FailedPrecondition):
+        core.commit_version(1, {"a": 2})
+
+
+def test_restart_continues_exactly(tmp_path: Path) -> None:
+    db = tmp_path / "l.db"
+    core = make_core(db, staleness=1.0)
+    leases = core.lease("r", 5, 0.0).leases
+    core.submit("r", [group_for(leases[0].lease_id, leases[0].seq, 0), group_for(leases[1].lease_id, leases[1].seq, 0)], 1.0)
+    core.fetch("t", 1, 1, 1.0)
+    core.commit_version(1, {"param_server_address": "ps:1"})
+    core.set_staleness(0.25)
+    before = core.status(2.0)
+    core.ledger.close()
+
+    again = make_core(db, staleness=1.0)
+    after = again.status(2.0)
+    assert after.run_id == before.run_id
+    assert (after.policy_version, after.in_flight, after.queued, after.budget_used) == (1, 3, 1, before.budget_used)
+    assert after.staleness_threshold == 0.25 and after.totals == before.totals
+    # The queued group and the in-flight leases survived; a duplicate submit is still detected.
+    assert again.submit("r", [group_for(leases[0].lease_id, leases[0].seq, 0)], 3.0) == [SubmitStatus.DUPLICATE]
+    assert again.submit("r", [group_for(leases[2].lease_id, leases[2].seq, 0)], 3.0) == [SubmitStatus.ACCEPTED]
+    assert [g.seq for g in again.fetch("t", 2, 5, 3.0).groups] == [leases[1].seq, leases[2].seq]
+    # New leases continue the cursor, never re-issue.
+    seqs = {lease.seq for lease in again.lease("r", 2, 4.0).leases}
+    assert seqs.isdisjoint({lease.seq for lease in leases})
+    assert again.audit()["balanced"]
+
+
+def test_ledger_from_another_run_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "l.db"
+    make_core(db, total=40).ledger.close()
+    with pytest.raises(FailedPrecondition, match=r"new coordinator\.ledger_path"):
+        make_core(db, total=41)
+
+
+def test_trainer_resume_requeues_groups_after_checkpoint(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=3.0)
+    leases = core.lease("r", 6, 0.0).leases
+    core.submit("r", [group_for(lease.lease_id, lease.seq, 0) for lease in leases], 1.0)
+    s1 = [g.seq for g in core.fetch("t", 1, 2, 1.0).groups]
+    core.report_checkpoint(1, 0, "/ckpt/1")
+    s2 = [g.seq for g in core.fetch("t", 2, 2, 1.0).groups]
+    assert core.status(1.0).totals.consumed == 4
+    assert core.resume_trainer(1) == 2
+    assert core.status(1.0).totals.consumed == 2
+    # Step 2's groups come back first, in order, then the rest.
+    after = [g.seq for g in core.fetch("t", 2, 4, 2.0).groups]
+    assert after[:2] == s2 and set(after).isdisjoint(s1)
+    assert core.audit()["balanced"]
+
+
+def test_filtered_groups_give_budget_back(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=0.0)
+    leases = core.lease("r", 5, 0.0).leases
+    assert len(leases) == 2
+    core.submit("r", [group_for(lease.lease_id, lease.seq, 0) for lease in leases], 1.0)
+    batch = core.fetch("t", 1, 2, 1.0)
+    core.fetch("t", 1, 1, 1.0, filtered=[batch.groups[0].lease_id])
+    st = core.status(1.0)
+    assert st.totals.filtered == 1 and st.totals.consumed == 1
+    assert len(core.lease("r", 5, 1.0).leases) == 1  # one unit came back
+    with pytest.raises(NotFound):
+        core.fetch("t", 1, 1, 1.0, filtered=["never-submitted"])
+
+
+def test_pause_and_stop(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db")
+    core.set_paused(True)
+    assert core.lease("r", 1, 0.0).limit is LeaseLimit.PAUSED
+    core.set_paused(False)
+    assert core.lease("r", 1, 0.0).leases
+    core.stop()
+    grant = core.lease("r", 1, 0.0)
+    assert grant.limit is LeaseLimit.STOPPING and not grant.leases
+    assert core.fetch("t", 1, 1, 0.0).stop_requested
+
+
+def test_run_exhausts_after_total_prompts(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=5, dataset_size=3)
+    leases = core.lease("r", 100, 0.0).leases
+    assert len(leases) == 5
+    assert core.lease("r", 1, 0.0).limit is LeaseLimit.EXHAUSTED
+    # 5 prompts over a 3-row dataset: two epochs, each row at most twice.
+    ids = [lease.prompt.prompt_id for lease in leases]
+    assert len(set(ids[:3])) == 3 and set(ids[3:]) <= set(ids[:3])
+    core.submit("r", [group_for(lease.lease_id, lease.seq, 0) for lease in leases], 1.0)
+    batch = core.fetch("t", 1, 5, 1.0)
+    assert len(batch.groups) == 5 and batch.exhausted

@@ -1,0 +1,137 @@
+"""Property-based: random interleavings of lease, expire, submit (with duplicates and late
+answers), return, fetch, filter, commit, checkpoint, trainer resume and coordinator restart never
+lose or duplicate a prompt and never grant a lease beyond the staleness budget."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.coordinator.core import SubmitStatus
+
+from .coord_helpers import group_for, make_core
+
+PARAMS = {"mini_batch": 3, "staleness": 0.5, "trigger": 2, "total": 30, "lease_timeout_s": 5.0, "eta": 2, "dataset_size": 7}
+
+
+class CoordinatorMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.TemporaryDirectory()
+        self.db = Path(self.dir.name) / "ledger.sqlite"
+        self.core = make_core(self.db, **PARAMS)
+        self.now = 0.0
+        self.outstanding: dict[str, int] = {}  # lease_id -> seq, granted and not yet answered by us
+        self.answered: dict[str, int] = {}  # lease ids we already submitted (for duplicates)
+        self.trained: dict[int, int] = {}  # seq -> times delivered and not rolled back
+        self.delivered_at: dict[str, tuple[int, int]] = {}  # lease_id -> (seq, step)
+        self.step = 0
+        self.checkpoint_step = 0
+        self.version = 0
+
+    def teardown(self) -> None:
+        self.core.ledger.close()
+        self.dir.cleanup()
+
+    @rule(k=st.integers(1, 6))
+    def lease(self, k: int) -> None:
+        room = self.core.max_required_samples - self.core.status(self.now).budget_used
+        grant = self.core.lease("r", k, self.now)
+        assert len(grant.leases) <= max(0, room), "granted beyond the staleness budget"
+        for lease in grant.leases:
+            self.outstanding[lease.lease_id] = lease.seq
+
+    @rule(dt=st.floats(0.5, 8.0))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        self.core.expire(self.now)
+
+    @precondition(lambda self: self.outstanding)
+    @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.outstanding)), min_size=1, max_size=4, unique=True))
+        groups = [group_for(i, self.outstanding[i], self.version) for i in ids]
+        statuses = self.core.submit("r", groups, self.now)
+        for i, s in zip(ids, statuses, strict=True):
+            assert s in (SubmitStatus.ACCEPTED, SubmitStatus.EXPIRED)
+            self.answered[i] = self.outstanding.pop(i)
+
+    @precondition(lambda self: self.answered)
+    @rule(data=st.data())
+    def duplicate(self, data: st.DataObject) -> None:
+        i = data.draw(st.sampled_from(sorted(self.answered)))
+        before = self.core.queued
+        statuses = self.core.submit("r", [group_for(i, self.answered[i], 0)], self.now)
+        assert statuses in ([SubmitStatus.DUPLICATE], [SubmitStatus.EXPIRED])
+        assert self.core.queued == before
+
+    @precondition(lambda self: self.outstanding)
+    @rule(data=st.data())
+    def give_back(self, data: st.DataObject) -> None:
+        i = data.draw(st.sampled_from(sorted(self.outstanding)))
+        self.core.return_leases("r", [i], self.now)
+        del self.outstanding[i]
+
+    @rule(n=st.integers(1, 5), filter_one=st.booleans())
+    def fetch(self, n: int, filter_one: bool) -> None:
+        self.step += 1
+        filtered = []
+        if filter_one:
+            recent = [k for k, (_, s) in self.delivered_at.items() if s > self.checkpoint_step]
+            filtered = recent[:1]
+        batch = self.core.fetch("t", self.step, n, self.now, filtered)
+        for f in filtered:
+            seq, _ = self.delivered_at.pop(f)
+            self.trained[seq] -= 1
+        for g in batch.groups:
+            self.trained[g.seq] = self.trained.get(g.seq, 0) + 1
+            assert self.trained[g.seq] == 1, f"prompt {g.seq} trained twice"
+            self.delivered_at[g.lease_id] = (g.seq, self.step)
+            if self.core.settings.max_staleness_versions is not None:
+                assert g.staleness <= self.core.settings.max_staleness_versions
+
+    @rule()
+    def commit(self) -> None:
+        self.version += 1
+        self.core.commit_version(self.version, {"v": self.version})
+
+    @rule()
+    def checkpoint(self) -> None:
+        self.checkpoint_step = self.step
+        self.core.report_checkpoint(self.step, self.version, f"/ckpt/{self.step}")
+        self.delivered_at = {k: v for k, v in self.delivered_at.items() if v[1] > self.step}
+
+    @rule()
+    def trainer_crash_and_resume(self) -> None:
+        self.core.resume_trainer(self.checkpoint_step)
+        for k, (seq, _) in list(self.delivered_at.items()):
+            self.trained[seq] -= 1
+            del self.delivered_at[k]
+        self.step = self.checkpoint_step
+
+    @rule()
+    def coordinator_restart(self) -> None:
+        before = self.core.status(self.now)
+        self.core.ledger.close()
+        self.core = make_core(self.db, **PARAMS)
+        after = self.core.status(self.now)
+        assert (after.policy_version, after.in_flight, after.queued, after.budget_used, after.totals) == (
+            before.policy_version, before.in_flight, before.queued, before.budget_used, before.totals,
+        )
+
+    @invariant()
+    def books_balance(self) -> None:
+        report = self.core.audit()
+        assert report["balanced"], report
+        st_ = self.core.status(self.now)
+        assert st_.budget_used >= st_.in_flight + st_.queued
+
+
+TestCoordinatorProperties = CoordinatorMachine.TestCase
+TestCoordinatorProperties.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
