@@ -1,0 +1,98 @@
+"""Tiny models and a tokenizer that meshrl builds itself (no model hub): for the built-in example,
+tests and benchmarks.
+
+    tok = build_tokenizer()                       # character-level, saved/loaded like any HF tokenizer
+    model = build_tiny_model("qwen3", tok, seed=0)  # a real transformers Qwen3ForCausalLM
+    save_pretrained_pair(model, tok, path)        # AutoModelForCausalLM/AutoTokenizer.from_pretrained(path)
+
+The vocabulary is fixed (printable ASCII plus special tokens), so every process that builds the
+tokenizer gets the same ids.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+from typing import Any
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+SPECIAL = [PAD, BOS, EOS, UNK, "<|im_start|>", "<|im_end|>"]
+CHARS = [c for c in string.printable if c not in "\x0b\x0c\r"]
+
+# A ChatML-style template so chat-form prompts work like they do with Qwen tokenizers.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer() -> Any:
+    """A character-level PreTrainedTokenizerFast (vocab = specials + printable ASCII)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=SPECIAL[4:],
+        padding_side="left",
+        chat_template=CHAT_TEMPLATE,
+    )
+    return tok
+
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # ~0.8M parameters: the built-in example's policy.
+    "qwen3": dict(
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=384, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=512, tie_word_embeddings=False, decoder_sparse_step=1, norm_topk_prob=True,
+    ),
+}
+
+
+def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
+    """A transformers config for a tiny model of architecture `arch` (qwen3, qwen3_moe)."""
+    from transformers import AutoConfig
+
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; use one of {sorted(TINY_CONFIGS)}")
+    kwargs = {**TINY_CONFIGS[arch], **overrides, "vocab_size": vocab_size}
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def build_tiny_model(arch: str = "qwen3", tokenizer: Any = None, *, seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised tiny causal LM whose special-token ids match `tokenizer`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer or build_tokenizer()
+    cfg = tiny_config(arch, len(tok), **overrides)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    return model
+
+
+def save_pretrained_pair(model: Any, tokenizer: Any, path: str | os.PathLike[str]) -> Path:
+    """Write a directory that AutoModelForCausalLM / AutoTokenizer load."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
