@@ -100,20 +100,29 @@ class BucketMeta(_message.Message):
     INDEX_FIELD_NUMBER: _builtins.int
     NBYTES_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     nbytes: _builtins.int
     sha256: _builtins.str
-    """Hex sha256 of the bucket's bytes."""
+    """Hex sha256 of the bucket's bytes; empty when the publisher did not compute it
+    (param_server.bucket_sha256=false).
+    """
+    fingerprint: _builtins.str
+    """Hex 128-bit meshrl fingerprint of the bucket's bytes (column sums of 64-bit words; see
+    services/param_server/layout.py). Always set; cheap enough to compute on device, so every
+    transport verifies it.
+    """
     def __init__(
         self,
         *,
         index: _builtins.int = ...,
         nbytes: _builtins.int = ...,
         sha256: _builtins.str = ...,
+        fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "nbytes", b"nbytes", "sha256", b"sha256"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "index", b"index", "nbytes", b"nbytes", "sha256", b"sha256"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -129,6 +138,7 @@ class Manifest(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     CHECKSUM_FIELD_NUMBER: _builtins.int
     CREATED_UNIX_S_FIELD_NUMBER: _builtins.int
+    TRANSPORTS_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     total_bytes: _builtins.int
     checksum: _builtins.str
@@ -138,6 +148,12 @@ class Manifest(_message.Message):
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorMeta]: ...
     @_builtins.property
     def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___BucketMeta]: ...
+    @_builtins.property
+    def transports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Transports that deliver this version ("grpc" = the param server holds the bytes,
+        "object_store", "nccl", "hccl", "gloo", "disk"). Not covered by `checksum`.
+        """
+
     def __init__(
         self,
         *,
@@ -147,10 +163,11 @@ class Manifest(_message.Message):
         total_bytes: _builtins.int = ...,
         checksum: _builtins.str = ...,
         created_unix_s: _builtins.float = ...,
+        transports: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "checksum", b"checksum", "created_unix_s", b"created_unix_s", "policy_version", b"policy_version", "tensors", b"tensors", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "checksum", b"checksum", "created_unix_s", b"created_unix_s", "policy_version", b"policy_version", "tensors", b"tensors", "total_bytes", b"total_bytes", "transports", b"transports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -193,21 +210,27 @@ class PublishWeightsRequest(_message.Message):
 
     MANIFEST_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    BUCKET_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def manifest(self) -> Global___Manifest: ...
     @_builtins.property
     def chunk(self) -> Global___WeightsChunk: ...
+    @_builtins.property
+    def bucket(self) -> Global___BucketMeta:
+        """Precedes a bucket's chunks when the manifest comes last: size and checksums of that bucket."""
+
     def __init__(
         self,
         *,
         manifest: Global___Manifest | None = ...,
         chunk: Global___WeightsChunk | None = ...,
+        bucket: Global___BucketMeta | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "item", b"item", "manifest", b"manifest"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "chunk", b"chunk", "item", b"item", "manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "item", b"item", "manifest", b"manifest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "chunk", b"chunk", "item", b"item", "manifest", b"manifest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["manifest", "chunk"]  # noqa: Y015
+    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["manifest", "chunk", "bucket"]  # noqa: Y015
     _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
 
@@ -492,6 +515,7 @@ class RendezvousRequest(_message.Message):
     MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """Collective group name (one per rollout group)."""
     role: _builtins.str
@@ -504,6 +528,10 @@ class RendezvousRequest(_message.Message):
     master_port: _builtins.int
     backend: _builtins.str
     """"nccl", "hccl" or "gloo"."""
+    policy_version: _builtins.int
+    """The version about to be broadcast (sender) or wanted (receiver). The sender's call returns
+    once every receiver checked in for it; a receiver's once the sender did.
+    """
     def __init__(
         self,
         *,
@@ -514,10 +542,11 @@ class RendezvousRequest(_message.Message):
         master_address: _builtins.str = ...,
         master_port: _builtins.int = ...,
         backend: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "group", b"group", "master_address", b"master_address", "master_port", b"master_port", "member_id", b"member_id", "role", b"role", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "group", b"group", "master_address", b"master_address", "master_port", b"master_port", "member_id", b"member_id", "policy_version", b"policy_version", "role", b"role", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -532,11 +561,18 @@ class RendezvousResponse(_message.Message):
     MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     world_size: _builtins.int
     master_address: _builtins.str
     master_port: _builtins.int
     backend: _builtins.str
+    generation: _builtins.int
+    """Bumped whenever the sender forms the group anew (new address, size or backend): members
+    holding an older generation rebuild their process group.
+    """
+    policy_version: _builtins.int
     def __init__(
         self,
         *,
@@ -545,10 +581,12 @@ class RendezvousResponse(_message.Message):
         master_address: _builtins.str = ...,
         master_port: _builtins.int = ...,
         backend: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        policy_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "master_address", b"master_address", "master_port", b"master_port", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "generation", b"generation", "master_address", b"master_address", "master_port", b"master_port", "policy_version", b"policy_version", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -83,7 +83,10 @@ class ParamServerServiceServicer:
     """
 
     def PublishWeights(self, request_iterator, context):
-        """Client stream: first message carries the manifest, then chunks in bucket order.
+        """Client stream of a version's bytes: chunks in bucket order, each bucket announced by its
+        BucketMeta; the manifest comes first or last. The version becomes visible when the manifest and
+        every bucket are in and verified. A stream with only a manifest registers a version whose bytes
+        travel another way (Manifest.transports without "grpc").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

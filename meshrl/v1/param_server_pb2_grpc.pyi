@@ -38,7 +38,11 @@ class ParamServerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> ParamServerServiceAsyncStub: ...
     PublishWeights: _grpc.StreamUnaryMultiCallable[_param_server_pb2.PublishWeightsRequest, _param_server_pb2.PublishWeightsResponse]
-    """Client stream: first message carries the manifest, then chunks in bucket order."""
+    """Client stream of a version's bytes: chunks in bucket order, each bucket announced by its
+    BucketMeta; the manifest comes first or last. The version becomes visible when the manifest and
+    every bucket are in and verified. A stream with only a manifest registers a version whose bytes
+    travel another way (Manifest.transports without "grpc").
+    """
     FetchWeights: _grpc.UnaryStreamMultiCallable[_param_server_pb2.FetchWeightsRequest, _param_server_pb2.FetchWeightsResponse]
     """Server stream of chunks for a version (optionally a subset of tensors)."""
     GetManifest: _grpc.UnaryUnaryMultiCallable[_param_server_pb2.GetManifestRequest, _param_server_pb2.GetManifestResponse]
@@ -59,7 +63,11 @@ class ParamServerServiceAsyncStub(ParamServerServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     PublishWeights: _aio.StreamUnaryMultiCallable[_param_server_pb2.PublishWeightsRequest, _param_server_pb2.PublishWeightsResponse]  # type: ignore[assignment]
-    """Client stream: first message carries the manifest, then chunks in bucket order."""
+    """Client stream of a version's bytes: chunks in bucket order, each bucket announced by its
+    BucketMeta; the manifest comes first or last. The version becomes visible when the manifest and
+    every bucket are in and verified. A stream with only a manifest registers a version whose bytes
+    travel another way (Manifest.transports without "grpc").
+    """
     FetchWeights: _aio.UnaryStreamMultiCallable[_param_server_pb2.FetchWeightsRequest, _param_server_pb2.FetchWeightsResponse]  # type: ignore[assignment]
     """Server stream of chunks for a version (optionally a subset of tensors)."""
     GetManifest: _aio.UnaryUnaryMultiCallable[_param_server_pb2.GetManifestRequest, _param_server_pb2.GetManifestResponse]  # type: ignore[assignment]
@@ -83,7 +91,11 @@ class ParamServerServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_param_server_pb2.PublishWeightsRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_param_server_pb2.PublishWeightsResponse, _abc.Awaitable[_param_server_pb2.PublishWeightsResponse]]:
-        """Client stream: first message carries the manifest, then chunks in bucket order."""
+        """Client stream of a version's bytes: chunks in bucket order, each bucket announced by its
+        BucketMeta; the manifest comes first or last. The version becomes visible when the manifest and
+        every bucket are in and verified. A stream with only a manifest registers a version whose bytes
+        travel another way (Manifest.transports without "grpc").
+        """
 
     @_abc_1.abstractmethod
     def FetchWeights(

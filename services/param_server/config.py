@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from services.common.config.base import ConfigModel
 
@@ -18,3 +20,47 @@ class ParamServerConfig(ConfigModel):
     """Deadline of one whole transfer (publish or fetch)."""
     disk_dir: str | None = None
     """Shared directory for the `disk` transport; null: `<run_dir>/weights`."""
+    host: str = "127.0.0.1"
+    """Bind address of the param server's gRPC data plane (plain server, or inside the Serve replica)."""
+    port: int = Field(default=50061, ge=0, le=65535)
+    """Port of that data plane; 0 picks a free one."""
+    advertise_address: str | None = None
+    """host:port consumers should dial (put into WeightsRef); null: `host:port` as bound (with this
+    node's IP when bound to 0.0.0.0)."""
+    stall_timeout_s: float = Field(default=60.0, gt=0)
+    """A transfer that makes no progress for this long fails with DEADLINE_EXCEEDED (a stuck peer);
+    an upload stalled this long is dropped."""
+    hold_ttl_s: float = Field(default=600.0, gt=0)
+    """AcquireVersion pins a version for this long; consumers renew by acquiring again."""
+    max_fetch_attempts: int = Field(default=3, ge=1)
+    """Attempts per bucket when received bytes fail their checksum (the bucket is fetched again)."""
+    bucket_sha256: bool = False
+    """Also put a sha256 per bucket in manifests (and check it). The always-on fingerprint already
+    catches corruption; sha256 costs about 1.5 GB/s of one core on each side."""
+    object_store_verify: Literal["always", "remote"] = "remote"
+    """`object_store` fetch: fingerprint every bucket (`always`) or only buckets that crossed nodes
+    (`remote`; a same-node read maps the publisher's shared memory, nothing was transferred).
+    Sizes, names and dtypes are always checked against the manifest."""
+    max_message_mb: int = Field(default=64, ge=1)
+    """gRPC message size limit (both directions)."""
+    pool_max_mb: int = Field(default=8192, ge=0)
+    """Host memory of evicted versions kept to receive the next upload (fresh pages are slow)."""
+    collective_group: str = "rollout"
+    """Name of the nccl/hccl/gloo broadcast group (one per consumer group)."""
+    collective_receivers: int | None = Field(default=None, ge=1)
+    """Ranks that receive the broadcast; null: rollout.nnodes * rollout.n_gpus_per_node."""
+    collective_master_address: str | None = None
+    """Address the trainer's rank 0 listens on for the broadcast group; null: this host's IP."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ParamServerConfig:
+        if self.chunk_mb >= self.max_message_mb:
+            raise ValueError(
+                f"param_server.chunk_mb={self.chunk_mb} must be below param_server.max_message_mb={self.max_message_mb}"
+            )
+        if self.stall_timeout_s > self.transfer_timeout_s:
+            raise ValueError(
+                f"param_server.stall_timeout_s={self.stall_timeout_s} exceeds param_server.transfer_timeout_s="
+                f"{self.transfer_timeout_s}; lower it (it bounds silence within one transfer)"
+            )
+        return self

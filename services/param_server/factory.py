@@ -1,0 +1,76 @@
+"""Build a param server (store + servicer) from a MeshConfig."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from services.common.config import MeshConfig
+from services.common.logging import get_logger
+
+from .config import ParamServerConfig
+from .servicer import ParamServerServicer
+from .store import StoredVersion, StoreSettings, WeightStore
+
+log = get_logger(__name__)
+MiB = 1 << 20
+
+
+def disk_dir(cfg: ParamServerConfig, run_dir: str | os.PathLike[str] | None) -> Path:
+    """Where the `disk` transport writes versions."""
+    if cfg.disk_dir:
+        return Path(cfg.disk_dir)
+    if run_dir is None:
+        raise ValueError("param_server.disk_dir is not set and there is no run directory; set param_server.disk_dir")
+    return Path(run_dir) / "weights"
+
+
+def version_dir(root: Path, policy_version: int) -> Path:
+    return root / f"v{policy_version:012d}"
+
+
+def store_settings(cfg: ParamServerConfig) -> StoreSettings:
+    return StoreSettings(
+        retain_versions=cfg.retain_versions,
+        hold_ttl_s=cfg.hold_ttl_s,
+        stall_timeout_s=cfg.stall_timeout_s,
+        sha256=cfg.bucket_sha256,
+        pool_max_bytes=cfg.pool_max_mb * MiB,
+    )
+
+
+def evict_disk_versions(root: Path | None):  # type: ignore[no-untyped-def]
+    """An eviction hook that deletes a `disk` version's directory (only ever under `root`)."""
+
+    def on_evict(stored: StoredVersion) -> None:
+        if root is None or "disk" not in stored.manifest.transports:
+            return
+        path = version_dir(root, stored.policy_version)
+        if path.resolve().parent == root.resolve() and path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("disk_version_deleted", policy_version=stored.policy_version, path=str(path))
+
+    return on_evict
+
+
+def build_servicer(
+    cfg: MeshConfig | ParamServerConfig,
+    run_dir: str | os.PathLike[str] | None = None,
+    *,
+    address: str = "",
+) -> ParamServerServicer:
+    ps = cfg.param_server if isinstance(cfg, MeshConfig) else cfg
+    try:
+        root: Path | None = disk_dir(ps, run_dir)
+    except ValueError:
+        root = None
+    store = WeightStore(store_settings(ps), on_evict=evict_disk_versions(root))
+    return ParamServerServicer(
+        store,
+        address=address,
+        chunk_bytes=ps.chunk_mb * MiB,
+        max_message_bytes=ps.max_message_mb * MiB,
+        transfer_timeout_s=ps.transfer_timeout_s,
+        stall_timeout_s=ps.stall_timeout_s,
+    )

@@ -1,0 +1,138 @@
+"""Rendezvous for collective transports (nccl / hccl / gloo): who is in a group, at which rank,
+where the sender listens, and a per-version barrier. No Ray, no gRPC, no waiting: the servicer
+polls `sender_ready` / `receiver_ready` after every change.
+
+    trainer rank 0 (sender)                 param server                 rollout ranks (receivers)
+    TCPStore on a free port ─ check_in(v) ─▶ generation g, rank 0
+                                             ◀─ check_in(v) ───────────── rank 1..n-1 (first come)
+    ready when all n-1 checked in for v ◀──▶ ready once the sender is at v
+    broadcast version v ════════════════════════════════════════════════▶ receive
+
+A new generation starts when the sender checks in with a different address, port, size or
+backend (it rebuilt its group after a failure): receivers then get new ranks and rebuild theirs.
+A receiver asking for a version older than the one the sender is at is told so (it should fetch
+the newer one) instead of joining a broadcast it would not follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+
+BACKENDS = ("nccl", "hccl", "gloo")
+
+
+@dataclass
+class GroupState:
+    name: str
+    generation: int
+    world_size: int
+    backend: str
+    master_address: str
+    master_port: int
+    sender_id: str
+    sender_version: int
+    ranks: dict[str, int] = field(default_factory=dict)
+    """receiver member_id -> rank (1..world_size-1) in this generation."""
+    checked_in: dict[int, set[str]] = field(default_factory=dict)
+    """policy_version -> receivers that asked for it in this generation."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    rank: int
+    world_size: int
+    master_address: str
+    master_port: int
+    backend: str
+    generation: int
+    policy_version: int
+
+
+class RendezvousBoard:
+    def __init__(self) -> None:
+        self._groups: dict[str, GroupState] = {}
+        self._generations: dict[str, int] = {}
+
+    def group(self, name: str) -> GroupState | None:
+        return self._groups.get(name)
+
+    @staticmethod
+    def _check_common(group: str, member_id: str, backend: str) -> None:
+        if not group:
+            raise InvalidArgument("group", "required (the collective group name)")
+        if not member_id:
+            raise InvalidArgument("member_id", "required (a stable id of this rank)")
+        if backend not in BACKENDS:
+            raise InvalidArgument("backend", f"{backend!r}; use one of {list(BACKENDS)}")
+
+    def sender_check_in(
+        self, group: str, member_id: str, *, world_size: int, backend: str, master_address: str,
+        master_port: int, policy_version: int,
+    ) -> GroupState:
+        self._check_common(group, member_id, backend)
+        if world_size < 2:
+            raise InvalidArgument("world_size", f"a broadcast group needs the sender and >= 1 receiver, got {world_size}")
+        if not master_address or not 0 < master_port < 65536:
+            raise InvalidArgument("master_address", "the sender must give the address and port its group listens on")
+        state = self._groups.get(group)
+        key = (world_size, backend, master_address, master_port, member_id)
+        if state is None or (state.world_size, state.backend, state.master_address, state.master_port, state.sender_id) != key:
+            gen = self._generations.get(group, 0) + 1
+            self._generations[group] = gen
+            state = GroupState(group, gen, world_size, backend, master_address, master_port, member_id, policy_version)
+            self._groups[group] = state
+        state.sender_version = policy_version
+        for v in [v for v in state.checked_in if v < policy_version]:
+            del state.checked_in[v]
+        return state
+
+    def sender_ready(self, group: str, policy_version: int) -> tuple[bool, str]:
+        """(ready, progress) for the sender's barrier."""
+        state = self._groups[group]
+        have = state.checked_in.get(policy_version, set())
+        need = state.world_size - 1
+        return len(have) >= need, f"{len(have)} of {need} receivers checked in for version {policy_version} ({sorted(have)})"
+
+    def receiver_check_in(self, group: str, member_id: str, *, backend: str, world_size: int,
+                          policy_version: int) -> tuple[Assignment | None, bool]:
+        """(the assignment once the sender is at `policy_version` else None, whether this call
+        changed the board)."""
+        self._check_common(group, member_id, backend)
+        state = self._groups.get(group)
+        if state is None:
+            return None, False
+        if backend != state.backend:
+            raise FailedPrecondition(
+                f"group {group!r} broadcasts over {state.backend}; this member asked for {backend} (only ranks of "
+                "one device kind can share a collective group: use grpc across device kinds)"
+            )
+        if world_size and world_size != state.world_size:
+            raise FailedPrecondition(f"group {group!r} has world_size {state.world_size}, this member expects {world_size}")
+        changed = False
+        rank = state.ranks.get(member_id)
+        if rank is None:
+            changed = True
+            taken = set(state.ranks.values())
+            free = [r for r in range(1, state.world_size) if r not in taken]
+            if not free:
+                raise ResourceExhausted(
+                    f"group {group!r} is full ({state.world_size - 1} receivers: {sorted(state.ranks)}); a replaced "
+                    "member joins after the sender re-forms the group"
+                )
+            rank = free[0]
+            state.ranks[member_id] = rank
+        if state.sender_version > policy_version:
+            raise FailedPrecondition(
+                f"group {group!r} is broadcasting version {state.sender_version}; version {policy_version} is gone "
+                "from this group (fetch the newer version)"
+            )
+        members = state.checked_in.setdefault(policy_version, set())
+        if member_id not in members:
+            members.add(member_id)
+            changed = True
+        if state.sender_version < policy_version:
+            return None, changed
+        return Assignment(rank, state.world_size, state.master_address, state.master_port, state.backend,
+                          state.generation, policy_version), changed

@@ -1,0 +1,99 @@
+"""The param server as a plain grpc.aio server, without Ray (`meshrl param-server serve`, tests,
+benchmarks, and the data plane inside the Serve replica). Weight chunks use the zero-copy codec
+of wire.py; every other message is plain protobuf."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from meshrl.v1 import param_server_pb2 as pb
+from services.common.config import MeshConfig
+from services.common.grpc_util import add_health_and_reflection, create_server, set_serving
+from services.common.logging import get_logger
+
+from . import wire
+from .config import ParamServerConfig
+from .factory import build_servicer
+from .servicer import ParamServerServicer
+
+log = get_logger(__name__)
+SERVICE_NAME = wire.SERVICE
+MiB = 1 << 20
+
+
+def add_to_server(servicer: ParamServerServicer, server: Any) -> None:
+    """Register the service with the raw chunk codec on PublishWeights / FetchWeights."""
+    handlers = {
+        "PublishWeights": grpc.stream_unary_rpc_method_handler(
+            servicer.PublishWeights,
+            request_deserializer=wire.publish_request_deserializer,
+            response_serializer=pb.PublishWeightsResponse.SerializeToString,
+        ),
+        "FetchWeights": grpc.unary_stream_rpc_method_handler(
+            servicer.FetchWeightsRaw,
+            request_deserializer=pb.FetchWeightsRequest.FromString,
+            response_serializer=wire.fetch_response_serializer,
+        ),
+    }
+    for name, req, resp in [
+        ("GetManifest", pb.GetManifestRequest, pb.GetManifestResponse),
+        ("ListVersions", pb.ListVersionsRequest, pb.ListVersionsResponse),
+        ("AcquireVersion", pb.AcquireVersionRequest, pb.AcquireVersionResponse),
+        ("ReleaseVersion", pb.ReleaseVersionRequest, pb.ReleaseVersionResponse),
+        ("Rendezvous", pb.RendezvousRequest, pb.RendezvousResponse),
+    ]:
+        handlers[name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def local_ip() -> str:
+    """This host's address as other hosts see it (best effort, no traffic sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def advertised(cfg: ParamServerConfig, port: int) -> str:
+    if cfg.advertise_address:
+        return cfg.advertise_address
+    host = local_ip() if cfg.host in ("0.0.0.0", "::", "[::]") else cfg.host
+    return f"{host}:{port}"
+
+
+class ParamServerServer:
+    """Owns a grpc.aio server bound to param_server.host:port and the servicer behind it."""
+
+    def __init__(self, cfg: MeshConfig | ParamServerConfig, run_dir: str | os.PathLike[str] | None = None) -> None:
+        self.cfg = cfg.param_server if isinstance(cfg, MeshConfig) else cfg
+        self.servicer = build_servicer(cfg, run_dir)
+        self.server = create_server(max_message_bytes=self.cfg.max_message_mb * MiB)
+        add_to_server(self.servicer, self.server)
+        self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
+        self.servicer.address = advertised(self.cfg, self.port)
+
+    @property
+    def address(self) -> str:
+        return self.servicer.address
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.servicer.start_sweeper()
+        await set_serving(self._health, [SERVICE_NAME])
+        log.info("param_server_listening", address=self.address)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.server.stop(grace_s)
+        await self.servicer.close()

@@ -1,0 +1,373 @@
+"""The versioned weight store: uploads, visibility, holds, retention. No Ray, no gRPC, no clock.
+
+Every method takes `now` (seconds) where time matters, so tests drive time. All methods are called
+from one thread (the server's event loop) except `Upload.write`, which copies and fingerprints a
+chunk and may run in a worker thread: it touches only its own upload's buffers.
+
+A version's life:
+
+    begin_upload ──write/begin_bucket (chunks, any number)──▶ finish ──▶ visible
+         │                                                      ▲
+         └── register (manifest only: bytes travel elsewhere) ───┘
+    visible ──(older than the newest `retain_versions`, no live hold, no open reader)──▶ evicted
+
+A version is visible only when complete: every bucket received and verified against the
+manifest. Holds (AcquireVersion) expire after `hold_ttl_s` unless renewed; an open reader
+(a FetchWeights stream in progress) pins its version until it closes. Evicted host buffers go to
+a small pool and back out to the next upload of the same size: fresh pages cost far more than
+the copy into them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+
+from .layout import BucketMeta, Fingerprinter, Manifest, validate_manifest, verify_bucket
+
+GRPC_TRANSPORT = "grpc"
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    retain_versions: int = 2
+    """Newest complete versions always kept."""
+    hold_ttl_s: float = 600.0
+    """A hold not renewed for this long no longer pins its version."""
+    stall_timeout_s: float = 60.0
+    """An upload with no progress for this long may be replaced by a new upload of that version."""
+    sha256: bool = False
+    """Also verify sha256 of uploaded buckets when the publisher sent one."""
+    pool_max_bytes: int = 8 << 30
+    """Host bytes of evicted buffers kept for reuse."""
+
+
+@dataclass
+class StoredVersion:
+    manifest: Manifest
+    buffers: list[torch.Tensor] | None
+    """One uint8 host tensor per bucket (exactly nbytes long); None when bytes live elsewhere."""
+    holds: dict[str, float] = field(default_factory=dict)
+    """consumer_id -> hold expiry (seconds)."""
+    readers: int = 0
+    payload: object | None = None
+    """Transport data the store does not interpret (e.g. Ray object refs)."""
+
+    @property
+    def policy_version(self) -> int:
+        return self.manifest.policy_version
+
+    def live_holders(self, now: float) -> int:
+        return sum(1 for expiry in self.holds.values() if expiry > now)
+
+
+class BufferPool:
+    """Host byte buffers from evicted versions, handed out again for uploads of a similar size."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[torch.Tensor] = []
+
+    @property
+    def pooled_bytes(self) -> int:
+        return sum(b.numel() for b in self._free)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of exactly `nbytes` (a view of a pooled buffer when one fits)."""
+        best = None
+        for i, buf in enumerate(self._free):
+            if nbytes <= buf.numel() <= 2 * nbytes + 4096 and (best is None or buf.numel() < self._free[best].numel()):
+                best = i
+        if best is not None:
+            return self._free.pop(best)[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf if buf._base is None else buf._base
+        assert isinstance(base, torch.Tensor)
+        if base.numel() == 0 or base.numel() > self.max_bytes:
+            return
+        self._free.append(base)
+        while self.pooled_bytes > self.max_bytes:
+            self._free.pop(0)
+
+
+class _UploadBucket:
+    def __init__(self, meta: BucketMeta | None, buffer: torch.Tensor, want_sha: bool) -> None:
+        self.meta = meta
+        self.buffer = buffer
+        self.received = 0
+        self.fingerprint = Fingerprinter(buffer.numel())
+        self.sha = hashlib.sha256() if want_sha else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+class Upload:
+    """One PublishWeights stream: buckets arrive in order, chunks in order within a bucket."""
+
+    def __init__(self, store: WeightStore, policy_version: int, now: float) -> None:
+        self.store = store
+        self.policy_version = policy_version
+        self.started = now
+        self.last_activity = now
+        self.manifest: Manifest | None = None
+        self.buckets: list[_UploadBucket] = []
+        self.done = False
+
+    def touch(self, now: float) -> None:
+        self.last_activity = now
+
+    def set_manifest(self, manifest: Manifest) -> None:
+        if manifest.policy_version != self.policy_version:
+            raise InvalidArgument(
+                "manifest.policy_version", f"{manifest.policy_version} in a stream for version {self.policy_version}"
+            )
+        if self.manifest is not None:
+            raise InvalidArgument("manifest", "sent twice in one stream")
+        validate_manifest(manifest)
+        self.manifest = manifest
+
+    def begin_bucket(self, meta: BucketMeta | None = None) -> None:
+        """Open the next bucket. `meta` may be omitted when the manifest came first."""
+        index = len(self.buckets)
+        if self.buckets and self.buckets[-1].received != self.buckets[-1].nbytes:
+            last = self.buckets[-1]
+            raise DataLoss(f"bucket {index - 1} ended after {last.received} of {last.nbytes} bytes")
+        if meta is None:
+            if self.manifest is None or index >= len(self.manifest.buckets):
+                raise InvalidArgument("bucket", f"bucket {index} has no BucketMeta and no manifest describes it")
+            meta = self.manifest.buckets[index]
+        if meta.index != index:
+            raise InvalidArgument("bucket.index", f"expected bucket {index}, got {meta.index}; send buckets in order")
+        if self.manifest is not None and (index >= len(self.manifest.buckets) or self.manifest.buckets[index] != meta):
+            raise InvalidArgument("bucket", f"bucket {index} disagrees with the manifest sent first")
+        buffer = self.store.pool.take(meta.nbytes)
+        self.buckets.append(_UploadBucket(meta, buffer, want_sha=self.store.settings.sha256 and bool(meta.sha256)))
+
+    def check_chunk(self, bucket_index: int, offset: int, size: int) -> _UploadBucket:
+        """Validate a chunk's place (on the loop thread) before `write` copies it."""
+        while len(self.buckets) <= bucket_index:
+            self.begin_bucket()  # from the manifest sent first; raises without one
+        if bucket_index != len(self.buckets) - 1:
+            raise InvalidArgument("chunk.bucket_index", f"got {bucket_index}, expected {len(self.buckets) - 1}")
+        cur = self.buckets[-1]
+        if offset != cur.received:
+            raise InvalidArgument("chunk.offset", f"bucket {bucket_index}: got offset {offset}, expected {cur.received}")
+        if offset + size > cur.nbytes:
+            raise InvalidArgument("chunk.data", f"bucket {bucket_index}: chunk runs past {cur.nbytes} bytes")
+        cur.received += size
+        return cur
+
+    @staticmethod
+    def write(bucket: _UploadBucket, offset: int, data: object) -> None:
+        """Copy and fingerprint one chunk (thread-safe w.r.t. other uploads; releases the GIL)."""
+        mv = memoryview(data).cast("B")  # type: ignore[arg-type]
+        if len(mv):
+            bucket.buffer.numpy()[offset : offset + len(mv)] = np.frombuffer(mv, dtype=np.uint8)
+        bucket.fingerprint.update(offset, mv)
+        if bucket.sha is not None:
+            bucket.sha.update(mv)
+
+    def finish(self, now: float) -> Manifest:
+        """Verify everything and make the version visible. Returns the stored manifest."""
+        if self.manifest is None:
+            raise InvalidArgument("manifest", "the stream ended without a manifest")
+        m = self.manifest
+        if not self.buckets and m.total_bytes:
+            raise InvalidArgument("chunk", "no bytes were sent; to register a version whose bytes travel "
+                                  "another way, list that transport (not grpc) in manifest.transports")
+        while len(self.buckets) < len(m.buckets):
+            missing = m.buckets[len(self.buckets)]
+            if missing.nbytes:
+                raise DataLoss(f"version {m.policy_version}: the stream ended before bucket {missing.index}")
+            self.begin_bucket()  # empty buckets carry no chunks
+        if len(self.buckets) != len(m.buckets):
+            raise InvalidArgument("manifest.buckets", f"{len(self.buckets)} buckets were sent, the manifest lists {len(m.buckets)}")
+        for b, expected in zip(self.buckets, m.buckets, strict=True):
+            if b.meta != expected:
+                raise InvalidArgument("manifest.buckets", f"bucket {expected.index} differs from its BucketMeta")
+            verify_bucket(
+                expected,
+                fingerprint=b.fingerprint.hexdigest(),
+                sha256=b.sha.hexdigest() if b.sha is not None else None,
+                nbytes=b.received,
+            )
+        self.done = True
+        buffers = [b.buffer for b in self.buckets]
+        self.buckets = []
+        return self.store._commit(m.with_transports([GRPC_TRANSPORT]), buffers, now)
+
+    def abort(self) -> None:
+        for b in self.buckets:
+            self.store.pool.give(b.buffer)
+        self.buckets = []
+        self.store._uploads.pop(self.policy_version, None)
+
+
+class WeightStore:
+    """Complete versions by policy version, plus uploads in progress."""
+
+    def __init__(self, settings: StoreSettings, on_evict: Callable[[StoredVersion], None] | None = None) -> None:
+        if settings.retain_versions < 1:
+            raise InvalidArgument("param_server.retain_versions", "must be >= 1")
+        self.settings = settings
+        self.pool = BufferPool(settings.pool_max_bytes)
+        self._versions: dict[int, StoredVersion] = {}
+        self._uploads: dict[int, Upload] = {}
+        self._on_evict = on_evict
+        self.evicted_total = 0
+
+    # ---- writes ---------------------------------------------------------------------------------
+
+    def begin_upload(self, policy_version: int, now: float) -> Upload:
+        if policy_version < 0:
+            raise InvalidArgument("manifest.policy_version", f"must be >= 0, got {policy_version}")
+        pending = self._uploads.get(policy_version)
+        if pending is not None:
+            if now - pending.last_activity < self.settings.stall_timeout_s:
+                raise FailedPrecondition(
+                    f"version {policy_version} is being uploaded by another stream (last progress "
+                    f"{now - pending.last_activity:.1f}s ago); wait for it or for param_server.stall_timeout_s"
+                )
+            pending.abort()
+        upload = Upload(self, policy_version, now)
+        self._uploads[policy_version] = upload
+        return upload
+
+    def register(self, manifest: Manifest, now: float, payload: object | None = None) -> Manifest:
+        """A version whose bytes travel another way (object store, collective, disk)."""
+        validate_manifest(manifest)
+        if GRPC_TRANSPORT in manifest.transports:
+            raise InvalidArgument("manifest.transports", "a grpc version must carry its bytes (send the chunks)")
+        if not manifest.transports:
+            raise InvalidArgument("manifest.transports", "name the transport that carries the bytes")
+        return self._commit(manifest, None, now, payload)
+
+    def _commit(self, manifest: Manifest, buffers: list[torch.Tensor] | None, now: float,
+                payload: object | None = None) -> Manifest:
+        v = manifest.policy_version
+        self._uploads.pop(v, None)
+        existing = self._versions.get(v)
+        if existing is not None:
+            if existing.manifest.checksum != manifest.checksum:
+                for b in buffers or ():
+                    self.pool.give(b)
+                raise FailedPrecondition(
+                    f"version {v} was already published with different content (checksum "
+                    f"{existing.manifest.checksum[:12]} vs {manifest.checksum[:12]}); versions are immutable, "
+                    "publish a newer version"
+                )
+            # Same content over another transport: merge what the two carry.
+            existing.manifest = existing.manifest.with_transports(manifest.transports)
+            if existing.buffers is None and buffers is not None:
+                existing.buffers = buffers
+            elif buffers is not None:
+                for b in buffers:
+                    self.pool.give(b)
+            if payload is not None:
+                existing.payload = payload
+            return existing.manifest
+        stored = StoredVersion(
+            manifest=replace(manifest, created_unix_s=manifest.created_unix_s or now), buffers=buffers, payload=payload
+        )
+        self._versions[v] = stored
+        self.sweep(now)
+        return stored.manifest
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def _resolve(self, policy_version: int) -> StoredVersion:
+        if policy_version < 0:
+            if not self._versions:
+                raise NotFound("no version has been published yet")
+            return self._versions[max(self._versions)]
+        try:
+            return self._versions[policy_version]
+        except KeyError:
+            if policy_version in self._uploads:
+                raise NotFound(f"version {policy_version} is still being published (not yet complete)") from None
+            have = sorted(self._versions)
+            raise NotFound(
+                f"version {policy_version} is not held (held: {have}); it was never published or was evicted "
+                "(raise param_server.retain_versions, or AcquireVersion to pin versions you still need)"
+            ) from None
+
+    def get(self, policy_version: int) -> StoredVersion:
+        return self._resolve(policy_version)
+
+    def manifest(self, policy_version: int) -> Manifest:
+        return self._resolve(policy_version).manifest
+
+    def newest_version(self) -> int | None:
+        return max(self._versions) if self._versions else None
+
+    def versions(self) -> list[StoredVersion]:
+        return [self._versions[v] for v in sorted(self._versions)]
+
+    @contextmanager
+    def reading(self, policy_version: int) -> Iterator[StoredVersion]:
+        """Pin a version while its bytes are being sent."""
+        stored = self._resolve(policy_version)
+        if stored.buffers is None:
+            raise FailedPrecondition(
+                f"version {stored.policy_version} travels over {list(stored.manifest.transports)}; the param "
+                "server does not hold its bytes (fetch it over that transport, or publish it over grpc too)"
+            )
+        stored.readers += 1
+        try:
+            yield stored
+        finally:
+            stored.readers -= 1
+
+    # ---- holds and retention --------------------------------------------------------------------
+
+    def acquire(self, consumer_id: str, policy_version: int, now: float) -> Manifest:
+        if not consumer_id:
+            raise InvalidArgument("consumer_id", "required (a stable id of the consumer, e.g. its replica id)")
+        stored = self._resolve(policy_version)
+        stored.holds[consumer_id] = now + self.settings.hold_ttl_s
+        return stored.manifest
+
+    def release(self, consumer_id: str, policy_version: int, now: float) -> None:
+        stored = self._versions.get(policy_version)
+        if stored is not None:
+            stored.holds.pop(consumer_id, None)
+        self.sweep(now)
+
+    def sweep(self, now: float) -> list[StoredVersion]:
+        """Drop expired holds and evict what retention no longer keeps. Returns the evicted."""
+        newest = sorted(self._versions, reverse=True)
+        keep = set(newest[: self.settings.retain_versions])
+        evicted = []
+        for v in newest:
+            stored = self._versions[v]
+            stored.holds = {c: e for c, e in stored.holds.items() if e > now}
+            if v in keep or stored.holds or stored.readers:
+                continue
+            del self._versions[v]
+            evicted.append(stored)
+        for stored in evicted:
+            self.evicted_total += 1
+            for buf in stored.buffers or ():
+                self.pool.give(buf)
+            stored.buffers = None
+            if self._on_evict is not None:
+                self._on_evict(stored)
+        return evicted
+
+    def stalled_uploads(self, now: float) -> list[Upload]:
+        return [u for u in self._uploads.values() if now - u.last_activity >= self.settings.stall_timeout_s]
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(sum(b.numel() for b in s.buffers or ()) for s in self._versions.values())

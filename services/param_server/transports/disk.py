@@ -1,0 +1,265 @@
+"""The `disk` transport: safetensors files on a shared filesystem.
+
+    <disk_dir>/v000000000042/
+        bucket-00000.safetensors   one file per bucket; its data section is the bucket's bytes
+        bucket-00001.safetensors   (layout.py), so any safetensors reader loads it by HF name
+        manifest.pb                the version's Manifest (serialized meshrl.v1.Manifest)
+
+The publisher writes into a hidden temporary directory and renames it into place, so a reader
+never sees a partial version; it then registers the manifest with the param server (which owns
+retention and deletes evicted version directories). The fetcher needs only the directory: it
+reads the manifest, checks every file's header against it and every bucket's fingerprint, and
+reads a bucket again when it does not match (a torn read on a network filesystem).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from meshrl.v1 import common_pb2
+from meshrl.v1 import param_server_pb2 as pb
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from services.common.logging import get_logger
+
+from .. import convert
+from ..client import ParamServerClient
+from ..layout import (
+    Fingerprinter,
+    Manifest,
+    TensorMeta,
+    as_bytes,
+    dtype_from_safetensors,
+    safetensors_dtype,
+    unpack,
+    validate_manifest,
+)
+from .base import (
+    Bucket,
+    Deadline,
+    ManifestBuilder,
+    PlannedBucket,
+    ReusableBuffers,
+    check_against_manifest,
+    plan_buckets,
+)
+
+log = get_logger(__name__)
+TRANSPORT = "disk"
+MANIFEST_FILE = "manifest.pb"
+
+
+def version_dir(root: Path, policy_version: int) -> Path:
+    return root / f"v{policy_version:012d}"
+
+
+def bucket_file(directory: Path, index: int) -> Path:
+    return directory / f"bucket-{index:05d}.safetensors"
+
+
+def _header(planned: PlannedBucket, policy_version: int) -> bytes:
+    entries: dict[str, object] = {
+        "__metadata__": {"format": "pt", "meshrl_policy_version": str(policy_version), "meshrl_bucket": str(planned.index)}
+    }
+    for m in planned.metas:
+        entries[m.name] = {"dtype": safetensors_dtype(m.dtype), "shape": list(m.shape),
+                           "data_offsets": [m.offset, m.offset + m.nbytes]}
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_bucket(path: Path, planned: PlannedBucket, policy_version: int) -> str:
+    """Write one safetensors file; returns the bucket's fingerprint. Worker thread."""
+    fp = Fingerprinter(planned.nbytes)
+    ordered = sorted(zip(planned.metas, planned.named, strict=True), key=lambda x: x[0].offset)
+    with open(path, "wb") as f:
+        f.write(_header(planned, policy_version))
+        for meta, (_, t) in ordered:
+            if not meta.nbytes:
+                continue
+            data = memoryview(as_bytes(t).cpu().numpy())
+            fp.update(meta.offset, data)
+            f.write(data)
+    return fp.hexdigest()
+
+
+class DiskPublisher:
+    """Writes versions under `root`; registers them with the param server when `address` is set."""
+
+    transport = TRANSPORT
+
+    def __init__(self, root: str | os.PathLike[str], *, address: str = "", timeout_s: float = 300.0) -> None:
+        self.root = Path(root)
+        self.address = address
+        self.timeout_s = timeout_s
+        self.client = ParamServerClient(address) if address else None
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-write")
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        self._io.shutdown(wait=False)
+
+    async def publish(self, version: int, buckets: Iterable[Bucket]) -> common_pb2.WeightsRef:
+        deadline = Deadline(self.timeout_s, f"publish of version {version} to {self.root}")
+        loop = asyncio.get_running_loop()
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = version_dir(self.root, version)
+        tmp = self.root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            builder = ManifestBuilder(version)
+            for planned in plan_buckets(buckets):
+                fut = loop.run_in_executor(self._io, _write_bucket, bucket_file(tmp, planned.index), planned, version)
+                fingerprint = await asyncio.wait_for(fut, timeout=deadline.check(f"writing bucket {planned.index}"))
+                builder.add(planned, fingerprint)
+            manifest = builder.build([TRANSPORT])
+            (tmp / MANIFEST_FILE).write_bytes(convert.manifest_to_proto(manifest).SerializeToString())
+            if final.exists():
+                existing = read_manifest(final)
+                if existing.checksum != manifest.checksum:
+                    raise FailedPrecondition(
+                        f"{final} already holds version {version} with other content; versions are immutable"
+                    )
+            else:
+                os.rename(tmp, final)
+        except TimeoutError:
+            raise deadline.stalled("writing to the shared filesystem", self.timeout_s) from None
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        if self.client is not None:
+            await self.client.register(manifest, timeout_s=max(deadline.remaining(), 1.0))
+        log.info("weights_published", transport=TRANSPORT, policy_version=version, total_bytes=manifest.total_bytes,
+                 path=str(final))
+        return common_pb2.WeightsRef(
+            policy_version=version, param_server_address=self.address,
+            manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes,
+        )
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise NotFound(
+            f"{path} does not exist: the version was not published to this directory, was evicted, or "
+            "param_server.disk_dir differs between publisher and fetcher (it must be one shared directory)"
+        ) from None
+    m = convert.manifest_from_proto(pb.Manifest.FromString(raw))
+    validate_manifest(m)
+    return m
+
+
+def _read_bucket(path: Path, metas: list[TensorMeta], nbytes: int, buf: torch.Tensor) -> str:
+    """Read a bucket file into `buf` after checking its header; returns the fingerprint. Worker thread."""
+    with open(path, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        if hlen > 100 << 20:
+            raise DataLoss(f"{path}: implausible safetensors header of {hlen} bytes")
+        header = json.loads(f.read(hlen))
+        header.pop("__metadata__", None)
+        if set(header) != {m.name for m in metas}:
+            raise DataLoss(f"{path}: tensors differ from the manifest's")
+        for m in metas:
+            e = header[m.name]
+            if (dtype_from_safetensors(e["dtype"]) != m.dtype or tuple(e["shape"]) != m.shape
+                    or e["data_offsets"] != [m.offset, m.offset + m.nbytes]):
+                raise DataLoss(f"{path}: tensor {m.name} differs from the manifest")
+        view = memoryview(buf.numpy())
+        got = 0
+        while got < nbytes:
+            n = f.readinto(view[got:])
+            if not n:
+                raise DataLoss(f"{path}: ends after {got} of {nbytes} data bytes")
+            got += n
+        if f.read(1):
+            raise DataLoss(f"{path}: longer than the manifest says")
+    fp = Fingerprinter(nbytes)
+    fp.update(0, view)
+    return fp.hexdigest()
+
+
+class DiskFetcher:
+    """Reads versions from `root`; pins them at the param server named in the ref, if any."""
+
+    transport = TRANSPORT
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, consumer_id: str, timeout_s: float = 300.0, max_attempts: int = 3,
+    ) -> None:
+        if not consumer_id:
+            raise InvalidArgument("consumer_id", "required (a stable id of this consumer)")
+        self.root = Path(root)
+        self.consumer_id = consumer_id
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self._bufs = ReusableBuffers(2)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-read")
+        self._clients: dict[str, ParamServerClient] = {}
+        self.reread_buckets = 0
+
+    async def close(self) -> None:
+        for c in self._clients.values():
+            await c.close()
+        self._io.shutdown(wait=False)
+
+    async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Bucket]:
+        version = ref.policy_version
+        deadline = Deadline(self.timeout_s, f"fetch of version {version} from {self.root}")
+        client = None
+        if ref.param_server_address:
+            client = self._clients.setdefault(ref.param_server_address, ParamServerClient(ref.param_server_address))
+            await client.acquire(self.consumer_id, version, timeout_s=deadline.check("AcquireVersion"))
+        try:
+            directory = version_dir(self.root, version)
+            manifest = read_manifest(directory)
+            check_against_manifest(manifest, ref, f"fetch from {directory}")
+            loop = asyncio.get_running_loop()
+
+            def start(index: int) -> asyncio.Future[str]:
+                meta = manifest.buckets[index]
+                buf = self._bufs.get(index % 2, meta.nbytes)
+                return loop.run_in_executor(self._io, _read_bucket, bucket_file(directory, index),
+                                            manifest.bucket_tensors(index), meta.nbytes, buf)
+
+            n = len(manifest.buckets)
+            pending = start(0) if n else None
+            for i in range(n):
+                meta = manifest.buckets[i]
+                attempts = 0
+                while True:
+                    assert pending is not None
+                    try:
+                        fingerprint = await asyncio.wait_for(pending, timeout=max(deadline.remaining(), 0.001))
+                    except TimeoutError:
+                        raise deadline.stalled(f"reading bucket {i}", self.timeout_s) from None
+                    except DataLoss as exc:
+                        fingerprint = f"unreadable: {exc}"
+                    if fingerprint == meta.fingerprint:
+                        break
+                    attempts += 1
+                    self.reread_buckets += 1
+                    if attempts >= self.max_attempts:
+                        raise DataLoss(f"{bucket_file(directory, i)}: fails its checksum after {attempts} reads ({fingerprint})")
+                    log.warning("bucket_corrupt_rereading", policy_version=version, bucket=i, attempt=attempts)
+                    pending = start(i)
+                buffer = self._bufs.get(i % 2, meta.nbytes)
+                pending = start(i + 1) if i + 1 < n else None  # reads ahead while the consumer loads
+                yield unpack(buffer, manifest.bucket_tensors(i))
+        finally:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.release(self.consumer_id, version, timeout_s=5.0)

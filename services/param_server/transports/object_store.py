@@ -1,0 +1,220 @@
+"""The `object_store` transport: Ray object refs, for consumers in the same Ray cluster.
+
+    trainer: per bucket ray.put([tensor bytes ...])  (one copy into shared memory; the
+             fingerprint is computed alongside) ─▶ param server deployment registers the
+             manifest + refs (handle call; refs stay refs)
+    rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
+             arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
+             ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify)
+
+The param server keeps the refs (as a borrower) until retention evicts the version, so the
+objects live exactly as long as the version is retained. The objects are owned by the process
+that put them: if the trainer process dies, its versions in the object store are gone (fetch
+raises Unavailable; the next version it publishes after restarting is fine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import warnings
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+
+from meshrl.v1 import common_pb2
+from meshrl.v1 import param_server_pb2 as pb
+from services.common.errors import DataLoss, InvalidArgument, MissingDependency, Unavailable
+from services.common.logging import get_logger
+
+from .. import convert
+from ..layout import Fingerprinter, Manifest, as_bytes
+from .base import Bucket, Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
+
+log = get_logger(__name__)
+TRANSPORT = "object_store"
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise MissingDependency("ray", "the object_store transport needs Ray: pip install 'ray[serve]'") from exc
+    if not ray.is_initialized():
+        raise Unavailable("the object_store transport runs inside a Ray cluster (ray.init() first), or use grpc")
+    return ray
+
+
+class ObjectDirectory(Protocol):
+    """Where versions' object refs are registered: the param server deployment (ServeDirectory)."""
+
+    async def register(self, manifest: pb.Manifest, refs: list[Any]) -> None: ...
+
+    async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]: ...
+
+    async def release(self, policy_version: int, consumer_id: str) -> None: ...
+
+
+class ServeDirectory:
+    """ObjectDirectory over a DeploymentHandle to ParamServerDeployment."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    @classmethod
+    def from_app(cls, app_name: str = "param_server", deployment: str = "ParamServer") -> ServeDirectory:
+        from ray import serve
+
+        return cls(serve.get_deployment_handle(deployment, app_name=app_name))
+
+    async def register(self, manifest: pb.Manifest, refs: list[Any]) -> None:
+        await self.handle.register_object_store_version.remote(manifest.SerializeToString(), refs)
+
+    async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
+        raw, refs = await self.handle.object_store_version.remote(policy_version, consumer_id)
+        return pb.Manifest.FromString(raw), list(refs)
+
+    async def release(self, policy_version: int, consumer_id: str) -> None:
+        await self.handle.release_version.remote(policy_version, consumer_id)
+
+
+def _layout_arrays(planned: PlannedBucket) -> tuple[list[np.ndarray], str]:
+    """Host byte arrays of a bucket's tensors in layout order, and the bucket's fingerprint."""
+    fp = Fingerprinter(planned.nbytes)
+    arrays = []
+    for meta, (_, t) in sorted(zip(planned.metas, planned.named, strict=True), key=lambda x: x[0].offset):
+        arr = as_bytes(t).cpu().numpy()
+        fp.update(meta.offset, arr)
+        arrays.append(arr)
+    return arrays, fp.hexdigest()
+
+
+class ObjectStorePublisher:
+    """Puts buckets into the Ray object store and registers them with the param server."""
+
+    transport = TRANSPORT
+
+    def __init__(self, directory: ObjectDirectory, *, address: str = "", timeout_s: float = 300.0) -> None:
+        self.directory = directory
+        self.address = address
+        self.timeout_s = timeout_s
+
+    async def publish(self, version: int, buckets: Iterable[Bucket]) -> common_pb2.WeightsRef:
+        ray = _ray()
+        deadline = Deadline(self.timeout_s, f"publish of version {version} to the object store")
+        builder = ManifestBuilder(version)
+        refs = []
+        for planned in plan_buckets(buckets):
+            arrays, fingerprint = await asyncio.to_thread(_layout_arrays, planned)
+            refs.append(await asyncio.wait_for(asyncio.to_thread(ray.put, arrays),
+                                               timeout=deadline.check(f"putting bucket {planned.index}")))
+            builder.add(planned, fingerprint)
+        manifest = builder.build([TRANSPORT])
+        await asyncio.wait_for(self.directory.register(convert.manifest_to_proto(manifest), refs),
+                               timeout=deadline.check("registering the version"))
+        log.info("weights_published", transport=TRANSPORT, policy_version=version, total_bytes=manifest.total_bytes,
+                 buckets=len(refs))
+        return common_pb2.WeightsRef(
+            policy_version=version, param_server_address=self.address,
+            manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes,
+        )
+
+
+def _is_local(ray: Any, ref: Any) -> bool:
+    try:
+        from ray.experimental import get_object_locations
+
+        nodes = get_object_locations([ref])[ref]["node_ids"]
+        return ray.get_runtime_context().get_node_id() in nodes
+    except Exception:  # noqa: BLE001 -- locality is an optimisation; unknown means verify
+        return False
+
+
+def _check_arrays(manifest: Manifest, index: int, arrays: Any, verify: bool) -> Bucket:
+    metas = sorted(manifest.bucket_tensors(index), key=lambda m: m.offset)
+    meta = manifest.buckets[index]
+    if not isinstance(arrays, list) or len(arrays) != len(metas):
+        raise DataLoss(f"object of bucket {index} holds {len(arrays)} arrays, the manifest {len(metas)} tensors")
+    fp = Fingerprinter(meta.nbytes) if verify else None
+    out = []
+    for m, arr in zip(metas, arrays, strict=True):
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.nbytes != m.nbytes:
+            raise DataLoss(f"bucket {index}: {m.name} has {getattr(arr, 'nbytes', '?')} bytes, manifest {m.nbytes}")
+        if fp is not None:
+            fp.update(m.offset, arr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: consumers copy
+            raw = torch.from_numpy(arr)
+        out.append((m.name, raw.view(m.dtype).view(m.shape)))
+    if fp is not None and fp.hexdigest() != meta.fingerprint:
+        raise DataLoss(f"bucket {index}: fingerprint {fp.hexdigest()} != manifest {meta.fingerprint}")
+    order = {m.name: i for i, m in enumerate(manifest.bucket_tensors(index))}
+    out.sort(key=lambda x: order[x[0]])
+    return out
+
+
+class ObjectStoreFetcher:
+    """Gets versions from the object store through the param server's directory of refs."""
+
+    transport = TRANSPORT
+
+    def __init__(
+        self,
+        directory: ObjectDirectory,
+        *,
+        consumer_id: str,
+        verify: Literal["always", "remote"] = "remote",
+        timeout_s: float = 300.0,
+        max_attempts: int = 3,
+    ) -> None:
+        if not consumer_id:
+            raise InvalidArgument("consumer_id", "required (a stable id of this consumer)")
+        self.directory = directory
+        self.consumer_id = consumer_id
+        self.verify = verify
+        self.timeout_s = timeout_s
+        self.max_attempts = max_attempts
+        self.verified_buckets = 0
+
+    async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Bucket]:
+        ray = _ray()
+        version = ref.policy_version
+        deadline = Deadline(self.timeout_s, f"fetch of version {version} from the object store")
+        raw, refs = await asyncio.wait_for(self.directory.lookup(version, self.consumer_id),
+                                           timeout=deadline.check("looking up the version"))
+        try:
+            manifest = convert.manifest_from_proto(raw)
+            check_against_manifest(manifest, ref, "object_store fetch")
+            if len(refs) != len(manifest.buckets):
+                raise DataLoss(f"version {version}: {len(refs)} objects for {len(manifest.buckets)} buckets")
+            for i, oref in enumerate(refs):
+                verify = self.verify == "always" or not _is_local(ray, oref)
+                for attempt in range(1, self.max_attempts + 1):
+                    try:
+                        arrays = await asyncio.wait_for(oref, timeout=deadline.check(f"getting bucket {i}"))
+                    except TimeoutError:
+                        raise deadline.stalled(f"getting bucket {i}", self.timeout_s) from None
+                    except Exception as exc:
+                        if type(exc).__name__ in ("ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError"):
+                            raise Unavailable(
+                                f"version {version} bucket {i} is gone from the object store ({type(exc).__name__}); "
+                                "its owner (the publishing trainer) may have exited: fetch a newer version"
+                            ) from exc
+                        raise
+                    try:
+                        bucket = await asyncio.to_thread(_check_arrays, manifest, i, arrays, verify)
+                        break
+                    except DataLoss:
+                        if attempt == self.max_attempts:
+                            raise
+                        log.warning("bucket_corrupt_refetching", policy_version=version, bucket=i, attempt=attempt)
+                        del arrays
+                if verify:
+                    self.verified_buckets += 1
+                yield bucket
+                del bucket, arrays
+        finally:
+            with contextlib.suppress(Exception):
+                await self.directory.release(version, self.consumer_id)
