@@ -14,8 +14,8 @@ from typing import Any, NoReturn
 import grpc
 import grpc.aio
 
+from meshrl.v1 import common_pb2, param_server_pb2_grpc
 from meshrl.v1 import param_server_pb2 as pb
-from meshrl.v1 import param_server_pb2_grpc
 from services.common import errors
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_channel
 
@@ -108,6 +108,12 @@ class ParamServerClient:
         except grpc.aio.AioRpcError as exc:
             raise_rpc_error(exc, "GetManifest")
         return convert.manifest_from_proto(resp.manifest)
+
+    async def newest_ref(self, *, timeout_s: float | None = None) -> common_pb2.WeightsRef:
+        """A WeightsRef to the newest complete version (a replica joining a running job)."""
+        m = await self.get_manifest(-1, timeout_s=timeout_s)
+        return common_pb2.WeightsRef(policy_version=m.policy_version, param_server_address=self.address,
+                                     manifest_checksum=m.checksum, total_bytes=m.total_bytes)
 
     async def list_versions(self, *, timeout_s: float | None = None) -> list[pb.VersionInfo]:
         try:

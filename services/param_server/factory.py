@@ -12,6 +12,7 @@ from services.common.logging import get_logger
 from .config import ParamServerConfig
 from .servicer import ParamServerServicer
 from .store import StoredVersion, StoreSettings, WeightStore
+from .transports.disk import version_dir
 
 log = get_logger(__name__)
 MiB = 1 << 20
@@ -24,10 +25,6 @@ def disk_dir(cfg: ParamServerConfig, run_dir: str | os.PathLike[str] | None) -> 
     if run_dir is None:
         raise ValueError("param_server.disk_dir is not set and there is no run directory; set param_server.disk_dir")
     return Path(run_dir) / "weights"
-
-
-def version_dir(root: Path, policy_version: int) -> Path:
-    return root / f"v{policy_version:012d}"
 
 
 def store_settings(cfg: ParamServerConfig) -> StoreSettings:

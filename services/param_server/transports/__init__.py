@@ -1,0 +1,130 @@
+"""Weight transports, chosen per consumer group by
+`actor_rollout_ref.rollout.checkpoint_engine.backend` (grpc | object_store | nccl | hccl | disk;
+`gloo` is the CPU twin of nccl, for tests and CPU-only groups).
+
+    publisher = make_publisher(cfg, address=param_server_address)       # trainer rank 0
+    ref = await publisher.publish(version, engine.export_weights(bucket_bytes))
+    fetcher = make_fetcher(cfg, consumer_id=replica_id)                  # every rollout rank
+    async for bucket in fetcher.fetch(ref): engine.load_weights(bucket)
+
+Modules are imported on first use, so Ray (object_store) or torch_npu (hccl) are needed only by
+the groups that use them, and a missing one fails with what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from meshrl.v1 import common_pb2
+from services.common.config import MeshConfig
+from services.common.errors import ConfigError
+
+from .base import WeightFetcher, WeightPublisher
+
+BACKENDS = ("grpc", "object_store", "nccl", "hccl", "disk", "gloo")
+_MODULES = {
+    "grpc": "services.param_server.transports.grpc",
+    "object_store": "services.param_server.transports.object_store",
+    "nccl": "services.param_server.transports.collective",
+    "hccl": "services.param_server.transports.collective",
+    "gloo": "services.param_server.transports.collective",
+    "disk": "services.param_server.transports.disk",
+}
+MiB = 1 << 20
+
+__all__ = ["BACKENDS", "WeightFetcher", "WeightPublisher", "make_fetcher", "make_publisher"]
+
+
+def _module(backend: str) -> Any:
+    if backend not in _MODULES:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend!r} is not a transport; use one of {list(BACKENDS)}"
+        )
+    return importlib.import_module(_MODULES[backend])
+
+
+def _backend(cfg: MeshConfig, backend: str | None) -> str:
+    return backend or cfg.actor_rollout_ref.rollout.checkpoint_engine.backend
+
+
+def collective_receivers(cfg: MeshConfig) -> int:
+    ps = cfg.param_server
+    return ps.collective_receivers or cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+
+
+def make_publisher(
+    cfg: MeshConfig,
+    *,
+    address: str,
+    backend: str | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    announce: Callable[[common_pb2.WeightsRef], Awaitable[None]] | None = None,
+    directory: Any = None,
+) -> WeightPublisher:
+    """The trainer's publisher for a consumer group. `address`: the param server's data plane.
+    `announce` (collective backends): called with the version's ref before the broadcast starts,
+    so receivers learn of it (e.g. the trainer's CommitVersion); `directory` (object_store): where
+    refs are registered (default: the Serve app's deployment handle)."""
+    name = _backend(cfg, backend)
+    mod = _module(name)
+    ps = cfg.param_server
+    if name == "grpc":
+        return mod.GrpcPublisher(  # type: ignore[no-any-return]
+            address, chunk_bytes=ps.chunk_mb * MiB, timeout_s=ps.transfer_timeout_s,
+            stall_timeout_s=ps.stall_timeout_s, sha256=ps.bucket_sha256, max_message_bytes=ps.max_message_mb * MiB,
+        )
+    if name == "object_store":
+        directory = directory or mod.ServeDirectory.from_app()
+        return mod.ObjectStorePublisher(directory, address=address, timeout_s=ps.transfer_timeout_s)  # type: ignore[no-any-return]
+    if name == "disk":
+        from ..factory import disk_dir
+
+        return mod.DiskPublisher(disk_dir(ps, run_dir), address=address, timeout_s=ps.transfer_timeout_s)  # type: ignore[no-any-return]
+    from ..server import local_ip
+
+    return mod.CollectivePublisher(  # type: ignore[no-any-return]
+        name, address, receivers=collective_receivers(cfg), group=ps.collective_group,
+        master_address=ps.collective_master_address or local_ip(), timeout_s=ps.transfer_timeout_s,
+        max_attempts=ps.max_fetch_attempts, announce=announce,
+    )
+
+
+def make_fetcher(
+    cfg: MeshConfig,
+    *,
+    consumer_id: str,
+    address: str = "",
+    backend: str | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    directory: Any = None,
+) -> WeightFetcher:
+    """A rollout rank's fetcher. `consumer_id` names this rank (holds, collective membership);
+    `address` is used when a ref carries none."""
+    name = _backend(cfg, backend)
+    mod = _module(name)
+    ps = cfg.param_server
+    if name == "grpc":
+        return mod.GrpcFetcher(  # type: ignore[no-any-return]
+            address, consumer_id=consumer_id, chunk_bytes=ps.chunk_mb * MiB, timeout_s=ps.transfer_timeout_s,
+            stall_timeout_s=ps.stall_timeout_s, max_attempts=ps.max_fetch_attempts,
+            max_message_bytes=ps.max_message_mb * MiB,
+        )
+    if name == "object_store":
+        directory = directory or mod.ServeDirectory.from_app()
+        return mod.ObjectStoreFetcher(  # type: ignore[no-any-return]
+            directory, consumer_id=consumer_id, verify=ps.object_store_verify, timeout_s=ps.transfer_timeout_s,
+            max_attempts=ps.max_fetch_attempts,
+        )
+    if name == "disk":
+        from ..factory import disk_dir
+
+        return mod.DiskFetcher(  # type: ignore[no-any-return]
+            disk_dir(ps, run_dir), consumer_id=consumer_id, timeout_s=ps.transfer_timeout_s,
+            max_attempts=ps.max_fetch_attempts,
+        )
+    return mod.CollectiveFetcher(  # type: ignore[no-any-return]
+        name, address, consumer_id=consumer_id, group=ps.collective_group, timeout_s=ps.transfer_timeout_s,
+    )

@@ -142,10 +142,11 @@ class ReusableBuffers:
 
 
 def check_against_manifest(manifest: Manifest, ref: common_pb2.WeightsRef, where: str) -> None:
-    """The manifest a fetcher got must be the one the ref names."""
+    """The manifest a fetcher got must be the one the ref names (a negative version in the ref
+    means "the newest", for a consumer starting cold)."""
     from services.common.errors import DataLoss, FailedPrecondition
 
-    if manifest.policy_version != ref.policy_version:
+    if ref.policy_version >= 0 and manifest.policy_version != ref.policy_version:
         raise FailedPrecondition(f"{where}: asked version {ref.policy_version}, got {manifest.policy_version}")
     if ref.manifest_checksum and manifest.checksum != ref.manifest_checksum:
         raise DataLoss(

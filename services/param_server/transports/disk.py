@@ -163,6 +163,14 @@ def read_manifest(directory: Path) -> Manifest:
     return m
 
 
+def newest_on_disk(root: Path) -> int:
+    """The newest complete version under `root` (a cold start without a param server)."""
+    versions = [int(p.name[1:]) for p in root.glob("v*") if p.name[1:].isdigit() and (p / MANIFEST_FILE).exists()]
+    if not versions:
+        raise NotFound(f"no version has been published under {root}")
+    return max(versions)
+
+
 def _read_bucket(path: Path, metas: list[TensorMeta], nbytes: int, buf: torch.Tensor) -> str:
     """Read a bucket file into `buf` after checking its header; returns the fingerprint. Worker thread."""
     with open(path, "rb") as f:
@@ -222,7 +230,10 @@ class DiskFetcher:
         client = None
         if ref.param_server_address:
             client = self._clients.setdefault(ref.param_server_address, ParamServerClient(ref.param_server_address))
-            await client.acquire(self.consumer_id, version, timeout_s=deadline.check("AcquireVersion"))
+            m = await client.acquire(self.consumer_id, version, timeout_s=deadline.check("AcquireVersion"))
+            version = m.policy_version
+        elif version < 0:
+            version = newest_on_disk(self.root)
         try:
             directory = version_dir(self.root, version)
             manifest = read_manifest(directory)

@@ -213,6 +213,7 @@ class GrpcFetcher:
         client = self._client(address)
         manifest = await client.acquire(self.consumer_id, version, timeout_s=deadline.check("AcquireVersion"))
         check_against_manifest(manifest, ref, f"fetch from {address}")
+        version = manifest.policy_version  # a negative ref version asked for the newest
         try:
             todo = manifest.buckets_for_names(self.names) if self.names else list(range(len(manifest.buckets)))
             attempts = dict.fromkeys(todo, 0)

@@ -187,6 +187,7 @@ class ObjectStoreFetcher:
         try:
             manifest = convert.manifest_from_proto(raw)
             check_against_manifest(manifest, ref, "object_store fetch")
+            version = manifest.policy_version  # a negative ref version asked for the newest
             if len(refs) != len(manifest.buckets):
                 raise DataLoss(f"version {version}: {len(refs)} objects for {len(manifest.buckets)} buckets")
             for i, oref in enumerate(refs):

@@ -1,0 +1,238 @@
+"""The versioned store (uploads, visibility, holds, retention) and the rendezvous board."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import services.common.config  # noqa: F401  (config tree first)
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.param_server.layout import (
+    BucketMeta,
+    Manifest,
+    build_manifest,
+    fingerprint_tensor,
+    pack_into,
+    plan_bucket,
+)
+from services.param_server.rendezvous import RendezvousBoard
+from services.param_server.store import StoreSettings, WeightStore
+
+
+def make_version(version: int, seed: int = 0, sizes: tuple[int, ...] = (1000, 10)) -> tuple[Manifest, list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed * 1000 + version)
+    tensors, buckets, buffers = [], [], []
+    for i, n in enumerate(sizes):
+        named = [(f"layer{i}.weight", torch.randn(n, generator=g).bfloat16()), (f"layer{i}.bias", torch.randn(3, generator=g))]
+        metas, nbytes = plan_bucket(i, named)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        pack_into(buf, named, metas)
+        tensors += metas
+        buckets.append(BucketMeta(i, nbytes, fingerprint_tensor(buf, nbytes)))
+        buffers.append(buf)
+    return build_manifest(version, tensors, buckets, transports=["grpc"]), buffers
+
+
+def upload(store: WeightStore, m: Manifest, buffers: list[torch.Tensor], now: float, *, manifest_first: bool,
+           chunk: int = 333, corrupt: tuple[int, int] | None = None) -> Manifest:
+    up = store.begin_upload(m.policy_version, now)
+    if manifest_first:
+        up.set_manifest(m)
+    for b, buf in zip(m.buckets, buffers, strict=True):
+        if not manifest_first:
+            up.begin_bucket(b)
+        for off in range(0, b.nbytes, chunk):
+            data = bytearray(buf[off : off + chunk].numpy().tobytes())
+            if corrupt == (b.index, off):
+                data[0] ^= 0xFF
+            target = up.check_chunk(b.index, off, len(data))
+            up.write(target, off, data)
+    if not manifest_first:
+        up.set_manifest(m)
+    return up.finish(now)
+
+
+@pytest.mark.parametrize("manifest_first", [True, False])
+def test_a_version_is_visible_only_when_complete_and_bytes_match(manifest_first: bool) -> None:
+    store = WeightStore(StoreSettings(retain_versions=2))
+    m, buffers = make_version(1)
+    up = store.begin_upload(1, 0.0)
+    up.set_manifest(m) if manifest_first else up.begin_bucket(m.buckets[0])
+    target = up.check_chunk(0, 0, 10)
+    up.write(target, 0, buffers[0][:10].numpy().tobytes())
+    with pytest.raises(NotFound, match="still being published"):
+        store.manifest(1)
+    up.abort()
+    stored = upload(store, m, buffers, 1.0, manifest_first=manifest_first)
+    assert stored.checksum == m.checksum and store.manifest(-1).policy_version == 1
+    with store.reading(1) as s:
+        assert s.buffers is not None
+        assert all(torch.equal(a, b) for a, b in zip(s.buffers, buffers, strict=True))
+
+
+def test_a_corrupted_chunk_fails_the_upload_and_nothing_becomes_visible() -> None:
+    store = WeightStore(StoreSettings())
+    m, buffers = make_version(1)
+    with pytest.raises(DataLoss, match="bucket 0"):
+        upload(store, m, buffers, 0.0, manifest_first=False, corrupt=(0, 333))
+    with pytest.raises(NotFound):
+        store.manifest(1)
+
+
+def test_chunks_out_of_place_are_rejected_with_the_field() -> None:
+    store = WeightStore(StoreSettings())
+    m, _ = make_version(1)
+    up = store.begin_upload(1, 0.0)
+    up.set_manifest(m)
+    with pytest.raises(InvalidArgument, match=r"chunk\.offset"):
+        up.check_chunk(0, 8, 4)
+    with pytest.raises(FailedPrecondition, match="another stream"):
+        store.begin_upload(1, 1.0)
+    store.begin_upload(1, 1000.0)  # a stalled upload is replaced
+
+
+def test_versions_are_immutable_but_republishing_the_same_content_is_idempotent() -> None:
+    store = WeightStore(StoreSettings())
+    m, buffers = make_version(1)
+    upload(store, m, buffers, 0.0, manifest_first=True)
+    upload(store, m, buffers, 1.0, manifest_first=False)
+    other, other_buffers = make_version(1, seed=9)
+    with pytest.raises(FailedPrecondition, match="immutable"):
+        upload(store, other, other_buffers, 2.0, manifest_first=True)
+
+
+def test_registered_versions_carry_no_bytes_and_merge_with_a_grpc_upload() -> None:
+    store = WeightStore(StoreSettings())
+    m, buffers = make_version(4)
+    with pytest.raises(InvalidArgument, match="transports"):
+        store.register(m, 0.0)
+    store.register(m.with_transports(["nccl"]).__class__(**{**m.__dict__, "transports": ("nccl",)}), 0.0)
+    with pytest.raises(FailedPrecondition, match="does not hold its bytes"), store.reading(4):
+        pass
+    upload(store, m, buffers, 1.0, manifest_first=True)
+    assert set(store.manifest(4).transports) == {"nccl", "grpc"}
+    with store.reading(4) as s:
+        assert s.buffers is not None
+
+
+def test_holds_pin_versions_until_released_or_expired() -> None:
+    store = WeightStore(StoreSettings(retain_versions=1, hold_ttl_s=100.0))
+    for v in (1, 2):
+        upload(store, *make_version(v), float(v), manifest_first=True)
+    assert [s.policy_version for s in store.versions()] == [2]
+    upload(store, *make_version(3), 3.0, manifest_first=True)
+    store.acquire("rollout-0", 3, 3.0)
+    upload(store, *make_version(4), 4.0, manifest_first=True)
+    assert [s.policy_version for s in store.versions()] == [3, 4]
+    store.sweep(50.0)
+    assert [s.policy_version for s in store.versions()] == [3, 4]
+    store.sweep(200.0)  # the hold expired (not renewed)
+    assert [s.policy_version for s in store.versions()] == [4]
+    with pytest.raises(NotFound, match="evicted"):
+        store.acquire("rollout-0", 3, 200.0)
+
+
+def test_evicted_buffers_are_reused_for_the_next_upload() -> None:
+    store = WeightStore(StoreSettings(retain_versions=1))
+    upload(store, *make_version(1), 0.0, manifest_first=True)
+    m2, b2 = make_version(2)
+    upload(store, m2, b2, 1.0, manifest_first=True)
+    assert store.pool.pooled_bytes > 0
+    pooled = {t.data_ptr() for t in store.pool._free}
+    upload(store, *make_version(3), 2.0, manifest_first=True)
+    with store.reading(3) as s:
+        assert s.buffers is not None and {b.data_ptr() for b in s.buffers} & pooled
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish")),
+        st.tuples(st.just("acquire"), st.integers(0, 3), st.integers(0, 12)),
+        st.tuples(st.just("release"), st.integers(0, 3), st.integers(0, 12)),
+        st.tuples(st.just("open"), st.integers(0, 12)),
+        st.tuples(st.just("close")),
+        st.tuples(st.just("time"), st.floats(0, 40)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops, st.integers(1, 3))
+def test_retention_never_frees_a_version_in_use(sequence: list[tuple], keep: int) -> None:
+    """Whatever the order of publishes, holds, releases, readers and time: the newest `keep`
+    versions, every version with an unexpired hold and every version being read stay fetchable."""
+    store = WeightStore(StoreSettings(retain_versions=keep, hold_ttl_s=30.0))
+    now, next_version = 0.0, 0
+    holds: dict[tuple[str, int], float] = {}
+    readers: list[tuple[int, object]] = []
+    published: list[int] = []
+    for op in sequence:
+        if op[0] == "publish":
+            upload(store, *make_version(next_version, sizes=(16,)), now, manifest_first=True, chunk=64)
+            published.append(next_version)
+            next_version += 1
+        elif op[0] == "acquire" and op[2] in [s.policy_version for s in store.versions()]:
+            store.acquire(f"c{op[1]}", op[2], now)
+            holds[(f"c{op[1]}", op[2])] = now + 30.0
+        elif op[0] == "release":
+            store.release(f"c{op[1]}", op[2], now)
+            holds.pop((f"c{op[1]}", op[2]), None)
+        elif op[0] == "open" and op[1] in [s.policy_version for s in store.versions()]:
+            cm = store.reading(op[1])
+            cm.__enter__()
+            readers.append((op[1], cm))
+        elif op[0] == "close" and readers:
+            _, cm = readers.pop(0)
+            cm.__exit__(None, None, None)  # type: ignore[attr-defined]
+        elif op[0] == "time":
+            now += op[1]
+            store.sweep(now)
+        held = {s.policy_version for s in store.versions()}
+        must = set(published[-keep:])
+        must |= {v for (_, v), expiry in holds.items() if expiry > now}
+        must |= {v for v, _ in readers}
+        assert must <= held, (must - held, op)
+        for v in held:  # and every held version still has its bytes
+            with store.reading(v) as s:
+                assert s.buffers is not None and len(s.buffers) == 1
+    for _, cm in readers:
+        cm.__exit__(None, None, None)  # type: ignore[attr-defined]
+
+
+# ---- rendezvous -----------------------------------------------------------------------------------
+
+
+def test_rendezvous_assigns_ranks_and_holds_the_sender_until_all_receivers_check_in() -> None:
+    board = RendezvousBoard()
+    assert board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1) == (None, False)
+    state = board.sender_check_in("g", "s", world_size=3, backend="gloo", master_address="h", master_port=5, policy_version=1)
+    assert state.generation == 1 and board.sender_ready("g", 1)[0] is False
+    got, changed = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1)
+    assert got is not None and got.rank == 1 and changed
+    assert board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1)[1] is False
+    assert board.sender_ready("g", 1) == (False, "1 of 2 receivers checked in for version 1 (['r1'])")
+    got2, _ = board.receiver_check_in("g", "r2", backend="gloo", world_size=3, policy_version=1)
+    assert got2 is not None and got2.rank == 2 and board.sender_ready("g", 1)[0]
+    with pytest.raises(ResourceExhausted, match="full"):
+        board.receiver_check_in("g", "r3", backend="gloo", world_size=0, policy_version=1)
+    with pytest.raises(FailedPrecondition, match="only ranks of one device kind"):
+        board.receiver_check_in("g", "r1", backend="nccl", world_size=0, policy_version=1)
+
+
+def test_rendezvous_moves_on_to_newer_versions_and_new_generations() -> None:
+    board = RendezvousBoard()
+    board.sender_check_in("g", "s", world_size=2, backend="gloo", master_address="h", master_port=5, policy_version=1)
+    assert board.receiver_check_in("g", "r", backend="gloo", world_size=0, policy_version=2) == (None, True)
+    board.sender_check_in("g", "s", world_size=2, backend="gloo", master_address="h", master_port=5, policy_version=2)
+    assert board.sender_ready("g", 2)[0]  # the receiver was already waiting for 2
+    with pytest.raises(FailedPrecondition, match="fetch the newer version"):
+        board.receiver_check_in("g", "r", backend="gloo", world_size=0, policy_version=1)
+    state = board.sender_check_in("g", "s", world_size=2, backend="gloo", master_address="h", master_port=6, policy_version=3)
+    assert state.generation == 2 and state.ranks == {}
+    got, _ = board.receiver_check_in("g", "r", backend="gloo", world_size=0, policy_version=3)
+    assert got is not None and got.generation == 2 and got.master_port == 6
+    with pytest.raises(InvalidArgument, match="backend"):
+        board.sender_check_in("g", "s", world_size=2, backend="mpi", master_address="h", master_port=6, policy_version=4)
