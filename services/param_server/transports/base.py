@@ -62,7 +62,10 @@ class Deadline:
 
     def stalled(self, doing: str, stall_s: float) -> DeadlineExceeded:
         if self.remaining() <= 0:
-            return DeadlineExceeded(f"{self.what}: {doing} did not finish within the {self.timeout_s:.0f}s deadline")
+            return DeadlineExceeded(
+                f"{self.what}: {doing} did not finish within the {self.timeout_s:.0f}s deadline (the peer is stuck, "
+                "gone or too slow)"
+            )
         return DeadlineExceeded(f"{self.what}: no progress for {stall_s:.0f}s while {doing} (the peer is stuck or gone)")
 
 

@@ -1,0 +1,86 @@
+"""Processes for the collective-transport tests (spawned: importable, no pytest)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def make_buckets(seed: int) -> list[list[tuple[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [("model.embed_tokens.weight", torch.randn(300, 7, generator=g).bfloat16()),
+         ("model.norm.weight", torch.randn(13, generator=g)), ("flag", torch.tensor(True))],
+        [("model.layers.0.mlp.down_proj.weight", torch.randn(1000, 100, generator=g))],
+        [("lm_head.weight", torch.randn(5, 7, generator=g).bfloat16())],
+    ]
+
+
+def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    time.sleep(hang_s)  # the trainer stalls before the first bucket (a stuck peer)
+    yield from make_buckets(seed)
+
+
+def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float) -> None:
+    """Publish each (version, mode): mode "ok" or "hang"."""
+    import services.common.config  # noqa: F401
+    from services.param_server.transports.collective import CollectivePublisher
+
+    async def main() -> None:
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        pub = CollectivePublisher(backend, address, receivers=1, group="test", timeout_s=timeout_s)
+        for version, mode in plan:
+            try:
+                buckets = make_buckets(version) if mode == "ok" else _hanging(version, timeout_s + 2)
+                ref = await pub.publish(version, buckets)
+                results.put(("sent", version, ref.manifest_checksum, pub.resent_buckets))
+            except Exception as exc:
+                results.put(("sent", version, f"{type(exc).__name__}: {exc}", pub.resent_buckets))
+        await pub.close()
+
+    asyncio.run(main())
+
+
+def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any) -> None:
+    """Fetch each (version, mode, timeout_s): mode "ok" or "corrupt" (damage bucket 1 once)."""
+    import services.common.config  # noqa: F401
+    from meshrl.v1 import common_pb2
+    from services.param_server.transports.collective import CollectiveFetcher
+
+    state = {"corrupt": False}
+
+    def damage(step: int, bucket: int, buf: torch.Tensor) -> None:
+        if state["corrupt"] and bucket == 1:
+            state["corrupt"] = False
+            buf[17] ^= 0xFF
+
+    async def main() -> None:
+        device = "cpu"
+        if backend == "nccl":
+            torch.cuda.set_device(1 if torch.cuda.device_count() > 1 else 0)
+            device = "cuda"
+        fetcher = CollectiveFetcher(backend, address, consumer_id="rollout-0", group="test", corrupt_hook=damage)
+        for version, mode, timeout_s in plan:
+            fetcher.timeout_s = timeout_s
+            state["corrupt"] = mode == "corrupt"
+            try:
+                got = {}
+                async for bucket in fetcher.fetch(common_pb2.WeightsRef(policy_version=version)):
+                    for name, t in bucket:
+                        assert t.device.type == device
+                        got[name] = t.cpu().clone()
+                want = {n: t for b in make_buckets(version) for n, t in b}
+                same = set(got) == set(want) and all(
+                    got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items()
+                )
+                results.put(("recv", version, "identical" if same else "DIFFERENT", fetcher.nacks_sent))
+            except Exception as exc:
+                results.put(("recv", version, f"{type(exc).__name__}: {exc}", fetcher.nacks_sent))
+        await fetcher.close()
+
+    asyncio.run(main())
