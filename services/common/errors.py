@@ -27,6 +27,11 @@ class InvalidArgument(MeshError, ValueError):
         self.reason = reason
         super().__init__(f"{field}: {reason}")
 
+    def __reduce__(self) -> tuple[type[InvalidArgument], tuple[str, str]]:
+        # Pickle by (field, reason): Ray moves exceptions between processes (Serve replica ->
+        # proxy); the default would call cls(message) and fail.
+        return (type(self), (self.field, self.reason))
+
 
 class ConfigError(MeshError, ValueError):
     """A config file or override is invalid; the message names the key and the fix."""
@@ -74,7 +79,12 @@ class MissingDependency(MeshError, ImportError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
     def __init__(self, what: str, install_hint: str) -> None:
+        self.what = what
+        self.install_hint = install_hint
         super().__init__(f"{what} is not available: {install_hint}")
+
+    def __reduce__(self) -> tuple[type[MissingDependency], tuple[str, str]]:
+        return (type(self), (self.what, self.install_hint))
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
