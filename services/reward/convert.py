@@ -40,7 +40,7 @@ def sample_from_item(item: reward_pb2.ScoreItem, where: str) -> Sample:
         response=item.response_text,
         ground_truth=item.ground_truth,
         prompt=item.prompt_text,
-        response_token_ids=tuple(item.response_token_ids),
+        response_token_ids=item.response_token_ids,  # the proto's repeated field, not copied
         extra_info=_extra_info(item.extra_info_json, f"{where}.extra_info_json"),
         policy_version=item.policy_version,
         max_response_length=item.max_response_length,

@@ -11,7 +11,8 @@ Routing, by data_source (first match wins):
 4. the catch-all remote endpoint (empty data_sources);
 otherwise the item is rejected with INVALID_ARGUMENT.
 
-Scoring. Built-in regex scorers run inline; blocking scorers (Math-Verify, sync custom functions)
+Scoring. Built-in regex scorers run inline; a batch custom function (reward_manager: batch) is
+called once with all its items, in the pool, with `item_timeout_s` per item as its deadline; blocking scorers (Math-Verify, sync custom functions)
 run in the BlockingPool with `item_timeout_s` each; async custom functions are awaited with the
 same deadline; remote routes get their samples in one call (the endpoint client batches, retries
 and waits). A scorer result is normalised like verl does: a number, a dict with `score` (its other
@@ -48,6 +49,7 @@ log = get_logger(__name__)
 # Inline scorers yield to the event loop after this many items, so a huge batch of cheap checks
 # does not hold up other requests.
 _INLINE_CHUNK = 256
+_MAX_CACHED_ROUTES = 4096
 
 
 class ScorerError(MeshError):
@@ -69,6 +71,7 @@ class _LocalRoute:
     fn: Any
     blocking: bool
     is_async: bool = False
+    batched: bool = False
 
 
 @dataclass
@@ -141,15 +144,27 @@ class RewardPipeline:
                 assert ds not in self._by_source, f"data_source {ds} routed twice (config validation)"
                 self._by_source[ds] = route.scorer
         self._custom_route = (
-            _LocalRoute(custom.name, custom.fn, blocking=not custom.is_async, is_async=custom.is_async) if custom else None
+            _LocalRoute(custom.name, custom.fn, blocking=not custom.is_async, is_async=custom.is_async, batched=custom.batched)
+            if custom
+            else None
         )
         self._builtin_routes: dict[str, _LocalRoute] = {}
+        self._routes: dict[str, _LocalRoute | RemoteScorer | None] = {}
         self._totals = _Totals()
         self._started = time.time()
 
     # ---- routing ---------------------------------------------------------------------------------
 
     def _route(self, data_source: str) -> _LocalRoute | RemoteScorer | None:
+        try:
+            return self._routes[data_source]
+        except KeyError:
+            route = self._find_route(data_source)
+            if len(self._routes) < _MAX_CACHED_ROUTES:  # data_sources come from callers: bound the cache
+                self._routes[data_source] = route
+            return route
+
+    def _find_route(self, data_source: str) -> _LocalRoute | RemoteScorer | None:
         remote = self._by_source.get(data_source)
         if remote is not None:
             return remote
@@ -206,7 +221,7 @@ class RewardPipeline:
         """One outcome per sample, in order: its Score, or the error that kept it from being
         scored (a batch from several requests fails only the requests whose items failed)."""
         outcomes: list[Score | MeshError | None] = [None] * len(samples)
-        remote_groups: dict[int, tuple[RemoteScorer, list[int]]] = {}
+        remote_groups: dict[int, tuple[RemoteScorer | _LocalRoute, list[int]]] = {}
         inline: list[tuple[int, _LocalRoute]] = []
         waits: list[asyncio.Future[None]] = []
         for i, s in enumerate(samples):
@@ -214,14 +229,19 @@ class RewardPipeline:
             if route is None:
                 outcomes[i] = InvalidArgument("data_source", f"no scorer for {s.data_source!r} (item {s.item_id!r})")
             elif isinstance(route, _LocalRoute):
-                if route.blocking or route.is_async:
+                if route.batched:
+                    remote_groups.setdefault(id(route), (route, []))[1].append(i)
+                elif route.blocking or route.is_async:
                     waits.append(asyncio.ensure_future(self._score_deferred(route, s, i, outcomes)))
                 else:
                     inline.append((i, route))
             else:
                 remote_groups.setdefault(id(route), (route, []))[1].append(i)
         for scorer, idx in remote_groups.values():
-            waits.append(asyncio.ensure_future(self._score_remote(scorer, samples, idx, outcomes)))
+            if isinstance(scorer, _LocalRoute):
+                waits.append(asyncio.ensure_future(self._score_batched(scorer, samples, idx, outcomes)))
+            else:
+                waits.append(asyncio.ensure_future(self._score_remote(scorer, samples, idx, outcomes)))
         for n, (i, route) in enumerate(inline):
             outcomes[i] = self._call_inline(route, samples[i])
             if n % _INLINE_CHUNK == _INLINE_CHUNK - 1:
@@ -282,6 +302,36 @@ class RewardPipeline:
             outcomes[i] = exc
         except Exception as exc:  # noqa: BLE001 -- a scorer's bug becomes this item's error, with context
             outcomes[i] = self._scorer_failed(route, sample, exc)
+
+    async def _score_batched(
+        self, route: _LocalRoute, samples: Sequence[Sample], idx: list[int], outcomes: list[Score | MeshError | None]
+    ) -> None:
+        self._totals.by_route[route.name] += len(idx)
+        batch = [samples[i] for i in idx]
+        kwargs = {
+            "data_sources": [s.data_source for s in batch], "solution_strs": [s.response for s in batch],
+            "ground_truths": [s.ground_truth for s in batch], "extra_infos": [dict(s.extra_info) for s in batch],
+        }
+        timeout_s = self.item_timeout_s * len(batch)
+        try:
+            if route.is_async:
+                raw = await asyncio.wait_for(route.fn(**kwargs), timeout_s)
+            else:
+                raw = await self.pool.run(route.fn, kwargs, timeout_s=timeout_s)
+            if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(raw) != len(batch):
+                got = len(raw) if isinstance(raw, Sequence) else type(raw).__name__
+                raise ScorerError(f"batch reward function {route.name} returned {got} results for {len(batch)} items")
+            for i, s, r in zip(idx, batch, raw, strict=True):
+                outcomes[i] = normalize(r, route.name, s)
+        except TimeoutError:
+            self._totals.timeouts += len(batch)
+            log.warning("scorer_timeout", scorer=route.name, items=len(batch), timeout_s=timeout_s)
+            for i, s in zip(idx, batch, strict=True):
+                outcomes[i] = Score(s.item_id, 0.0, {"score": 0.0, "timeout": 1.0})
+        except Exception as exc:  # noqa: BLE001 -- a scorer's bug becomes its items' error, with context
+            err = exc if isinstance(exc, MeshError) else self._scorer_failed(route, batch[0], exc)
+            for i in idx:
+                outcomes[i] = err
 
     def _scorer_failed(self, route: _LocalRoute, sample: Sample, exc: Exception) -> ScorerError:
         log.error("scorer_failed", scorer=route.name, item_id=sample.item_id, data_source=sample.data_source, exc_info=exc)

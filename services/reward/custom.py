@@ -5,6 +5,10 @@ import its siblings, like a script) or an importable module ("my_pkg.rewards"). 
 verl's signature `compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)` and
 returns a number or a dict with `score`; it may be `async def`. `reward_kwargs` are passed on
 every call (verl binds them the same way).
+
+With `reward_model.reward_manager: batch` the function has verl's batch signature instead,
+`compute_score(data_sources, solution_strs, ground_truths, extra_infos, **kwargs)` returning one
+result per item, and is called once per scored batch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class CustomFunction:
     """"path:name", for logs and errors."""
     fn: Callable[..., Any]
     is_async: bool
+    batched: bool = False
+    """verl's batch signature (lists in, a list out)."""
 
 
 def _looks_like_file(path: str) -> bool:
@@ -72,7 +78,9 @@ def _load_module(path: str) -> ModuleType:
         ) from exc
 
 
-def load_custom_function(path: str, name: str = "compute_score", reward_kwargs: Mapping[str, Any] | None = None) -> CustomFunction:
+def load_custom_function(
+    path: str, name: str = "compute_score", reward_kwargs: Mapping[str, Any] | None = None, *, batched: bool = False
+) -> CustomFunction:
     """Load `name` from `path` (see module docstring). Raises ConfigError naming the key to fix."""
     module = _load_file(path) if _looks_like_file(path) else _load_module(path)
     fn = getattr(module, name, None)
@@ -84,4 +92,4 @@ def load_custom_function(path: str, name: str = "compute_score", reward_kwargs: 
     is_async = inspect.iscoroutinefunction(fn)
     if reward_kwargs:
         fn = functools.partial(fn, **dict(reward_kwargs))
-    return CustomFunction(name=f"{path}:{name}", fn=fn, is_async=is_async)
+    return CustomFunction(name=f"{path}:{name}", fn=fn, is_async=is_async, batched=batched)

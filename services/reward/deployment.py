@@ -35,7 +35,8 @@ from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
 
 from .factory import build_pipeline
-from .samples import Sample, Score
+from .samples import Sample
+from .samples import Score as RewardScore  # `Score` is also the RPC method's name below
 from .servicer import RewardServicer
 
 log = get_logger(__name__)
@@ -47,11 +48,11 @@ APP_NAME = "reward"
 ROUTE_PREFIX = "/reward"
 
 
-def _slice(task: asyncio.Future[list[Score | MeshError]], start: int, n: int) -> asyncio.Future[list[Score]]:
+def _slice(task: asyncio.Future[list[RewardScore | MeshError]], start: int, n: int) -> asyncio.Future[list[RewardScore]]:
     """A future for items [start, start+n) of a batch: their scores, or the first error among them."""
-    out: asyncio.Future[list[Score]] = asyncio.get_running_loop().create_future()
+    out: asyncio.Future[list[RewardScore]] = asyncio.get_running_loop().create_future()
 
-    def done(t: asyncio.Future[list[Score | MeshError]]) -> None:
+    def done(t: asyncio.Future[list[RewardScore | MeshError]]) -> None:
         if out.done():
             return
         if t.cancelled():
@@ -84,8 +85,8 @@ class RewardDeployment:
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
         self.servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request, score_fn=self._score)
-        self._batch.set_max_batch_size(cfg.reward.max_batch_size)
-        self._batch.set_batch_wait_timeout_s(cfg.reward.batch_wait_timeout_s)
+        self._batch.set_max_batch_size(cfg.reward.max_batch_size)  # type: ignore[attr-defined]
+        self._batch.set_batch_wait_timeout_s(cfg.reward.batch_wait_timeout_s)  # type: ignore[attr-defined]
         self._inflight: set[asyncio.Future[Any]] = set()
         tags = ("endpoint",)
         self._m_items = metrics.Counter("meshrl_reward_items", "Items scored by this replica.")
@@ -118,12 +119,12 @@ class RewardDeployment:
 
     # ---- batching ---------------------------------------------------------------------------------
 
-    async def _score(self, samples: Sequence[Sample]) -> list[Score]:
+    async def _score(self, samples: Sequence[Sample]) -> list[RewardScore]:
         fut = await self._batch(list(samples))
         return await fut
 
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.01)
-    async def _batch(self, requests: list[list[Sample]]) -> list[asyncio.Future[list[Score]]]:
+    async def _batch(self, requests: list[list[Sample]]) -> list[asyncio.Future[list[RewardScore]]]:
         flat = [s for r in requests for s in r]
         task = asyncio.ensure_future(self.pipeline.score_each(flat))
         self._inflight.add(task)
@@ -179,7 +180,8 @@ def build_app(cfg: MeshConfig) -> Application:
         cfg = cfg.model_copy(deep=True)
         cfg.custom_reward_function.path = str(Path(crf.path).expanduser().resolve())
     options = deployment_options(cfg.serve.reward)
-    return RewardDeployment.options(**options).bind(cfg.model_dump(mode="json"))
+    deployment = RewardDeployment.options(**options)  # type: ignore[attr-defined]
+    return deployment.bind(cfg.model_dump(mode="json"))  # type: ignore[no-any-return]
 
 
 def app_builder(args: dict[str, Any]) -> Application:

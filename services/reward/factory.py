@@ -29,7 +29,8 @@ def build_pipeline(cfg: MeshConfig) -> RewardPipeline:
     """The scoring pipeline a config describes: built-ins, the custom function, endpoints, stages.
     Raises ConfigError when the custom function cannot be loaded."""
     crf = cfg.custom_reward_function
-    custom = load_custom_function(crf.path, crf.name, crf.reward_kwargs) if crf.path else None
+    batched = cfg.reward_model.reward_manager == "batch"
+    custom = load_custom_function(crf.path, crf.name, crf.reward_kwargs, batched=batched) if crf.path else None
     remotes = [
         RemoteRoute(EndpointClient(ep, index=i), frozenset(ep.data_sources)) for i, ep in enumerate(cfg.reward.endpoints)
     ]

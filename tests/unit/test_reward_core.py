@@ -299,3 +299,20 @@ def test_overlong_needs_token_counts_and_a_long_enough_cap() -> None:
         p.validate([sample(0, "meshrl/addition", "68", "68", response_token_ids=[1], max_response_length=4)])
     assert err.value.field == "items[0].max_response_length"
     p.validate([sample(0, "meshrl/addition", "", "68")])  # an empty response has 0 tokens: fine
+
+
+def test_verl_batch_reward_function() -> None:
+    cfg = load_config(
+        None,
+        [f"custom_reward_function.path={FIXTURE}", "custom_reward_function.name=compute_score_batch",
+         "reward_model.reward_manager=batch"],
+    )
+    p = build_pipeline(cfg)
+    items = [sample(i, "any", f"<answer>{i % 2}</answer>", "1") for i in range(5)]
+    scores = run(p.score(items))
+    assert [s.score for s in scores] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert all(s.metrics["batch_size"] == 5 for s in scores)  # one call for the whole batch
+
+    wrong_len = CustomFunction("m:b", lambda **kw: [1.0], is_async=False, batched=True)
+    outcomes = run(RewardPipeline(custom=wrong_len).score_each(items[:2]))
+    assert all(isinstance(o, ScorerError) and "returned 1 results for 2 items" in str(o) for o in outcomes)

@@ -27,3 +27,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def compute_score_scaled(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
     """Returns a bare float; `scale` comes from custom_reward_function.reward_kwargs."""
     return float(extract_answer(solution_str) == ground_truth) * scale
+
+
+def compute_score_batch(data_sources, solution_strs, ground_truths, extra_infos):
+    """verl's BatchRewardManager signature: lists in, one result per item out."""
+    results = []
+    for i in range(len(solution_strs)):
+        pred, truth = extract_answer(solution_strs[i]), ground_truths[i]
+        results.append({"score": float(pred == truth), "acc": pred == truth, "batch_size": len(solution_strs)})
+    return results
