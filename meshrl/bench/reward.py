@@ -180,20 +180,21 @@ def _serve_cases(
     import ray
     from ray import serve
 
-    from services.reward.deployment import GRPC_SERVICER_FUNCTIONS, build_app
+    from services.common.serve_util import init_ray, start_serve
+    from services.reward.deployment import build_app
 
     out: dict[str, Any] = {}
     grpc_port = _free_port()
-    ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    init_ray()
     try:
-        serve.start(grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
-                    http_options={"port": _free_port()})
+        start_serve(grpc_port, http_port=_free_port())
         apps: dict[str, list[str]] = {"serve_grpc": []}
         if external is not None:
             apps["serve_grpc_to_external"] = [_endpoint_override(external)]
         for name, overrides in apps.items():
             app = name.replace("_", "-")
-            serve.run(build_app(_cfg(["reward.max_batch_size=16", *overrides])), name=app, route_prefix=f"/{app}")
+            cfg = _cfg(["reward.max_batch_size=16", *overrides])
+            serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=app, route_prefix=f"/{app}")
 
             async def go(app: str = app) -> dict[str, Any]:
                 async with client_cls(f"127.0.0.1:{grpc_port}", application=app, timeout_s=120) as client:

@@ -27,9 +27,7 @@ class InvalidArgument(MeshError, ValueError):
         self.reason = reason
         super().__init__(f"{field}: {reason}")
 
-    def __reduce__(self) -> tuple[type[InvalidArgument], tuple[str, str]]:
-        # Pickle by (field, reason): Ray moves exceptions between processes (Serve replica ->
-        # proxy); the default would call cls(message) and fail.
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable across Ray processes
         return (type(self), (self.field, self.reason))
 
 
@@ -83,7 +81,7 @@ class MissingDependency(MeshError, ImportError):
         self.install_hint = install_hint
         super().__init__(f"{what} is not available: {install_hint}")
 
-    def __reduce__(self) -> tuple[type[MissingDependency], tuple[str, str]]:
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable across Ray processes
         return (type(self), (self.what, self.install_hint))
 
 

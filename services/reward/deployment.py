@@ -1,7 +1,7 @@
 """The reward service as a Ray Serve application: a thin shim over RewardServicer.
 
-    serve.start(grpc_options={"port": 9000, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+    start_serve(9000)   # services.common.serve_util: the gRPC ingress for every meshrl service
+    serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=APP_NAME, route_prefix=ROUTE_PREFIX)
     # gRPC: RewardClient("127.0.0.1:9000", application="reward")
     # in-cluster: HandleScorer(serve.get_app_handle("reward"))
 
@@ -28,11 +28,12 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.util import metrics
 
+from meshrl.v1 import reward_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.errors import MeshError
-from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
+from services.common.serve_util import SERVICER_FUNCTIONS, grpc_shim
 
 from .factory import build_pipeline
 from .samples import Sample
@@ -41,7 +42,8 @@ from .servicer import RewardServicer
 
 log = get_logger(__name__)
 
-GRPC_SERVICER_FUNCTIONS = ["meshrl.v1.reward_pb2_grpc.add_RewardServiceServicer_to_server"]
+SERVICE = reward_pb2.DESCRIPTOR.services_by_name["RewardService"]
+GRPC_SERVICER_FUNCTIONS = SERVICER_FUNCTIONS
 APP_NAME = "reward"
 # Serve's proxies only route to applications that have a route prefix, gRPC included (there the
 # `application` metadata picks the app); with route_prefix=None the ingress answers NOT_FOUND.
@@ -73,18 +75,20 @@ def _slice(task: asyncio.Future[list[RewardScore | MeshError]], start: int, n: i
     return out
 
 
-@serve.deployment(name="RewardDeployment")
+@serve.deployment(name="Reward")
+@grpc_shim(SERVICE)
 class RewardDeployment:
-    """One reward replica. gRPC ingress calls `Score`; handles call `score_request`."""
+    """One reward replica. gRPC ingress calls `Score` (added by grpc_shim); handles call
+    `score_request`, which raises MeshErrors instead of setting a status."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = MeshConfig.model_validate(config)
         ctx = serve.get_replica_context()
         replica = getattr(getattr(ctx, "replica_id", None), "unique_id", None)
-        configure_logging("reward", replica=replica)
+        configure_logging("reward", json=True, replica=replica)
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
-        self.servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request, score_fn=self._score)
+        self._servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request, score_fn=self._score)
         self._batch.set_max_batch_size(cfg.reward.max_batch_size)  # type: ignore[attr-defined]
         self._batch.set_batch_wait_timeout_s(cfg.reward.batch_wait_timeout_s)  # type: ignore[attr-defined]
         self._inflight: set[asyncio.Future[Any]] = set()
@@ -97,15 +101,11 @@ class RewardDeployment:
         self._last_counts = (0, 0)
         log.info("reward_replica_ready", stages=[s.name for s in self.pipeline.stages], endpoints=len(self.pipeline.remotes))
 
-    # ---- gRPC ingress and handle entry points -----------------------------------------------------
-
-    async def Score(self, request: Any, grpc_context: Any = None) -> Any:
-        """meshrl.v1.RewardService/Score (Serve's gRPC proxy passes `grpc_context`)."""
-        return await self.servicer.Score(request, grpc_context if grpc_context is not None else LocalContext())
+    # ---- handle entry points ------------------------------------------------------------------------
 
     async def score_request(self, request: Any) -> Any:
         """ScoreRequest -> ScoreResponse for DeploymentHandle callers; raises MeshErrors."""
-        return await self.servicer.score_request(request)
+        return await self._servicer.score_request(request)
 
     def status(self) -> dict[str, Any]:
         self._export_metrics()
@@ -171,10 +171,12 @@ def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
     return opts
 
 
-def build_app(cfg: MeshConfig) -> Application:
-    """The reward application for `cfg` (its `serve.reward` section sets replicas, CPUs and
-    autoscaling). A custom reward file path is made absolute, so replicas find it whatever their
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder (also the `import_path` target of serve-config YAML):
+    args = {config: MeshConfig as a dict}. The config's `serve.reward` section sets replicas, CPUs
+    and autoscaling. A custom reward file path is made absolute, so replicas find it whatever their
     working directory."""
+    cfg = MeshConfig.model_validate(args.get("config", {}))
     crf = cfg.custom_reward_function
     if crf.path and (crf.path.endswith(".py") or "/" in crf.path) and Path(crf.path).expanduser().is_file():
         cfg = cfg.model_copy(deep=True)
@@ -183,8 +185,3 @@ def build_app(cfg: MeshConfig) -> Application:
     deployment = RewardDeployment.options(**options)  # type: ignore[attr-defined]
     return deployment.bind(cfg.model_dump(mode="json"))  # type: ignore[no-any-return]
 
-
-def app_builder(args: dict[str, Any]) -> Application:
-    """For `serve deploy` / serve.yaml: `import_path: services.reward.deployment:app_builder`,
-    `args: {config: {...MeshConfig...}}`."""
-    return build_app(MeshConfig.model_validate(args.get("config", {})))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,61 +21,49 @@ from meshrl.v1 import reward_pb2_grpc
 from services.common.config import load_config
 from services.common.errors import InvalidArgument
 from services.reward.client import HandleScorer, RewardClient
+from tests.integration.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "reward_server" / "server.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def mesh() -> Iterator[dict[str, Any]]:
-    import ray
+def mesh(serve_grpc_port: int) -> Iterator[dict[str, Any]]:
     from ray import serve
 
-    from services.reward.deployment import APP_NAME, GRPC_SERVICER_FUNCTIONS, ROUTE_PREFIX, build_app
+    from services.reward.deployment import APP_NAME, ROUTE_PREFIX, build_app
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     judge_port = free_port()
     judge = subprocess.Popen(
         [sys.executable, str(EXAMPLE), "--port", str(judge_port)], stdout=subprocess.PIPE, env=env, text=True
     )
-    assert judge.stdout is not None and "listening" in judge.stdout.readline()
-    cfg = load_config(
-        None,
-        [
-            f"reward.endpoints=[{{address: '127.0.0.1:{judge_port}', name: judge, data_sources: [ext/judge]}}]",
-            "reward.max_batch_size=16",
-            "reward.batch_wait_timeout_s=0.02",
-            "data.max_response_length=16",
-            "reward_model.overlong_buffer.enable=true",
-            "reward_model.overlong_buffer.len=8",
-            "reward_model.overlong_buffer.log=true",
-            "serve.reward.num_cpus=0.25",
-        ],
-    )
-    grpc_port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     try:
-        serve.start(
-            grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
-            http_options={"port": free_port()},
+        assert judge.stdout is not None and "listening" in judge.stdout.readline()
+        cfg = load_config(
+            None,
+            [
+                f"reward.endpoints=[{{address: '127.0.0.1:{judge_port}', name: judge, data_sources: [ext/judge]}}]",
+                "reward.max_batch_size=16",
+                "reward.batch_wait_timeout_s=0.02",
+                "data.max_response_length=16",
+                "reward_model.overlong_buffer.enable=true",
+                "reward_model.overlong_buffer.len=8",
+                "reward_model.overlong_buffer.log=true",
+                "serve.reward.num_cpus=0.25",
+            ],
         )
-        handle = serve.run(build_app(cfg), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+        handle = serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=APP_NAME, route_prefix=ROUTE_PREFIX)
+        address = f"127.0.0.1:{serve_grpc_port}"
 
         async def ready() -> None:
-            async with RewardClient(f"127.0.0.1:{grpc_port}", application=APP_NAME) as client:
+            async with RewardClient(address, application=APP_NAME) as client:
                 await client.wait_ready(120)
 
         asyncio.run(ready())
-        yield {"address": f"127.0.0.1:{grpc_port}", "handle": handle}
+        yield {"address": address, "handle": handle}
+        serve.delete(APP_NAME)
     finally:
-        serve.shutdown()
-        ray.shutdown()
         judge.terminate()
         judge.wait(30)
 
