@@ -1,4 +1,4 @@
-"""A complete external reward service: meshrl.v1.RewardService in ~150 lines of Python.
+"""A complete external reward service: meshrl.v1.RewardService in ~120 lines of Python.
 
     python examples/reward_server/server.py --port 50061
     # then, in the meshrl config:

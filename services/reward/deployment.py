@@ -163,7 +163,13 @@ def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
         actor["resources"] = dict(app.resources)
     if app.runtime_env:
         actor["runtime_env"] = dict(app.runtime_env)
-    opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": app.max_ongoing_requests}
+    opts: dict[str, Any] = {
+        "ray_actor_options": actor,
+        "max_ongoing_requests": app.max_ongoing_requests,
+        # One access-log line per Score call is noise at rollout rates (and CPU on small hosts);
+        # the meshrl_reward_* metrics and status() carry the counts.
+        "logging_config": {"enable_access_log": False},
+    }
     if app.autoscaling is not None:
         opts["autoscaling_config"] = app.autoscaling.model_dump()
     else:

@@ -164,3 +164,21 @@ def test_errors_survive_pickling() -> None:
     err = pickle.loads(pickle.dumps(InvalidArgument("items[2].data_source", "no scorer")))
     assert (err.field, err.reason, str(err)) == ("items[2].data_source", "no scorer", "items[2].data_source: no scorer")
     assert str(pickle.loads(pickle.dumps(MissingDependency("math-verify", "pip install math-verify")))).startswith("math-verify")
+
+
+def test_serve_options_from_the_config() -> None:
+    """serve.reward becomes Serve deployment options that Serve itself accepts (no Ray needed)."""
+    from services.common.config import load_config
+    from services.reward.deployment import RewardDeployment, deployment_options
+
+    cfg = load_config(
+        None,
+        ["serve.reward.num_cpus=2", "serve.reward.resources={NPU: 1}",
+         "serve.reward.autoscaling={min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}"],
+    )
+    opts = deployment_options(cfg.serve.reward)
+    assert opts["ray_actor_options"] == {"num_cpus": 2.0, "resources": {"NPU": 1.0}}
+    assert opts["autoscaling_config"]["max_replicas"] == 4 and "num_replicas" not in opts
+    RewardDeployment.options(**opts)  # type: ignore[attr-defined]  # Serve validates the options
+    fixed = deployment_options(load_config(None, ["serve.reward.num_replicas=3"]).serve.reward)
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
