@@ -229,7 +229,13 @@ class EndpointClient:
         """Scores for `samples`, in order (see module docstring for waiting and errors)."""
         n = self.cfg.batch_size
         chunks = [list(samples[i : i + n]) for i in range(0, len(samples), n)]
-        results = await asyncio.gather(*(self._score_chunk(c) for c in chunks))
+        tasks = [asyncio.ensure_future(self._score_chunk(c)) for c in chunks]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # one chunk failed (or we were cancelled): stop the others waiting
+                t.cancel()
+            raise
         return [s for chunk in results for s in chunk]
 
     async def _score_chunk(self, samples: list[Sample]) -> list[Score]:

@@ -242,3 +242,13 @@ def test_tls_with_a_private_ca(tmp_path: Path) -> None:
         await server.stop(None)
 
     asyncio.run(go())
+
+
+def test_reward_client_retries_then_reports_unavailable() -> None:
+    async def go() -> None:
+        items, _ = gsm8k_items(1)
+        async with RewardClient(f"127.0.0.1:{free_port()}", max_retries=2, backoff_s=0.01, timeout_s=5) as client:
+            with pytest.raises(Unavailable, match="UNAVAILABLE"):
+                await client(items)
+
+    asyncio.run(go())
