@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 
@@ -241,3 +241,5 @@ class CustomRewardFunctionConfig(ConfigModel):
     """Python file or importable module with the function."""
     name: str = "compute_score"
     """Function name."""
+    reward_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments passed to the function on every call (verl's `reward_kwargs`)."""
