@@ -5,10 +5,7 @@ plane."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +17,6 @@ from services.param_server.client import ParamServerClient
 from services.param_server.deployment import APP_NAME, DEPLOYMENT_NAME, build_app
 from services.param_server.transports.grpc import GrpcFetcher, GrpcPublisher
 from services.param_server.transports.object_store import ObjectStoreFetcher, ObjectStorePublisher, ServeDirectory
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def buckets(seed: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -38,35 +33,17 @@ def same(got: dict[str, torch.Tensor], seed: int) -> bool:
     return set(got) == set(want) and all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def serve_app() -> Iterator[int]:
-    ray = pytest.importorskip("ray")
+def serve_app(serve_grpc_port: int) -> Iterator[int]:
+    """The param server app on the session's Serve (shared fixture), removed afterwards."""
     from ray import serve
-    from ray.serve.config import gRPCOptions
 
-    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", object_store_memory=200 << 20)
-    grpc_port = free_port()
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": free_port()},
-        grpc_options=gRPCOptions(
-            port=grpc_port,
-            grpc_servicer_functions=["meshrl.v1.param_server_pb2_grpc.add_ParamServerServiceServicer_to_server"],
-        ),
-    )
     cfg = MeshConfig.model_validate({"param_server": {"port": 0, "retain_versions": 1}})
-    serve.run(build_app(cfg), name=APP_NAME, route_prefix="/param_server")
+    serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=APP_NAME, route_prefix="/param_server")
     try:
-        yield grpc_port
+        yield serve_grpc_port
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete(APP_NAME)
 
 
 @pytest.fixture
