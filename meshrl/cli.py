@@ -7,6 +7,7 @@
     meshrl set-staleness VALUE --address HOST:PORT [--token T]
     meshrl bench coordinator [--out FILE]
     meshrl bench reward [--out FILE]
+    meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -110,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batch-size", type=int, default=64, help="items per Score call")
     pr.add_argument("--concurrency", type=int, default=4, help="concurrent callers")
     pr.add_argument("--no-serve", action="store_true", help="skip the Ray Serve cases")
+    pw = bsub.add_parser("weights", help="publish + fetch GB/s per weight transport vs memcpy / raw broadcast")
+    pw.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pw.add_argument("--size-gb", type=float, default=1.0, help="bytes of one version, in GiB")
+    pw.add_argument("--bucket-mb", type=int, default=256, help="bucket size (update_weights_bucket_megabytes)")
+    pw.add_argument("--rounds", type=int, default=2, help="steady-state rounds after the cold one")
+    pw.add_argument("--transports", default="grpc,object_store,disk,gloo",
+                    help="comma list of grpc, object_store, disk, gloo, nccl (nccl needs 2 GPUs)")
     return parser
 
 
@@ -280,6 +288,11 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_reward_benchmark(
             seconds=args.seconds, batch_size=args.batch_size, concurrency=args.concurrency, serve=not args.no_serve
         )
+    elif args.bench_command == "weights":
+        from meshrl.bench.weights import run_benchmark as run_weights_benchmark
+
+        result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
+                                       transports=tuple(t for t in args.transports.split(",") if t))
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

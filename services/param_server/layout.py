@@ -29,6 +29,7 @@ import itertools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -183,6 +184,11 @@ def unpack(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> list[tuple[str,
     return out
 
 
+def host_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a memoryview (no copy)."""
+    return memoryview(cast(Any, t.numpy())).cast("B")
+
+
 def round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
@@ -303,7 +309,7 @@ def _device_columns(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 def sha256_tensor(buffer: torch.Tensor, nbytes: int) -> str:
     host = buffer[:nbytes] if buffer.device.type == "cpu" else buffer[:nbytes].cpu()
-    return hashlib.sha256(memoryview(host.numpy())).hexdigest()
+    return hashlib.sha256(host_view(host)).hexdigest()
 
 
 # ---- manifests ----------------------------------------------------------------------------------

@@ -40,13 +40,14 @@ def add_to_server(servicer: ParamServerServicer, server: Any) -> None:
             response_serializer=wire.fetch_response_serializer,
         ),
     }
-    for name, req, resp in [
+    unary: list[tuple[str, Any, Any]] = [
         ("GetManifest", pb.GetManifestRequest, pb.GetManifestResponse),
         ("ListVersions", pb.ListVersionsRequest, pb.ListVersionsResponse),
         ("AcquireVersion", pb.AcquireVersionRequest, pb.AcquireVersionResponse),
         ("ReleaseVersion", pb.ReleaseVersionRequest, pb.ReleaseVersionResponse),
         ("Rendezvous", pb.RendezvousRequest, pb.RendezvousResponse),
-    ]:
+    ]
+    for name, req, resp in unary:
         handlers[name] = grpc.unary_unary_rpc_method_handler(
             getattr(servicer, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
         )

@@ -25,6 +25,7 @@ from services.common.grpc_util import rpc_method
 from services.common.logging import get_logger
 
 from . import convert
+from .layout import host_view
 from .rendezvous import RendezvousBoard
 from .store import Upload, WeightStore
 from .wire import RawChunk
@@ -112,6 +113,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                         f"{self.transfer_timeout_s:.0f}s transfer deadline passed); the partial version was dropped"
                     ) from None
                 now = self.clock()
+                item: Any
                 if isinstance(req, RawChunk):
                     kind, item = "chunk", req
                 else:
@@ -191,7 +193,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                 buckets = list(range(len(m.buckets)))
             yield param_server_pb2.FetchWeightsResponse(manifest=convert.manifest_to_proto(m))
             for i in buckets:
-                view = memoryview(stored.buffers[i].numpy())
+                view = host_view(stored.buffers[i])
                 for off in range(0, len(view), chunk):
                     yield RawChunk(m.policy_version, i, off, view[off : off + chunk])
         self.store.sweep(self.clock())

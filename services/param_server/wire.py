@@ -128,7 +128,7 @@ def _serializer(message: Any) -> bytes:
     return message.SerializeToString()  # type: ignore[no-any-return]
 
 
-def _deserializer(cls: type) -> Callable[[bytes], Any]:
+def _deserializer(cls: Any) -> Callable[[bytes], Any]:
     def parse(raw: bytes) -> Any:
         chunk = decode_chunk(raw)
         return chunk if chunk is not None else cls.FromString(raw)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
+import queue
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -10,14 +12,15 @@ from typing import Any
 import torch
 
 
-def make_buckets(seed: int) -> list[list[tuple[str, torch.Tensor]]]:
+def make_buckets(seed: int, device: str = "cpu") -> list[list[tuple[str, torch.Tensor]]]:
     g = torch.Generator().manual_seed(seed)
-    return [
+    buckets = [
         [("model.embed_tokens.weight", torch.randn(300, 7, generator=g).bfloat16()),
          ("model.norm.weight", torch.randn(13, generator=g)), ("flag", torch.tensor(True))],
         [("model.layers.0.mlp.down_proj.weight", torch.randn(1000, 100, generator=g))],
         [("lm_head.weight", torch.randn(5, 7, generator=g).bfloat16())],
     ]
+    return [[(n, t.to(device)) for n, t in b] for b in buckets]
 
 
 def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -36,7 +39,8 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
         pub = CollectivePublisher(backend, address, receivers=1, group="test", timeout_s=timeout_s)
         for version, mode in plan:
             try:
-                buckets = make_buckets(version) if mode == "ok" else _hanging(version, timeout_s + 2)
+                device = "cuda" if backend == "nccl" else "cpu"
+                buckets = make_buckets(version, device) if mode == "ok" else _hanging(version, timeout_s + 2)
                 ref = await pub.publish(version, buckets)
                 results.put(("sent", version, ref.manifest_checksum, pub.resent_buckets))
             except Exception as exc:
@@ -84,3 +88,48 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
         await fetcher.close()
 
     asyncio.run(main())
+
+
+def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: float = 240.0) -> dict:
+    """Run a sender and a receiver process against a param server in this process; returns
+    {(role, version): (outcome, count), "versions": [...]}."""
+    import services.common.config  # noqa: F401
+    from services.param_server.config import ParamServerConfig
+    from services.param_server.server import ParamServerServer
+
+    async def main() -> dict:
+        server = ParamServerServer(ParamServerConfig(port=0))
+        await server.start()
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, 8.0), daemon=True),
+            ctx.Process(target=receiver, args=(server.address, backend, receiver_plan, results), daemon=True),
+        ]
+        for p in procs:
+            p.start()
+        got: dict = {}
+        end = time.monotonic() + deadline_s
+        try:
+            while len(got) < len(sender_plan) + len(receiver_plan):
+                try:
+                    role, version, outcome, count = results.get_nowait()
+                    got[(role, version)] = (outcome, count)
+                except queue.Empty:
+                    if time.monotonic() > end:
+                        raise AssertionError(f"collective test timed out; results so far: {got}") from None
+                    if not all(p.is_alive() for p in procs) and results.empty():
+                        await asyncio.sleep(1.0)
+                        if results.empty():
+                            raise AssertionError(f"a worker died: {[p.exitcode for p in procs]}; results {got}") from None
+                    await asyncio.sleep(0.1)
+            got["versions"] = [s.policy_version for s in server.servicer.store.versions()]
+            return got
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            await server.stop()
+
+    return asyncio.run(main())

@@ -4,58 +4,12 @@ GPU machine (tests/gpu/test_param_server_nccl.py) and hccl on Ascend."""
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing as mp
-import queue
-import time
-
 import pytest
 
 import services.common.config  # noqa: F401  (config tree first)
 from services.common.errors import MissingDependency
-from services.param_server.config import ParamServerConfig
-from services.param_server.server import ParamServerServer
 
-from . import collective_workers as workers
-
-
-def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: float = 240.0) -> dict:
-    async def main() -> dict:
-        server = ParamServerServer(ParamServerConfig(port=0))
-        await server.start()
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        procs = [
-            ctx.Process(target=workers.sender, args=(server.address, backend, sender_plan, results, 8.0), daemon=True),
-            ctx.Process(target=workers.receiver, args=(server.address, backend, receiver_plan, results), daemon=True),
-        ]
-        for p in procs:
-            p.start()
-        got: dict = {}
-        end = time.monotonic() + deadline_s
-        try:
-            while len(got) < len(sender_plan) + len(receiver_plan):
-                try:
-                    role, version, outcome, count = results.get_nowait()
-                    got[(role, version)] = (outcome, count)
-                except queue.Empty:
-                    if time.monotonic() > end:
-                        raise AssertionError(f"collective test timed out; results so far: {got}") from None
-                    if not all(p.is_alive() for p in procs) and results.empty():
-                        await asyncio.sleep(1.0)
-                        if results.empty():
-                            raise AssertionError(f"a worker died: {[p.exitcode for p in procs]}; results {got}") from None
-                    await asyncio.sleep(0.1)
-            got["versions"] = [s.policy_version for s in server.servicer.store.versions()]
-            return got
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-            await server.stop()
-
-    return asyncio.run(main())
+from .collective_workers import run_pair
 
 
 def test_gloo_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:

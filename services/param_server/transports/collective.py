@@ -140,8 +140,15 @@ class _Group:
         self.generation = generation
         self.dev = dev
         self.store = store
+        if dev.accelerator:
+            dev.mod.set_device(dev.device)  # this may run in a worker thread (device is per thread)
         self.pg = _make_backend(backend, store, rank, size, datetime.timedelta(seconds=timeout_s))
         self.broken = False
+        # One tiny all-reduce forms the communicator here (NCCL/HCCL create it lazily, blocking the
+        # caller), inside the caller's deadline-bounded thread rather than on the event loop later.
+        warm = torch.zeros(1, dtype=torch.int64, device=dev.device)
+        self.allreduce_sum(warm).wait()
+        dev.synchronize()
 
     def broadcast(self, t: torch.Tensor) -> Any:
         import torch.distributed as dist
@@ -156,7 +163,7 @@ class _Group:
         import torch.distributed as dist
 
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         with self.dev.comm():
             return self.pg.allreduce([t], opts)
 
@@ -513,6 +520,7 @@ class CollectiveFetcher(_CollectiveBase):
                 if self._corrupt_hook is not None:
                     await group.wait(data_work, deadline, "receiving (test hook)")
                     self._corrupt_hook(t, index, buf)
+                    dev.synchronize()  # the damage lands before the verify stream reads the slot
                 columns = None
                 if dev.accelerator:
                     with dev.mod.stream(dev.verify_stream):

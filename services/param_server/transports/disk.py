@@ -40,6 +40,7 @@ from ..layout import (
     TensorMeta,
     as_bytes,
     dtype_from_safetensors,
+    host_view,
     safetensors_dtype,
     unpack,
     validate_manifest,
@@ -88,7 +89,7 @@ def _write_bucket(path: Path, planned: PlannedBucket, policy_version: int) -> st
         for meta, (_, t) in ordered:
             if not meta.nbytes:
                 continue
-            data = memoryview(as_bytes(t).cpu().numpy())
+            data = host_view(as_bytes(t).cpu())
             fp.update(meta.offset, data)
             f.write(data)
     return fp.hexdigest()
@@ -186,7 +187,7 @@ def _read_bucket(path: Path, metas: list[TensorMeta], nbytes: int, buf: torch.Te
             if (dtype_from_safetensors(e["dtype"]) != m.dtype or tuple(e["shape"]) != m.shape
                     or e["data_offsets"] != [m.offset, m.offset + m.nbytes]):
                 raise DataLoss(f"{path}: tensor {m.name} differs from the manifest")
-        view = memoryview(buf.numpy())
+        view = host_view(buf)
         got = 0
         while got < nbytes:
             n = f.readinto(view[got:])

@@ -31,7 +31,7 @@ from services.common.logging import get_logger
 
 from .. import convert
 from ..client import ParamServerClient
-from ..layout import Fingerprinter, Manifest, fingerprint_bytes, pack_into, unpack
+from ..layout import Fingerprinter, Manifest, fingerprint_bytes, host_view, pack_into, unpack
 from ..wire import RawChunk
 from .base import (
     Bucket,
@@ -53,8 +53,8 @@ def _pack(planned: PlannedBucket, buf: torch.Tensor, sha: bool) -> tuple[str, st
     pack_into(buf, planned.named, planned.metas)
     if any(t.device.type != "cpu" for _, t in planned.named):
         torch.cuda.synchronize() if torch.cuda.is_available() else None
-    host = buf.numpy()
-    return fingerprint_bytes(host), hashlib.sha256(memoryview(host)).hexdigest() if sha else ""
+    host = host_view(buf)
+    return fingerprint_bytes(host), hashlib.sha256(host).hexdigest() if sha else ""
 
 
 class GrpcPublisher:
@@ -110,7 +110,7 @@ class GrpcPublisher:
                 slot ^= 1
                 pending = start(next(planned_iter, None), slot)  # packs while this bucket is on the wire
                 yield pb.PublishWeightsRequest(bucket=convert.bucket_to_proto(meta))
-                view = memoryview(buf.numpy())
+                view = host_view(buf)
                 for off in range(0, planned.nbytes, self.chunk_bytes):
                     yield RawChunk(version, planned.index, off, view[off : off + self.chunk_bytes])
                     last_progress[0] = time.monotonic()

@@ -1,0 +1,412 @@
+"""`meshrl bench weights`: publish + fetch time and GB/s per weight transport, against physical
+baselines measured in the same run.
+
+Baselines
+  memcpy      host copy of the same bytes into an already-touched buffer (the physical bound;
+              `memcpy_fresh` copies into new memory, which pays the page faults a receiver pays
+              when it does not reuse buffers)
+  broadcast   (--gpu) torch.distributed.broadcast of the same bytes from GPU 0 to GPU 1, in the
+              same processes as the nccl transport: the same buckets back to back, and the whole
+              payload as one tensor
+
+Transports (the real publishers and fetchers; one version = all the bytes)
+  grpc          param server in its own process (plain grpc.aio), publisher and fetcher here
+  object_store  Ray + the param server Serve app; publisher and fetcher here (same node)
+  disk          a temporary directory (page cache)
+  gloo / nccl   trainer rank 0 and one receiver in two processes; rendezvous at a param server
+                in this process
+
+Round 0 is cold (connections, allocations, page faults); rounds 1..N are steady state (each new
+version reuses the buffers the previous ones released, as in training). Reported: cold, best and
+median steady. Targets: grpc >= 1 GB/s (publish and fetch each), object_store >= 50% of memcpy
+(end to end: publish then fetch), nccl >= 80% of the raw broadcast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import platform
+import queue
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import services.common.config  # noqa: F401  (config tree first)
+from meshrl.v1 import common_pb2
+
+GiB = 1 << 30
+MiB = 1 << 20
+TENSOR_BYTES = 32 * MiB
+
+
+def plan_sizes(total_bytes: int, bucket_bytes: int) -> list[list[tuple[str, torch.dtype, int]]]:
+    """(name, dtype, nbytes) per tensor, per bucket: bf16 and fp32 tensors of up to 32 MiB,
+    alternating, adding up to `total_bytes` (a multiple of 4)."""
+    buckets: list[list[tuple[str, torch.dtype, int]]] = [[]]
+    filled = used = i = 0
+    while used < total_bytes:
+        n = min(TENSOR_BYTES, total_bytes - used)
+        if filled + n > bucket_bytes and buckets[-1]:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append((f"model.layers.{i}.weight", torch.bfloat16 if i % 2 == 0 else torch.float32, n))
+        filled += n
+        used += n
+        i += 1
+    return buckets
+
+
+def make_weights(total_bytes: int, bucket_bytes: int, device: str = "cpu", seed: int = 0) -> list[list[tuple[str, torch.Tensor]]]:
+    """Random tensors laid out as `plan_sizes` says."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for bucket in plan_sizes(total_bytes, bucket_bytes):
+        named = []
+        for name, dtype, n in bucket:
+            words = torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=device, generator=g)
+            t = words.view(dtype)
+            named.append((name, t.view(-1, 1024) if t.numel() % 1024 == 0 else t))
+        out.append(named)
+    return out
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def _summary(nbytes: int, rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """Cold round, best and median of the steady rounds, per timed field."""
+    out: dict[str, Any] = {"rounds": rounds}
+    steady = rounds[1:] or rounds
+    for key in rounds[0]:
+        xs = [r[key] for r in steady]
+        out[key] = {"cold_s": round(rounds[0][key], 4), "best_s": round(min(xs), 4), "median_s": round(statistics.median(xs), 4),
+                    "best_GBps": _gbps(nbytes, min(xs)), "median_GBps": _gbps(nbytes, statistics.median(xs))}
+    return out
+
+
+def memcpy_baseline(nbytes: int, repeats: int = 3) -> dict[str, Any]:
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(7)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.fill_(0)  # touch every page first
+    warm = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        warm.append(time.perf_counter() - t0)
+    del dst
+    t0 = time.perf_counter()
+    fresh = torch.empty(nbytes, dtype=torch.uint8)
+    fresh.copy_(src)
+    fresh_s = time.perf_counter() - t0
+    del fresh, src
+    return {"memcpy": {"best_s": round(min(warm), 4), "best_GBps": _gbps(nbytes, min(warm))},
+            "memcpy_fresh": {"s": round(fresh_s, 4), "GBps": _gbps(nbytes, fresh_s)}}
+
+
+async def _rounds(publish: Callable[[int], Any], fetch: Callable[[common_pb2.WeightsRef], Any], rounds: int) -> list[dict[str, float]]:
+    out = []
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        ref = await publish(r + 1)
+        t1 = time.perf_counter()
+        got = await fetch(ref)
+        t2 = time.perf_counter()
+        assert got == ref.total_bytes, f"fetched {got} of {ref.total_bytes} bytes"
+        out.append({"publish": t1 - t0, "fetch": t2 - t1, "end_to_end": t2 - t0})
+    return out
+
+
+async def _drain(stream: Any) -> int:
+    n = 0
+    async for bucket in stream:
+        n += sum(t.numel() * t.element_size() for _, t in bucket)
+    return n
+
+
+def _serve_param_server(cfg: dict[str, Any], out: Any) -> None:
+    from services.param_server.config import ParamServerConfig
+    from services.param_server.server import ParamServerServer
+
+    async def main() -> None:
+        server = ParamServerServer(ParamServerConfig.model_validate(cfg))
+        await server.start()
+        out.put(server.address)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def bench_grpc(weights: list, nbytes: int, rounds: int, chunk_mb: int) -> dict[str, Any]:
+    from services.param_server.transports.grpc import GrpcFetcher, GrpcPublisher
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_serve_param_server, args=({"port": 0, "retain_versions": 1, "chunk_mb": chunk_mb}, q),
+                       daemon=True)
+    proc.start()
+    try:
+        address = q.get(timeout=120)
+
+        async def main() -> list[dict[str, float]]:
+            pub = GrpcPublisher(address, chunk_bytes=chunk_mb * MiB)
+            fetcher = GrpcFetcher(consumer_id="bench", chunk_bytes=chunk_mb * MiB)
+            try:
+                return await _rounds(lambda v: pub.publish(v, weights), lambda ref: _drain(fetcher.fetch(ref)), rounds)
+            finally:
+                await pub.close()
+                await fetcher.close()
+
+        return {"where": "param server in a second process, loopback", **_summary(nbytes, asyncio.run(main()))}
+    finally:
+        proc.kill()
+
+
+def bench_disk(weights: list, nbytes: int, rounds: int) -> dict[str, Any]:
+    from services.param_server.transports.disk import DiskFetcher, DiskPublisher, version_dir
+
+    root = tempfile.mkdtemp(prefix="meshrl-bench-weights-")
+
+    async def main() -> list[dict[str, float]]:
+        pub = DiskPublisher(root)
+        fetcher = DiskFetcher(root, consumer_id="bench")
+
+        async def publish(v: int) -> common_pb2.WeightsRef:
+            if v > 1:
+                shutil.rmtree(version_dir(pub.root, v - 1), ignore_errors=True)
+            return await pub.publish(v, weights)
+
+        try:
+            return await _rounds(publish, lambda ref: _drain(fetcher.fetch(ref)), rounds)
+        finally:
+            await pub.close()
+            await fetcher.close()
+
+    try:
+        return {"where": f"{root} (local filesystem, page cache)", **_summary(nbytes, asyncio.run(main()))}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_object_store(weights: list, nbytes: int, rounds: int) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from services.common.config import MeshConfig
+    from services.common.serve_util import init_ray
+    from services.param_server.deployment import APP_NAME, build_app
+    from services.param_server.transports.object_store import ObjectStoreFetcher, ObjectStorePublisher, ServeDirectory
+
+    started = not ray.is_initialized()
+    init_ray(num_cpus=4)
+    serve.start(logging_config={"enable_access_log": False, "log_level": "WARNING"})
+    cfg = MeshConfig.model_validate({"param_server": {"port": 0, "retain_versions": 1}})
+    serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=APP_NAME, route_prefix="/param_server")
+    try:
+        async def main() -> list[dict[str, float]]:
+            directory = ServeDirectory.from_app()
+            pub = ObjectStorePublisher(directory)
+            fetcher = ObjectStoreFetcher(directory, consumer_id="bench", verify="remote")
+            return await _rounds(lambda v: pub.publish(v, weights), lambda ref: _drain(fetcher.fetch(ref)), rounds)
+
+        result = {"where": "Ray object store, same node (zero-copy reads; fingerprint at publish)",
+                  **_summary(nbytes, asyncio.run(main()))}
+    finally:
+        serve.delete(APP_NAME)
+        if started:
+            serve.shutdown()
+            ray.shutdown()
+    return result
+
+
+# ---- collective (two processes) ---------------------------------------------------------------
+
+
+def _collective_worker(role: str, backend: str, address: str, total: int, bucket: int, rounds: int,
+                       barrier: Any, out: Any, raw_port: int) -> None:
+    from services.param_server.transports.collective import CollectiveFetcher, CollectivePublisher
+
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(0 if role == "sender" else 1)
+        device = "cuda"
+    results: dict[str, Any] = {"role": role}
+    weights = make_weights(total, bucket, device) if role == "sender" else None
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    if backend == "nccl":  # the physical baseline, in these same two processes
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{raw_port}", rank=0 if role == "sender" else 1,
+                                world_size=2, device_id=torch.device("cuda", torch.cuda.current_device()))
+        sizes = [sum(n for _, _, n in b) for b in plan_sizes(total, bucket)]
+        if role == "sender":
+            assert weights is not None
+            flat = [torch.cat([t.reshape(-1).view(torch.uint8) for _, t in b]) for b in weights]
+        else:
+            flat = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        whole = torch.empty(total, dtype=torch.uint8, device=device)
+        raw_bucketed, raw_whole = [], []
+        for _ in range(rounds + 1):
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            for t in flat:
+                dist.broadcast(t, src=0)
+            sync()
+            raw_bucketed.append(time.perf_counter() - t0)
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            dist.broadcast(whole, src=0)
+            sync()
+            raw_whole.append(time.perf_counter() - t0)
+        results["raw_bucketed"], results["raw_whole"] = raw_bucketed, raw_whole
+        del flat, whole
+        torch.cuda.empty_cache()
+
+    async def main() -> list[float]:
+        times = []
+        if role == "sender":
+            pub = CollectivePublisher(backend, address, receivers=1, group="bench", timeout_s=600)
+            for v in range(1, rounds + 2):
+                barrier.wait()
+                t0 = time.perf_counter()
+                ref = await pub.publish(v, weights or [])
+                sync()
+                times.append(time.perf_counter() - t0)
+                assert ref.total_bytes == total
+            await pub.close()
+        else:
+            fetcher = CollectiveFetcher(backend, address, consumer_id="bench-rank-1", group="bench", timeout_s=600)
+            for v in range(1, rounds + 2):
+                barrier.wait()
+                t0 = time.perf_counter()
+                got = await _drain(fetcher.fetch(common_pb2.WeightsRef(policy_version=v)))
+                sync()
+                times.append(time.perf_counter() - t0)
+                assert got == total, f"received {got} of {total} bytes"
+            await fetcher.close()
+        return times
+
+    results["transport"] = asyncio.run(main())
+    out.put(results)
+
+
+def bench_collective(backend: str, total: int, bucket: int, rounds: int) -> dict[str, Any]:
+    from services.param_server.config import ParamServerConfig
+    from services.param_server.server import ParamServerServer
+
+    async def main() -> dict[str, Any]:
+        server = ParamServerServer(ParamServerConfig(port=0, retain_versions=1))
+        await server.start()
+        ctx = mp.get_context("spawn")
+        out, barrier = ctx.Queue(), ctx.Barrier(2)
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            raw_port = s.getsockname()[1]
+        procs = [ctx.Process(target=_collective_worker, args=(role, backend, server.address, total, bucket, rounds,
+                                                             barrier, out, raw_port), daemon=True)
+                 for role in ("sender", "receiver")]
+        for p in procs:
+            p.start()
+        got: dict[str, Any] = {}
+        try:
+            while len(got) < 2:
+                try:
+                    r = out.get_nowait()
+                    got[r["role"]] = r
+                except queue.Empty:
+                    if any(p.exitcode not in (None, 0) for p in procs):
+                        raise RuntimeError(f"a {backend} worker failed: exit codes {[p.exitcode for p in procs]}") from None
+                    await asyncio.sleep(0.2)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            await server.stop()
+        return got
+
+    got = asyncio.run(main())
+    per_round = [{"broadcast": max(a, b)} for a, b in zip(got["sender"]["transport"], got["receiver"]["transport"], strict=True)]
+    result: dict[str, Any] = {"where": "two processes" + (", GPU 0 -> GPU 1" if backend == "nccl" else ", CPU"),
+                              **_summary(total, per_round)}
+    if "raw_bucketed" in got["sender"]:
+        for key in ("raw_bucketed", "raw_whole"):
+            rounds_ = [{"broadcast": max(a, b)} for a, b in zip(got["sender"][key], got["receiver"][key], strict=True)]
+            result[key] = _summary(total, rounds_)["broadcast"]
+    return result
+
+
+def run_benchmark(
+    *,
+    size_gb: float = 1.0,
+    bucket_mb: int = 256,
+    rounds: int = 2,
+    transports: tuple[str, ...] = ("grpc", "object_store", "disk", "gloo"),
+    chunk_mb: int = 4,
+) -> dict[str, Any]:
+    total = int(size_gb * GiB)
+    bucket = bucket_mb * MiB
+    result: dict[str, Any] = {
+        "benchmark": "weights",
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                    if torch.cuda.is_available() else []},
+        "bytes": total, "bucket_bytes": bucket, "rounds": rounds, "chunk_mb": chunk_mb,
+        "baselines": memcpy_baseline(total),
+        "transports": {},
+    }
+    host = [t for t in transports if t in ("grpc", "object_store", "disk")]
+    if host:
+        weights = make_weights(total, bucket)
+        for name in host:
+            fn = {"grpc": lambda: bench_grpc(weights, total, rounds, chunk_mb),
+                  "object_store": lambda: bench_object_store(weights, total, rounds),
+                  "disk": lambda: bench_disk(weights, total, rounds)}[name]
+            try:
+                result["transports"][name] = fn()
+            except Exception as exc:  # noqa: BLE001 -- one transport failing must not lose the others
+                result["transports"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        del weights
+    for name in [t for t in transports if t in ("gloo", "nccl")]:
+        try:
+            result["transports"][name] = bench_collective(name, total, bucket, rounds)
+        except Exception as exc:  # noqa: BLE001
+            result["transports"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+    result["targets"] = _targets(result)
+    return result
+
+
+def _targets(r: dict[str, Any]) -> dict[str, Any]:
+    t = r["transports"]
+    memcpy = r["baselines"]["memcpy"]["best_GBps"]
+    out: dict[str, Any] = {}
+    if "publish" in t.get("grpc", {}):
+        pub, fet = t["grpc"]["publish"]["median_GBps"], t["grpc"]["fetch"]["median_GBps"]
+        out["grpc_ge_1GBps"] = {"publish_GBps": pub, "fetch_GBps": fet, "met": min(pub, fet) >= 1.0}
+    if "end_to_end" in t.get("object_store", {}):
+        e2e = t["object_store"]["end_to_end"]["median_GBps"]
+        out["object_store_ge_50pct_memcpy"] = {"end_to_end_GBps": e2e, "memcpy_GBps": memcpy,
+                                               "ratio": round(e2e / memcpy, 3), "met": e2e >= 0.5 * memcpy}
+    if "raw_bucketed" in t.get("nccl", {}):
+        raw = max(t["nccl"]["raw_bucketed"]["best_GBps"], t["nccl"]["raw_whole"]["best_GBps"])
+        got = t["nccl"]["broadcast"]["median_GBps"]
+        out["nccl_ge_80pct_broadcast"] = {"transport_GBps": got, "raw_broadcast_GBps": raw,
+                                          "ratio": round(got / raw, 3), "met": got >= 0.8 * raw}
+    return out

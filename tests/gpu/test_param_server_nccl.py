@@ -1,0 +1,32 @@
+"""The collective transport over NCCL: trainer rank 0 on GPU 0, a rollout rank on GPU 1, the
+group formed through a real param server. Needs 2 CUDA devices (NCCL refuses two ranks on one
+device). Run by scripts/gpu/weights.sh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import services.common.config  # noqa: F401  (config tree first)
+from tests.integration.collective_workers import run_pair
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                       reason="needs 2 CUDA devices (NCCL cannot put two ranks on one GPU)"),
+]
+
+
+def test_nccl_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
+    got = run_pair(
+        "nccl",
+        sender_plan=[(1, "ok"), (2, "ok"), (3, "hang"), (4, "ok")],
+        receiver_plan=[(1, "ok", 120.0), (2, "corrupt", 120.0), (3, "ok", 3.0), (4, "ok", 120.0)],
+        deadline_s=420.0,
+    )
+    assert got[("recv", 1)] == ("identical", 0), got  # bytes identical, bf16/fp32/bool kept, on GPU
+    assert got[("recv", 2)] == ("identical", 1) and got[("sent", 2)][1] == 1, got  # NACK + resend
+    assert got[("recv", 3)][0].startswith("DeadlineExceeded"), got  # stuck sender: no hang
+    assert got[("sent", 3)][0].startswith("DeadlineExceeded"), got
+    assert got[("recv", 4)][0] == "identical", got  # the group re-formed (new generation)
+    assert got["versions"] == [2, 4], got
