@@ -19,6 +19,7 @@ from services.common.logging import get_logger
 from . import wire
 from .config import ParamServerConfig
 from .factory import build_servicer
+from .hostmem import tune_malloc
 from .servicer import ParamServerServicer
 
 log = get_logger(__name__)
@@ -76,6 +77,8 @@ class ParamServerServer:
 
     def __init__(self, cfg: MeshConfig | ParamServerConfig, run_dir: str | os.PathLike[str] | None = None) -> None:
         self.cfg = cfg.param_server if isinstance(cfg, MeshConfig) else cfg
+        if self.cfg.tune_malloc:
+            tune_malloc()
         self.servicer = build_servicer(cfg, run_dir)
         self.server = create_server(max_message_bytes=self.cfg.max_message_mb * MiB)
         add_to_server(self.servicer, self.server)

@@ -75,6 +75,7 @@ def make_publisher(
         return mod.GrpcPublisher(  # type: ignore[no-any-return]
             address, chunk_bytes=ps.chunk_mb * MiB, timeout_s=ps.transfer_timeout_s,
             stall_timeout_s=ps.stall_timeout_s, sha256=ps.bucket_sha256, max_message_bytes=ps.max_message_mb * MiB,
+            tune_malloc=ps.tune_malloc,
         )
     if name == "object_store":
         directory = directory or mod.ServeDirectory.from_app()
@@ -110,7 +111,7 @@ def make_fetcher(
         return mod.GrpcFetcher(  # type: ignore[no-any-return]
             address, consumer_id=consumer_id, chunk_bytes=ps.chunk_mb * MiB, timeout_s=ps.transfer_timeout_s,
             stall_timeout_s=ps.stall_timeout_s, max_attempts=ps.max_fetch_attempts,
-            max_message_bytes=ps.max_message_mb * MiB,
+            max_message_bytes=ps.max_message_mb * MiB, tune_malloc=ps.tune_malloc,
         )
     if name == "object_store":
         directory = directory or mod.ServeDirectory.from_app()

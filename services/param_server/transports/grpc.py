@@ -29,7 +29,7 @@ from meshrl.v1 import param_server_pb2 as pb
 from services.common.errors import DataLoss, InvalidArgument
 from services.common.logging import get_logger
 
-from .. import convert
+from .. import convert, hostmem
 from ..client import ParamServerClient
 from ..layout import Fingerprinter, Manifest, fingerprint_bytes, host_view, pack_into, unpack
 from ..wire import RawChunk
@@ -72,7 +72,10 @@ class GrpcPublisher:
         sha256: bool = False,
         application: str | None = None,
         max_message_bytes: int = 64 * MiB,
+        tune_malloc: bool = True,
     ) -> None:
+        if tune_malloc:
+            hostmem.tune_malloc()
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
@@ -175,7 +178,10 @@ class GrpcFetcher:
         names: Iterable[str] | None = None,
         application: str | None = None,
         max_message_bytes: int = 64 * MiB,
+        tune_malloc: bool = True,
     ) -> None:
+        if tune_malloc:
+            hostmem.tune_malloc()
         if not consumer_id:
             raise InvalidArgument("consumer_id", "required (a stable id of this consumer, e.g. the replica id)")
         self.address = address

@@ -1,8 +1,8 @@
 """The `object_store` transport: Ray object refs, for consumers in the same Ray cluster.
 
-    trainer: per bucket ray.put([tensor bytes ...])  (one copy into shared memory; the
-             fingerprint is computed alongside) ─▶ param server deployment registers the
-             manifest + refs (handle call; refs stay refs)
+    trainer: ray.put(tensor bytes) per tensor (one copy into shared memory; the bucket's
+             fingerprint is computed alongside, in another thread) ─▶ the param server
+             deployment registers the manifest + refs (handle call; refs stay refs)
     rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
              ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify)
@@ -80,15 +80,17 @@ class ServeDirectory:
         await self.handle.release_version.remote(policy_version, consumer_id)
 
 
-def _layout_arrays(planned: PlannedBucket) -> tuple[list[np.ndarray], str]:
-    """Host byte arrays of a bucket's tensors in layout order, and the bucket's fingerprint."""
-    fp = Fingerprinter(planned.nbytes)
-    arrays = []
-    for meta, (_, t) in sorted(zip(planned.metas, planned.named, strict=True), key=lambda x: x[0].offset):
-        arr = as_bytes(t).cpu().numpy()
-        fp.update(meta.offset, arr)
-        arrays.append(arr)
-    return arrays, fp.hexdigest()
+def _layout_arrays(planned: PlannedBucket) -> list[tuple[int, np.ndarray]]:
+    """(offset, host bytes) of a bucket's tensors, in layout order."""
+    pairs = sorted(zip(planned.metas, planned.named, strict=True), key=lambda x: x[0].offset)
+    return [(meta.offset, as_bytes(t).cpu().numpy()) for meta, (_, t) in pairs]
+
+
+def _fingerprint(nbytes: int, arrays: list[tuple[int, np.ndarray]]) -> str:
+    fp = Fingerprinter(nbytes)
+    for offset, arr in arrays:
+        fp.update(offset, arr)
+    return fp.hexdigest()
 
 
 class ObjectStorePublisher:
@@ -105,12 +107,13 @@ class ObjectStorePublisher:
         ray = _ray()
         deadline = Deadline(self.timeout_s, f"publish of version {version} to the object store")
         builder = ManifestBuilder(version)
-        refs = []
+        refs: list[list[Any]] = []
         for planned in plan_buckets(buckets):
-            arrays, fingerprint = await asyncio.to_thread(_layout_arrays, planned)
-            refs.append(await asyncio.wait_for(asyncio.to_thread(ray.put, arrays),
-                                               timeout=deadline.check(f"putting bucket {planned.index}")))
-            builder.add(planned, fingerprint)
+            arrays = await asyncio.to_thread(_layout_arrays, planned)
+            fingerprint = asyncio.ensure_future(asyncio.to_thread(_fingerprint, planned.nbytes, arrays))
+            put = asyncio.to_thread(lambda arrays=arrays: [ray.put(a) for _, a in arrays])
+            refs.append(await asyncio.wait_for(put, timeout=deadline.check(f"putting bucket {planned.index}")))
+            builder.add(planned, await fingerprint)
         manifest = builder.build([TRANSPORT])
         await asyncio.wait_for(self.directory.register(convert.manifest_to_proto(manifest), refs),
                                timeout=deadline.check("registering the version"))
@@ -136,7 +139,7 @@ def _check_arrays(manifest: Manifest, index: int, arrays: Any, verify: bool) -> 
     metas = sorted(manifest.bucket_tensors(index), key=lambda m: m.offset)
     meta = manifest.buckets[index]
     if not isinstance(arrays, list) or len(arrays) != len(metas):
-        raise DataLoss(f"object of bucket {index} holds {len(arrays)} arrays, the manifest {len(metas)} tensors")
+        raise DataLoss(f"bucket {index} has {len(arrays)} objects, the manifest {len(metas)} tensors")
     fp = Fingerprinter(meta.nbytes) if verify else None
     out = []
     for m, arr in zip(metas, arrays, strict=True):
@@ -190,14 +193,14 @@ class ObjectStoreFetcher:
             version = manifest.policy_version  # a negative ref version asked for the newest
             if len(refs) != len(manifest.buckets):
                 raise DataLoss(f"version {version}: {len(refs)} objects for {len(manifest.buckets)} buckets")
-            for i, oref in enumerate(refs):
-                verify = self.verify == "always" or not _is_local(ray, oref)
+            for i, orefs in enumerate(refs):
+                verify = self.verify == "always" or not orefs or not _is_local(ray, orefs[0])
                 for attempt in range(1, self.max_attempts + 1):
                     try:
-                        arrays = await asyncio.wait_for(oref, timeout=deadline.check(f"getting bucket {i}"))
-                    except TimeoutError:
-                        raise deadline.stalled(f"getting bucket {i}", self.timeout_s) from None
+                        arrays = await asyncio.to_thread(ray.get, list(orefs), timeout=deadline.check(f"getting bucket {i}"))
                     except Exception as exc:
+                        if type(exc).__name__ == "GetTimeoutError":
+                            raise deadline.stalled(f"getting bucket {i}", self.timeout_s) from None
                         if type(exc).__name__ in ("ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError"):
                             raise Unavailable(
                                 f"version {version} bucket {i} is gone from the object store ({type(exc).__name__}); "
