@@ -3,6 +3,7 @@
     meshrl plan CONFIG [overrides] [--json]
     meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR]
     meshrl reward serve [CONFIG] [overrides] [--host H] [--port P]
+    meshrl param-server serve [CONFIG] [overrides] [--run-dir DIR]
     meshrl status|pause|resume|checkpoint|stop --address HOST:PORT [--token T]
     meshrl set-staleness VALUE --address HOST:PORT [--token T]
     meshrl bench coordinator [--out FILE]
@@ -76,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     ps = csub.add_parser("serve", help="serve CoordinatorService on a plain grpc.aio server")
     _config_args(ps)
     ps.add_argument("--run-dir", default=None, help="run directory (ledger, resolved config)")
+
+    p = sub.add_parser("param-server", help="run the param server without Ray (the grpc/disk/collective transports)")
+    psub = p.add_subparsers(dest="param_server_command", required=True)
+    ps = psub.add_parser("serve", help="serve ParamServerService on a plain grpc.aio server (param_server.host:port)")
+    _config_args(ps)
+    ps.add_argument("--run-dir", default=None, help="run directory (the disk transport's default weights dir)")
 
     p = sub.add_parser("reward", help="run the reward service without Ray")
     rsub = p.add_subparsers(dest="reward_command", required=True)
@@ -176,6 +183,34 @@ def _coordinator(args: argparse.Namespace) -> int:
         server = CoordinatorServer(cfg, run_dir)
         await server.start()
         print(f"coordinator listening on {server.address} (run dir {run_dir})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+@_command("param-server")
+def _param_server(args: argparse.Namespace) -> int:
+    from services.common.config import load_config
+    from services.common.logging import configure_logging
+    from services.param_server.server import ParamServerServer
+
+    config, overrides = _split_config_and_overrides(args)
+    cfg = load_config(config, overrides)
+    run_dir = _run_dir(args.run_dir, "param-server")
+    configure_logging("param_server")
+
+    async def main() -> None:
+        import signal
+
+        server = ParamServerServer(cfg, run_dir)
+        await server.start()
+        print(f"param server listening on {server.address}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

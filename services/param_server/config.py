@@ -22,8 +22,8 @@ class ParamServerConfig(ConfigModel):
     """Shared directory for the `disk` transport; null: `<run_dir>/weights`."""
     host: str = "127.0.0.1"
     """Bind address of the param server's gRPC data plane (plain server, or inside the Serve replica)."""
-    port: int = Field(default=50061, ge=0, le=65535)
-    """Port of that data plane; 0 picks a free one."""
+    port: int = Field(default=50071, ge=0, le=65535)
+    """Port of that data plane; 0 picks a free one (coordinator 50051, reward 50061)."""
     advertise_address: str | None = None
     """host:port consumers should dial (put into WeightsRef); null: `host:port` as bound (with this
     node's IP when bound to 0.0.0.0)."""

@@ -2,7 +2,7 @@
 
 Shapes (structural: the trainer and rollout define the same Protocols on their side):
 
-    publisher.publish(version, buckets) -> WeightsRef    # buckets: export_weights(bucket_bytes)
+    publisher.publish(version, buckets) -> WeightsRef    # export_weights(bucket_bytes): plain or async iterable
     fetcher.fetch(ref) -> async iterator of [(hf_name, tensor), ...]
 
 Fetcher contract, the same for every transport: buckets come out verified against the manifest;
@@ -15,7 +15,7 @@ raises (DeadlineExceeded for a stuck peer, DataLoss when a bucket stays corrupt 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -27,11 +27,12 @@ from services.common.errors import DeadlineExceeded
 from ..layout import BucketMeta, Manifest, TensorMeta, build_manifest, plan_bucket
 
 Bucket = list[tuple[str, torch.Tensor]]
+Buckets = Iterable[Bucket] | AsyncIterable[Bucket]
 
 
 @runtime_checkable
 class WeightPublisher(Protocol):
-    async def publish(self, version: int, buckets: Iterable[Bucket]) -> common_pb2.WeightsRef: ...
+    async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef: ...
 
 
 @runtime_checkable
@@ -79,11 +80,20 @@ class PlannedBucket:
     nbytes: int
 
 
-def plan_buckets(buckets: Iterable[Bucket]) -> Iterable[PlannedBucket]:
-    """Lay out buckets as they come (lazily: export_weights gathers as it goes). Empty input
-    buckets are skipped."""
+async def _iterate(buckets: Buckets) -> AsyncIterator[Bucket]:
+    if isinstance(buckets, AsyncIterable):
+        async for bucket in buckets:
+            yield bucket
+    else:
+        for bucket in buckets:
+            yield bucket
+
+
+async def plan_buckets(buckets: Buckets) -> AsyncIterator[PlannedBucket]:
+    """Lay out buckets as they come (lazily: export_weights gathers as it goes; a plain or an
+    async iterable). Empty input buckets are skipped."""
     index = 0
-    for named in buckets:
+    async for named in _iterate(buckets):
         if not named:
             continue
         metas, nbytes = plan_bucket(index, named)

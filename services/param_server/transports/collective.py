@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import datetime
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,7 @@ from ..layout import (
     round_up,
     unpack,
 )
-from .base import Bucket, Deadline, ManifestBuilder, plan_buckets
+from .base import Bucket, Buckets, Deadline, ManifestBuilder, plan_buckets
 
 log = get_logger(__name__)
 
@@ -309,13 +309,13 @@ class CollectivePublisher(_CollectiveBase):
             self.group = await self._build_group(self._store, 0, resp.world_size, resp.generation, deadline)
         return self.group
 
-    async def publish(self, version: int, buckets: Iterable[Bucket]) -> common_pb2.WeightsRef:
+    async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         deadline = Deadline(self.timeout_s, f"{self.backend} broadcast of version {version} (group {self.group_name!r})")
         if self.announce is not None:
             await self.announce(common_pb2.WeightsRef(policy_version=version, param_server_address=self.address))
         group = await self._ensure_group(version, deadline)
         try:
-            manifest = await self._send(group, version, iter(plan_buckets(buckets)), deadline)
+            manifest = await self._send(group, version, plan_buckets(buckets).__aiter__(), deadline)
         except BaseException:
             self.drop_group()
             self._store = None
@@ -340,7 +340,7 @@ class CollectivePublisher(_CollectiveBase):
         msg.tensors.extend(convert.manifest_to_proto(build_manifest(version, planned.metas, [meta])).tensors)
         return _SendRecord(planned.index, slot, padded, msg.SerializeToString())
 
-    async def _send(self, group: _Group, version: int, planned_iter: Iterator[Any], deadline: Deadline) -> Any:
+    async def _send(self, group: _Group, version: int, planned_iter: AsyncIterator[Any], deadline: Deadline) -> Any:
         dev = self.dev
         builder = ManifestBuilder(version)
         sent: dict[int, _SendRecord] = {}  # data step -> record
@@ -359,7 +359,7 @@ class CollectivePublisher(_CollectiveBase):
                 kind, rec = (ABORT, None) if prev.attempts > self.max_attempts else (DATA, prev)
                 log.warning("bucket_nacked_resending", policy_version=version, bucket=prev.index, attempt=prev.attempts)
             elif not exhausted:
-                planned = next(planned_iter, None)
+                planned = await anext(planned_iter, None)
                 if planned is None:
                     exhausted = True
                 else:

@@ -21,7 +21,7 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -47,6 +47,7 @@ from ..layout import (
 )
 from .base import (
     Bucket,
+    Buckets,
     Deadline,
     ManifestBuilder,
     PlannedBucket,
@@ -112,7 +113,7 @@ class DiskPublisher:
             await self.client.close()
         self._io.shutdown(wait=False)
 
-    async def publish(self, version: int, buckets: Iterable[Bucket]) -> common_pb2.WeightsRef:
+    async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         deadline = Deadline(self.timeout_s, f"publish of version {version} to {self.root}")
         loop = asyncio.get_running_loop()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,7 @@ class DiskPublisher:
         tmp.mkdir()
         try:
             builder = ManifestBuilder(version)
-            for planned in plan_buckets(buckets):
+            async for planned in plan_buckets(buckets):
                 fut = loop.run_in_executor(self._io, _write_bucket, bucket_file(tmp, planned.index), planned, version)
                 fingerprint = await asyncio.wait_for(fut, timeout=deadline.check(f"writing bucket {planned.index}"))
                 builder.add(planned, fingerprint)

@@ -35,6 +35,7 @@ from ..layout import Fingerprinter, Manifest, fingerprint_bytes, host_view, pack
 from ..wire import RawChunk
 from .base import (
     Bucket,
+    Buckets,
     Deadline,
     ManifestBuilder,
     PlannedBucket,
@@ -89,7 +90,7 @@ class GrpcPublisher:
         await self.client.close()
         self._io.shutdown(wait=False)
 
-    async def publish(self, version: int, buckets: Iterable[Bucket]) -> common_pb2.WeightsRef:
+    async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         deadline = Deadline(self.timeout_s, f"publish of version {version} to {self.address}")
         builder = ManifestBuilder(version)
         last_progress = [time.monotonic()]
@@ -102,16 +103,16 @@ class GrpcPublisher:
             return planned, buf, loop.run_in_executor(self._io, _pack, planned, buf, self.sha256)
 
         async def items() -> AsyncIterator[Any]:
-            planned_iter = iter(plan_buckets(buckets))
+            planned_iter = plan_buckets(buckets).__aiter__()
             slot = 0
-            pending = start(next(planned_iter, None), slot)
+            pending = start(await anext(planned_iter, None), slot)
             while pending is not None:
                 planned, buf, fut = pending
                 fingerprint, sha = await fut
                 last_progress[0] = time.monotonic()
                 meta = builder.add(planned, fingerprint, sha)
                 slot ^= 1
-                pending = start(next(planned_iter, None), slot)  # packs while this bucket is on the wire
+                pending = start(await anext(planned_iter, None), slot)  # packs while this bucket is on the wire
                 yield pb.PublishWeightsRequest(bucket=convert.bucket_to_proto(meta))
                 view = host_view(buf)
                 for off in range(0, planned.nbytes, self.chunk_bytes):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import warnings
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -31,7 +31,7 @@ from services.common.logging import get_logger
 
 from .. import convert
 from ..layout import Fingerprinter, Manifest, as_bytes
-from .base import Bucket, Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
+from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
 
 log = get_logger(__name__)
 TRANSPORT = "object_store"
@@ -86,6 +86,10 @@ def _layout_arrays(planned: PlannedBucket) -> list[tuple[int, np.ndarray]]:
     return [(meta.offset, as_bytes(t).cpu().numpy()) for meta, (_, t) in pairs]
 
 
+def _put_all(ray: Any, arrays: list[tuple[int, np.ndarray]]) -> list[Any]:
+    return [ray.put(a) for _, a in arrays]
+
+
 def _fingerprint(nbytes: int, arrays: list[tuple[int, np.ndarray]]) -> str:
     fp = Fingerprinter(nbytes)
     for offset, arr in arrays:
@@ -103,15 +107,15 @@ class ObjectStorePublisher:
         self.address = address
         self.timeout_s = timeout_s
 
-    async def publish(self, version: int, buckets: Iterable[Bucket]) -> common_pb2.WeightsRef:
+    async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         ray = _ray()
         deadline = Deadline(self.timeout_s, f"publish of version {version} to the object store")
         builder = ManifestBuilder(version)
         refs: list[list[Any]] = []
-        for planned in plan_buckets(buckets):
+        async for planned in plan_buckets(buckets):
             arrays = await asyncio.to_thread(_layout_arrays, planned)
             fingerprint = asyncio.ensure_future(asyncio.to_thread(_fingerprint, planned.nbytes, arrays))
-            put = asyncio.to_thread(lambda arrays=arrays: [ray.put(a) for _, a in arrays])
+            put = asyncio.to_thread(_put_all, ray, arrays)
             refs.append(await asyncio.wait_for(put, timeout=deadline.check(f"putting bucket {planned.index}")))
             builder.add(planned, await fingerprint)
         manifest = builder.build([TRANSPORT])
