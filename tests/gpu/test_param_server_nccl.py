@@ -20,8 +20,8 @@ pytestmark = [
 def test_nccl_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
     got = run_pair(
         "nccl",
-        sender_plan=[(1, "ok"), (2, "ok"), (3, "hang"), (4, "ok")],
-        receiver_plan=[(1, "ok", 120.0), (2, "corrupt", 120.0), (3, "ok", 3.0), (4, "ok", 120.0)],
+        sender_plan=[(1, "ok"), (2, "ok"), (3, "hang"), (4, "ok"), (5, "announce")],
+        receiver_plan=[(1, "ok", 120.0), (2, "corrupt", 120.0), (3, "ok", 3.0), (4, "ok", 120.0), (5, "announced", 120.0)],
         deadline_s=420.0,
     )
     assert got[("recv", 1)] == ("identical", 0), got  # bytes identical, bf16/fp32/bool kept, on GPU
@@ -29,4 +29,6 @@ def test_nccl_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
     assert got[("recv", 3)][0].startswith("DeadlineExceeded"), got  # stuck sender: no hang
     assert got[("sent", 3)][0].startswith("DeadlineExceeded"), got
     assert got[("recv", 4)][0] == "identical", got  # the group re-formed (new generation)
-    assert got["versions"] == [2, 4], got
+    # announce first (the trainer's CommitVersion), then broadcast; publish returns that same ref
+    assert got[("recv", 5)][0] == "identical" and got[("sent", 5)][0] == "announced ref", got
+    assert got["versions"] == [4, 5], got

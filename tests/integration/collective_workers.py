@@ -28,21 +28,28 @@ def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]
     yield from make_buckets(seed)
 
 
-def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float) -> None:
-    """Publish each (version, mode): mode "ok" or "hang"."""
+def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float,
+           notify: Any = None) -> None:
+    """Publish each (version, mode): mode "ok", "hang" or "announce" (tell the receiver through
+    `notify` first, as the trainer's CommitVersion tells rollouts through the coordinator)."""
     import services.common.config  # noqa: F401
     from services.param_server.transports.collective import CollectivePublisher
 
     async def main() -> None:
         if backend == "nccl":
             torch.cuda.set_device(0)
+        async def announce(ref: Any) -> None:
+            notify.put(ref.SerializeToString())
+
         pub = CollectivePublisher(backend, address, receivers=1, group="test", timeout_s=timeout_s)
         for version, mode in plan:
+            pub.announce = announce if mode == "announce" else None
             try:
                 device = "cuda" if backend == "nccl" else "cpu"
-                buckets = make_buckets(version, device) if mode == "ok" else _hanging(version, timeout_s + 2)
+                buckets = _hanging(version, timeout_s + 2) if mode == "hang" else make_buckets(version, device)
                 ref = await pub.publish(version, buckets)
-                results.put(("sent", version, ref.manifest_checksum, pub.resent_buckets))
+                outcome = "announced ref" if mode == "announce" and not ref.manifest_checksum else ref.manifest_checksum
+                results.put(("sent", version, outcome, pub.resent_buckets))
             except Exception as exc:
                 results.put(("sent", version, f"{type(exc).__name__}: {exc}", pub.resent_buckets))
         await pub.close()
@@ -50,8 +57,9 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
     asyncio.run(main())
 
 
-def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any) -> None:
-    """Fetch each (version, mode, timeout_s): mode "ok" or "corrupt" (damage bucket 1 once)."""
+def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any, notify: Any = None) -> None:
+    """Fetch each (version, mode, timeout_s): mode "ok", "corrupt" (damage bucket 1 once) or
+    "announced" (wait for the sender's announcement and fetch the ref it carries)."""
     import services.common.config  # noqa: F401
     from meshrl.v1 import common_pb2
     from services.param_server.transports.collective import CollectiveFetcher
@@ -73,8 +81,11 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
             fetcher.timeout_s = timeout_s
             state["corrupt"] = mode == "corrupt"
             try:
+                ref = common_pb2.WeightsRef(policy_version=version)
+                if mode == "announced":
+                    ref = common_pb2.WeightsRef.FromString(await asyncio.to_thread(notify.get, True, 60))
                 got = {}
-                async for bucket in fetcher.fetch(common_pb2.WeightsRef(policy_version=version)):
+                async for bucket in fetcher.fetch(ref):
                     for name, t in bucket:
                         assert t.device.type == device
                         got[name] = t.cpu().clone()
@@ -101,10 +112,10 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
         server = ParamServerServer(ParamServerConfig(port=0))
         await server.start()
         ctx = mp.get_context("spawn")
-        results = ctx.Queue()
+        results, notify = ctx.Queue(), ctx.Queue()
         procs = [
-            ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, 8.0), daemon=True),
-            ctx.Process(target=receiver, args=(server.address, backend, receiver_plan, results), daemon=True),
+            ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, 8.0, notify), daemon=True),
+            ctx.Process(target=receiver, args=(server.address, backend, receiver_plan, results, notify), daemon=True),
         ]
         for p in procs:
             p.start()

@@ -15,8 +15,8 @@ from .collective_workers import run_pair
 def test_gloo_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
     got = run_pair(
         "gloo",
-        sender_plan=[(1, "ok"), (2, "ok"), (3, "hang"), (4, "ok")],
-        receiver_plan=[(1, "ok", 60.0), (2, "corrupt", 60.0), (3, "ok", 3.0), (4, "ok", 60.0)],
+        sender_plan=[(1, "ok"), (2, "ok"), (3, "hang"), (4, "ok"), (5, "announce")],
+        receiver_plan=[(1, "ok", 60.0), (2, "corrupt", 60.0), (3, "ok", 3.0), (4, "ok", 60.0), (5, "announced", 60.0)],
     )
     # bytes identical, dtypes kept (bf16, fp32, bool)
     assert got[("recv", 1)] == ("identical", 0)
@@ -28,7 +28,9 @@ def test_gloo_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
     assert got[("sent", 3)][0].startswith("DeadlineExceeded")
     # and the group re-forms (new generation) for the next version
     assert got[("recv", 4)][0] == "identical" and len(got[("sent", 4)][0]) == 64
-    assert got["versions"] == [2, 4]  # 3 never completed; retention keeps the newest 2
+    # announce first (the trainer's CommitVersion), then broadcast; publish returns that same ref
+    assert got[("recv", 5)][0] == "identical" and got[("sent", 5)][0] == "announced ref", got
+    assert got["versions"] == [4, 5]  # 3 never completed; retention keeps the newest 2
 
 
 def test_hccl_fails_fast_without_torch_npu() -> None:

@@ -5,9 +5,15 @@ One code path for every backend; services/common/device.py maps the backend to t
 (nccl: cuda, hccl: npu via torch_npu, gloo: cpu). The group is a private process group over its
 own TCPStore (never the default group, which the trainer's FSDP owns).
 
-Ordering. Receivers must be in the broadcast while the sender is: the sender first announces the
-version (`announce`, e.g. the trainer's CommitVersion, so rollouts hear of it), then waits at the
-param server's rendezvous until every receiver checked in for that version, then broadcasts.
+Ordering. Receivers must be in the broadcast while the sender is, but rollouts hear of a version
+from the coordinator, after the trainer commits it. So the sender first announces the version
+(`announce(ref)`, wired to the trainer's CommitVersion), then waits at the param server's
+rendezvous until every receiver checked in for that version, then broadcasts; `publish` then
+returns the very ref it announced, so the trainer's usual CommitVersion afterwards is a no-op
+re-commit (and a retried publish of the same version re-announces harmlessly). Without
+`announce`, receivers must be told of the version some other way (tests, benchmarks). Every
+receiver of a group takes part in every version: one that skips a version stalls the sender
+until its deadline (then the group re-forms).
 
 Steps. A version goes out as steps t = 0, 1, ...; each step is one CTRL all-reduce (sum of
 int64[8]: the sender's header + the receivers' NACK of step t-2), then for a DATA step the bucket's
@@ -311,8 +317,9 @@ class CollectivePublisher(_CollectiveBase):
 
     async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         deadline = Deadline(self.timeout_s, f"{self.backend} broadcast of version {version} (group {self.group_name!r})")
+        announced = common_pb2.WeightsRef(policy_version=version, param_server_address=self.address)
         if self.announce is not None:
-            await self.announce(common_pb2.WeightsRef(policy_version=version, param_server_address=self.address))
+            await self.announce(announced)
         group = await self._ensure_group(version, deadline)
         try:
             manifest = await self._send(group, version, plan_buckets(buckets).__aiter__(), deadline)
@@ -323,6 +330,8 @@ class CollectivePublisher(_CollectiveBase):
         await self.client.register(manifest, timeout_s=max(deadline.remaining(), 1.0))
         log.info("weights_published", transport=self.backend, policy_version=version, total_bytes=manifest.total_bytes,
                  buckets=len(manifest.buckets), resent=self.resent_buckets)
+        if self.announce is not None:
+            return announced  # the same ref: the trainer's CommitVersion after publish is a no-op re-commit
         return common_pb2.WeightsRef(policy_version=version, param_server_address=self.address,
                                      manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes)
 
