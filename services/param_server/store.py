@@ -123,6 +123,7 @@ class Upload:
         self.manifest: Manifest | None = None
         self.buckets: list[_UploadBucket] = []
         self.done = False
+        self.aborted = False
 
     def touch(self, now: float) -> None:
         self.last_activity = now
@@ -139,6 +140,7 @@ class Upload:
 
     def begin_bucket(self, meta: BucketMeta | None = None) -> None:
         """Open the next bucket. `meta` may be omitted when the manifest came first."""
+        self._alive()
         index = len(self.buckets)
         if self.buckets and self.buckets[-1].received != self.buckets[-1].nbytes:
             last = self.buckets[-1]
@@ -154,8 +156,16 @@ class Upload:
         buffer = self.store.pool.take(meta.nbytes)
         self.buckets.append(_UploadBucket(meta, buffer, want_sha=self.store.settings.sha256 and bool(meta.sha256)))
 
+    def _alive(self) -> None:
+        if self.aborted:
+            raise FailedPrecondition(
+                f"the upload of version {self.policy_version} was dropped (stalled longer than "
+                "param_server.stall_timeout_s, or replaced by a newer upload of that version)"
+            )
+
     def check_chunk(self, bucket_index: int, offset: int, size: int) -> _UploadBucket:
         """Validate a chunk's place (on the loop thread) before `write` copies it."""
+        self._alive()
         while len(self.buckets) <= bucket_index:
             self.begin_bucket()  # from the manifest sent first; raises without one
         if bucket_index != len(self.buckets) - 1:
@@ -180,6 +190,7 @@ class Upload:
 
     def finish(self, now: float) -> Manifest:
         """Verify everything and make the version visible. Returns the stored manifest."""
+        self._alive()
         if self.manifest is None:
             raise InvalidArgument("manifest", "the stream ended without a manifest")
         m = self.manifest
@@ -208,10 +219,14 @@ class Upload:
         return self.store._commit(m.with_transports([GRPC_TRANSPORT]), buffers, now)
 
     def abort(self) -> None:
+        if self.aborted:
+            return
+        self.aborted = True
         for b in self.buckets:
             self.store.pool.give(b.buffer)
         self.buckets = []
-        self.store._uploads.pop(self.policy_version, None)
+        if self.store._uploads.get(self.policy_version) is self:
+            del self.store._uploads[self.policy_version]
 
 
 class WeightStore:

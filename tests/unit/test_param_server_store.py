@@ -90,7 +90,9 @@ def test_chunks_out_of_place_are_rejected_with_the_field() -> None:
         up.check_chunk(0, 8, 4)
     with pytest.raises(FailedPrecondition, match="another stream"):
         store.begin_upload(1, 1.0)
-    store.begin_upload(1, 1000.0)  # a stalled upload is replaced
+    store.begin_upload(1, 1000.0)  # a stalled upload is replaced ...
+    with pytest.raises(FailedPrecondition, match="dropped"):
+        up.check_chunk(0, 0, 4)  # ... and its stream, should it wake up, cannot write any more
 
 
 def test_versions_are_immutable_but_republishing_the_same_content_is_idempotent() -> None:

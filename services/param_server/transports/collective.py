@@ -45,7 +45,7 @@ import torch
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.device import collective_backend, import_torch_npu
-from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, MissingDependency
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
 from services.common.logging import get_logger
 
 from .. import convert
@@ -182,7 +182,11 @@ class _Group:
                 raise deadline.stalled(doing, deadline.timeout_s)
             spins += 1
             await asyncio.sleep(0 if self.dev.accelerator or spins < 100 else 0.001)
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as exc:  # a peer failed or left mid-collective
+            self.abort()
+            raise Unavailable(f"{deadline.what}: {doing} failed ({exc}); the group re-forms at the next version") from exc
 
     def abort(self) -> None:
         self.broken = True
