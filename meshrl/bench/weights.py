@@ -394,19 +394,31 @@ def run_benchmark(
 
 
 def _targets(r: dict[str, Any]) -> dict[str, Any]:
+    """Each target with the transport's median and best steady rounds; ratios to a physical
+    baseline compare best with best (the baselines are best-of-N)."""
     t = r["transports"]
     memcpy = r["baselines"]["memcpy"]["best_GBps"]
     out: dict[str, Any] = {}
     if "publish" in t.get("grpc", {}):
-        pub, fet = t["grpc"]["publish"]["median_GBps"], t["grpc"]["fetch"]["median_GBps"]
-        out["grpc_ge_1GBps"] = {"publish_GBps": pub, "fetch_GBps": fet, "met": min(pub, fet) >= 1.0}
+        g = t["grpc"]
+        out["grpc_ge_1GBps"] = {
+            "publish_GBps": {"median": g["publish"]["median_GBps"], "best": g["publish"]["best_GBps"]},
+            "fetch_GBps": {"median": g["fetch"]["median_GBps"], "best": g["fetch"]["best_GBps"]},
+            "met": min(g["publish"]["median_GBps"], g["fetch"]["median_GBps"]) >= 1.0,
+        }
     if "end_to_end" in t.get("object_store", {}):
-        e2e = t["object_store"]["end_to_end"]["median_GBps"]
-        out["object_store_ge_50pct_memcpy"] = {"end_to_end_GBps": e2e, "memcpy_GBps": memcpy,
-                                               "ratio": round(e2e / memcpy, 3), "met": e2e >= 0.5 * memcpy}
+        e2e = t["object_store"]["end_to_end"]
+        out["object_store_ge_50pct_memcpy"] = {
+            "end_to_end_GBps": {"median": e2e["median_GBps"], "best": e2e["best_GBps"]}, "memcpy_GBps": memcpy,
+            "ratio_best": round(e2e["best_GBps"] / memcpy, 3), "ratio_median": round(e2e["median_GBps"] / memcpy, 3),
+            "met": e2e["best_GBps"] >= 0.5 * memcpy,
+        }
     if "raw_bucketed" in t.get("nccl", {}):
         raw = max(t["nccl"]["raw_bucketed"]["best_GBps"], t["nccl"]["raw_whole"]["best_GBps"])
-        got = t["nccl"]["broadcast"]["median_GBps"]
-        out["nccl_ge_80pct_broadcast"] = {"transport_GBps": got, "raw_broadcast_GBps": raw,
-                                          "ratio": round(got / raw, 3), "met": got >= 0.8 * raw}
+        b = t["nccl"]["broadcast"]
+        out["nccl_ge_80pct_broadcast"] = {
+            "transport_GBps": {"median": b["median_GBps"], "best": b["best_GBps"]}, "raw_broadcast_GBps": raw,
+            "ratio_best": round(b["best_GBps"] / raw, 3), "ratio_median": round(b["median_GBps"] / raw, 3),
+            "met": b["best_GBps"] >= 0.8 * raw,
+        }
     return out

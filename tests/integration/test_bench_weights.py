@@ -1,0 +1,33 @@
+"""`meshrl bench weights` end to end at a tiny size: every case runs and reports."""
+
+from __future__ import annotations
+
+import json
+
+import services.common.config  # noqa: F401  (config tree first)
+from meshrl.bench.weights import plan_sizes, run_benchmark
+from meshrl.cli import main
+
+
+def test_bench_weights_small(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    assert sum(n for b in plan_sizes(10 << 20, 4 << 20) for _, _, n in b) == 10 << 20
+    out = tmp_path / "weights.json"
+    assert main(["bench", "weights", "--size-gb", str(8 / 1024), "--bucket-mb", "4", "--rounds", "1",
+                 "--transports", "grpc,disk", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["bytes"] == 8 << 20 and r["baselines"]["memcpy"]["best_GBps"] > 0
+    for name in ("grpc", "disk"):
+        case = r["transports"][name]
+        assert "error" not in case, case
+        assert case["publish"]["best_GBps"] > 0 and case["fetch"]["best_GBps"] > 0 and len(case["rounds"]) == 2
+    assert set(r["targets"]) == {"grpc_ge_1GBps"}
+    assert "\"benchmark\": \"weights\"" in capsys.readouterr().out
+
+
+def test_run_benchmark_reports_a_failing_transport_without_losing_the_others() -> None:
+    r = run_benchmark(size_gb=1 / 1024, bucket_mb=1, rounds=0, transports=("disk", "nccl"))
+    assert "publish" in r["transports"]["disk"]
+    import torch
+
+    if not torch.cuda.is_available():
+        assert "error" in r["transports"]["nccl"]
