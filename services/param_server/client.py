@@ -57,11 +57,23 @@ class ParamServerClient:
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = create_channel(address, max_message_bytes=max_message_bytes)
-        self.stub = param_server_pb2_grpc.ParamServerServiceStub(self._channel)
-        self._publish = wire.publish_callable(self._channel)
-        self._fetch = wire.fetch_callable(self._channel)
+        self.max_message_bytes = max_message_bytes
+        self._channel: grpc.aio.Channel | None = None
         self._md: tuple[tuple[str, str], ...] = (("application", application),) if application else ()
+
+    def _open(self) -> grpc.aio.Channel:
+        # Opened on first use, inside the caller's event loop (a client may be built outside one).
+        if self._channel is None:
+            self._channel = create_channel(self.address, max_message_bytes=self.max_message_bytes)
+            self._stub = param_server_pb2_grpc.ParamServerServiceStub(self._channel)
+            self._publish = wire.publish_callable(self._channel)
+            self._fetch = wire.fetch_callable(self._channel)
+        return self._channel
+
+    @property
+    def stub(self) -> param_server_pb2_grpc.ParamServerServiceStub:
+        self._open()
+        return self._stub
 
     async def __aenter__(self) -> ParamServerClient:
         return self
@@ -70,10 +82,12 @@ class ParamServerClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
 
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
-        await asyncio.wait_for(self._channel.channel_ready(), timeout=timeout_s)
+        await asyncio.wait_for(self._open().channel_ready(), timeout=timeout_s)
 
     def _kw(self, timeout_s: float | None) -> dict[str, Any]:
         return {"metadata": self._md, "timeout": timeout_s if timeout_s is not None else self.timeout_s}
@@ -82,6 +96,7 @@ class ParamServerClient:
 
     async def publish(self, items: AsyncIterable[Any], *, timeout_s: float) -> pb.PublishWeightsResponse:
         """Stream PublishWeightsRequest items (protos or wire.RawChunk for chunks)."""
+        self._open()
         try:
             return await self._publish(items, **self._kw(timeout_s))  # type: ignore[no-any-return]
         except grpc.aio.AioRpcError as exc:
@@ -89,6 +104,7 @@ class ParamServerClient:
 
     def fetch(self, request: pb.FetchWeightsRequest, *, timeout_s: float) -> grpc.aio.UnaryStreamCall:
         """The raw FetchWeights call: iterate it for a FetchWeightsResponse (manifest) then RawChunks."""
+        self._open()
         return self._fetch(request, **self._kw(timeout_s))  # type: ignore[no-any-return]
 
     async def register(self, manifest: Manifest, *, timeout_s: float | None = None) -> pb.PublishWeightsResponse:
