@@ -301,6 +301,10 @@ def _collective_worker(role: str, backend: str, address: str, total: int, bucket
         return times
 
     results["transport"] = asyncio.run(main())
+    if backend == "nccl":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     out.put(results)
 
 

@@ -267,7 +267,8 @@ class _SendRecord:
 
 
 class CollectivePublisher(_CollectiveBase):
-    """Trainer rank 0: broadcasts versions to the group's receivers."""
+    """Trainer rank 0: broadcasts versions to the group's receivers. On an accelerator, set the
+    process's current device (torch.cuda.set_device) before constructing it."""
 
     def __init__(
         self,
@@ -429,7 +430,8 @@ class _RecvRecord:
 
 
 class CollectiveFetcher(_CollectiveBase):
-    """A rollout rank: receives versions broadcast in its group."""
+    """A rollout rank: receives versions broadcast in its group (into its current device; the
+    yielded tensors are views of a receive buffer, valid until the next bucket is requested)."""
 
     def __init__(
         self,
