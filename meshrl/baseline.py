@@ -77,7 +77,7 @@ def build_batch(prompts: list[list[int]], samples: list[tuple[list[int], list[fl
     attn = torch.zeros((b, width), dtype=torch.long)
     resp = torch.zeros((b, width))
     rollout_lp = torch.zeros((b, width))
-    for i, (seq, (toks, lps, _)) in enumerate(zip(seqs, samples, strict=True)):
+    for i, (seq, (_, lps, _)) in enumerate(zip(seqs, samples, strict=True)):
         p = len(prompts[i // n])
         input_ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
