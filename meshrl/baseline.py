@@ -77,7 +77,7 @@ def build_batch(prompts: list[list[int]], samples: list[tuple[list[int], list[fl
     attn = torch.zeros((b, width), dtype=torch.long)
     resp = torch.zeros((b, width))
     rollout_lp = torch.zeros((b, width))
-    for i, (seq, (toks, lps, _)) in enumerate(zip(seqs, samples, strict=True)):
+    for i, (seq, (_, lps, _)) in enumerate(zip(seqs, samples, strict=True)):
         p = len(prompts[i // n])
         input_ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
@@ -137,7 +137,7 @@ async def run_baseline(cfg: MeshConfig, model_path: str | Path, scorer: Scorer, 
             items = [
                 reward_pb2.ScoreItem(
                     item_id=str(i), prompt_text=recs[i // r.n].text,
-                    response_text=tok.decode(s[0], skip_special_tokens=True), response_token_ids=s[0],
+                    response_text=str(tok.decode(s[0], skip_special_tokens=True)), response_token_ids=s[0],
                     ground_truth=recs[i // r.n].ground_truth, data_source=recs[i // r.n].data_source,
                     max_response_length=cfg.data.max_response_length, truncated=s[2] == "length",
                 )
