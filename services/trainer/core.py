@@ -73,6 +73,11 @@ class Algorithm:
     """Reads tensors advantages, old_logprobs, rollout_logprobs (and ref_logprobs)."""
     keep: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     """DAPO dynamic sampling: (per-sequence values, group_index) -> bool mask; None: keep all."""
+    values: Callable[[SequenceBatch], torch.Tensor] | None = None
+    """Per-sequence values the DAPO filter compares; None: convert.filter_values with the metric."""
+    correct: Callable[[SequenceBatch], dict[str, float]] | None = None
+    """Decoupled mode: behaviour correction applied in place to the whole step batch once old
+    logprobs are in (IS weights, rejection mask); returns metrics."""
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,9 @@ class TrainerLoop:
             )
             batch.tensors["old_logprobs"] = old
             timing["timing_s/old_logprob"] = self.clock() - t
+        correction: dict[str, float] = {}
+        if not self.s.bypass_mode and self.algorithm.correct is not None:
+            correction = self.algorithm.correct(batch)
         if self.s.use_kl_loss:
             t = self.clock()
             ref, _ = await self.group.compute_logprobs(batch, temperature=self.s.temperature, reference=True)
@@ -270,7 +278,7 @@ class TrainerLoop:
             await self._checkpoint()
             timing["timing_s/checkpoint"] = self.clock() - t
         end = self.clock()
-        self._record(batch, got, results, timing, wait_s=got.wait_s, train_s=end - t1, step_s=end - t0)
+        self._record(batch, got, results, {**correction, **timing}, wait_s=got.wait_s, train_s=end - t1, step_s=end - t0)
         return not got.exhausted
 
     async def _collect(self, step: int) -> _Collected:
@@ -322,7 +330,8 @@ class TrainerLoop:
             return [True] * len(groups)
         batch = groups_to_batch(groups, self.s.pad_token_id)
         gi = batch.seq_tensors["group_index"]
-        mask = self.algorithm.keep(filter_values(batch, self.s.filter_metric), gi).bool()
+        values = self.algorithm.values(batch) if self.algorithm.values else filter_values(batch, self.s.filter_metric)
+        mask = self.algorithm.keep(values, gi).bool()
         if mask.numel() == len(groups):
             return [bool(x) for x in mask.tolist()]
         assert mask.numel() == gi.numel(), "dynamic_sampling_keep must return one flag per sequence or per group"

@@ -132,14 +132,23 @@ def algorithm_from_config(cfg: MeshConfig) -> Algorithm:
             "services.trainer.algos (advantages and losses)", f"this checkout lacks the RL algorithms: {exc}"
         ) from exc
     algo_cfg = cfg.algorithm
+    metric = algo_cfg.filter_groups.metric
 
     def advantages(batch: Any) -> Any:
         return algos.compute_advantages(batch, algo_cfg)
+
+    def values(batch: Any) -> Any:
+        return algos.dynamic_sampling_values(batch, metric)
+
+    def correct(batch: Any) -> dict[str, float]:
+        return algos.apply_rollout_correction(batch, algo_cfg)  # type: ignore[no-any-return]
 
     return Algorithm(
         compute_advantages=advantages,
         loss_fn=algos.build_loss_fn(cfg.actor_rollout_ref.actor, algo_cfg),
         keep=algos.dynamic_sampling_keep if algo_cfg.filter_groups.enable else None,
+        values=values,
+        correct=correct,
     )
 
 
