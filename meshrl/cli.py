@@ -2,9 +2,11 @@
 
     meshrl plan CONFIG [overrides] [--json]
     meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR]
+    meshrl reward serve [CONFIG] [overrides] [--host H] [--port P]
     meshrl status|pause|resume|checkpoint|stop --address HOST:PORT [--token T]
     meshrl set-staleness VALUE --address HOST:PORT [--token T]
     meshrl bench coordinator [--out FILE]
+    meshrl bench reward [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -74,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(ps)
     ps.add_argument("--run-dir", default=None, help="run directory (ledger, resolved config)")
 
+    p = sub.add_parser("reward", help="run the reward service without Ray")
+    rsub = p.add_subparsers(dest="reward_command", required=True)
+    ps = rsub.add_parser("serve", help="serve RewardService on a plain grpc.aio server")
+    _config_args(ps)
+    ps.add_argument("--host", default="127.0.0.1")
+    ps.add_argument("--port", type=int, default=50061, help="0 picks a free port")
+
     for name, helptext in [
         ("status", "show the run's status"),
         ("pause", "stop granting leases and delivering batches"),
@@ -95,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pb.add_argument("--seconds", type=float, default=5.0, help="measurement time per case")
     pb.add_argument("--no-serve", action="store_true", help="skip the Ray Serve ingress cases")
+    pr = bsub.add_parser("reward", help="samples/s: reward pipeline, Serve gRPC ingress, external service vs direct calls")
+    pr.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pr.add_argument("--seconds", type=float, default=5.0, help="measurement time per case")
+    pr.add_argument("--batch-size", type=int, default=64, help="items per Score call")
+    pr.add_argument("--concurrency", type=int, default=4, help="concurrent callers")
+    pr.add_argument("--no-serve", action="store_true", help="skip the Ray Serve cases")
     return parser
 
 
@@ -153,6 +168,33 @@ def _coordinator(args: argparse.Namespace) -> int:
         server = CoordinatorServer(cfg, run_dir)
         await server.start()
         print(f"coordinator listening on {server.address} (run dir {run_dir})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+@_command("reward")
+def _reward(args: argparse.Namespace) -> int:
+    from services.common.config import load_config
+    from services.common.logging import configure_logging
+    from services.reward.server import RewardServer
+
+    config, overrides = _split_config_and_overrides(args)
+    cfg = load_config(config, overrides)
+    configure_logging("reward")
+
+    async def main() -> None:
+        import signal
+
+        server = RewardServer(cfg, args.host, args.port)
+        await server.start()
+        print(f"reward service listening on {server.address}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -232,6 +274,12 @@ def _bench(args: argparse.Namespace) -> int:
         from meshrl.bench.coordinator import run_benchmark
 
         result = run_benchmark(seconds=args.seconds, serve=not args.no_serve)
+    elif args.bench_command == "reward":
+        from meshrl.bench.reward import run_benchmark as run_reward_benchmark
+
+        result = run_reward_benchmark(
+            seconds=args.seconds, batch_size=args.batch_size, concurrency=args.concurrency, serve=not args.no_serve
+        )
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

@@ -48,7 +48,9 @@ class ScoreItem(_message.Message):
     """Response length cap, for length-aware shaping (DAPO overlong buffer)."""
     truncated: _builtins.bool
     @_builtins.property
-    def response_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def response_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The response's tokens (their count is the length DAPO's overlong shaping measures)."""
+
     def __init__(
         self,
         *,

@@ -51,7 +51,11 @@ class RewardServiceServicer:
     """
 
     def Score(self, request, context):
-        """Scores a batch. The response has one result per item, in request order.
+        """Scores a batch. The response has one result per item, in request order, each echoing its
+        item_id. Delivery is at-least-once (an item may be sent again after a timeout), so a score
+        must be a pure function of the item. Status codes: INVALID_ARGUMENT for a malformed item
+        (surfaced, not retried); UNAVAILABLE or RESOURCE_EXHAUSTED for temporary trouble (retried with
+        backoff; meshrl holds the items and never scores them as zero).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -37,7 +37,12 @@ class RewardServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> RewardServiceAsyncStub: ...
     Score: _grpc.UnaryUnaryMultiCallable[_reward_pb2.ScoreRequest, _reward_pb2.ScoreResponse]
-    """Scores a batch. The response has one result per item, in request order."""
+    """Scores a batch. The response has one result per item, in request order, each echoing its
+    item_id. Delivery is at-least-once (an item may be sent again after a timeout), so a score
+    must be a pure function of the item. Status codes: INVALID_ARGUMENT for a malformed item
+    (surfaced, not retried); UNAVAILABLE or RESOURCE_EXHAUSTED for temporary trouble (retried with
+    backoff; meshrl holds the items and never scores them as zero).
+    """
 
 @_typing.type_check_only
 class RewardServiceAsyncStub(RewardServiceStub):
@@ -48,7 +53,12 @@ class RewardServiceAsyncStub(RewardServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Score: _aio.UnaryUnaryMultiCallable[_reward_pb2.ScoreRequest, _reward_pb2.ScoreResponse]  # type: ignore[assignment]
-    """Scores a batch. The response has one result per item, in request order."""
+    """Scores a batch. The response has one result per item, in request order, each echoing its
+    item_id. Delivery is at-least-once (an item may be sent again after a timeout), so a score
+    must be a pure function of the item. Status codes: INVALID_ARGUMENT for a malformed item
+    (surfaced, not retried); UNAVAILABLE or RESOURCE_EXHAUSTED for temporary trouble (retried with
+    backoff; meshrl holds the items and never scores them as zero).
+    """
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
     """A reward service scores responses. It is a public contract: implement it in any language and
@@ -62,6 +72,11 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _reward_pb2.ScoreRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_reward_pb2.ScoreResponse, _abc.Awaitable[_reward_pb2.ScoreResponse]]:
-        """Scores a batch. The response has one result per item, in request order."""
+        """Scores a batch. The response has one result per item, in request order, each echoing its
+        item_id. Delivery is at-least-once (an item may be sent again after a timeout), so a score
+        must be a pure function of the item. Status codes: INVALID_ARGUMENT for a malformed item
+        (surfaced, not retried); UNAVAILABLE or RESOURCE_EXHAUSTED for temporary trouble (retried with
+        backoff; meshrl holds the items and never scores them as zero).
+        """
 
 def add_RewardServiceServicer_to_server(servicer: RewardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

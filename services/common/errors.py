@@ -27,6 +27,9 @@ class InvalidArgument(MeshError, ValueError):
         self.reason = reason
         super().__init__(f"{field}: {reason}")
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable across Ray processes
+        return (type(self), (self.field, self.reason))
+
 
 class ConfigError(MeshError, ValueError):
     """A config file or override is invalid; the message names the key and the fix."""
@@ -74,7 +77,12 @@ class MissingDependency(MeshError, ImportError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
     def __init__(self, what: str, install_hint: str) -> None:
+        self.what = what
+        self.install_hint = install_hint
         super().__init__(f"{what} is not available: {install_hint}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable across Ray processes
+        return (type(self), (self.what, self.install_hint))
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

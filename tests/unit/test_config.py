@@ -100,3 +100,15 @@ def test_every_field_is_documented() -> None:
 
     walk(MeshConfig, "")
     assert not missing, f"fields without a docstring: {missing}"
+
+
+def test_errors_survive_pickling() -> None:
+    """Errors cross Ray process boundaries (Serve replica -> proxy) by pickle."""
+    import pickle
+
+    from services.common import errors
+
+    for exc in [errors.InvalidArgument("a.b", "bad"), errors.MissingDependency("x", "pip install y"),
+                errors.NotFound("gone"), errors.ConfigError("c")]:
+        again = pickle.loads(pickle.dumps(exc))
+        assert type(again) is type(exc) and str(again) == str(exc)

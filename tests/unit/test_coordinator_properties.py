@@ -53,7 +53,10 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.outstanding)
     @rule(data=st.data())
     def submit(self, data: st.DataObject) -> None:
-        ids = data.draw(st.lists(st.sampled_from(sorted(self.outstanding)), min_size=1, max_size=4, unique=True))
+        # Pick by position in insertion order: lease ids are random, positions are reproducible.
+        keys = list(self.outstanding)
+        picks = data.draw(st.lists(st.integers(0, len(keys) - 1), min_size=1, max_size=4, unique=True))
+        ids = [keys[p] for p in picks]
         groups = [group_for(i, self.outstanding[i], self.version) for i in ids]
         statuses = self.core.submit("r", groups, self.now)
         for i, s in zip(ids, statuses, strict=True):
@@ -63,7 +66,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.answered)
     @rule(data=st.data())
     def duplicate(self, data: st.DataObject) -> None:
-        i = data.draw(st.sampled_from(sorted(self.answered)))
+        keys = list(self.answered)
+        i = keys[data.draw(st.integers(0, len(keys) - 1))]
         before = self.core.queued
         statuses = self.core.submit("r", [group_for(i, self.answered[i], 0)], self.now)
         assert statuses in ([SubmitStatus.DUPLICATE], [SubmitStatus.EXPIRED])
@@ -72,7 +76,8 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.outstanding)
     @rule(data=st.data())
     def give_back(self, data: st.DataObject) -> None:
-        i = data.draw(st.sampled_from(sorted(self.outstanding)))
+        keys = list(self.outstanding)
+        i = keys[data.draw(st.integers(0, len(keys) - 1))]
         self.core.return_leases("r", [i], self.now)
         del self.outstanding[i]
 

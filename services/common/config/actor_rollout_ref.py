@@ -119,14 +119,19 @@ class ActorConfig(ConfigModel):
         "token-mean"
     )
     """How token losses are aggregated."""
+    loss_scale_factor: int | None = Field(default=None, ge=1)
+    """Divisor of `seq-mean-token-sum-norm` (Dr.GRPO's constant); null: data.max_response_length."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient."""
     use_kl_loss: bool = False
     """Add a KL(policy || reference) loss term."""
     kl_loss_coef: float = 0.001
     """Coefficient of the KL loss."""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
-    """KL estimator: k1 (`kl`), `abs`, k2 (`mse`), k3 (`low_var_kl`)."""
+    kl_loss_type: Literal[
+        "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"
+    ] = "low_var_kl"
+    """KL estimator: k1 (`kl`), `abs`, k2 (`mse`), k3 (`low_var_kl`). A `+` suffix keeps the
+    estimator's value but takes k2's (unbiased) gradient, straight-through (verl)."""
     grad_clip: float = 1.0
     """Max gradient norm."""
     policy_loss: PolicyLossConfig = PolicyLossConfig()

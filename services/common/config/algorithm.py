@@ -2,11 +2,109 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from .base import ConfigModel
+
+ROLLOUT_RS_OPTIONS: tuple[str, ...] = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+"""Rejection metrics (verl `rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS`, less `binary_kl`)."""
+
+
+def parse_is_threshold(spec: float | str) -> tuple[float, float | None]:
+    """`rollout_is_threshold` -> (upper, lower or None). A number (or numeric string) is an upper
+    bound; "lo_hi" (e.g. "0.5_5.0") is a two-sided bound. Raises ValueError naming the key."""
+    key = "algorithm.rollout_correction.rollout_is_threshold"
+    if isinstance(spec, bool):
+        raise ValueError(f"{key} must be a number or a 'lo_hi' string, not a boolean")
+    lower: float | None
+    if isinstance(spec, int | float):
+        upper, lower = float(spec), None
+    else:
+        text = spec.strip()
+        try:
+            if "_" in text:
+                lo, hi = text.split("_", 1)
+                lower, upper = float(lo), float(hi)
+            else:
+                upper, lower = float(text), None
+        except ValueError:
+            raise ValueError(f"{key}={spec!r} is neither a number nor 'lo_hi' (e.g. 2.0 or '0.5_5.0')") from None
+    if upper <= 0 or (lower is not None and lower <= 0):
+        raise ValueError(f"{key}={spec!r}: bounds must be positive")
+    if lower is not None and lower > upper:
+        raise ValueError(f"{key}={spec!r}: the lower bound exceeds the upper bound")
+    return upper, lower
+
+
+def parse_rs_options(spec: str) -> list[str]:
+    """`rollout_rs` -> its options; several may be chained with commas ("token_k1,seq_max_k2")."""
+    options: list[str] = []
+    for part in spec.split(","):
+        opt = part.strip()
+        if not opt:
+            continue
+        if opt not in ROLLOUT_RS_OPTIONS:
+            raise ValueError(
+                f"algorithm.rollout_correction.rollout_rs: unknown option {opt!r}; choose from {', '.join(ROLLOUT_RS_OPTIONS)}"
+            )
+        if opt not in options:
+            options.append(opt)
+    if not options:
+        raise ValueError("algorithm.rollout_correction.rollout_rs is empty; set it to null or e.g. seq_mean_k1")
+    return options
+
+
+def parse_rs_thresholds(options: list[str], spec: float | str) -> dict[str, tuple[float | None, float]]:
+    """`rollout_rs_threshold` -> {option: (lower, upper)} (verl's rules). One entry shared by all
+    options or one per option, comma-separated. `*_k1` options bound the ratio pi_rollout/pi_train:
+    "lo_hi", or a single `u` meaning [1/u, u]. Other options take one upper bound (lower None)."""
+    key = "algorithm.rollout_correction.rollout_rs_threshold"
+    if isinstance(spec, bool):
+        raise ValueError(f"{key} must be a number or a string, not a boolean")
+    raw = [str(spec)] if isinstance(spec, int | float) else [p.strip() for p in spec.split(",") if p.strip()]
+    if len(raw) not in (1, len(options)):
+        raise ValueError(f"{key}={spec!r}: give one threshold for all options or one per option ({len(options)})")
+    if len(raw) == 1:
+        raw = raw * len(options)
+    out: dict[str, tuple[float | None, float]] = {}
+    for opt, text in zip(options, raw, strict=True):
+        try:
+            if opt.endswith("k1"):
+                if "_" in text:
+                    lo, hi = text.split("_", 1)
+                    lower: float | None = float(lo)
+                    upper = float(hi)
+                else:
+                    upper = float(text)
+                    lower = 1.0 / upper if upper > 0 else -1.0
+            else:
+                if "_" in text:
+                    raise ValueError(f"{key}: option {opt} takes a single upper bound, got {text!r}")
+                upper, lower = float(text), None
+        except ValueError as exc:
+            if "single upper bound" in str(exc):
+                raise
+            raise ValueError(f"{key}: {text!r} is not a number (option {opt})") from None
+        if upper <= 0 or (lower is not None and lower <= 0):
+            raise ValueError(f"{key}: thresholds for {opt} must be positive, got {text!r}")
+        if lower is not None and lower > upper:
+            raise ValueError(f"{key}: lower bound exceeds upper bound for {opt} ({text!r})")
+        out[opt] = (lower, upper)
+    return out
 
 
 class KLControlConfig(ConfigModel):
@@ -33,22 +131,47 @@ class RolloutCorrectionConfig(ConfigModel):
     rollout_is: Literal["token", "sequence"] | None = None
     """Importance-sampling weight level; null: none."""
     rollout_is_threshold: float | str = 2.0
-    """Float: truncated-IS upper clamp (TIS). "lo_hi" string: two-sided mask (IcePop-style)."""
+    """Float: truncated-IS upper clamp (TIS). "lo_hi" string: two-sided mask (IcePop-style),
+    whatever `rollout_is_mode` says (as in verl)."""
     rollout_is_mode: Literal["truncate", "mask"] = "truncate"
-    """`truncate` clamps weights above the threshold; `mask` zeroes tokens/sequences outside."""
-    rollout_rs: Literal["token_k1", "seq_mean_k1", "seq_sum_k1", "seq_mean_k3", "seq_max_k2"] | None = None
-    """Rejection sampling metric; null: none."""
+    """For a float threshold: `truncate` clamps weights above it (TIS); `mask` zeroes the
+    tokens/sequences above it (MIS). A "lo_hi" threshold always masks."""
+    rollout_rs: str | None = None
+    """Rejection metric(s), comma-separated: token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3,
+    seq_max_k2|k3 (verl names); null: none. A token/sequence is kept only if every option passes."""
     rollout_rs_threshold: float | str | None = None
-    """Upper bound, or "lo_hi" for a two-sided bound, of the rejection metric."""
+    """Bounds of the rejection metric(s), one shared or one per option (comma-separated). `*_k1`:
+    bounds of the ratio pi_rollout/pi_train as "lo_hi", or `u` for [1/u, u]; others: an upper bound."""
     rollout_is_batch_normalize: bool = False
     """Normalize IS weights to mean 1 over the batch."""
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
-    """Policy-gradient form used with the correction."""
+    """Bypass-mode policy gradient: `ppo_clip` (ratio to the rollout logprobs; IS weights only
+    logged, as in verl) or `reinforce` (-A * w * log pi with detached IS weights w)."""
+
+    @field_validator("rollout_is_threshold")
+    @classmethod
+    def _is_threshold(cls, value: float | str) -> float | str:
+        parse_is_threshold(value)
+        return value
+
+    @field_validator("rollout_rs")
+    @classmethod
+    def _rs_options(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_rs_options(value)
+        return value
 
     @model_validator(mode="after")
     def _rs_threshold(self) -> RolloutCorrectionConfig:
         if self.rollout_rs is not None and self.rollout_rs_threshold is None:
             raise ValueError("rollout_rs is set but rollout_rs_threshold is null; set algorithm.rollout_correction.rollout_rs_threshold")
+        if self.rollout_rs is not None and self.rollout_rs_threshold is not None:
+            parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+        if self.loss_type == "reinforce" and not self.bypass_mode:
+            raise ValueError(
+                "algorithm.rollout_correction.loss_type=reinforce is a bypass-mode loss; set "
+                "algorithm.rollout_correction.bypass_mode=true or loss_type=ppo_clip"
+            )
         return self
 
 
@@ -118,3 +241,5 @@ class CustomRewardFunctionConfig(ConfigModel):
     """Python file or importable module with the function."""
     name: str = "compute_score"
     """Function name."""
+    reward_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments passed to the function on every call (verl's `reward_kwargs`)."""

@@ -80,6 +80,10 @@ class MeshConfig(ConfigModel):
                 )
             self.async_training.staleness_threshold = 0.0
             self.async_training.trigger_parameter_sync_step = 1
+        if arr.actor.loss_agg_mode == "seq-mean-token-sum-norm" and arr.actor.loss_scale_factor is None:
+            # verl divides by the padded response length; meshrl pads per micro-batch, so the
+            # constant is fixed here once (Dr.GRPO's "generation budget").
+            arr.actor.loss_scale_factor = self.data.max_response_length
         if self.data.train_files == [] and self.data.synthetic is None:
             raise ValueError("no prompt data: set data.train_files or data.synthetic")
         if self.algorithm.filter_groups.enable and arr.rollout.n < 2:

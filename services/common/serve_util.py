@@ -1,0 +1,115 @@
+"""Ray Serve edges shared by every service's deployment.py.
+
+`grpc_shim(service)` turns a class that holds `self._servicer` (a grpc servicer instance whose
+methods take `(request, context)`) into a Serve deployment class with one method per RPC, named
+exactly like the RPC and taking Serve's `grpc_context` keyword (the gRPC proxy passes it; a
+DeploymentHandle call gets a LocalContext). Unary RPCs return the response; server-streaming RPCs
+are async generators.
+
+    @serve.deployment(name="Coordinator")
+    @grpc_shim(coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"])
+    class CoordinatorDeployment:
+        async def __init__(self, ...): self._servicer = ...
+
+`init_ray` starts or joins Ray so that every worker imports the same meshrl code as the driver,
+and `start_serve` starts Serve's gRPC ingress with the servicer functions of every meshrl service.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from google.protobuf.descriptor import ServiceDescriptor
+
+from services.common.grpc_util import LocalContext
+
+T = TypeVar("T")
+
+SERVICER_FUNCTIONS = [
+    "meshrl.v1.coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server",
+    "meshrl.v1.rollout_pb2_grpc.add_RolloutServiceServicer_to_server",
+    "meshrl.v1.reward_pb2_grpc.add_RewardServiceServicer_to_server",
+    "meshrl.v1.param_server_pb2_grpc.add_ParamServerServiceServicer_to_server",
+    "meshrl.v1.trainer_pb2_grpc.add_TrainerServiceServicer_to_server",
+]
+
+
+def _unary(name: str) -> Callable[..., Any]:
+    async def method(self: Any, request: Any, grpc_context: Any = None) -> Any:
+        return await getattr(self._servicer, name)(request, grpc_context if grpc_context is not None else LocalContext())
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _server_stream(name: str) -> Callable[..., Any]:
+    async def method(self: Any, request: Any, grpc_context: Any = None) -> AsyncIterator[Any]:
+        ctx = grpc_context if grpc_context is not None else LocalContext()
+        async for item in getattr(self._servicer, name)(request, ctx):
+            yield item
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def grpc_shim(service: ServiceDescriptor) -> Callable[[type[T]], type[T]]:
+    """Add one delegating method per RPC of `service` (unary and server-streaming; client- and
+    bidi-streaming RPCs must be written by hand because their argument is a stream)."""
+
+    def decorate(cls: type[T]) -> type[T]:
+        for m in service.methods:
+            if m.name in cls.__dict__:
+                continue  # hand-written (e.g. client streaming)
+            if m.client_streaming:
+                raise TypeError(f"{service.full_name}.{m.name} is client-streaming; write {cls.__name__}.{m.name} by hand")
+            setattr(cls, m.name, _server_stream(m.name) if m.server_streaming else _unary(m.name))
+        return cls
+
+    return decorate
+
+
+def repo_root() -> Path:
+    """The directory that holds the `services` and `meshrl` packages of this process."""
+    import services
+
+    return Path(services.__file__).resolve().parent.parent
+
+
+def init_ray(address: str | None = None, *, num_cpus: int | None = None, namespace: str = "meshrl") -> None:
+    """Start a local Ray (address None) or join one, with workers importing this process's code."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    root = str(repo_root())
+    pythonpath = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
+    os.environ["PYTHONPATH"] = pythonpath  # a local Ray's raylet and workers inherit it
+    ray.init(
+        address=address,
+        num_cpus=num_cpus,
+        namespace=namespace,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_USAGE_STATS_ENABLED": "0"}},
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+    )
+
+
+def start_serve(grpc_port: int, *, http_port: int = 8000, request_timeout_s: float | None = None,
+                proxy_location: str = "HeadOnly") -> None:
+    """Start Serve with the gRPC ingress serving every meshrl service."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    serve.start(
+        proxy_location=proxy_location,
+        http_options=HTTPOptions(port=http_port),
+        grpc_options=gRPCOptions(
+            port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS, request_timeout_s=request_timeout_s
+        ),
+        logging_config={"enable_access_log": False, "log_level": "WARNING"},
+    )

@@ -1,0 +1,48 @@
+"""The coordinator as a Ray Serve deployment (one stateful replica) behind Serve's gRPC ingress.
+
+    app = build_app({"config": cfg.model_dump(mode="json"), "run_dir": "runs/x"})
+    serve.run(app, name="coordinator", route_prefix="/coordinator")
+
+`build_app` is also the `import_path` target of `meshrl serve-config` YAML.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from meshrl.v1 import coordinator_pb2
+from services.common.config import MeshConfig
+from services.common.logging import configure_logging
+from services.common.serve_util import grpc_shim
+
+from .factory import build_servicer
+
+SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
+
+
+@serve.deployment(name="Coordinator", num_replicas=1, max_ongoing_requests=1024, health_check_period_s=10)
+@grpc_shim(SERVICE)
+class CoordinatorDeployment:
+    """A thin shim: every RPC goes to CoordinatorServicer (servicer.py)."""
+
+    async def __init__(self, config: dict[str, Any], run_dir: str, run_id: str = "") -> None:  # type: ignore[misc]
+        cfg = MeshConfig.model_validate(config)
+        configure_logging("coordinator", json=True, run_id=run_id or None)
+        self._servicer = build_servicer(cfg, run_dir, run_id)
+        self._servicer.start_sweeper()
+
+    def check_health(self) -> None:
+        """Unhealthy when the ledger can no longer be read (Serve restarts the replica, which
+        continues from the same ledger file)."""
+        self._servicer.core.ledger.count_groups()
+
+    async def audit(self) -> dict[str, Any]:
+        """Ledger audit (handle call, for tests and `meshrl train`'s end-of-run report)."""
+        return self._servicer.core.audit()
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Serve application builder: args = {config: dict, run_dir: str, run_id?: str}."""
+    return CoordinatorDeployment.bind(args["config"], args["run_dir"], args.get("run_id", ""))  # type: ignore[attr-defined]

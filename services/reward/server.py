@@ -1,0 +1,44 @@
+"""The reward service as a plain grpc.aio server, without Ray (tests, single-process runs)."""
+
+from __future__ import annotations
+
+from meshrl.v1 import reward_pb2, reward_pb2_grpc
+from services.common.config import MeshConfig
+from services.common.grpc_util import add_health_and_reflection, create_server, set_serving
+from services.common.logging import get_logger
+
+from .factory import build_pipeline
+from .servicer import RewardServicer
+
+log = get_logger(__name__)
+SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+
+
+class RewardServer:
+    """Owns a grpc.aio server bound to host:port and the pipeline behind it. Build and start it
+    inside the event loop that will serve it."""
+
+    def __init__(self, cfg: MeshConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.cfg = cfg
+        self.host = host
+        self.pipeline = build_pipeline(cfg)
+        self.servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request)
+        self.server = create_server()
+        reward_pb2_grpc.add_RewardServiceServicer_to_server(self.servicer, self.server)
+        self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        await set_serving(self._health, [SERVICE_NAME])
+        log.info("reward_listening", address=self.address)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.server.stop(grace_s)
+        await self.pipeline.close()

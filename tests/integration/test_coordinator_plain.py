@@ -1,0 +1,109 @@
+"""The same servicer as a plain grpc.aio server (no Ray): message-size limits, restart from the
+ledger over the wire, and `meshrl coordinator serve` as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from meshrl.v1 import common_pb2
+from services.common.config import load_config
+from services.coordinator.client import CoordinatorClient
+from services.coordinator.server import CoordinatorServer
+
+from .conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERRIDES = ["coordinator.port=0", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "rollout.total_rollout_steps=10",
+             "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1.0",
+             "actor_rollout_ref.rollout.n=2"]
+
+
+def _group(lease, n: int = 2, tokens: int = 2) -> common_pb2.TrajectoryGroup:
+    g = common_pb2.TrajectoryGroup(lease_id=lease.lease_id, prompt=lease.prompt)
+    for i in range(n):
+        g.responses.add(sample_index=i, token_ids=[3] * tokens, logprobs=[-0.5] * tokens, versions=[0] * tokens)
+    return g
+
+
+def test_oversized_message_is_resource_exhausted(tmp_path: Path) -> None:
+    cfg = load_config(None, [*OVERRIDES, "coordinator.max_message_mb=1"])
+
+    async def main() -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        try:
+            async with CoordinatorClient(server.address) as c:
+                (lease,) = (await c.lease("r", 1)).leases
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.submit("r", [_group(lease, tokens=200_000)])
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                # Nothing was lost: the lease is still in flight and a normal submit works.
+                assert (await c.status()).totals.in_flight == 1
+                assert list((await c.submit("r", [_group(lease)])).statuses) == [1]
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_restart_on_same_ledger_over_grpc(tmp_path: Path) -> None:
+    cfg = load_config(None, OVERRIDES)
+
+    async def phase1() -> tuple[str, list[str]]:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        async with CoordinatorClient(server.address) as c:
+            grant = await c.lease("r", 4)
+            await c.submit("r", [_group(grant.leases[0])])
+            run_id = (await c.status()).run_id
+        await server.stop()
+        return run_id, [lease.lease_id for lease in grant.leases]
+
+    async def phase2(run_id: str, lease_ids: list[str]) -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        async with CoordinatorClient(server.address) as c:
+            st = await c.status()
+            assert st.run_id == run_id and st.totals.in_flight == 3 and st.totals.queued == 1
+            batch = await c.fetch_batch("t", 1, 1, timeout_ms=1000)
+            assert batch.groups[0].lease_id == lease_ids[0]
+        await server.stop()
+
+    asyncio.run(phase2(*asyncio.run(phase1())))
+
+
+def test_coordinator_serve_cli_process(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MESHRL_TOKEN": "tok"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshrl.cli", "coordinator", "serve", *OVERRIDES[1:], f"coordinator.port={port}",
+         "--run-dir", str(tmp_path)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline:
+            out = subprocess.run([sys.executable, "-m", "meshrl.cli", "status", "--address", f"127.0.0.1:{port}", "--json",
+                                  "--timeout", "2"], capture_output=True, text=True, env=env)
+            if out.returncode == 0:
+                status = out.stdout
+                break
+            time.sleep(0.5)
+        assert status is not None, "coordinator did not come up"
+        assert (tmp_path / "config.resolved.yaml").exists() and (tmp_path / "ledger.sqlite").exists()
+        stop = subprocess.run([sys.executable, "-m", "meshrl.cli", "stop", "--address", f"127.0.0.1:{port}"],
+                              capture_output=True, text=True, env=env)
+        assert stop.returncode == 0, stop.stderr  # MESHRL_TOKEN from the environment
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
