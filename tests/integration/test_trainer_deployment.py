@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +22,9 @@ from services.common.config import MeshConfig, load_config
 from services.common.tiny import build_tokenizer
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.server import CoordinatorServer
-from tests.unit.fsdp_helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "t0k3n"
 
-try:
-    import services.trainer.algos  # noqa: F401
-except ImportError:  # pragma: no cover - until the algos branch is merged
-    pytest.skip("needs services.trainer.algos (advantages and losses)", allow_module_level=True)
 
 
 def _config(run_dir: Path, total_training_steps: int, port: int = 0, coordinator: str | None = None) -> MeshConfig:
@@ -117,35 +109,13 @@ class CoordinatorThread:
         return asyncio.run_coroutine_threadsafe(get(), self.loop).result(30)
 
 
-@pytest.fixture(scope="module")
-def serve_grpc_port() -> Iterator[int]:
-    import ray
-    from ray import serve
-    from ray.serve.config import gRPCOptions
-
-    from services.trainer.deployment import GRPC_SERVICER
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(
-        num_cpus=4, include_dashboard=False, log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0"}},
-    )
-    port = free_port()
-    serve.start(http_options={"port": free_port()}, grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[GRPC_SERVICER]))
-    try:
-        yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 def _trainer_status(port: int) -> trainer_pb2.GetTrainerStatusResponse:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = trainer_pb2_grpc.TrainerServiceStub(ch)
         return stub.GetTrainerStatus(trainer_pb2.GetTrainerStatusRequest(), metadata=[("application", "trainer")], timeout=30)
 
 
-def _wait_finished(port: int, timeout_s: float) -> None:
+def _wait_finished(timeout_s: float) -> None:
     from ray import serve
 
     handle = serve.get_app_handle("trainer")
@@ -167,8 +137,8 @@ def test_trainer_trains_publishes_checkpoints_and_resumes(serve_grpc_port: int, 
     coord_cfg = _config(tmp_path, total_training_steps=99)
     with CoordinatorThread(coord_cfg, tmp_path / "coordinator") as coord:
         cfg = _config(tmp_path, total_training_steps=2, coordinator=coord.address)
-        serve.run(build_app(cfg, tmp_path), name="trainer", route_prefix=None)
-        _wait_finished(serve_grpc_port, 300)
+        serve.run(build_app({"config": cfg.model_dump(mode="json"), "run_dir": str(tmp_path)}), name="trainer", route_prefix="/trainer")
+        _wait_finished(300)
         status = _trainer_status(serve_grpc_port)
         assert (status.step, status.policy_version, status.world_size, status.engine) == (2, 2, 2, "fsdp2")
         assert status.last_checkpoint_step == 2 and status.metrics["actor/lr"] == pytest.approx(1e-3)
@@ -188,8 +158,8 @@ def test_trainer_trains_publishes_checkpoints_and_resumes(serve_grpc_port: int, 
         # a new trainer replica with a longer run resumes from global_step_2 and republishes
         serve.delete("trainer")
         cfg = _config(tmp_path, total_training_steps=4, coordinator=coord.address)
-        serve.run(build_app(cfg, tmp_path), name="trainer", route_prefix=None)
-        _wait_finished(serve_grpc_port, 300)
+        serve.run(build_app({"config": cfg.model_dump(mode="json"), "run_dir": str(tmp_path)}), name="trainer", route_prefix="/trainer")
+        _wait_finished(300)
         status = _trainer_status(serve_grpc_port)
         assert status.step == 4 and status.policy_version == 5  # v3 = restored weights, then v4, v5
         c = coord.status()
