@@ -141,8 +141,13 @@ class Packed:
     """Start of each sequence in the row."""
     lengths: list[int]
     """Real tokens of each sequence."""
-    segment_ids: torch.Tensor
-    """[T] sequence index of every position (the tail padding gets its own segment)."""
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of every segment of the row, the tail padding included."""
+        out = [(o, o + n) for o, n in zip(self.offsets, self.lengths, strict=True) if n > 0]
+        end, total = sum(self.lengths), int(self.input_ids.shape[1])
+        return [*out, (end, total)] if end < total else out
 
 
 def pack(batch: SequenceBatch, multiple_of: int = 1) -> Packed:
@@ -150,27 +155,23 @@ def pack(batch: SequenceBatch, multiple_of: int = 1) -> Packed:
     lengths = seq_lengths(batch)
     ids: list[torch.Tensor] = []
     pos: list[torch.Tensor] = []
-    seg: list[torch.Tensor] = []
     offsets: list[int] = []
     at = 0
     for i, n in enumerate(lengths):
         offsets.append(at)
         ids.append(batch.input_ids[i, :n])
         pos.append(torch.arange(n, dtype=torch.long))
-        seg.append(torch.full((n,), i, dtype=torch.long))
         at += n
     tail = (-at) % multiple_of
     if tail or at == 0:
         tail = tail or multiple_of
         ids.append(torch.zeros(tail, dtype=torch.long))
         pos.append(torch.arange(tail, dtype=torch.long))
-        seg.append(torch.full((tail,), len(lengths), dtype=torch.long))
     return Packed(
         input_ids=torch.cat(ids).unsqueeze(0),
         position_ids=torch.cat(pos).unsqueeze(0),
         offsets=offsets,
         lengths=lengths,
-        segment_ids=torch.cat(seg),
     )
 
 

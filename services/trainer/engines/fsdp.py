@@ -36,7 +36,7 @@ from services.common.device import memory_stats as device_memory_stats
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
 
-from . import hf_model, ulysses
+from . import attention, hf_model, ulysses
 from .base import EngineSpec, ForwardOutput, LossFn, LossScale, SequenceBatch, StepResult, TrainEngine, register_engine
 from .batching import dummy_batch, micro_batch_indices, pack, trim, unpack_next_token
 from .dist import all_gather_objects, all_reduce_cpu, build_meshes, init_process_group
@@ -92,11 +92,11 @@ class FSDPEngine(TrainEngine):
         self.remove_padding = model_cfg.use_remove_padding
         attn = hf_model.attn_implementation(spec.device)
         self._attn = attn
-        self._inner_attn: Any = None
-        if self.sp > 1:
-            ulysses.register()
-            self._inner_attn = ulysses.inner_attention(attn)
-        self._attn_is_flash = attn.startswith("flash")
+        # packing and Ulysses run through the engine's own attention (attention.py)
+        self._custom_attn = self.remove_padding or self.sp > 1
+        self._flash = attention.flash_function(attn)
+        if self._custom_attn:
+            attention.register()
         self.dtype = hf_model.master_dtype(model_cfg, actor)
         torch.manual_seed(spec.seed)
         materialize = self.rank == 0
@@ -142,8 +142,8 @@ class FSDPEngine(TrainEngine):
     def _shard(self, model: Any, full_state: dict[str, Any]) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        if self.sp > 1:
-            model.set_attn_implementation(ulysses.ATTN_NAME)
+        if self._custom_attn:
+            model.set_attn_implementation(attention.ATTN_NAME)
         units = set(getattr(model, "_no_split_modules", None) or [])
         kwargs = self._fsdp_kwargs()
         for module in model.modules():
@@ -166,8 +166,8 @@ class FSDPEngine(TrainEngine):
 
         with torch.device("meta"):
             ref = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype, attn_implementation=self._attn)
-        if self.sp > 1:
-            ref.set_attn_implementation(ulysses.ATTN_NAME)
+        if self._custom_attn:
+            ref.set_attn_implementation(attention.ATTN_NAME)
         units = set(getattr(ref, "_no_split_modules", None) or [])
         kwargs = self._fsdp_kwargs()
         for module in ref.modules():
@@ -217,13 +217,13 @@ class FSDPEngine(TrainEngine):
         """Token-aligned logprobs (and entropy) [B, L] of one micro-batch, masked to responses."""
         b, length = mb.input_ids.shape
         sp = self.sp
-        segment_ids: torch.Tensor | None = None
+        bounds: list[tuple[int, int]] | None = None
         attention_mask: torch.Tensor | None = None
         packed = None
         if self.remove_padding:
             packed = pack(mb, multiple_of=sp)
             ids, pos = packed.input_ids, packed.position_ids
-            segment_ids = packed.segment_ids
+            bounds = packed.bounds
         else:
             padded = length + (-length) % sp
             ids = torch.nn.functional.pad(mb.input_ids, (0, padded - length), value=self.pad_token_id)
@@ -232,23 +232,20 @@ class FSDPEngine(TrainEngine):
                 attention_mask = mb.attention_mask.to(self.device)
         ids, pos = ids.to(self.device), pos.to(self.device)
         labels = torch.roll(ids, shifts=-1, dims=1)
+        ctx = attention.AttnContext(
+            sp_group=self.meshes.sp_group if sp > 1 else None, sp_size=sp, bounds=bounds, position_ids=pos,
+            flash=self._flash,
+        )
+        rank = self.meshes.sp_rank if sp > 1 else 0
+        attention.activate(ctx)
+        logits = model(
+            input_ids=ulysses.slice_seq(ids, rank, sp), position_ids=ulysses.slice_seq(pos, rank, sp),
+            attention_mask=attention_mask, use_cache=False,
+        ).logits
+        lp, ent = token_logprobs(logits, ulysses.slice_seq(labels, rank, sp), temperature, with_entropy, entropy_grad)
         if sp > 1:
-            group, rank = self.meshes.sp_group, self.meshes.sp_rank
-            ctx = ulysses.UlyssesContext(
-                group=group, size=sp, inner=self._inner_attn, inner_is_flash=self._attn_is_flash,
-                segment_ids=segment_ids, position_ids=pos,
-            )
-            with ulysses.active(ctx):
-                logits = model(
-                    input_ids=ulysses.slice_seq(ids, rank, sp), position_ids=ulysses.slice_seq(pos, rank, sp),
-                    use_cache=False,
-                ).logits
-            lp, ent = token_logprobs(logits, ulysses.slice_seq(labels, rank, sp), temperature, with_entropy, entropy_grad)
-            lp = ulysses.gather_seq(lp, group, dim=1)
-            ent = ulysses.gather_seq(ent, group, dim=1) if ent is not None else None
-        else:
-            logits = model(input_ids=ids, position_ids=pos, attention_mask=attention_mask, use_cache=False).logits
-            lp, ent = token_logprobs(logits, labels, temperature, with_entropy, entropy_grad)
+            lp = ulysses.gather_seq(lp, self.meshes.sp_group, dim=1)
+            ent = ulysses.gather_seq(ent, self.meshes.sp_group, dim=1) if ent is not None else None
         del logits
         mask = mb.response_mask.to(self.device, dtype=torch.float32)
         if packed is not None:
@@ -345,6 +342,9 @@ class FSDPEngine(TrainEngine):
         scale = LossScale(num_tokens=resp, num_seqs=seqs, dp_size=self.dp_size)
         want_entropy_grad = self.spec.actor.entropy_coeff != 0
         sums: dict[str, list[float]] = {}
+        if resp == 0:  # every rank knows: nothing to learn from (e.g. all tokens rejected); skip together
+            log.warning("train_step_without_response_tokens", step=self._step)
+            count = 0
         for i in range(count):
             if i >= len(micro_batches):
                 out = self._forward(self.model, dummy_batch(max(1, self.sp), self.pad_token_id), temperature, False)
@@ -358,18 +358,19 @@ class FSDPEngine(TrainEngine):
                 acc = sums.setdefault(key, [0.0, 0.0])
                 acc[0] += float(value)
                 acc[1] += 1.0
-        grad_norm = self._clip()
+        grad_norm = self._clip() if resp else 0.0
         lr = float(self.optimizer.param_groups[0]["lr"])
         finite = bool(torch.isfinite(torch.tensor(grad_norm)))
-        if finite:
+        if finite and resp:
             self.optimizer.step()
-        else:
+        elif not finite:
             log.warning("grad_norm_not_finite", step=self._step, grad_norm=grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self._step += 1
         metrics_out = self._reduce_metrics(sums)
         metrics_out["actor/grad_norm_nonfinite"] = 0.0 if finite else 1.0
+        metrics_out["actor/step_skipped"] = 0.0 if finite and resp else 1.0
         self._offload_actor()
         return StepResult(grad_norm=grad_norm, lr=lr, metrics=metrics_out, num_tokens=tokens, step=self._step)
 
