@@ -72,6 +72,8 @@ def make_spec(
     grad_ckpt: bool = False,
     entropy_coeff: float = 0.0,
     model_init: Callable[[], Any] = tiny_init,
+    device: str = "cpu",
+    mixed_precision: str = "none",
 ) -> EngineSpec:
     actor = ActorConfig(
         optim=optim or {"lr": 1e-3},
@@ -81,20 +83,22 @@ def make_spec(
         ulysses_sequence_parallel_size=sp,
         grad_clip=grad_clip,
         entropy_coeff=entropy_coeff,
-        fsdp_config={"param_offload": param_offload, "optimizer_offload": optimizer_offload},
+        fsdp_config={
+            "param_offload": param_offload, "optimizer_offload": optimizer_offload, "mixed_precision": mixed_precision,
+        },
     )
     model = ModelConfig(
         use_remove_padding=remove_padding, override_config=override_config or {},
         enable_gradient_checkpointing=grad_ckpt,
     )
     return EngineSpec(
-        model=model, actor=actor, device="cpu", total_training_steps=total_steps,
+        model=model, actor=actor, device=device, total_training_steps=total_steps,
         ref=RefConfig() if with_ref else None, model_init=model_init,
     )
 
 
 def build(spec: EngineSpec) -> TrainEngine:
-    return get_engine_cls("fsdp", "cpu").build(spec)
+    return get_engine_cls("fsdp", spec.device).build(spec)
 
 
 def full_weights(engine: TrainEngine) -> dict[str, torch.Tensor]:
@@ -131,8 +135,10 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world: int, port: int, scenarios: dict[str, dict[str, Any]], out_dir: str) -> None:
+    on_cpu = all(kw.get("device", "cpu") == "cpu" for kw in scenarios.values())
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK="0" if on_cpu else str(rank),
     )
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
@@ -150,7 +156,8 @@ def _rank_main(rank: int, world: int, port: int, scenarios: dict[str, dict[str, 
 
 
 def run_ranks(world: int, scenarios: dict[str, dict[str, Any]], out_dir: Path) -> list[dict[str, Any]]:
-    """Run `scenarios` (name -> make_spec kwargs, plus `steps`) on `world` gloo ranks."""
+    """Run `scenarios` (name -> make_spec kwargs, plus `steps` and `num_seqs`) on `world` ranks
+    (gloo on CPU; one CUDA device per rank, nccl, when the scenarios say device="cuda")."""
     import torch.multiprocessing as mp
 
     mp.spawn(_rank_main, args=(world, free_port(), scenarios, str(out_dir)), nprocs=world, join=True)

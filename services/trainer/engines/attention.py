@@ -2,8 +2,8 @@
 transformers as "meshrl" and steered by a per-forward context.
 
     packed row [1, T] = seq_0 | seq_1 | ... | tail padding      (use_remove_padding)
-        sdpa:  causal attention per segment (cost sum L_i^2, never a T x T mask)
-        flash: one varlen kernel call (transformers' flash path, cu_seqlens from position_ids)
+        flash-attn (CUDA, bf16/fp16): one flash_attn_varlen_func call over the segments
+        otherwise: causal sdpa per segment (cost sum L_i^2, never a T x T mask)
     right-padded rows [B, L] with Ulysses: plain causal attention per row (exact: a real token never
         sees the padding after it)
     Ulysses (sp > 1): all-to-all q, k, v to [B, H/S, T, D] before, and the output back to
@@ -15,7 +15,6 @@ built; the model's own (slice-local) position ids drive RoPE.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,10 +35,8 @@ class AttnContext:
     sp_size: int
     bounds: list[tuple[int, int]] | None
     """[start, end) of every segment of the packed row (None: right-padded rows, causal)."""
-    position_ids: torch.Tensor | None
-    """[1, T] position ids of the whole row (the flash kernel's varlen detection)."""
-    flash: Callable[..., Any] | None
-    """transformers' flash attention function, or None for the built-in sdpa paths."""
+    flash: bool = False
+    """Use flash-attn kernels when the inputs are bf16/fp16 (CUDA with flash-attn installed)."""
 
 
 _current: AttnContext | None = None
@@ -66,6 +63,25 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, sca
     )
 
 
+def _flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[tuple[int, int]] | None, dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """flash-attn on [B, H, T, D] inputs (KV heads may be fewer: GQA); returns [B, T, H, D]."""
+    from flash_attn import flash_attn_func, flash_attn_varlen_func  # type: ignore[import-not-found]
+
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, T, H, D]
+    if bounds is None:
+        return flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scaling, causal=True)  # type: ignore[no-any-return]
+    edges = [bounds[0][0]] + [e for _, e in bounds]
+    cu = torch.tensor(edges, dtype=torch.int32, device=q.device)
+    longest = max(e - s for s, e in bounds)
+    out = flash_attn_varlen_func(
+        q[0], k[0], v[0], cu, cu, longest, longest, dropout_p=dropout, softmax_scale=scaling, causal=True
+    )
+    return out.unsqueeze(0)  # type: ignore[no-any-return]
+
+
 def attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -88,17 +104,8 @@ def attention(
         q = all_to_all(q, ctx.sp_group, scatter_dim=1, gather_dim=2)
         k = all_to_all(_expand_kv(k, ctx.sp_size), ctx.sp_group, scatter_dim=1, gather_dim=2)
         v = all_to_all(_expand_kv(v, ctx.sp_size), ctx.sp_group, scatter_dim=1, gather_dim=2)
-    if ctx.flash is not None:
-        saved = getattr(module, "num_key_value_groups", None)
-        if saved is not None:
-            module.num_key_value_groups = q.shape[1] // k.shape[1]  # type: ignore[assignment]
-        try:
-            out, _ = ctx.flash(
-                module, q, k, v, None, dropout=dropout, scaling=scaling, **{**kwargs, "position_ids": ctx.position_ids}
-            )
-        finally:
-            if saved is not None:
-                module.num_key_value_groups = saved  # type: ignore[assignment]
+    if ctx.flash and q.dtype in (torch.bfloat16, torch.float16):
+        out = _flash(q, k, v, ctx.bounds, dropout, scaling)
     elif ctx.bounds is not None:
         parts = [_sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout, scaling) for s, e in ctx.bounds]
         out = torch.cat(parts, dim=2).transpose(1, 2).contiguous()
@@ -117,10 +124,8 @@ def register() -> None:
     AttentionInterface.register(ATTN_NAME, attention)
 
 
-def flash_function(name: str) -> Callable[..., Any] | None:
-    """transformers' function for a flash implementation name, None for sdpa/eager."""
-    if not name.startswith("flash"):
-        return None
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def flash_available(device: str) -> bool:
+    """flash-attn kernels can run here (CUDA and the package installed)."""
+    import importlib.util
 
-    return ALL_ATTENTION_FUNCTIONS[name]  # type: ignore[no-any-return]
+    return device == "cuda" and importlib.util.find_spec("flash_attn") is not None

@@ -135,7 +135,8 @@ class EngineSpec:
     """Optimizer steps the LR schedule spans; must be known before the optimizer is built.
     <= 0 is allowed only for a constant schedule without a warmup ratio."""
     ref: RefConfig | None = None
-    """The frozen reference policy (initial weights) for the KL loss; None: no reference."""
+    """The frozen reference policy (initial weights) for the KL loss; None: no reference. It is
+    sharded like the actor and shares its Ulysses degree."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Sequences per no-grad forward in compute_logprobs; None: the training micro-batch."""
     seed: int = 42

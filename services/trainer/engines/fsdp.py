@@ -90,14 +90,15 @@ class FSDPEngine(TrainEngine):
         tc = hf_model.text_config(hf_config)
         self.pad_token_id = int(tc.pad_token_id if getattr(tc, "pad_token_id", None) is not None else 0)
         self.remove_padding = model_cfg.use_remove_padding
-        attn = hf_model.attn_implementation(spec.device)
+        self.dtype = hf_model.master_dtype(model_cfg, actor)
+        mp = actor.fsdp_config.mixed_precision
+        attn = hf_model.attn_implementation(spec.device, hf_model.DTYPES[mp] if mp != "none" else self.dtype)
         self._attn = attn
         # packing and Ulysses run through the engine's own attention (attention.py)
         self._custom_attn = self.remove_padding or self.sp > 1
-        self._flash = attention.flash_function(attn)
+        self._flash = attention.flash_available(spec.device)
         if self._custom_attn:
             attention.register()
-        self.dtype = hf_model.master_dtype(model_cfg, actor)
         torch.manual_seed(spec.seed)
         materialize = self.rank == 0
         model = hf_model.build_model(
@@ -233,8 +234,7 @@ class FSDPEngine(TrainEngine):
         ids, pos = ids.to(self.device), pos.to(self.device)
         labels = torch.roll(ids, shifts=-1, dims=1)
         ctx = attention.AttnContext(
-            sp_group=self.meshes.sp_group if sp > 1 else None, sp_size=sp, bounds=bounds, position_ids=pos,
-            flash=self._flash,
+            sp_group=self.meshes.sp_group if sp > 1 else None, sp_size=sp, bounds=bounds, flash=self._flash,
         )
         rank = self.meshes.sp_rank if sp > 1 else 0
         attention.activate(ctx)
@@ -267,9 +267,11 @@ class FSDPEngine(TrainEngine):
         return int(all_reduce_cpu([float(count)], op="max")[0]) if self.world_size > 1 else count
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, model: Any, batch: SequenceBatch, temperature: float, with_entropy: bool) -> ForwardOutput:
+    def _no_grad_logprobs(
+        self, model: Any, batch: SequenceBatch, temperature: float, with_entropy: bool, micro: int | None = None
+    ) -> ForwardOutput:
         b, length = batch.input_ids.shape
-        size = self.spec.log_prob_micro_batch_size_per_gpu or self.spec.actor.ppo_micro_batch_size_per_gpu
+        size = micro or self.spec.log_prob_micro_batch_size_per_gpu or self.spec.actor.ppo_micro_batch_size_per_gpu
         parts = self._micro_indices(batch, size)
         total = self._equalize(len(parts))
         logprobs = torch.zeros((b, length), dtype=torch.float32)
@@ -313,7 +315,8 @@ class FSDPEngine(TrainEngine):
             if self._ref_offload:
                 self._move(self.ref_model, self.device)
             try:
-                return self._no_grad_logprobs(self.ref_model, batch, temperature, with_entropy)
+                micro = self.spec.ref.log_prob_micro_batch_size_per_gpu if self.spec.ref is not None else None
+                return self._no_grad_logprobs(self.ref_model, batch, temperature, with_entropy, micro)
             finally:
                 if self._ref_offload:
                     self._move(self.ref_model, "cpu")

@@ -91,9 +91,10 @@ def check_compat(hf_config: Any, model: ModelConfig, actor: ActorConfig) -> None
             )
 
 
-def attn_implementation(device: str) -> str:
-    """flash_attention_2 on CUDA when flash-attn is installed, else sdpa."""
-    if device == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+def attn_implementation(device: str, compute_dtype: torch.dtype) -> str:
+    """flash_attention_2 on CUDA when flash-attn is installed and compute is bf16/fp16, else sdpa."""
+    half = compute_dtype in (torch.bfloat16, torch.float16)
+    if device == "cuda" and half and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
 
