@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
     pt.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    pt.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     return parser
 
 
@@ -288,7 +289,7 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.bench_command == "trainer":
         from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
 
-        result = run_trainer_benchmark(steps=args.steps, batch_size=args.batch_size)
+        result = run_trainer_benchmark(steps=args.steps, batch_size=args.batch_size, threads=args.threads or None)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

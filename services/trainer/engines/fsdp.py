@@ -113,7 +113,9 @@ class FSDPEngine(TrainEngine):
         self.ref_model: Any = None
         if spec.ref is not None:
             self.ref_model = self._clone_frozen()
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), actor.optim, spec.total_training_steps)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model.parameters(), actor.optim, spec.total_training_steps, spec.device
+        )
         self._step = 0
         self._proximal: list[torch.Tensor] | None = None
         torch.manual_seed(spec.seed + self.rank)
