@@ -53,6 +53,12 @@ def built_in_model_init(cfg: MeshConfig) -> Callable[[], Any] | None:
 
         return build_tiny_model("qwen3", build_tokenizer(), seed=0)
 
+    from services.common.logging import get_logger
+
+    get_logger(__name__).warning(
+        "model_path_null", hint="training the built-in tiny Qwen3 (random init, seed 0); the rollout must start from "
+        "the same weights, or set actor_rollout_ref.model.path",
+    )
     return init
 
 
