@@ -92,11 +92,17 @@ def split_micro_batches(
     return [trim(batch.select(idx)) for idx in micro_batch_indices(batch, max_seqs=max_seqs, max_tokens=max_tokens)]
 
 
+def token_budget(actor: ActorConfig) -> int:
+    """Tokens of one micro-batch with use_dynamic_bsz: each of the SP ranks holds 1/sp of them."""
+    return actor.ppo_max_token_len_per_gpu * actor.ulysses_sequence_parallel_size
+
+
 def micro_batches_for(actor: ActorConfig, batch: SequenceBatch) -> list[SequenceBatch]:
     """A rank's training micro-batches as `actor` asks: by token budget (use_dynamic_bsz,
-    ppo_max_token_len_per_gpu) or by count (ppo_micro_batch_size_per_gpu; null: one)."""
+    ppo_max_token_len_per_gpu per device, so x ulysses_sequence_parallel_size per SP group, as in
+    verl) or by count (ppo_micro_batch_size_per_gpu; null: one)."""
     if actor.use_dynamic_bsz:
-        return split_micro_batches(batch, max_tokens=actor.ppo_max_token_len_per_gpu)
+        return split_micro_batches(batch, max_tokens=token_budget(actor))
     return split_micro_batches(batch, max_seqs=actor.ppo_micro_batch_size_per_gpu)
 
 

@@ -38,7 +38,7 @@ from services.common.logging import get_logger
 
 from . import attention, hf_model, ulysses
 from .base import EngineSpec, ForwardOutput, LossFn, LossScale, SequenceBatch, StepResult, TrainEngine, register_engine
-from .batching import dummy_batch, micro_batch_indices, pack, trim, unpack_next_token
+from .batching import dummy_batch, micro_batch_indices, pack, token_budget, trim, unpack_next_token
 from .dist import all_gather_objects, all_reduce_cpu, build_meshes, init_process_group
 from .fsdp_state import load_state, save_hf_weights, save_state
 from .optim import build_optimizer
@@ -261,7 +261,7 @@ class FSDPEngine(TrainEngine):
     def _micro_indices(self, batch: SequenceBatch, max_seqs: int | None) -> list[list[int]]:
         actor = self.spec.actor
         if actor.use_dynamic_bsz:
-            return micro_batch_indices(batch, max_tokens=actor.ppo_max_token_len_per_gpu)
+            return micro_batch_indices(batch, max_tokens=token_budget(actor))
         return micro_batch_indices(batch, max_seqs=max_seqs)
 
     def _equalize(self, count: int) -> int:
