@@ -6,8 +6,8 @@
 #
 #   scripts/gpu/trainer.sh
 #
-# Expected on 2 GPUs: "7 passed" (one flash-attn test is skipped, not failed, when flash_attn is not
-# installed: "6 passed, 1 skipped"); on 1 GPU the two-device test is skipped as well.
+# Expected on 2 GPUs: "7 passed", or "6 passed, 1 skipped" when flash_attn is not installed (the
+# GPU image has none); on 1 GPU the two-device test is skipped as well ("5 passed, 2 skipped").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
