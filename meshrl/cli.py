@@ -7,6 +7,7 @@
     meshrl set-staleness VALUE --address HOST:PORT [--token T]
     meshrl bench coordinator [--out FILE]
     meshrl bench reward [--out FILE]
+    meshrl bench trainer [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -110,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--batch-size", type=int, default=64, help="items per Score call")
     pr.add_argument("--concurrency", type=int, default=4, help="concurrent callers")
     pr.add_argument("--no-serve", action="store_true", help="skip the Ray Serve cases")
+    pt = bsub.add_parser("trainer", help="training tokens/s: the fsdp engine vs a plain PyTorch loop (CPU, one rank)")
+    pt.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
+    pt.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    pt.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     return parser
 
 
@@ -280,6 +286,10 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_reward_benchmark(
             seconds=args.seconds, batch_size=args.batch_size, concurrency=args.concurrency, serve=not args.no_serve
         )
+    elif args.bench_command == "trainer":
+        from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
+
+        result = run_trainer_benchmark(steps=args.steps, batch_size=args.batch_size, threads=args.threads or None)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)
