@@ -9,6 +9,7 @@
     meshrl bench coordinator [--out FILE]
     meshrl bench reward [--out FILE]
     meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--out FILE]
+    meshrl bench trainer [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -125,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--rounds", type=int, default=2, help="steady-state rounds after the cold one")
     pw.add_argument("--transports", default="grpc,object_store,disk,gloo",
                     help="comma list of grpc, object_store, disk, gloo, nccl (nccl needs 2 GPUs)")
+    pt = bsub.add_parser("trainer", help="training tokens/s: the fsdp engine vs a plain PyTorch loop (CPU, one rank)")
+    pt.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
+    pt.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    pt.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     return parser
 
 
@@ -328,6 +334,10 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
                                        transports=tuple(t for t in args.transports.split(",") if t))
+    elif args.bench_command == "trainer":
+        from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
+
+        result = run_trainer_benchmark(steps=args.steps, batch_size=args.batch_size, threads=args.threads or None)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

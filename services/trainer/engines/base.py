@@ -27,10 +27,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from services.common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from services.common.config.actor_rollout_ref import ActorConfig, ModelConfig, RefConfig
 
 
 @dataclass
@@ -115,11 +119,77 @@ class StepResult:
     step: int
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine is built from (one rank; the process group comes from the
+    torchrun-style environment RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, or a
+    single-rank group when WORLD_SIZE is unset)."""
+
+    model: ModelConfig
+    """`actor_rollout_ref.model`."""
+    actor: ActorConfig
+    """`actor_rollout_ref.actor` (optimizer, micro-batching, parallelism, FSDP options)."""
+    device: str
+    """cuda, npu or cpu (services.common.device)."""
+    total_training_steps: int
+    """Optimizer steps the LR schedule spans; must be known before the optimizer is built.
+    <= 0 is allowed only for a constant schedule without a warmup ratio."""
+    ref: RefConfig | None = None
+    """The frozen reference policy (initial weights) for the KL loss; None: no reference. It is
+    sharded like the actor and shares its Ulysses degree."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Sequences per no-grad forward in compute_logprobs; None: the training micro-batch."""
+    seed: int = 42
+    """Seed for model init and training RNG."""
+    collective_timeout_s: float = 600.0
+    """Seconds before a collective is declared hung."""
+    model_init: Callable[[], Any] | None = None
+    """Builds the initial HF model on rank 0 when `model.path` is null (tests, built-in tiny model)."""
+
+
 class TrainEngine(ABC):
-    """One rank of a training group. Collective calls (train_step, export_weights,
-    save/load_checkpoint) must be made on every rank of the group in the same order."""
+    """One rank of a training group. Collective calls (train_step, compute_logprobs,
+    export_weights, save/load_checkpoint, save_hf, snapshot_proximal) must be made on every rank of
+    the group in the same order.
+
+    Build with `get_engine_cls(backend, device).build(spec)`. An engine with several
+    data-parallel ranks expects each rank to be given its own share of the data; ranks of one
+    sequence-parallel group are given the same sequences."""
 
     backend: str = ""
+
+    @classmethod
+    def build(cls, spec: EngineSpec) -> TrainEngine:
+        """Construct this rank's engine. Engines whose constructor differs override this."""
+        return cls(spec)  # type: ignore[call-arg]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among data-parallel ranks (which share of the data it gets)."""
+        return 0
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (world size / sequence-parallel size)."""
+        return 1
+
+    def snapshot_proximal(self) -> None:
+        """Keep a copy of the current parameters as the proximal policy of decoupled PPO (the
+        parameters at the start of a sync window); `compute_logprobs(proximal=True)` uses it."""
+        raise ConfigError(
+            f"the {self.backend or type(self).__name__} engine has no decoupled mode; set "
+            "algorithm.rollout_correction.bypass_mode=true"
+        )
+
+    def compute_proximal_logprobs(self, batch: SequenceBatch, *, temperature: float = 1.0) -> ForwardOutput:
+        """No-grad forward with the parameters of the last `snapshot_proximal`."""
+        raise ConfigError(
+            f"the {self.backend or type(self).__name__} engine has no decoupled mode; set "
+            "algorithm.rollout_correction.bypass_mode=true"
+        )
+
+    def close(self) -> None:  # noqa: B027 -- optional hook, nothing to release by default
+        """Release the engine's resources (process group, device memory)."""
 
     @abstractmethod
     def compute_logprobs(

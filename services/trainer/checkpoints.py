@@ -1,0 +1,89 @@
+"""Checkpoint directories of a trainer run.
+
+    <root>/global_step_<S>/            complete checkpoints (engine files + trainer_state.json)
+    <root>/global_step_<S>.partial/    being written; renamed when complete, ignored otherwise
+
+A checkpoint is complete only once renamed, so a crash mid-save leaves the previous one as the
+newest. `trainer_state.json` holds the loop's own state (local step, policy version).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from services.common.errors import NotFound
+
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^global_step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """The trainer loop's part of a checkpoint."""
+
+    step: int
+    """Local trainer steps completed (FetchBatch steps)."""
+    policy_version: int
+    """Policy version the coordinator had committed when the checkpoint was taken."""
+    optimizer_steps: int
+    """Engine optimizer steps (LR schedule position)."""
+    pending_filtered: list[str] = field(default_factory=list)
+    """Lease ids dropped by dynamic sampling not yet reported to the coordinator."""
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return root / f"global_step_{step}.partial"
+
+
+def final_dir(root: Path, step: int) -> Path:
+    return root / f"global_step_{step}"
+
+
+def begin(root: Path, step: int) -> Path:
+    """A fresh directory to write checkpoint `step` into."""
+    tmp = partial_dir(root, step)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(root: Path, step: int, state: LoopState) -> Path:
+    """Write the loop state and make the checkpoint visible (atomic rename)."""
+    tmp = partial_dir(root, step)
+    (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    final = final_dir(root, step)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
+
+
+def newest(root: Path) -> Path | None:
+    """The complete checkpoint with the highest step under root (None if there is none)."""
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / STATE_FILE).exists()]
+    return max(found)[1] if found else None
+
+
+def read_state(path: Path) -> LoopState:
+    f = path / STATE_FILE
+    if not f.exists():
+        raise NotFound(f"{path} is not a complete trainer checkpoint (no {STATE_FILE}); check trainer.resume_from_path")
+    return LoopState(**json.loads(f.read_text()))
+
+
+def rotate(root: Path, keep: int | None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints; returns what was deleted."""
+    if keep is None or not root.is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
+    doomed = [p for _, p in found[:-keep]] if len(found) > keep else []
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed

@@ -1,0 +1,33 @@
+"""`trainer_service.*`: what the trainer service needs beyond verl's `trainer` and
+`actor_rollout_ref.actor` sections."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.common.config.base import ConfigModel
+
+
+class TrainerServiceConfig(ConfigModel):
+    """The trainer service: one training group driven by one Serve replica."""
+
+    trainer_id: str = "trainer-0"
+    """Id the trainer presents to the coordinator (FetchBatch, CommitVersion, ...)."""
+    coordinator_address: str | None = None
+    """host:port of CoordinatorService; null: `coordinator.host:coordinator.port`."""
+    coordinator_application: str | None = None
+    """Serve application name when the coordinator sits behind Serve's gRPC ingress with other apps."""
+    coordinator_timeout_s: float = Field(default=60.0, gt=0)
+    """Deadline of one coordinator call (FetchBatch adds its own wait)."""
+    fetch_timeout_ms: int = Field(default=5_000, ge=0, le=600_000)
+    """How long one FetchBatch waits for groups before returning what is queued (the loop then
+    fetches again; operator requests are checked between fetches)."""
+    max_checkpoints_to_keep: int | None = Field(default=3, ge=1)
+    """Newest checkpoints kept under the checkpoint directory; null: keep all."""
+    publisher: str = "in_process"
+    """Weight publisher (services/trainer/publisher.py registry): `in_process` keeps versions in
+    the trainer's memory; the param server provides the others."""
+    worker_num_cpus: float = Field(default=1.0, ge=0)
+    """CPUs reserved per training rank actor (placement group bundle)."""
+    metrics_file: str = "metrics/trainer.jsonl"
+    """Per-step metrics, relative to the run directory."""

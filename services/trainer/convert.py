@@ -1,0 +1,82 @@
+"""TrajectoryGroups (protobuf) -> SequenceBatch (tensors) for training.
+
+Sequence i = prompt_token_ids + response.token_ids, right-padded; position t concerns token t, so
+the rollout's logprob of response token j (log p(r_j | prompt, r_<j)) lands at position
+len(prompt) + j, exactly where the engine puts log p(x_t | x_<t).
+
+    seq_tensors: group_index (group of the sequence in this batch), reward, response_length,
+                 min_version, plus every reward metric the rollout reported (e.g. "acc")
+    tensors:     rollout_logprobs (zeros outside responses)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from meshrl.v1 import common_pb2
+from services.common.errors import InvalidArgument
+
+from .engines.base import SequenceBatch
+
+
+def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: int) -> SequenceBatch:
+    """One row per response, groups in order, responses in sample order."""
+    rows: list[tuple[list[int], list[int], list[float]]] = []
+    group_index: list[int] = []
+    rewards: list[float] = []
+    min_versions: list[int] = []
+    metric_names = sorted({k for g in groups for r in g.responses for k in r.reward_metrics})
+    metrics: dict[str, list[float]] = {k: [] for k in metric_names}
+    for gi, g in enumerate(groups):
+        if not g.responses:
+            raise InvalidArgument(f"groups[{gi}].responses", f"group {g.lease_id} has no responses")
+        prompt = list(g.prompt_token_ids)
+        for ri, r in enumerate(g.responses):
+            if len(r.logprobs) != len(r.token_ids):
+                raise InvalidArgument(
+                    f"groups[{gi}].responses[{ri}].logprobs",
+                    f"{len(r.logprobs)} logprobs for {len(r.token_ids)} tokens (lease {g.lease_id})",
+                )
+            if not prompt:
+                raise InvalidArgument(f"groups[{gi}].prompt_token_ids", f"empty prompt (lease {g.lease_id})")
+            rows.append((prompt, list(r.token_ids), list(r.logprobs)))
+            group_index.append(gi)
+            rewards.append(float(r.reward))
+            min_versions.append(min(r.versions) if len(r.versions) else g.min_policy_version)
+            for k in metric_names:
+                metrics[k].append(float(r.reward_metrics.get(k, r.reward)))
+    length = max((len(p) + len(t) for p, t, _ in rows), default=1)
+    n = len(rows)
+    ids = torch.full((n, length), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((n, length), dtype=torch.long)
+    resp = torch.zeros((n, length), dtype=torch.float32)
+    rollout_lp = torch.zeros((n, length), dtype=torch.float32)
+    resp_len = []
+    for i, (prompt, tokens, logprobs) in enumerate(rows):
+        p, t = len(prompt), len(tokens)
+        ids[i, :p] = torch.tensor(prompt, dtype=torch.long)
+        if t:
+            ids[i, p : p + t] = torch.tensor(tokens, dtype=torch.long)
+            rollout_lp[i, p : p + t] = torch.tensor(logprobs, dtype=torch.float32)
+        attn[i, : p + t] = 1
+        resp[i, p : p + t] = 1.0
+        resp_len.append(t)
+    seq = {
+        "group_index": torch.tensor(group_index, dtype=torch.long),
+        "reward": torch.tensor(rewards, dtype=torch.float32),
+        "response_length": torch.tensor(resp_len, dtype=torch.float32),
+        "min_version": torch.tensor(min_versions, dtype=torch.long),
+    }
+    for k, values in metrics.items():
+        seq.setdefault(k, torch.tensor(values, dtype=torch.float32))
+    return SequenceBatch(ids, attn, resp, tensors={"rollout_logprobs": rollout_lp}, seq_tensors=seq)
+
+
+def filter_values(batch: SequenceBatch, metric: str) -> torch.Tensor:
+    """Per-sequence values DAPO dynamic sampling compares within a group: the reward metric
+    `metric` if the rollout reported it, the scalar reward for `score`/`reward` (or as a fallback)."""
+    if metric not in ("score", "reward") and metric in batch.seq_tensors:
+        return batch.seq_tensors[metric].float()
+    return batch.seq_tensors["reward"].float()

@@ -1,0 +1,444 @@
+"""The trainer loop: fetch groups, compute advantages and losses, step, publish, checkpoint.
+No Ray, no gRPC server: the coordinator client, the training group, the weight publisher and the
+RL math are injected (fakes in unit tests).
+
+One local step s (FetchBatch's `step`):
+
+    FetchBatch(s) ──▶ groups (DAPO: drop zero-variance groups, report them on the next fetch,
+       ▲               fetch again until required_samples groups are kept)
+       │          ──▶ SequenceBatch ──▶ advantages ──▶ old logprobs (bypass: rollout's; decoupled:
+       │               proximal = parameters at the start of the sync window) ──▶ ref logprobs (KL)
+       │          ──▶ require_batches mini-batches x ppo_epochs optimizer steps
+       │          ──▶ every trigger_parameter_sync_step steps: export ─▶ publish ─▶ CommitVersion(v+1)
+       └───────── ──▶ every save_freq steps (or when asked): checkpoint ─▶ ReportCheckpoint(s)
+
+Start: resume from the newest checkpoint (trainer.resume_mode), ResumeTrainer(step) so the
+coordinator re-queues groups delivered after it, then publish the restored weights as the next
+version (the coordinator may have moved past the checkpoint's version before the crash).
+Operator requests (checkpoint, stop) arrive as FetchBatch flags or through `request_checkpoint`
+(SaveCheckpoint RPC) and are served at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from meshrl.v1 import common_pb2, coordinator_pb2
+from services.common.errors import FailedPrecondition
+from services.common.logging import get_logger
+
+from . import checkpoints
+from .convert import filter_values, groups_to_batch
+from .engines.base import LossFn, SequenceBatch, StepResult
+from .group import TrainGroup
+from .publisher import WeightPublisher
+
+log = get_logger(__name__)
+
+
+class CoordinatorLike(Protocol):
+    """The trainer side of services.coordinator.client.CoordinatorClient."""
+
+    async def fetch_batch(
+        self, trainer_id: str, step: int, num_groups: int, *, timeout_ms: int = 10_000,
+        filtered_lease_ids: Sequence[str] = (),
+    ) -> coordinator_pb2.FetchBatchResponse: ...
+
+    async def commit_version(
+        self, trainer_id: str, weights: common_pb2.WeightsRef
+    ) -> coordinator_pb2.CommitVersionResponse: ...
+
+    async def report_checkpoint(self, trainer_id: str, step: int, policy_version: int, path: str) -> None: ...
+
+    async def resume_trainer(self, trainer_id: str, checkpoint_step: int) -> coordinator_pb2.ResumeTrainerResponse: ...
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """The RL math (services.trainer.algos in production)."""
+
+    compute_advantages: Callable[[SequenceBatch], torch.Tensor]
+    """batch -> [B, L] advantages (reads seq_tensors reward and group_index)."""
+    loss_fn: LossFn
+    """Reads tensors advantages, old_logprobs, rollout_logprobs (and ref_logprobs)."""
+    keep: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """DAPO dynamic sampling: (per-sequence values, group_index) -> bool mask; None: keep all."""
+    values: Callable[[SequenceBatch], torch.Tensor] | None = None
+    """Per-sequence values the DAPO filter compares; None: convert.filter_values with the metric."""
+    correct: Callable[[SequenceBatch], dict[str, float]] | None = None
+    """Decoupled mode: behaviour correction applied in place to the whole step batch once old
+    logprobs are in (IS weights, rejection mask); returns metrics."""
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop needs from the config (built by services.trainer.factory)."""
+
+    trainer_id: str
+    groups_per_step: int
+    """required_samples = ppo_mini_batch_size * require_batches prompt groups per local step."""
+    checkpoint_dir: Path
+    mini_batches_per_step: int = 1
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    trigger_parameter_sync_step: int = 1
+    total_steps: int = 0
+    """Local steps of the run; <= 0: until the coordinator reports the data exhausted."""
+    save_freq: int = -1
+    temperature: float = 1.0
+    bypass_mode: bool = True
+    use_kl_loss: bool = False
+    filter_metric: str = "acc"
+    max_num_gen_batches: int = 0
+    bucket_bytes: int = 2048 << 20
+    fetch_timeout_ms: int = 5_000
+    pad_token_id: int = 0
+    max_checkpoints_to_keep: int | None = None
+    metrics_path: Path | None = None
+    resume_mode: str = "auto"
+    resume_from_path: str | None = None
+    seed: int = 42
+
+
+@dataclass
+class _Collected:
+    groups: list[common_pb2.TrajectoryGroup] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+    filtered: int = 0
+    fetches: int = 0
+    wait_s: float = 0.0
+    exhausted: bool = False
+    stop: bool = False
+
+
+class TrainerLoop:
+    """See the module docstring. `run()` is the whole life of the trainer; `status()` and
+    `request_checkpoint()` may be called concurrently from the same event loop."""
+
+    def __init__(
+        self,
+        settings: LoopSettings,
+        group: TrainGroup,
+        coordinator: CoordinatorLike,
+        publisher: WeightPublisher,
+        algorithm: Algorithm,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.s = settings
+        self.group = group
+        self.coordinator = coordinator
+        self.publisher = publisher
+        self.algorithm = algorithm
+        self.clock = clock
+        self.step = 0
+        self.policy_version = 0
+        self.last_checkpoint_step = -1
+        self.last_checkpoint_path = ""
+        self.pending_filtered: list[str] = []
+        self.state = "created"
+        self.error: str | None = None
+        self.last_metrics: dict[str, float] = {}
+        self._since_publish = 0
+        self._ckpt_waiters: list[asyncio.Future[tuple[int, str]]] = []
+
+    # ---- public ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            self.state = "starting"
+            await self._resume()
+            self.state = "training"
+            while await self._step_once():
+                pass
+            await self._finish()
+            self.state = "finished"
+            log.info("trainer_finished", step=self.step, policy_version=self.policy_version)
+        except BaseException as exc:
+            self.state = "failed"
+            self.error = f"{type(exc).__name__}: {exc}"
+            for fut in self._ckpt_waiters:
+                if not fut.done():
+                    fut.set_exception(FailedPrecondition(f"trainer stopped before checkpointing: {self.error}"))
+            raise
+
+    def request_checkpoint(self) -> asyncio.Future[tuple[int, str]]:
+        """A checkpoint at the next step boundary; resolves to (step, path)."""
+        fut: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+        if self.state in ("finished", "failed"):
+            if self.last_checkpoint_step >= 0:
+                fut.set_result((self.last_checkpoint_step, self.last_checkpoint_path))
+            else:
+                fut.set_exception(FailedPrecondition(f"the trainer is {self.state} and has no checkpoint"))
+            return fut
+        self._ckpt_waiters.append(fut)
+        return fut
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "state": self.state, "step": self.step, "policy_version": self.policy_version,
+            "optimizer_steps": self.group.step, "world_size": self.group.world_size,
+            "last_checkpoint_step": self.last_checkpoint_step, "metrics": dict(self.last_metrics), "error": self.error,
+        }
+
+    # ---- start / finish ------------------------------------------------------------------------
+
+    async def _resume(self) -> None:
+        path: Path | None = None
+        if self.s.resume_mode == "auto":
+            path = checkpoints.newest(self.s.checkpoint_dir)
+        elif self.s.resume_mode == "resume_path":
+            assert self.s.resume_from_path is not None
+            path = Path(self.s.resume_from_path)
+        if path is not None:
+            state = checkpoints.read_state(path)
+            await self.group.load_checkpoint(path)
+            if self.group.step != state.optimizer_steps:
+                raise FailedPrecondition(
+                    f"checkpoint {path} restored {self.group.step} optimizer steps but its state says "
+                    f"{state.optimizer_steps}; the checkpoint is inconsistent"
+                )
+            self.step = state.step
+            self.pending_filtered = list(state.pending_filtered)
+            self.last_checkpoint_step, self.last_checkpoint_path = state.step, str(path)
+            log.info("trainer_resumed_from_checkpoint", path=str(path), step=self.step)
+        resp = await self.coordinator.resume_trainer(self.s.trainer_id, self.step)
+        self.policy_version = resp.policy_version
+        log.info("trainer_started", step=self.step, policy_version=self.policy_version, requeued=resp.requeued)
+        if path is not None or resp.policy_version > 0:
+            await self._publish()  # rollouts move to the weights training continues from
+        elif not self.s.bypass_mode:
+            await self.group.snapshot_proximal()
+
+    async def _finish(self) -> None:
+        if self._since_publish > 0:
+            await self._publish()
+        if self.step > 0 and self.last_checkpoint_step != self.step:
+            await self._checkpoint()
+        self._serve_checkpoint_waiters()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    async def _step_once(self) -> bool:
+        if self.s.total_steps > 0 and self.step >= self.s.total_steps:
+            return False
+        t0 = self.clock()
+        got = await self._collect(self.step + 1)
+        if got.stop:
+            if self.last_checkpoint_step != self.step:
+                await self._checkpoint()
+            self._serve_checkpoint_waiters()
+            log.info("trainer_stop_requested", step=self.step)
+            return False
+        if not got.groups:
+            return False
+        t1 = self.clock()
+        batch = groups_to_batch(got.groups, self.s.pad_token_id)
+        timing: dict[str, float] = {}
+        batch.tensors["advantages"] = self.algorithm.compute_advantages(batch).float() * batch.response_mask
+        t = self.clock()
+        if self.s.bypass_mode:
+            batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"]
+        else:
+            # at the first step of a window the current parameters are the proximal ones
+            old, _ = await self.group.compute_logprobs(
+                batch, temperature=self.s.temperature, proximal=self._since_publish > 0
+            )
+            batch.tensors["old_logprobs"] = old
+            timing["timing_s/old_logprob"] = self.clock() - t
+        correction: dict[str, float] = {}
+        if not self.s.bypass_mode and self.algorithm.correct is not None:
+            correction = self.algorithm.correct(batch)
+        if self.s.use_kl_loss:
+            t = self.clock()
+            ref, _ = await self.group.compute_logprobs(batch, temperature=self.s.temperature, reference=True)
+            batch.tensors["ref_logprobs"] = ref
+            timing["timing_s/ref"] = self.clock() - t
+        t = self.clock()
+        results = await self._update(batch)
+        timing["timing_s/update_actor"] = self.clock() - t
+        self.step += 1
+        self._since_publish += 1
+        if self._since_publish >= self.s.trigger_parameter_sync_step:
+            t = self.clock()
+            await self._publish()
+            timing["timing_s/publish"] = self.clock() - t
+        if self.s.save_freq > 0 and self.step % self.s.save_freq == 0:
+            t = self.clock()
+            await self._checkpoint()
+            timing["timing_s/checkpoint"] = self.clock() - t
+        end = self.clock()
+        self._record(batch, got, results, {**correction, **timing}, wait_s=got.wait_s, train_s=end - t1, step_s=end - t0)
+        return not got.exhausted
+
+    async def _collect(self, step: int) -> _Collected:
+        """Fetch until `groups_per_step` groups are kept (fewer only at the end of the data)."""
+        out = _Collected()
+        need = self.s.groups_per_step
+        productive = 0
+        while len(out.groups) < need:
+            if self._ckpt_waiters:
+                await self._checkpoint()
+            t = self.clock()
+            resp = await self.coordinator.fetch_batch(
+                self.s.trainer_id, step, need - len(out.groups), timeout_ms=self.s.fetch_timeout_ms,
+                filtered_lease_ids=self.pending_filtered,
+            )
+            out.wait_s += self.clock() - t
+            out.fetches += 1
+            self.pending_filtered = []
+            groups, staleness = list(resp.groups), list(resp.staleness)
+            if groups:
+                productive += 1
+                keep = self._keep(groups)
+                for g, s, k in zip(groups, staleness, keep, strict=True):
+                    if k:
+                        out.groups.append(g)
+                        out.staleness.append(s)
+                    else:
+                        self.pending_filtered.append(g.lease_id)
+                        out.filtered += 1
+            if resp.checkpoint_requested and self.last_checkpoint_step != self.step:
+                await self._checkpoint()
+            if resp.stop_requested:
+                out.stop = True
+                return out
+            if resp.exhausted:
+                out.exhausted = True
+                return out
+            limit = self.s.max_num_gen_batches
+            if self.algorithm.keep is not None and limit > 0 and productive >= limit and len(out.groups) < need:
+                raise FailedPrecondition(
+                    f"dynamic sampling kept {len(out.groups)}/{need} groups after {productive} fetches "
+                    f"(algorithm.filter_groups.max_num_gen_batches={limit}); the data gives too many zero-variance "
+                    "groups: check the reward, raise max_num_gen_batches, or set it to 0 (no limit)"
+                )
+        return out
+
+    def _keep(self, groups: list[common_pb2.TrajectoryGroup]) -> list[bool]:
+        if self.algorithm.keep is None:
+            return [True] * len(groups)
+        batch = groups_to_batch(groups, self.s.pad_token_id)
+        gi = batch.seq_tensors["group_index"]
+        values = self.algorithm.values(batch) if self.algorithm.values else filter_values(batch, self.s.filter_metric)
+        mask = self.algorithm.keep(values, gi).bool()
+        if mask.numel() == len(groups):
+            return [bool(x) for x in mask.tolist()]
+        assert mask.numel() == gi.numel(), "dynamic_sampling_keep must return one flag per sequence or per group"
+        return [bool(mask[gi == i].all()) for i in range(len(groups))]
+
+    async def _update(self, batch: SequenceBatch) -> list[StepResult]:
+        """require_batches mini-batches (whole groups each) x ppo_epochs optimizer steps."""
+        gi = batch.seq_tensors["group_index"]
+        n_groups = int(gi.max().item()) + 1
+        results: list[StepResult] = []
+        rng = random.Random(self.s.seed * 1_000_003 + self.step)
+        for _ in range(self.s.ppo_epochs):
+            order = list(range(n_groups))
+            if self.s.shuffle:
+                rng.shuffle(order)
+            k = max(1, min(self.s.mini_batches_per_step, n_groups))
+            for part in range(k):
+                chosen = set(order[part * n_groups // k : (part + 1) * n_groups // k])
+                idx = [i for i in range(batch.num_seqs) if int(gi[i]) in chosen]
+                results.append(await self.group.train(batch.select(idx), self.algorithm.loss_fn, temperature=self.s.temperature))
+        return results
+
+    # ---- weights and checkpoints -------------------------------------------------------------
+
+    async def _publish(self) -> None:
+        version = self.policy_version + 1
+        t = self.clock()
+        ref = await self.publisher.publish(version, self.group.export_weights(self.s.bucket_bytes))
+        if ref.policy_version != version:
+            raise FailedPrecondition(f"publisher returned version {ref.policy_version} for {version}")
+        resp = await self.coordinator.commit_version(self.s.trainer_id, ref)
+        self.policy_version = resp.policy_version
+        self._since_publish = 0
+        if not self.s.bypass_mode:
+            await self.group.snapshot_proximal()
+        log.info("weights_published", policy_version=version, bytes=ref.total_bytes, seconds=round(self.clock() - t, 3))
+
+    async def _checkpoint(self) -> None:
+        step = self.step
+        root = self.s.checkpoint_dir
+        tmp = checkpoints.begin(root, step)
+        await self.group.save_checkpoint(tmp)
+        state = checkpoints.LoopState(step, self.policy_version, self.group.step, list(self.pending_filtered))
+        final = checkpoints.commit(root, step, state)
+        await self.coordinator.report_checkpoint(self.s.trainer_id, step, self.policy_version, str(final))
+        self.last_checkpoint_step, self.last_checkpoint_path = step, str(final)
+        removed = checkpoints.rotate(root, self.s.max_checkpoints_to_keep)
+        log.info("checkpoint_saved", step=step, path=str(final), removed=[p.name for p in removed])
+        self._serve_checkpoint_waiters()
+
+    def _serve_checkpoint_waiters(self) -> None:
+        if self.last_checkpoint_step < 0:
+            return
+        waiters, self._ckpt_waiters = self._ckpt_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result((self.last_checkpoint_step, self.last_checkpoint_path))
+
+    # ---- metrics -------------------------------------------------------------------------------
+
+    def _record(
+        self, batch: SequenceBatch, got: _Collected, results: list[StepResult], timing: dict[str, float],
+        *, wait_s: float, train_s: float, step_s: float,
+    ) -> None:
+        m: dict[str, float] = {}
+        keys = {k for r in results for k in r.metrics}
+        for k in sorted(keys):
+            vals = [r.metrics[k] for r in results if k in r.metrics]
+            m[k] = sum(vals) / len(vals)
+        m["actor/grad_norm"] = sum(r.grad_norm for r in results) / len(results)
+        m["actor/lr"] = results[-1].lr
+        mask = batch.response_mask
+        tokens = int(batch.attention_mask.sum().item()) * self.s.ppo_epochs
+        resp_len = batch.seq_tensors["response_length"]
+        st = got.staleness
+        m.update({
+            "training/step": float(self.step),
+            "training/policy_version": float(self.policy_version),
+            "training/optimizer_steps": float(self.group.step),
+            "training/groups": float(len(got.groups)),
+            "training/sequences": float(batch.num_seqs),
+            "training/filtered_groups": float(got.filtered),
+            "training/fetches": float(got.fetches),
+            "critic/rewards/mean": float(batch.seq_tensors["reward"].mean()),
+            "critic/advantages/mean": float((batch.tensors["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+            "response_length/mean": float(resp_len.mean()),
+            "response_length/max": float(resp_len.max()),
+            "staleness/min": float(min(st)) if st else 0.0,
+            "staleness/mean": float(sum(st) / len(st)) if st else 0.0,
+            "staleness/max": float(max(st)) if st else 0.0,
+            "perf/tokens": float(tokens),
+            "perf/throughput_tokens_per_s": tokens / train_s if train_s > 0 else 0.0,
+            "perf/idle_ratio": wait_s / step_s if step_s > 0 else 0.0,
+            "timing_s/wait_data": wait_s,
+            "timing_s/step": step_s,
+            **timing,
+        })
+        if not self.s.bypass_mode:
+            diff = (batch.tensors["rollout_logprobs"] - batch.tensors["old_logprobs"]) * mask
+            k3 = (torch.exp(-diff) - 1 + diff) * mask
+            m["rollout_corr/mismatch_kl_k3"] = float(k3.sum() / mask.sum().clamp(min=1))
+        self.last_metrics = m
+        if self.s.metrics_path is not None:
+            self.s.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            record = {k: (v if math.isfinite(v) else None) for k, v in m.items()}
+            with self.s.metrics_path.open("a") as f:
+                f.write(json.dumps({"step": self.step, "time": time.time(), **record}) + "\n")
+        log.info("train_step", step=self.step, policy_version=self.policy_version,
+                 grad_norm=round(m["actor/grad_norm"], 4), reward=round(m["critic/rewards/mean"], 4),
+                 idle_ratio=round(m["perf/idle_ratio"], 3))

@@ -1,0 +1,85 @@
+"""The trainer as a Ray Serve application: one replica drives one training group.
+
+    app = build_app({"config": cfg.model_dump(mode="json"), "run_dir": "runs/x"})
+    serve.run(app, name="trainer", route_prefix="/trainer")
+
+The replica builds the rank actors (a placement group of their own) and the loop in its
+constructor, then runs the loop as a task on its event loop; TrainerService RPCs (Serve's gRPC
+ingress) and handle calls read its status. A loop that failed makes `check_health` raise, so Serve
+restarts the replica, which resumes from the newest checkpoint. `build_app` is also the
+`import_path` target of serve-config YAML (then only `config` and `run_dir` are given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from meshrl.v1 import trainer_pb2
+from services.common.config import MeshConfig
+from services.common.config.serve import AppDeployConfig
+from services.common.logging import configure_logging, get_logger
+from services.common.serve_util import grpc_shim
+
+from .factory import TrainerParts, build_trainer
+
+log = get_logger(__name__)
+
+SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"]
+
+
+@serve.deployment(name="Trainer", num_replicas=1, health_check_period_s=10)
+@grpc_shim(SERVICE)
+class TrainerDeployment:
+    """A thin shim over services.trainer.factory.build_trainer; every RPC goes to
+    TrainerServicer (servicer.py)."""
+
+    async def __init__(  # type: ignore[misc]  # Serve (Ray actors) awaits an async constructor
+        self, config: dict[str, Any], run_dir: str, extras: dict[str, Any] | None = None
+    ) -> None:
+        cfg = MeshConfig.model_validate(config)
+        configure_logging("trainer", json=True, trainer_id=cfg.trainer_service.trainer_id)
+        extras = extras or {}
+        self.parts: TrainerParts = await build_trainer(
+            cfg, run_dir, algorithm=extras.get("algorithm"), publisher=extras.get("publisher"),
+            model_init=extras.get("model_init"),
+        )
+        self._servicer = self.parts.servicer
+        self._task = asyncio.get_running_loop().create_task(self.parts.loop.run())
+
+    async def status(self) -> dict[str, Any]:
+        """The loop's status (handle calls)."""
+        return self.parts.loop.status()
+
+    def check_health(self) -> None:
+        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
+            raise RuntimeError(f"trainer loop failed: {self.parts.loop.error}")
+
+    async def __del__(self) -> None:
+        self._task.cancel()
+        await self.parts.close()
+
+
+def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
+    """Serve options of the trainer replica from `serve.trainer` (always one replica: the rank
+    actors take the training devices, the replica only drives them)."""
+    actor: dict[str, Any] = {"num_cpus": app.num_cpus}
+    if app.num_gpus:
+        actor["num_gpus"] = app.num_gpus
+    if app.resources:
+        actor["resources"] = dict(app.resources)
+    if app.runtime_env:
+        actor["runtime_env"] = dict(app.runtime_env)
+    return {"ray_actor_options": actor, "max_ongoing_requests": app.max_ongoing_requests, "num_replicas": 1}
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder: args = {config: dict, run_dir: str} plus, from Python only,
+    `algorithm`, `publisher` and `model_init` objects (tests; a param-server publisher)."""
+    cfg = MeshConfig.model_validate(args.get("config", {}))
+    extras = {k: args[k] for k in ("algorithm", "publisher", "model_init") if args.get(k) is not None}
+    deployment = TrainerDeployment.options(**deployment_options(cfg.serve.trainer))  # type: ignore[attr-defined]
+    return deployment.bind(cfg.model_dump(mode="json"), str(args["run_dir"]), extras or None)  # type: ignore[no-any-return]

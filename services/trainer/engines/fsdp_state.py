@@ -1,0 +1,123 @@
+"""Checkpoint and Hugging Face export for the FSDP engine.
+
+Layout of a checkpoint directory (every rank writes its shard; rank 0 writes the metadata):
+
+    <path>/dcp/            torch.distributed.checkpoint: model (+ optimizer) shards, reshardable
+    <path>/extra_rank{r}.pt  scheduler, step, RNG states of rank r (python, torch, device)
+    <path>/huggingface/    only with checkpoint.save_contents containing "hf_model"
+
+Resuming with the same world size restores every RNG stream, so a run continues bit-for-bit on
+CPU; with another world size model and optimizer reshard and RNG is reseeded (logged).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from services.common.errors import NotFound
+from services.common.logging import get_logger
+
+if TYPE_CHECKING:
+    from .fsdp import FSDPEngine
+
+log = get_logger(__name__)
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type in ("cuda", "npu"):
+        state["device"] = getattr(torch, device.type).get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "device" in state and device.type in ("cuda", "npu"):
+        getattr(torch, device.type).set_rng_state(state["device"], device)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_state(engine: FSDPEngine, path: Path) -> None:
+    contents = set(engine.spec.actor.checkpoint.save_contents)
+    path.mkdir(parents=True, exist_ok=True)
+    if "model" in contents or "optimizer" in contents:
+        if "optimizer" in contents:
+            model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(engine.model)}
+        dcp.save(state, checkpoint_id=str(path / "dcp"))
+    if "extra" in contents:
+        extra = {
+            "scheduler": engine.scheduler.state_dict(),
+            "step": engine.step,
+            "rng": _rng_state(engine.device),
+            "world_size": engine.world_size,
+        }
+        torch.save(extra, path / f"extra_rank{engine.rank}.pt")
+    if "hf_model" in contents:
+        save_hf_weights(engine, path / "huggingface")
+    _barrier()
+
+
+def load_state(engine: FSDPEngine, path: Path) -> None:
+    contents = set(engine.spec.actor.checkpoint.load_contents)
+    if not (path / "dcp").exists():
+        raise NotFound(f"{path} is not a trainer checkpoint (no dcp/ directory)")
+    if "optimizer" in contents:
+        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    elif "model" in contents:
+        state = {"model": get_model_state_dict(engine.model)}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_model_state_dict(engine.model, state["model"])
+    if "extra" in contents:
+        mine = path / f"extra_rank{engine.rank}.pt"
+        same_world = mine.exists()
+        extra = torch.load(mine if same_world else path / "extra_rank0.pt", weights_only=False)
+        same_world = same_world and extra.get("world_size") == engine.world_size
+        engine.scheduler.load_state_dict(extra["scheduler"])
+        engine._step = int(extra["step"])
+        if same_world:
+            _set_rng_state(extra["rng"], engine.device)
+        else:
+            seed = engine.spec.seed + engine.rank + engine._step
+            torch.manual_seed(seed)
+            random.seed(seed)
+            log.warning("checkpoint_world_size_changed", path=str(path), rng="reseeded", seed=seed)
+    _barrier()
+
+
+def save_hf_weights(engine: FSDPEngine, path: Path) -> None:
+    """Gather full weights to rank 0 and write them with save_pretrained (safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if engine.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype)
+        if engine.generation_config is not None:
+            shell.generation_config = engine.generation_config
+        shell.save_pretrained(path, state_dict=full)
+    _barrier()

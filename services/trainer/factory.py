@@ -1,0 +1,255 @@
+"""Build the trainer's parts from a MeshConfig: the engine spec (with the LR schedule's total
+step count fixed up front), the loop settings, the RL algorithm, the coordinator address."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.common.config import MeshConfig, derive
+from services.common.errors import MissingDependency
+
+from .core import Algorithm, LoopSettings, TrainerLoop
+from .engines.base import EngineSpec
+from .group import TrainGroup
+from .publisher import WeightPublisher
+
+if TYPE_CHECKING:
+    from services.coordinator.client import CoordinatorClient
+
+    from .servicer import TrainerServicer
+
+
+def dataset_size(cfg: MeshConfig) -> int:
+    from services.common.data import train_dataset
+
+    return len(train_dataset(cfg.data))
+
+
+def total_local_steps(cfg: MeshConfig, size: int | None) -> int:
+    """Local trainer steps of the run (verl: total_train_steps * trigger_parameter_sync_step)."""
+    return derive(cfg, dataset_size=size).total_optimizer_steps
+
+
+def total_optimizer_steps(cfg: MeshConfig, size: int | None) -> int:
+    """Optimizer steps the LR schedule spans: optim.total_training_steps if set, else local
+    steps x require_batches mini-batches x ppo_epochs."""
+    actor = cfg.actor_rollout_ref.actor
+    if actor.optim.total_training_steps > 0:
+        return actor.optim.total_training_steps
+    return total_local_steps(cfg, size) * cfg.async_training.require_batches * actor.ppo_epochs
+
+
+def built_in_model_init(cfg: MeshConfig) -> Callable[[], Any] | None:
+    """With `model.path` null: the built-in tiny Qwen3 (same seed as the rollout's)."""
+    if cfg.actor_rollout_ref.model.path is not None:
+        return None
+
+    def init() -> Any:
+        from services.common.tiny import build_tiny_model, build_tokenizer
+
+        return build_tiny_model("qwen3", build_tokenizer(), seed=0)
+
+    from services.common.logging import get_logger
+
+    get_logger(__name__).warning(
+        "model_path_null", hint="training the built-in tiny Qwen3 (random init, seed 0); the rollout must start from "
+        "the same weights, or set actor_rollout_ref.model.path",
+    )
+    return init
+
+
+def pad_token_id(cfg: MeshConfig) -> int:
+    model = cfg.actor_rollout_ref.model
+    if model.path is None:
+        from services.common.tiny import build_tokenizer
+
+        return int(build_tokenizer().pad_token_id)
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    hf = getattr(hf, "text_config", None) or hf
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(hf, key, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def engine_spec(cfg: MeshConfig, device: str, size: int | None, model_init: Callable[[], Any] | None = None) -> EngineSpec:
+    arr = cfg.actor_rollout_ref
+    return EngineSpec(
+        model=arr.model,
+        actor=arr.actor,
+        device=device,
+        total_training_steps=total_optimizer_steps(cfg, size),
+        ref=arr.ref if arr.actor.use_kl_loss else None,
+        log_prob_micro_batch_size_per_gpu=arr.rollout.log_prob_micro_batch_size_per_gpu,
+        seed=cfg.trainer.seed,
+        collective_timeout_s=float(arr.nccl_timeout),
+        model_init=model_init if model_init is not None else built_in_model_init(cfg),
+    )
+
+
+def checkpoint_dir(cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> Path:
+    return Path(cfg.trainer.default_local_dir) if cfg.trainer.default_local_dir else Path(run_dir) / "checkpoints"
+
+
+def loop_settings(cfg: MeshConfig, run_dir: str | os.PathLike[str], size: int | None, pad_id: int) -> LoopSettings:
+    arr, at, ts = cfg.actor_rollout_ref, cfg.async_training, cfg.trainer_service
+    fg = cfg.algorithm.filter_groups
+    return LoopSettings(
+        trainer_id=ts.trainer_id,
+        groups_per_step=derive(cfg, dataset_size=size).required_samples,
+        checkpoint_dir=checkpoint_dir(cfg, run_dir),
+        mini_batches_per_step=at.require_batches,
+        ppo_epochs=arr.actor.ppo_epochs,
+        shuffle=arr.actor.shuffle,
+        trigger_parameter_sync_step=at.trigger_parameter_sync_step,
+        total_steps=total_local_steps(cfg, size),
+        save_freq=cfg.trainer.save_freq,
+        temperature=arr.rollout.temperature,
+        bypass_mode=cfg.algorithm.rollout_correction.bypass_mode,
+        use_kl_loss=arr.actor.use_kl_loss,
+        filter_metric=fg.metric,
+        max_num_gen_batches=fg.max_num_gen_batches,
+        bucket_bytes=arr.rollout.checkpoint_engine.update_weights_bucket_megabytes << 20,
+        fetch_timeout_ms=ts.fetch_timeout_ms,
+        pad_token_id=pad_id,
+        max_checkpoints_to_keep=ts.max_checkpoints_to_keep,
+        metrics_path=Path(run_dir) / ts.metrics_file,
+        resume_mode=cfg.trainer.resume_mode,
+        resume_from_path=cfg.trainer.resume_from_path,
+        seed=cfg.trainer.seed,
+    )
+
+
+def algorithm_from_config(cfg: MeshConfig) -> Algorithm:
+    """Advantages, loss and the DAPO filter from services.trainer.algos."""
+    try:
+        from services.trainer import algos  # type: ignore[attr-defined,unused-ignore]
+    except ImportError as exc:
+        raise MissingDependency(
+            "services.trainer.algos (advantages and losses)", f"this checkout lacks the RL algorithms: {exc}"
+        ) from exc
+    algo_cfg = cfg.algorithm
+    metric = algo_cfg.filter_groups.metric
+
+    def advantages(batch: Any) -> Any:
+        return algos.compute_advantages(batch, algo_cfg)
+
+    def values(batch: Any) -> Any:
+        return algos.dynamic_sampling_values(batch, metric)
+
+    def correct(batch: Any) -> dict[str, float]:
+        return algos.apply_rollout_correction(batch, algo_cfg)  # type: ignore[no-any-return]
+
+    return Algorithm(
+        compute_advantages=advantages,
+        loss_fn=algos.build_loss_fn(cfg.actor_rollout_ref.actor, algo_cfg),
+        keep=algos.dynamic_sampling_keep if algo_cfg.filter_groups.enable else None,
+        values=values,
+        correct=correct,
+    )
+
+
+def coordinator_address(cfg: MeshConfig) -> str:
+    ts = cfg.trainer_service
+    return ts.coordinator_address or f"{cfg.coordinator.host}:{cfg.coordinator.port}"
+
+
+def coordinator_token(cfg: MeshConfig) -> str | None:
+    return cfg.coordinator.token or os.environ.get("MESHRL_TOKEN") or None
+
+
+def check_model(cfg: MeshConfig, model_init: Callable[[], Any] | None = None) -> None:
+    """Reject model/config combinations (packing with gated delta-net layers, Ulysses head
+    counts) from the HF config alone, before any rank starts."""
+    from .engines import hf_model
+
+    model = cfg.actor_rollout_ref.model
+    if model.path is not None:
+        hf = hf_model.load_config(model)
+    else:
+        init = model_init or built_in_model_init(cfg)
+        assert init is not None
+        hf = hf_model.config_from_init(model, init)
+    hf_model.check_compat(hf, model, cfg.actor_rollout_ref.actor)
+
+
+def resolve_device(cfg: MeshConfig, cluster_resources: dict[str, float] | None = None) -> str:
+    """trainer.device, with `auto` answered by the cluster's resources (GPU > NPU > CPU) when
+    known, else by this process's devices."""
+    want = cfg.trainer.device
+    if want != "auto":
+        return want
+    if cluster_resources is not None:
+        if cluster_resources.get("GPU", 0) > 0:
+            return "cuda"
+        if cluster_resources.get("NPU", 0) > 0:
+            return "npu"
+        return "cpu"
+    from services.common.device import detect
+
+    return detect("auto").kind
+
+
+@dataclass
+class TrainerParts:
+    """A built trainer: the loop, its servicer and what they own (closed by `close`)."""
+
+    loop: TrainerLoop
+    servicer: TrainerServicer
+    group: TrainGroup
+    coordinator: CoordinatorClient
+    publisher: WeightPublisher
+
+    async def close(self) -> None:
+        await self.group.close()
+        await self.coordinator.close()
+
+
+async def build_trainer(
+    cfg: MeshConfig,
+    run_dir: str | os.PathLike[str],
+    *,
+    algorithm: Algorithm | None = None,
+    publisher: WeightPublisher | None = None,
+    model_init: Callable[[], Any] | None = None,
+) -> TrainerParts:
+    """Everything the Serve deployment runs: rank actors (Ray), the coordinator client, the
+    publisher and the loop. Config problems fail here, before any actor starts."""
+    import ray
+
+    from services.coordinator.client import CoordinatorClient
+
+    from .publisher import build_publisher
+    from .servicer import TrainerServicer
+    from .workers import RayTrainGroup
+
+    algorithm = algorithm or algorithm_from_config(cfg)
+    check_model(cfg, model_init)
+    device = resolve_device(cfg, ray.cluster_resources())
+    size = dataset_size(cfg)
+    spec = engine_spec(cfg, device, size, model_init)
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    ts = cfg.trainer_service
+    settings = loop_settings(cfg, run_dir, size, pad_token_id(cfg))
+    pub = publisher or build_publisher(ts.publisher, retain_versions=cfg.param_server.retain_versions)
+    client = CoordinatorClient(
+        coordinator_address(cfg), token=coordinator_token(cfg), application=ts.coordinator_application,
+        timeout_s=ts.coordinator_timeout_s,
+    )
+    group = await RayTrainGroup.create(
+        spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus
+    )
+    loop = TrainerLoop(settings, group, client, pub, algorithm)
+    servicer = TrainerServicer(
+        loop, trainer_id=ts.trainer_id, engine=cfg.actor_rollout_ref.actor.strategy, token=coordinator_token(cfg)
+    )
+    return TrainerParts(loop, servicer, group, client, pub)

@@ -1,0 +1,128 @@
+"""A training group as the loop sees it: whole batches in, whole results out.
+
+The group splits a batch over its data-parallel ranks (balanced by tokens; the ranks of one
+Ulysses group get the same share), has every rank run the collective call, and puts per-token
+results back in batch order. `LocalTrainGroup` is one in-process engine (tests, one-rank runs);
+`services.trainer.workers.RayTrainGroup` drives rank actors in a placement group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from services.common.config.actor_rollout_ref import ActorConfig
+
+from .engines.base import LossFn, SequenceBatch, StepResult, TrainEngine
+from .engines.batching import micro_batches_for, shard_for_dp
+from .publisher import Bucket
+
+
+class TrainGroup(Protocol):
+    """What the trainer loop drives. Calls are made one at a time."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        ...
+
+    async def compute_logprobs(
+        self, batch: SequenceBatch, *, temperature: float, reference: bool = False, proximal: bool = False,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, L] logprobs (and entropy) under the current / reference / proximal policy."""
+        ...
+
+    async def train(self, batch: SequenceBatch, loss_fn: LossFn, *, temperature: float) -> StepResult:
+        """One optimizer step on the mini-batch `batch`."""
+        ...
+
+    async def snapshot_proximal(self) -> None: ...
+
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]: ...
+
+    async def save_checkpoint(self, path: Path) -> None: ...
+
+    async def load_checkpoint(self, path: Path) -> None: ...
+
+    async def save_hf(self, path: Path) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def shards(batch: SequenceBatch, dp_size: int) -> list[list[int]]:
+    """Sequence indices per data-parallel rank."""
+    return shard_for_dp(batch, dp_size)
+
+
+def scatter_rows(parts: list[tuple[list[int], torch.Tensor]], shape: tuple[int, int]) -> torch.Tensor:
+    """Per-rank [b_r, l_r] results -> [B, L] in batch order."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for index, values in parts:
+        if index:
+            out[torch.as_tensor(index, dtype=torch.long), : values.shape[1]] = values.float()
+    return out
+
+
+class LocalTrainGroup:
+    """One engine in this process (world size 1). Engine calls run in a worker thread so the
+    event loop (gRPC status, coordinator calls) stays responsive."""
+
+    def __init__(self, engine: TrainEngine, actor: ActorConfig) -> None:
+        self.engine = engine
+        self.actor = actor
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def step(self) -> int:
+        return self.engine.step
+
+    async def compute_logprobs(
+        self, batch: SequenceBatch, *, temperature: float, reference: bool = False, proximal: bool = False,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if proximal:
+            out = await asyncio.to_thread(self.engine.compute_proximal_logprobs, batch, temperature=temperature)
+        else:
+            out = await asyncio.to_thread(
+                self.engine.compute_logprobs, batch, temperature=temperature, with_entropy=with_entropy, reference=reference
+            )
+        return out.logprobs, out.entropy
+
+    async def train(self, batch: SequenceBatch, loss_fn: LossFn, *, temperature: float) -> StepResult:
+        micro = micro_batches_for(self.actor, batch)
+        return await asyncio.to_thread(self.engine.train_step, micro, loss_fn, temperature=temperature)
+
+    async def snapshot_proximal(self) -> None:
+        await asyncio.to_thread(self.engine.snapshot_proximal)
+
+    async def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]:
+        it = iter(self.engine.export_weights(bucket_bytes))
+        done = object()
+        while True:
+            bucket = await asyncio.to_thread(next, it, done)
+            if bucket is done:
+                return
+            yield bucket  # type: ignore[misc]
+
+    async def save_checkpoint(self, path: Path) -> None:
+        await asyncio.to_thread(self.engine.save_checkpoint, path)
+
+    async def load_checkpoint(self, path: Path) -> None:
+        await asyncio.to_thread(self.engine.load_checkpoint, path)
+
+    async def save_hf(self, path: Path) -> None:
+        await asyncio.to_thread(self.engine.save_hf, path)
+
+    async def close(self) -> None:
+        self.engine.close()

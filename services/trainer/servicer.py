@@ -1,0 +1,51 @@
+"""TrainerService over gRPC: inspection (GetTrainerStatus) and operator checkpoints
+(SaveCheckpoint, which waits until the checkpoint after the current step is durable)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from meshrl.v1 import trainer_pb2, trainer_pb2_grpc
+from services.common.errors import DeadlineExceeded
+from services.common.grpc_util import rpc_method
+
+from .core import TrainerLoop
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """Thin shim over a TrainerLoop. `token` guards SaveCheckpoint."""
+
+    def __init__(
+        self, loop: TrainerLoop, *, trainer_id: str, engine: str, token: str | None = None, checkpoint_timeout_s: float = 3600.0
+    ) -> None:
+        self.loop = loop
+        self.trainer_id = trainer_id
+        self.engine = engine
+        self.token = token
+        self.checkpoint_timeout_s = checkpoint_timeout_s
+
+    @rpc_method()
+    async def GetTrainerStatus(
+        self, request: trainer_pb2.GetTrainerStatusRequest, context: Any
+    ) -> trainer_pb2.GetTrainerStatusResponse:
+        st = self.loop.status()
+        return trainer_pb2.GetTrainerStatusResponse(
+            trainer_id=self.trainer_id,
+            engine=self.engine,
+            step=st["step"],
+            policy_version=st["policy_version"],
+            world_size=st["world_size"],
+            metrics={k: float(v) for k, v in st["metrics"].items()},
+            last_checkpoint_step=max(0, st["last_checkpoint_step"]),
+        )
+
+    @rpc_method(control=True)
+    async def SaveCheckpoint(
+        self, request: trainer_pb2.SaveCheckpointRequest, context: Any
+    ) -> trainer_pb2.SaveCheckpointResponse:
+        try:
+            step, path = await asyncio.wait_for(self.loop.request_checkpoint(), timeout=self.checkpoint_timeout_s)
+        except TimeoutError:
+            raise DeadlineExceeded(f"no checkpoint within {self.checkpoint_timeout_s} s") from None
+        return trainer_pb2.SaveCheckpointResponse(step=step, path=path)

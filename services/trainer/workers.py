@@ -1,0 +1,226 @@
+"""The ranks of a training group as Ray actors in one placement group, and `RayTrainGroup`, the
+TrainGroup that drives them.
+
+    RayTrainGroup.create(spec, world_size, device)
+      placement group: world_size bundles of {CPU: worker_num_cpus, GPU|NPU: 1}, PACK
+      rank actors start; rank 0 picks MASTER_ADDR:MASTER_PORT; every rank builds its engine
+    every collective call goes to all ranks at once; each DP rank gets its share of the batch,
+    the ranks of one Ulysses group the same share; results come back from SP rank 0 of each group.
+
+Weights leave through rank 0 as a Ray streaming generator (bucket by bucket) while the other ranks
+run the same export to take part in the all-gathers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from services.common.device import ray_resource
+from services.common.logging import configure_logging, get_logger
+
+from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult, TrainEngine, get_engine_cls
+from .engines.batching import micro_batches_for
+from .group import scatter_rows, shards
+from .publisher import Bucket
+
+log = get_logger(__name__)
+
+
+class TrainWorker:
+    """One rank. Built lightweight; `init_engine` joins the process group and builds the engine."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.engine: TrainEngine | None = None
+        self.spec: EngineSpec | None = None
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port (asked of rank 0 for MASTER_ADDR/PORT)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def init_engine(self, spec: EngineSpec, backend: str, master_addr: str, master_port: int) -> dict[str, int]:
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        )
+        configure_logging("trainer", rank=self.rank)
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.spec = spec
+        self.engine = get_engine_cls(backend, spec.device).build(spec)
+        return {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size}
+
+    def _engine(self) -> TrainEngine:
+        assert self.engine is not None, "init_engine was not called"
+        return self.engine
+
+    def compute_logprobs(
+        self, batch: SequenceBatch, temperature: float, reference: bool, proximal: bool, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        engine = self._engine()
+        if proximal:
+            out = engine.compute_proximal_logprobs(batch, temperature=temperature)
+        else:
+            out = engine.compute_logprobs(batch, temperature=temperature, with_entropy=with_entropy, reference=reference)
+        return out.logprobs, out.entropy
+
+    def train(self, batch: SequenceBatch, loss_fn: LossFn, temperature: float) -> StepResult:
+        assert self.spec is not None
+        return self._engine().train_step(micro_batches_for(self.spec.actor, batch), loss_fn, temperature=temperature)
+
+    def snapshot_proximal(self) -> None:
+        self._engine().snapshot_proximal()
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+        yield from self._engine().export_weights(bucket_bytes)
+
+    def save_checkpoint(self, path: str) -> None:
+        self._engine().save_checkpoint(Path(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        self._engine().load_checkpoint(Path(path))
+
+    def save_hf(self, path: str) -> None:
+        self._engine().save_hf(Path(path))
+
+    def step(self) -> int:
+        return self._engine().step
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+class RayTrainGroup:
+    """TrainGroup over rank actors (see the module docstring). Use `await RayTrainGroup.create(...)`."""
+
+    def __init__(self, workers: list[Any], pg: Any, layout: list[dict[str, int]], step: int) -> None:
+        self.workers = workers
+        self.pg = pg
+        self.layout = layout
+        self._step = step
+        self.dp_size = layout[0]["dp_size"]
+        self.sp_size = len(workers) // self.dp_size
+
+    @classmethod
+    async def create(
+        cls, spec: EngineSpec, world_size: int, *, backend: str, num_cpus: float = 1.0, timeout_s: float = 600.0
+    ) -> RayTrainGroup:
+        resource = ray_resource(spec.device)
+        bundle: dict[str, float] = {"CPU": num_cpus} if num_cpus > 0 else {}
+        if resource is not None:
+            bundle[resource] = 1.0
+        pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        await asyncio.wait_for(pg.ready(), timeout=timeout_s)
+        options: dict[str, Any] = {"num_cpus": num_cpus}
+        if resource == "GPU":
+            options["num_gpus"] = 1
+        elif resource is not None:
+            options["resources"] = {resource: 1}
+        actor_cls: Any = ray.remote(TrainWorker)
+        workers: list[Any] = [
+            actor_cls.options(
+                **options,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r),
+            ).remote(r, world_size)
+            for r in range(world_size)
+        ]
+        try:
+            addr, port = await workers[0].address.remote()
+            layout = await asyncio.wait_for(
+                asyncio.gather(*[w.init_engine.remote(spec, backend, addr, port) for w in workers]), timeout=timeout_s
+            )
+            step = await workers[0].step.remote()
+        except BaseException:
+            for w in workers:
+                ray.kill(w)
+            remove_placement_group(pg)
+            raise
+        log.info("train_group_ready", world_size=world_size, dp=layout[0]["dp_size"], device=spec.device)
+        return cls(workers, pg, list(layout), step)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def _shares(self, batch: SequenceBatch) -> tuple[list[list[int]], list[SequenceBatch]]:
+        index = shards(batch, self.dp_size)
+        parts = [batch.select(index[self.layout[r]["dp_rank"]]) for r in range(self.world_size)]
+        return index, parts
+
+    async def compute_logprobs(
+        self, batch: SequenceBatch, *, temperature: float, reference: bool = False, proximal: bool = False,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        index, parts = self._shares(batch)
+        outs = await asyncio.gather(*[
+            w.compute_logprobs.remote(p, temperature, reference, proximal, with_entropy)
+            for w, p in zip(self.workers, parts, strict=True)
+        ])
+        shape = (batch.num_seqs, int(batch.input_ids.shape[1]))
+        leaders = [r for r in range(self.world_size) if r % self.sp_size == 0]
+        logprobs = scatter_rows([(index[self.layout[r]["dp_rank"]], outs[r][0]) for r in leaders], shape)
+        entropy = None
+        if with_entropy:
+            entropy = scatter_rows([(index[self.layout[r]["dp_rank"]], outs[r][1]) for r in leaders], shape)
+        return logprobs, entropy
+
+    async def train(self, batch: SequenceBatch, loss_fn: LossFn, *, temperature: float) -> StepResult:
+        _, parts = self._shares(batch)
+        results = await asyncio.gather(*[
+            w.train.remote(p, loss_fn, temperature) for w, p in zip(self.workers, parts, strict=True)
+        ])
+        self._step = results[0].step
+        return results[0]  # type: ignore[no-any-return]
+
+    async def snapshot_proximal(self) -> None:
+        await asyncio.gather(*[w.snapshot_proximal.remote() for w in self.workers])
+
+    async def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]:
+        streams = [w.export_weights.options(num_returns="streaming").remote(bucket_bytes) for w in self.workers]
+
+        async def drain(stream: Any) -> None:
+            async for ref in stream:
+                await ref
+
+        others = [asyncio.ensure_future(drain(s)) for s in streams[1:]]
+        try:
+            async for ref in streams[0]:
+                yield await ref
+            await asyncio.gather(*others)
+        finally:
+            for task in others:
+                if not task.done():
+                    task.cancel()
+
+    async def save_checkpoint(self, path: Path) -> None:
+        await asyncio.gather(*[w.save_checkpoint.remote(str(path)) for w in self.workers])
+
+    async def load_checkpoint(self, path: Path) -> None:
+        await asyncio.gather(*[w.load_checkpoint.remote(str(path)) for w in self.workers])
+        self._step = await self.workers[0].step.remote()
+
+    async def save_hf(self, path: Path) -> None:
+        await asyncio.gather(*[w.save_hf.remote(str(path)) for w in self.workers])
+
+    async def close(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)

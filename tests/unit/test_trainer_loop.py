@@ -1,0 +1,243 @@
+"""The trainer loop against a fake coordinator, with a real one-rank FSDP engine on a tiny model:
+publishing and versions, checkpoints and resume, DAPO filtering, operator flags, decoupled mode,
+the KL reference, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.errors import FailedPrecondition
+from services.common.grpc_util import LocalContext
+from services.trainer import checkpoints
+from services.trainer.core import LoopSettings, TrainerLoop
+from services.trainer.engines.base import SequenceBatch
+from services.trainer.group import LocalTrainGroup
+from services.trainer.publisher import InProcessPublisher
+from services.trainer.servicer import TrainerServicer
+from tests.unit.fsdp_helpers import build, make_spec
+from tests.unit.trainer_fakes import FakeCoordinator, fake_algorithm, make_group
+
+
+def _group(**spec_kw: Any) -> LocalTrainGroup:
+    spec = make_spec(optim={"lr": 1e-2}, **spec_kw)
+    return LocalTrainGroup(build(spec), spec.actor)
+
+
+def _settings(tmp_path: Path, **kw: Any) -> LoopSettings:
+    base: dict[str, Any] = {
+        "trainer_id": "t0", "groups_per_step": 2, "checkpoint_dir": tmp_path / "ckpt", "fetch_timeout_ms": 0,
+        "metrics_path": tmp_path / "metrics.jsonl", "bucket_bytes": 1 << 20,
+    }
+    return LoopSettings(**{**base, **kw})
+
+
+def _fill(coord: FakeCoordinator, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        coord.queue.append(make_group(f"L{i}", [1.0, 0.0, 0.5, 0.0], seed=i))
+
+
+def _run(loop: TrainerLoop, timeout_s: float = 300) -> None:
+    asyncio.run(asyncio.wait_for(loop.run(), timeout=timeout_s))
+
+
+def _export(group: LocalTrainGroup) -> dict[str, torch.Tensor]:
+    return {k: v for b in group.engine.export_weights(1 << 30) for k, v in b}
+
+
+def test_trains_publishes_every_trigger_steps_and_checkpoints_at_the_end(tmp_path: Path) -> None:
+    coord = FakeCoordinator()
+    _fill(coord, 6)
+    group = _group()
+    pub = InProcessPublisher(retain_versions=5)
+    algo, loss = fake_algorithm()
+    loop = TrainerLoop(_settings(tmp_path, trigger_parameter_sync_step=2), group, coord, pub, algo)
+    _run(loop)
+    assert loop.state == "finished" and loop.step == 3 and group.step == 3
+    assert coord.resumes == [0]
+    assert [c.policy_version for c in coord.commits] == [1, 2]  # step 2, then the unpublished step 3 at the end
+    assert [s for s, _, _ in coord.checkpoints] == [3]
+    assert coord.checkpoints[0][1] == 2
+    final = _export(group)
+    published = pub.get(2).weights
+    assert all(torch.equal(published[k], final[k]) for k in final)
+    assert coord.commits[-1].manifest_checksum == pub.get(2).ref.manifest_checksum
+    # bypass mode: old = rollout logprobs; advantages are zero outside responses
+    t = loss.seen[0]
+    assert torch.equal(t["old_logprobs"], t["rollout_logprobs"])
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "perf/throughput_tokens_per_s", "perf/idle_ratio",
+                "staleness/min", "staleness/mean", "staleness/max", "critic/rewards/mean", "training/policy_version"):
+        assert key in lines[0], key
+    assert 0.0 <= lines[0]["perf/idle_ratio"] <= 1.0
+    assert lines[0]["training/groups"] == 2 and lines[0]["training/sequences"] == 8
+
+
+def test_resume_continues_from_the_newest_checkpoint_and_republishes(tmp_path: Path) -> None:
+    coord = FakeCoordinator(finite=False)
+    _fill(coord, 6)
+    first = _group()
+    loop = TrainerLoop(
+        _settings(tmp_path, save_freq=1, total_steps=2, trigger_parameter_sync_step=1), first, coord,
+        InProcessPublisher(), fake_algorithm()[0],
+    )
+    _run(loop)
+    assert [s for s, _, _ in coord.checkpoints] == [1, 2] and coord.policy_version == 2
+    saved = _export(first)
+    (tmp_path / "ckpt" / "global_step_3.partial").mkdir()  # a crash mid-save is ignored
+    assert checkpoints.newest(tmp_path / "ckpt") == tmp_path / "ckpt" / "global_step_2"
+
+    # a restarted trainer: fresh engine, same checkpoint directory; the coordinator moved on to v3
+    coord.policy_version = 3
+    second = _group()
+    pub = InProcessPublisher()
+    loop2 = TrainerLoop(
+        _settings(tmp_path, save_freq=1, total_steps=3, trigger_parameter_sync_step=1), second, coord, pub,
+        fake_algorithm()[0],
+    )
+    _run(loop2)
+    assert coord.resumes == [0, 2]
+    assert loop2.step == 3 and second.step == 3
+    restored = pub.get(4).weights  # the restored weights went out as version current + 1
+    assert all(torch.equal(restored[k], saved[k]) for k in saved)
+    assert coord.fetches[-1]["step"] == 3
+    assert coord.policy_version == 5
+
+
+def test_dynamic_sampling_drops_flat_groups_reports_them_and_refills(tmp_path: Path) -> None:
+    coord = FakeCoordinator()
+    coord.queue.extend([
+        make_group("flat0", [1.0, 1.0, 1.0, 1.0]),
+        make_group("ok0", [1.0, 0.0, 0.0, 0.0], seed=1),
+        make_group("flat1", [0.0, 0.0, 0.0, 0.0], seed=2),
+        make_group("ok1", [1.0, 1.0, 0.0, 0.0], seed=3),
+        make_group("ok2", [0.0, 1.0, 0.0, 0.0], seed=4),
+        make_group("ok3", [0.0, 1.0, 1.0, 0.0], seed=5),
+    ])
+    algo, _ = fake_algorithm(filter_groups=True)
+    loop = TrainerLoop(_settings(tmp_path, total_steps=2), _group(), coord, InProcessPublisher(), algo)
+    _run(loop)
+    assert [f["num_groups"] for f in coord.fetches] == [2, 1, 1, 2]
+    assert [f["filtered"] for f in coord.fetches] == [[], ["flat0"], ["flat1"], []]  # reported on the next fetch
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["training/filtered_groups"] == 2 and lines[0]["training/groups"] == 2
+    assert all(int(x["training/groups"]) == 2 for x in lines)
+
+
+def test_dynamic_sampling_gives_up_after_max_num_gen_batches(tmp_path: Path) -> None:
+    coord = FakeCoordinator(finite=False)
+    coord.queue.extend(make_group(f"flat{i}", [1.0] * 4, seed=i) for i in range(6))
+    algo, _ = fake_algorithm(filter_groups=True)
+    loop = TrainerLoop(_settings(tmp_path, max_num_gen_batches=2), _group(), coord, InProcessPublisher(), algo)
+    with pytest.raises(FailedPrecondition, match="max_num_gen_batches=2"):
+        _run(loop)
+    assert loop.state == "failed"
+
+
+def test_stop_request_checkpoints_without_training_the_partial_batch(tmp_path: Path) -> None:
+    coord = FakeCoordinator(finite=False)
+    _fill(coord, 2)
+    group = _group()
+    loop = TrainerLoop(_settings(tmp_path), group, coord, InProcessPublisher(), fake_algorithm()[0])
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        while loop.step < 1:
+            await asyncio.sleep(0.01)
+        coord.queue.append(make_group("late", [1.0, 0.0, 0.0, 0.0]))
+        coord.stop_requested = True
+        await asyncio.wait_for(task, timeout=120)
+
+    asyncio.run(scenario())
+    assert loop.state == "finished" and loop.step == 1 and group.step == 1
+    assert [s for s, _, _ in coord.checkpoints] == [1]
+    assert "late" not in coord.delivered  # never handed out after stop
+
+
+def test_checkpoint_requests_from_coordinator_and_rpc(tmp_path: Path) -> None:
+    coord = FakeCoordinator(finite=False)
+    _fill(coord, 2)
+    loop = TrainerLoop(_settings(tmp_path), _group(), coord, InProcessPublisher(), fake_algorithm()[0])
+    servicer = TrainerServicer(loop, trainer_id="t0", engine="fsdp", token="secret")
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run())
+        while loop.step < 1:
+            await asyncio.sleep(0.01)
+        # operator RPC: served at the next step boundary while the loop waits for data
+        resp = await asyncio.wait_for(
+            servicer.SaveCheckpoint(None, LocalContext([("authorization", "Bearer secret")])), timeout=60
+        )
+        assert (resp.step, Path(resp.path).name) == (1, "global_step_1")
+        status = await servicer.GetTrainerStatus(None, LocalContext())
+        assert status.step == 1 and status.last_checkpoint_step == 1 and status.world_size == 1
+        assert status.metrics["training/step"] == 1.0
+        # coordinator flag: the next step's checkpoint comes from FetchBatch.checkpoint_requested
+        _fill(coord, 2, start=10)
+        while loop.step < 2:
+            await asyncio.sleep(0.01)
+        coord.checkpoint_requested = True
+        while not coord.checkpoints or coord.checkpoints[-1][0] != 2:
+            await asyncio.sleep(0.01)
+        coord.stop_requested = True
+        await asyncio.wait_for(task, timeout=60)
+
+    asyncio.run(scenario())
+    assert [s for s, _, _ in coord.checkpoints] == [1, 2]
+
+
+def test_save_checkpoint_rpc_needs_the_token(tmp_path: Path) -> None:
+    loop = TrainerLoop(_settings(tmp_path), _group(), FakeCoordinator(), InProcessPublisher(), fake_algorithm()[0])
+    servicer = TrainerServicer(loop, trainer_id="t0", engine="fsdp", token="secret")
+    from services.common.errors import Unauthenticated
+
+    with pytest.raises(Unauthenticated):
+        asyncio.run(servicer.SaveCheckpoint(None, LocalContext()))
+
+
+def test_decoupled_mode_uses_window_start_parameters_and_reference(tmp_path: Path) -> None:
+    coord = FakeCoordinator()
+    _fill(coord, 4)
+    group = _group(with_ref=True)
+    algo, loss = fake_algorithm()
+    loop = TrainerLoop(
+        _settings(tmp_path, bypass_mode=False, use_kl_loss=True, trigger_parameter_sync_step=2),
+        group, coord, InProcessPublisher(), algo,
+    )
+    _run(loop)
+    first, second = loss.seen[0], loss.seen[1]
+    # step 1 starts the window: old = current = initial parameters = reference
+    assert torch.allclose(first["old_logprobs"], first["ref_logprobs"], atol=1e-6)
+    assert not torch.equal(first["old_logprobs"], first["rollout_logprobs"])
+    # step 2 is in the same window: old logprobs come from the window-start (initial) parameters,
+    # i.e. they equal the (frozen, initial) reference, not the parameters after step 1
+    assert torch.allclose(second["old_logprobs"], second["ref_logprobs"], atol=1e-6)
+    current = group.engine.compute_logprobs(_batch_of(loop, second)).logprobs
+    assert not torch.allclose(current, second["old_logprobs"], atol=1e-4)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "rollout_corr/mismatch_kl_k3" in lines[0] and "timing_s/old_logprob" in lines[0]
+
+
+def _batch_of(loop: TrainerLoop, seen: dict[str, torch.Tensor]) -> SequenceBatch:
+    """Rebuild the batch of step 2 (groups L2, L3) to recompute its logprobs after training."""
+    from services.trainer.convert import groups_to_batch
+
+    groups = [make_group(f"L{i}", [1.0, 0.0, 0.5, 0.0], seed=i) for i in (2, 3)]
+    batch = groups_to_batch(groups, loop.s.pad_token_id)
+    assert torch.equal(batch.tensors["rollout_logprobs"], seen["rollout_logprobs"])
+    return batch
+
+
+def test_exhausted_data_trains_the_last_partial_batch(tmp_path: Path) -> None:
+    coord = FakeCoordinator()
+    _fill(coord, 3)
+    loop = TrainerLoop(_settings(tmp_path), _group(), coord, InProcessPublisher(), fake_algorithm()[0])
+    _run(loop)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["training/groups"] for x in lines] == [2, 1]
