@@ -55,3 +55,10 @@ def test_config_cross_checks_name_the_fix() -> None:
         MeshConfig.model_validate({"param_server": {"chunk_mb": 64}})
     with pytest.raises(ValueError, match="stall_timeout_s"):
         MeshConfig.model_validate({"param_server": {"stall_timeout_s": 500, "transfer_timeout_s": 100}})
+
+
+def test_publishers_satisfy_the_trainers_protocol() -> None:
+    from services.trainer.publisher import WeightPublisher as TrainerPublisher
+
+    for backend in ("grpc", "disk", "gloo"):
+        assert isinstance(make_publisher(cfg(backend), address="ps:50071"), TrainerPublisher), backend
