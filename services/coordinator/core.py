@@ -218,8 +218,10 @@ class CoordinatorCore:
         self.prompts = prompts
         self.ledger = ledger
         self._leases: dict[str, LeaseRow] = {}
-        self._deadlines: list[tuple[float, str]] = []
+        # (deadline, prompt seq, lease id): ties break on seq so expiry order is reproducible
+        self._deadlines: list[tuple[float, int, str]] = []
         self._expired: dict[str, int] = {}
+        self._refused: set[str] = set()
         self._submitted: set[str] = set()
         self._retry: OrderedDict[int, None] = OrderedDict()
         self._queue: OrderedDict[int, _Queued] = OrderedDict()
@@ -245,8 +247,9 @@ class CoordinatorCore:
         self._s = state
         for lease in snap.active_leases:
             self._leases[lease.lease_id] = lease
-            heapq.heappush(self._deadlines, (lease.deadline, lease.lease_id))
+            heapq.heappush(self._deadlines, (lease.deadline, lease.seq, lease.lease_id))
         self._expired = dict(snap.expired_leases)
+        self._refused = set(snap.refused_lease_ids)
         self._submitted = set(snap.submitted_lease_ids)
         for seq, _reason in snap.retry:
             self._retry[seq] = None
@@ -345,7 +348,7 @@ class CoordinatorCore:
                 self._persist()
             for row in rows:
                 self._leases[row.lease_id] = row
-                heapq.heappush(self._deadlines, (row.deadline, row.lease_id))
+                heapq.heappush(self._deadlines, (row.deadline, row.seq, row.lease_id))
         return LeaseGrant(granted, limit, self._s.policy_version)
 
     def renew(self, replica_id: str, lease_ids: list[str], now: float) -> tuple[list[str], list[str], float]:
@@ -360,7 +363,7 @@ class CoordinatorCore:
                 self.ledger.set_lease_deadlines((i, deadline) for i in renewed)
             for i in renewed:
                 self._leases[i].deadline = deadline
-                heapq.heappush(self._deadlines, (deadline, i))
+                heapq.heappush(self._deadlines, (deadline, self._leases[i].seq, i))
         return renewed, lost, deadline
 
     def return_leases(self, replica_id: str, lease_ids: list[str], now: float) -> int:
@@ -384,7 +387,7 @@ class CoordinatorCore:
         """Expire leases whose deadline passed; their prompts go to the retry queue."""
         expired: list[LeaseRow] = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, lease_id = heapq.heappop(self._deadlines)
+            deadline, _, lease_id = heapq.heappop(self._deadlines)
             lease = self._leases.get(lease_id)
             if lease is None or lease.deadline != deadline:
                 continue  # already finished, or renewed (a newer heap entry exists)
@@ -406,7 +409,8 @@ class CoordinatorCore:
     def submit(self, replica_id: str, groups: list[GroupIn], now: float) -> list[SubmitStatus]:
         """Record finished groups; idempotent by lease id. All-or-nothing validation: an unknown
         lease id or a group that does not match its lease fails the call before anything changes.
-        A group for an expired lease is accepted when its prompt was not re-issued yet."""
+        A group for an expired lease is accepted when its prompt was not re-issued yet; once
+        refused (EXPIRED), that lease stays refused, so a retried request gets the same answer."""
         self.expire(now)
         self._replica_seen[replica_id] = now
         seen: set[str] = set()
@@ -417,7 +421,7 @@ class CoordinatorCore:
             seen.add(g.lease_id)
             lease = self._leases.get(g.lease_id)
             known_seq = lease.seq if lease is not None else self._expired.get(g.lease_id)
-            if known_seq is None and g.lease_id not in self._submitted:
+            if known_seq is None and g.lease_id not in self._submitted and g.lease_id not in self._refused:
                 raise NotFound(f"{where}.lease_id: unknown lease {g.lease_id!r} (never granted by run {self._s.run_id})")
             if known_seq is not None and known_seq != g.seq:
                 raise InvalidArgument(
@@ -433,10 +437,14 @@ class CoordinatorCore:
         statuses: list[SubmitStatus] = []
         accepted: list[GroupRow] = []
         late_seqs: list[int] = []
+        refused: list[str] = []
         for g in groups:
             if g.lease_id in self._submitted:
                 statuses.append(SubmitStatus.DUPLICATE)
                 self._s.totals.duplicates += 1
+                continue
+            if g.lease_id in self._refused:
+                statuses.append(SubmitStatus.EXPIRED)
                 continue
             if g.lease_id in self._leases:
                 del self._leases[g.lease_id]
@@ -445,6 +453,7 @@ class CoordinatorCore:
                 if seq not in self._retry:
                     statuses.append(SubmitStatus.EXPIRED)
                     self._s.totals.rejected_expired += 1
+                    refused.append(g.lease_id)
                     continue
                 del self._retry[seq]
                 del self._expired[g.lease_id]
@@ -466,8 +475,12 @@ class CoordinatorCore:
             with self.ledger.transaction():
                 self.ledger.insert_groups(accepted)
                 self.ledger.set_lease_state([r.lease_id for r in accepted], LeaseState.SUBMITTED)
+                self.ledger.set_lease_state(refused, LeaseState.REFUSED)
                 self.ledger.pop_retry(late_seqs)
                 self._persist()
+        for lease_id in refused:
+            del self._expired[lease_id]
+            self._refused.add(lease_id)
         for row in accepted:
             self._submitted.add(row.lease_id)
             self._expired.pop(row.lease_id, None)

@@ -29,6 +29,7 @@ class LeaseState(IntEnum):
     SUBMITTED = 1
     EXPIRED = 2
     RETURNED = 3
+    REFUSED = 4  # expired, its prompt re-issued, and a late answer was refused: final
 
 
 class GroupState(IntEnum):
@@ -76,6 +77,7 @@ class LedgerSnapshot:
     state: dict[str, Any] | None
     active_leases: list[LeaseRow]
     expired_leases: dict[str, int]
+    refused_lease_ids: set[str]
     submitted_lease_ids: set[str]
     retry: list[tuple[int, int]]
     queued: list[GroupRow]
@@ -210,6 +212,9 @@ class Ledger:
         expired = {
             r[0]: r[1] for r in self._db.execute("SELECT lease_id, seq FROM leases WHERE state = ?", (int(LeaseState.EXPIRED),))
         }
+        refused = {
+            r[0] for r in self._db.execute("SELECT lease_id FROM leases WHERE state = ?", (int(LeaseState.REFUSED),))
+        }
         submitted = {
             r[0] for r in self._db.execute("SELECT lease_id FROM leases WHERE state = ?", (int(LeaseState.SUBMITTED),))
         }
@@ -226,6 +231,7 @@ class Ledger:
             state=state,
             active_leases=leases,
             expired_leases=expired,
+            refused_lease_ids=refused,
             submitted_lease_ids=submitted,
             retry=retry,
             queued=groups(GroupState.QUEUED, "qpos"),

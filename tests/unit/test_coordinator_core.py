@@ -241,3 +241,19 @@ def test_run_exhausts_after_total_prompts(tmp_path: Path) -> None:
     core.submit("r", [group_for(lease.lease_id, lease.seq, 0) for lease in leases], 1.0)
     batch = core.fetch("t", 1, 5, 1.0)
     assert len(batch.groups) == 5 and batch.exhausted
+
+
+def test_refused_late_answer_stays_refused(tmp_path: Path) -> None:
+    """Found by the property test: a late answer refused as EXPIRED must not be accepted on a
+    retry after the prompt, re-issued in between, came back to the retry queue."""
+    core = make_core(tmp_path / "l.db", lease_timeout_s=10.0, staleness=1.0)
+    (a,) = core.lease("dead", 1, 0.0).leases
+    core.expire(11.0)
+    (b,) = core.lease("other", 1, 11.0).leases  # re-issued
+    assert core.submit("dead", [group_for(a.lease_id, a.seq, 0)], 12.0) == [SubmitStatus.EXPIRED]
+    core.return_leases("other", [b.lease_id], 13.0)  # the prompt waits for re-issue again
+    assert core.submit("dead", [group_for(a.lease_id, a.seq, 0)], 14.0) == [SubmitStatus.EXPIRED]
+    core.ledger.close()
+    again = make_core(tmp_path / "l.db", lease_timeout_s=10.0, staleness=1.0)
+    assert again.submit("dead", [group_for(a.lease_id, a.seq, 0)], 15.0) == [SubmitStatus.EXPIRED]
+    assert again.audit()["balanced"]
