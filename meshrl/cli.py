@@ -5,6 +5,7 @@
     meshrl status|pause|resume|checkpoint|stop --address HOST:PORT [--token T]
     meshrl set-staleness VALUE --address HOST:PORT [--token T]
     meshrl bench coordinator [--out FILE]
+    meshrl bench rollout [--engines transformers,vllm] [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -95,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pb.add_argument("--seconds", type=float, default=5.0, help="measurement time per case")
     pb.add_argument("--no-serve", action="store_true", help="skip the Ray Serve ingress cases")
+    pr = bsub.add_parser("rollout", help="tokens/s on a long-tailed mix: engines vs model.generate / bare vLLM")
+    pr.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pr.add_argument("--engines", default="transformers,vllm", help="comma list; vllm needs .venv-vllm")
+    pr.add_argument("--prompts", type=int, default=48, help="prompts (each with --n samples)")
+    pr.add_argument("--n", type=int, default=4, help="samples per prompt")
+    pr.add_argument("--slots", type=int, default=64, help="concurrent sequences (engine slots = generate batch)")
+    pr.add_argument("--repeats", type=int, default=3, help="interleaved measurement rounds (median reported)")
     return parser
 
 
@@ -232,6 +240,13 @@ def _bench(args: argparse.Namespace) -> int:
         from meshrl.bench.coordinator import run_benchmark
 
         result = run_benchmark(seconds=args.seconds, serve=not args.no_serve)
+    elif args.bench_command == "rollout":
+        from meshrl.bench.rollout import run_benchmark as run_rollout
+
+        result = run_rollout(
+            engines=tuple(e for e in args.engines.split(",") if e), prompts=args.prompts, n=args.n,
+            slots=args.slots, repeats=args.repeats,
+        )
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

@@ -27,6 +27,11 @@ class InvalidArgument(MeshError, ValueError):
         self.reason = reason
         super().__init__(f"{field}: {reason}")
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Picklable with its two-argument constructor: Ray Serve ships a replica's exception to
+        # the gRPC proxy, and an unpicklable one turns the status code into INTERNAL.
+        return (type(self), (self.field, self.reason))
+
 
 class ConfigError(MeshError, ValueError):
     """A config file or override is invalid; the message names the key and the fix."""
@@ -74,7 +79,12 @@ class MissingDependency(MeshError, ImportError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
     def __init__(self, what: str, install_hint: str) -> None:
+        self.what = what
+        self.install_hint = install_hint
         super().__init__(f"{what} is not available: {install_hint}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.what, self.install_hint))
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -7,7 +7,8 @@ Runs inside vLLM's worker processes, so it imports only torch, safetensors and v
   pass through intact) → `model.load_weights` by HF name (TP-aware in vLLM's model code).
   On CPU vLLM repacks every linear weight for oneDNN after loading and frees the original
   parameter; begin re-creates those parameters, finish checks that the update covered every one
-  of them and repacks (`process_weights_after_loading`). On GPU both are no-ops.
+  of them and repacks (`process_weights_after_loading`), the LM head's packed copy included. On
+  GPU both are no-ops.
 - `meshrl_patch_sampler()`: makes vLLM's `processed_logprobs` mean meshrl's logprob contract,
   log_softmax(logits / temperature) *before* top-k / top-p truncation. vLLM computes processed
   logprobs after truncation (renormalised over the kept tokens), which differs from what the
@@ -75,8 +76,19 @@ class MeshrlWorkerExtension:
             )
         for module in recreated.values():
             module.quant_method.process_weights_after_loading(module)
+        # Layers that keep their weight but matmul through a packed copy made at load time (the
+        # CPU path of the LM head) must be repacked too, or they compute with the old weights.
+        repacked = 0
+        for module in self.model_runner.model.modules():
+            if module in recreated.values() or not hasattr(module, "cpu_linear"):
+                continue
+            qm = getattr(module, "quant_method", None)
+            weight = getattr(module, "weight", None)
+            if qm is not None and weight is not None and weight.numel() > 0:
+                qm.process_weights_after_loading(module)
+                repacked += 1
         self._meshrl_recreated = {}
-        return len(recreated)
+        return len(recreated) + repacked
 
     def meshrl_patch_sampler(self) -> bool:
         sampler = self.model_runner.sampler
