@@ -4,7 +4,7 @@ plain baseline on the same prompts in the same run.
     transformers engine (slot refill)  vs  model.generate in fixed batches of the same slot count
     vllm engine (AsyncLLM, per-sample) vs  bare vllm LLM.generate (needs .venv-vllm)
 
-The mix: `prompts` chat prompts × n samples; most requests may generate `short_tokens`, a
+The mix: `prompts` chat prompts x n samples; most requests may generate `short_tokens`, a
 `long_fraction` of them `long_tokens` (the tail). Lengths end at max_tokens or EOS, whichever first;
 tokens/s counts the tokens each side returns (for `generate`, a row's tokens up to its own
 max_tokens / EOS: what the caller would keep). The tiny model is random, so EOS comes at ~1/vocab
