@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--n", type=int, default=4, help="samples per prompt")
     pr.add_argument("--slots", type=int, default=64, help="concurrent sequences (engine slots = generate batch)")
     pr.add_argument("--repeats", type=int, default=3, help="interleaved measurement rounds (median reported)")
+    pr.add_argument("--device", default="cpu", help="device of the transformers case (cpu, cuda)")
     return parser
 
 
@@ -245,7 +246,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = run_rollout(
             engines=tuple(e for e in args.engines.split(",") if e), prompts=args.prompts, n=args.n,
-            slots=args.slots, repeats=args.repeats,
+            slots=args.slots, repeats=args.repeats, device=args.device,
         )
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")

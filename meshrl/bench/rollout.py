@@ -41,13 +41,14 @@ def _useful(row: list[int], max_tokens: int, eos: int) -> int:
 
 
 def _bench_generate(model: Any, tok: Any, prompts: list[list[int]], max_tokens: list[int], n: int, slots: int) -> tuple[int, float]:
+    device = next(model.parameters()).device
     per = max(1, slots // n)
     tokens = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
         for b in range(0, len(prompts), per):
             ps, ms = prompts[b : b + per], max_tokens[b : b + per]
-            enc = tok.pad({"input_ids": ps}, return_tensors="pt", padding_side="left")
+            enc = tok.pad({"input_ids": ps}, return_tensors="pt", padding_side="left").to(device)
             out = model.generate(
                 **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max(ms),
                 num_return_sequences=n, pad_token_id=tok.pad_token_id,
@@ -99,15 +100,18 @@ async def _bench_engine(engine: Any, prompts: list[list[int]], max_tokens: list[
     return sum(len(o.token_ids) for group in outs for o in group), dt
 
 
-def bench_transformers(prompts: int, n: int, slots: int, short_tokens: int, long_tokens: int, long_fraction: float, repeats: int) -> dict[str, Any]:
+def bench_transformers(
+    prompts: int, n: int, slots: int, short_tokens: int, long_tokens: int, long_fraction: float, repeats: int,
+    device: str = "cpu",
+) -> dict[str, Any]:
     from services.rollout.engines.transformers_engine import TransformersEngine
 
     tok = build_tokenizer()
-    model = build_tiny_model("qwen3", tok, seed=0).eval()
+    model = build_tiny_model("qwen3", tok, seed=0).to(device).eval()
     ids, mts = _workload(tok, prompts, short_tokens, long_tokens, long_fraction, seed=0)
 
     async def run() -> dict[str, Any]:
-        engine = TransformersEngine(model, tok, max_num_seqs=slots, seed=0)
+        engine = TransformersEngine(model, tok, device=device, max_num_seqs=slots, seed=0)
         await engine.start()
         await _bench_engine(engine, ids[:4], [8] * 4, n, "warm")
         _bench_generate(model, tok, ids[:4], [8] * 4, n, slots)
@@ -201,6 +205,7 @@ def run_benchmark(
     long_tokens: int = 192,
     long_fraction: float = 0.125,
     repeats: int = 3,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     result: dict[str, Any] = {
@@ -210,11 +215,12 @@ def run_benchmark(
         "workload": {
             "prompts": prompts, "n": n, "slots": slots, "short_tokens": short_tokens, "long_tokens": long_tokens,
             "long_fraction": long_fraction, "repeats": repeats, "model": "tiny qwen3 (services/common/tiny.py)",
+            "device": device,
         },
     }
     args = (prompts, n, slots, short_tokens, long_tokens, long_fraction, repeats)
     if "transformers" in engines:
-        result["transformers"] = bench_transformers(*args)
+        result["transformers"] = bench_transformers(*args, device=device)
     if "vllm" in engines:
         result["vllm"] = bench_vllm(*args)
     return result

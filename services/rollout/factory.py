@@ -59,7 +59,8 @@ def build_engine(cfg: MeshConfig, *, model: Any = None, tokenizer: Any = None) -
         )
         return engine, tokenizer
     if r.name == "vllm":
-        from .engines.vllm_engine import engine_args_from_config, save_model_dir
+        from .engines.vllm_args import engine_args_from_config
+        from .engines.vllm_engine import save_model_dir
 
         path = cfg.actor_rollout_ref.model.path or save_model_dir(model, tokenizer)
         device = "cpu" if w.device == "cpu" else None

@@ -175,3 +175,65 @@ def test_health_and_stats(engine: Any, loop: LoopThread) -> None:
     stats = engine.stats()
     assert stats["tokens_generated"] > 0
     assert all(isinstance(v, float) for v in stats.values())
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_partial_rollout_through_the_worker(engine: Any, model: Any, tok: Any, loop: LoopThread, mode: str) -> None:
+    """A sample spanning a weight update: tokens of both versions, length within max_tokens, and
+    (where the engine re-prefills: abort mode; vLLM with prefix caching in keep mode too) the
+    tokens after the switch carry exactly the new weights' logprobs."""
+    from meshrl.v1 import common_pb2
+    from services.rollout.weights import InMemoryWeightStore
+    from services.rollout.worker import RolloutWorker, WorkerSettings
+    from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
+
+    new_model = build_tiny_model("qwen3", tok, seed=21)
+    exact = mode == "abort" or (engine.name == "vllm" and engine.engine_args.get("enable_prefix_caching"))
+
+    async def scenario(attempt: int) -> common_pb2.TrajectoryGroup:
+        v = engine.version
+        store = InMemoryWeightStore()
+        ref = store.publish(v + 1, model_named_tensors(new_model))
+        prompt = common_pb2.Prompt(prompt_seq=attempt, prompt_id=f"p:{attempt}", text="partial rollout: ")
+        sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=150, seed=8 + attempt)
+        coord = FakeCoordinator([prompt], sampling)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, store, WorkerSettings(
+            replica_id="w", concurrent_groups=1, partial_rollout=True, partial_rollout_mode=mode,  # type: ignore[arg-type]
+            idle_poll_s=0.05, renew_interval_s=5.0,
+        ))
+        worker.start()
+        await wait_for(lambda: worker.groups_in_flight == 1, what="group in flight")
+        await asyncio.sleep(0.3)
+        coord.push_version(ref)
+        await wait_for(lambda: len(coord.submitted) == 1, timeout_s=180, what="the group")
+        await worker.stop()
+        return coord.submitted[0]
+
+    async def restore() -> None:
+        await engine.pause("abort")
+        await engine.load_weights(engine.version + 1, iterate_buckets([model_named_tensors(model)]))
+        await engine.resume()
+
+    # A sample may end (EOS) before the update lands; a few attempts make a spanning one certain.
+    spanning = 0
+    for attempt in range(4):
+        before = engine.version
+        try:
+            g = loop.run(scenario(attempt))
+        finally:
+            loop.run(restore())
+        for r in g.responses:
+            assert len(r.token_ids) == len(r.logprobs) == len(r.versions) <= 150
+            assert list(r.versions) == sorted(r.versions)
+            assert set(r.versions) <= {before, before + 1}
+            assert r.finish_reason != common_pb2.FINISH_REASON_ABORT
+            if set(r.versions) == {before, before + 1}:
+                spanning += 1
+                if exact:
+                    first_new = list(r.versions).index(before + 1)
+                    ref_lp = reference_logprobs(new_model, list(g.prompt_token_ids), list(r.token_ids), 1.0)
+                    got = torch.tensor(list(r.logprobs))
+                    assert (ref_lp[first_new:] - got[first_new:]).abs().max().item() < TOL[engine.name]
+        if spanning:
+            break
+    assert spanning >= 1, "at least one sample must span the update"

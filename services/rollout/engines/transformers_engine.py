@@ -279,7 +279,8 @@ class TransformersEngine(RolloutEngine):
                     self._apply_commands()
                     if self._closed:
                         break
-                    if (self._paused and self._pause_mode != "wait") or not (self._rows or self._waiting):
+                    idle_paused = self._paused and (self._pause_mode != "wait" or not self._rows)
+                    if idle_paused or not (self._rows or self._waiting):
                         self._check_wait_done()
                         self._wake.wait(0.5)
                         self._wake.clear()
