@@ -58,9 +58,9 @@ def test_unknown_engine_names_the_key() -> None:
 def test_sampling_conversion_and_validation() -> None:
     spec = convert.sampling_spec(common_pb2.SamplingParams(n=0, max_tokens=5, top_k=0, seed=10), seed_offset=4)
     assert (spec.n, spec.top_p, spec.top_k, spec.seed) == (1, 1.0, -1, 14)
-    with pytest.raises(InvalidArgument, match="sampling.max_tokens"):
+    with pytest.raises(InvalidArgument, match=r"sampling\.max_tokens"):
         convert.sampling_spec(common_pb2.SamplingParams(n=1))
-    with pytest.raises(InvalidArgument, match="sampling.top_k"):
+    with pytest.raises(InvalidArgument, match=r"sampling\.top_k"):
         convert.sampling_spec(common_pb2.SamplingParams(n=1, max_tokens=3, top_k=-5))
 
 
@@ -71,7 +71,7 @@ def test_prompt_truncation() -> None:
     p = common_pb2.Prompt(prompt_id="x:1", text="abcdefgh")
     assert tok.decode(convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="left")) == "efgh"
     assert tok.decode(convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="middle")) == "abgh"
-    with pytest.raises(InvalidArgument, match="data.max_prompt_length"):
+    with pytest.raises(InvalidArgument, match=r"data\.max_prompt_length"):
         convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="error")
 
 
