@@ -166,7 +166,10 @@ class RolloutWorker:
 
     @property
     def healthy(self) -> bool:
-        return self._run_error is None and all(not t.done() or t.cancelled() for t in self._tasks[:1])
+        """False once a loop died of an exception or a group hit a non-retryable input error."""
+        if self._run_error is not None:
+            return False
+        return not any(t.done() and not t.cancelled() and t.exception() is not None for t in self._tasks)
 
     async def drain(self, finish_in_flight: bool = True) -> tuple[int, int]:
         """Stop leasing; return the leases of groups not started by the engine (all groups when
@@ -257,9 +260,19 @@ class RolloutWorker:
                 # data.truncation=error): stop this replica so the operator sees it.
                 self._run_error = exc
                 self._draining = True
+            await self._give_back(g)
         finally:
             self._groups.pop(g.lease.lease_id, None)
             self._notify()
+
+    async def _give_back(self, g: _Group) -> None:
+        """Return a failed group's lease now, so its prompt is re-issued without waiting for expiry."""
+        if self.coordinator is None:
+            return
+        try:
+            self.counters.leases_returned += await self.coordinator.return_leases(self.replica_id, [g.lease.lease_id])
+        except grpc.RpcError as exc:  # it expires instead: nothing is lost
+            log.warning("return_lease_failed", lease_id=g.lease.lease_id, code=str(exc.code()))  # type: ignore[attr-defined]
 
     async def _submit(self, group: common_pb2.TrajectoryGroup) -> None:
         assert self.coordinator is not None
