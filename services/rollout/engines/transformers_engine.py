@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.logging import get_logger
 
 from .base import (
@@ -117,6 +117,14 @@ class TransformersEngine(RolloutEngine):
         version: int = 0,
         seed: int | None = None,
     ) -> None:
+        from transformers import DynamicCache
+
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
+        if kinds - {"DynamicLayer"}:
+            raise ConfigError(
+                f"the transformers rollout engine batches full-attention KV caches only; {type(model).__name__} "
+                f"has {sorted(kinds)} layers: set actor_rollout_ref.rollout.name=vllm for this model"
+            )
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)

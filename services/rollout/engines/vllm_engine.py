@@ -64,8 +64,18 @@ class VLLMEngine(RolloutEngine):
     """One AsyncLLM. `engine_args`: AsyncEngineArgs keywords (see engine_args_from_config)."""
 
     def __init__(
-        self, engine_args: dict[str, Any], tokenizer: Any, *, version: int = 0, free_cache_engine: bool = False
+        self,
+        engine_args: dict[str, Any],
+        tokenizer: Any,
+        *,
+        version: int = 0,
+        free_cache_engine: bool = False,
+        stream: bool = True,
     ) -> None:
+        """stream: DELTA outputs as tokens come (request_started() is exact, drain returns only
+        unstarted leases); False: one final output per sample (less front-end work; every
+        unfinished request counts as started)."""
+        self.stream = stream
         self.engine_args = dict(engine_args)
         self.engine_args.setdefault("worker_extension_cls", EXTENSION)
         self.engine_args.setdefault("logprobs_mode", "processed_logprobs")
@@ -132,7 +142,7 @@ class VLLMEngine(RolloutEngine):
             include_stop_str_in_output=True,
             seed=sp.sample_seed(index),
             logprobs=0,
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
         out = SampleOutput(index=index)
@@ -171,7 +181,7 @@ class VLLMEngine(RolloutEngine):
 
     def request_started(self, request_id: str) -> bool:
         subs = self._live.get(request_id)
-        return subs is None or any(s in self._started for s in subs)
+        return subs is None or not self.stream or any(s in self._started for s in subs)
 
     async def abort(self, request_id: str) -> bool:
         llm = self._check()
