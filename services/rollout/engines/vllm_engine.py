@@ -1,8 +1,8 @@
 """The vLLM engine: `AsyncLLM` with streaming DELTA outputs, pause/resume, abort with partial
 tokens, weight loading through `collective_rpc` into the model runner, and version bookkeeping.
 
-    generate   one AsyncLLM request per sample (n=1, seed + i), streamed as DELTA outputs; the
-               prompt's KV is shared by vLLM's prefix cache
+    generate   one AsyncLLM request with n samples (vLLM seeds sample i with seed + i, as the
+               contract says), streamed as DELTA outputs
     pause      pause_generation(mode): keep / abort / wait, as in vLLM
     load       per bucket: safetensors bytes → collective_rpc("meshrl_load_weights") →
                model.load_weights (HF names); then update_weight_version(str(v)); the prefix
@@ -110,49 +110,51 @@ class VLLMEngine(RolloutEngine):
 
     async def generate(self, request: GenerationRequest) -> list[SampleOutput]:
         llm = self._check()
-        sp = request.sampling.validate()
+        request.sampling.validate()
         if request.request_id in self._live:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "empty prompt")
-        sub_ids = [f"{request.request_id}#{i}" for i in range(sp.n)]
-        self._live[request.request_id] = sub_ids
+        rid = request.request_id
+        self._live[rid] = [rid]
         try:
-            return list(await asyncio.gather(*(self._one(llm, request, i, rid) for i, rid in enumerate(sub_ids))))
+            return await self._run(llm, request)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await llm.abort(sub_ids)
+                await llm.abort(rid)
             raise
         finally:
-            self._live.pop(request.request_id, None)
-            self._started.difference_update(sub_ids)
+            self._live.pop(rid, None)
+            self._started.discard(rid)
 
-    async def _one(self, llm: Any, request: GenerationRequest, index: int, rid: str) -> SampleOutput:
+    async def _run(self, llm: Any, request: GenerationRequest) -> list[SampleOutput]:
+        """One vLLM request with n samples: vLLM fans it out and seeds sample i with seed + i."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         sp = request.sampling
         params = SamplingParams(
-            n=1,
+            n=sp.n,
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k if sp.top_k > 0 else 0,
             max_tokens=sp.max_tokens,
             stop=list(sp.stop) or None,
             include_stop_str_in_output=True,
-            seed=sp.sample_seed(index),
+            seed=sp.seed,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
-        out = SampleOutput(index=index)
-        spans: list[Any] | None = None
-        finish: str | None = None
+        outs = [SampleOutput(index=i) for i in range(sp.n)]
+        spans: dict[int, list[Any]] = {}
+        finish: dict[int, str] = {}
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-        async for ro in llm.generate(prompt, params, rid):
+        async for ro in llm.generate(prompt, params, request.request_id):
             for c in ro.outputs:
+                out = outs[c.index]
                 if c.token_ids:
-                    self._started.add(rid)
+                    self._started.add(request.request_id)
                 out.token_ids.extend(int(t) for t in c.token_ids)
                 for tok, lp in zip(c.token_ids, c.logprobs or [], strict=False):
                     out.logprobs.append(float(lp[tok].logprob))
@@ -160,24 +162,22 @@ class VLLMEngine(RolloutEngine):
                 # exact spans from the final output below when it has them.
                 out.versions.extend([self._version] * len(c.token_ids))
                 if c.weight_versions:
-                    spans = list(c.weight_versions)
+                    spans[c.index] = list(c.weight_versions)
                 if c.finish_reason is not None:
-                    finish = c.finish_reason
-        if len(out.logprobs) != len(out.token_ids):
-            raise Unavailable(f"vllm returned {len(out.logprobs)} logprobs for {len(out.token_ids)} tokens")
-        if spans:
-            versions = list(out.versions)
-            for span in spans:
+                    finish[c.index] = c.finish_reason
+        for out in outs:
+            if len(out.logprobs) != len(out.token_ids):
+                raise Unavailable(f"vllm returned {len(out.logprobs)} logprobs for {len(out.token_ids)} tokens")
+            for span in spans.get(out.index, []):
                 with contextlib.suppress(ValueError):
                     v = int(span.version)
-                    for t in range(span.start, min(span.end, len(versions))):
-                        versions[t] = v
-            out.versions = versions
-        out.finish_reason = _FINISH.get(finish or "abort", Finish.ABORT)
-        out.text = str(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
-        self._counters["tokens_generated"] += len(out.token_ids)
+                    for t in range(span.start, min(span.end, len(out.versions))):
+                        out.versions[t] = v
+            out.finish_reason = _FINISH.get(finish.get(out.index, "abort"), Finish.ABORT)
+            out.text = str(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+            self._counters["tokens_generated"] += len(out.token_ids)
         self._counters["requests_finished"] += 1
-        return out
+        return outs
 
     def request_started(self, request_id: str) -> bool:
         subs = self._live.get(request_id)
