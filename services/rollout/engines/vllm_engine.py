@@ -133,8 +133,10 @@ class VLLMEngine(RolloutEngine):
         from vllm.sampling_params import RequestOutputKind
 
         sp = request.sampling
+        # vLLM refuses n > 1 with greedy decoding; greedy samples are identical, so run one.
+        n = 1 if sp.temperature == 0 else sp.n
         params = SamplingParams(
-            n=sp.n,
+            n=n,
             temperature=sp.temperature,
             top_p=sp.top_p,
             top_k=sp.top_k if sp.top_k > 0 else 0,
@@ -146,7 +148,7 @@ class VLLMEngine(RolloutEngine):
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
-        outs = [SampleOutput(index=i) for i in range(sp.n)]
+        outs = [SampleOutput(index=i) for i in range(n)]
         spans: dict[int, list[Any]] = {}
         finish: dict[int, str] = {}
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
@@ -177,6 +179,9 @@ class VLLMEngine(RolloutEngine):
             out.text = str(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
             self._counters["tokens_generated"] += len(out.token_ids)
         self._counters["requests_finished"] += 1
+        for i in range(n, sp.n):
+            o = outs[0]
+            outs.append(SampleOutput(i, list(o.token_ids), list(o.logprobs), list(o.versions), o.finish_reason, o.text))
         return outs
 
     def request_started(self, request_id: str) -> bool:
