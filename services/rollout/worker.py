@@ -359,12 +359,27 @@ class RolloutWorker:
             results = await asyncio.gather(*(self._generate_tracked(req, g) for _, req in conts))
             for (o, _), res in zip(conts, results, strict=True):
                 c = res[0]
+                boundary = len(o.token_ids)
                 o.token_ids.extend(c.token_ids)
                 o.logprobs.extend(c.logprobs)
                 o.versions.extend(c.versions)
                 o.finish_reason = c.finish_reason
                 o.num_resumes += 1 + c.num_resumes
+                if spec.stop:
+                    self._cut_at_boundary_stop(o, boundary, spec.stop)
+                o.text = str(self.tokenizer.decode(o.token_ids, skip_special_tokens=True))
         return outs
+
+    def _cut_at_boundary_stop(self, o: SampleOutput, boundary: int, stop: Sequence[str]) -> None:
+        """A stop string that starts in the prefix and ends in the continuation is invisible to
+        the engine (it saw only the continuation): end the sample where it completes."""
+        window = max(len(x) for x in stop)
+        for k in range(boundary + 1, min(len(o.token_ids), boundary + window) + 1):
+            tail = str(self.tokenizer.decode(o.token_ids[max(0, k - window) : k], skip_special_tokens=False))
+            if any(x in tail for x in stop):
+                del o.token_ids[k:], o.logprobs[k:], o.versions[k:]
+                o.finish_reason = Finish.STOP
+                return
 
     async def _generate_tracked(self, req: GenerationRequest, g: _Group | None) -> list[SampleOutput]:
         if g is not None:

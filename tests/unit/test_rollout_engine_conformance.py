@@ -117,7 +117,8 @@ def test_abort_returns_partial_tokens(engine: Any, tok: Any, loop: LoopThread) -
         task = asyncio.create_task(
             engine.generate(GenerationRequest("long", _prompt(tok), SamplingSpec(max_tokens=200, seed=1)))
         )
-        while not engine.request_started("long") or task.done():
+        await asyncio.sleep(0)  # let generate() register the request (unknown ids count as started)
+        while not engine.request_started("long") and not task.done():
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
         assert await engine.abort("long")
@@ -129,6 +130,28 @@ def test_abort_returns_partial_tokens(engine: Any, tok: Any, loop: LoopThread) -
     assert len(o.token_ids) == len(o.logprobs) == len(o.versions) < 200
 
 
+def test_abort_all_returns_every_request_partial(engine: Any, tok: Any, loop: LoopThread) -> None:
+    async def scenario() -> tuple[dict[str, Any], list[Any]]:
+        tasks = [
+            asyncio.create_task(engine.generate(GenerationRequest(f"all{i}", _prompt(tok), SamplingSpec(n=2, max_tokens=300, seed=i))))
+            for i in range(2)
+        ]
+        await asyncio.sleep(0)  # let generate() register the requests (unknown ids count as started)
+        while not all(engine.request_started(f"all{i}") for i in range(2)):
+            await asyncio.sleep(0.01)
+        partial = await engine.abort_all()
+        return partial, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    partial, results = loop.run(scenario())
+    assert set(partial) == {"all0", "all1"}
+    for i, outs in enumerate(results):
+        assert [o.token_ids for o in partial[f"all{i}"]] == [o.token_ids for o in outs]
+        assert len(outs) == 2
+        for o in outs:
+            assert len(o.token_ids) == len(o.logprobs) == len(o.versions) < 300
+            assert o.finish_reason in (Finish.ABORT, Finish.STOP)
+
+
 def test_pause_load_resume_tags_tokens_with_versions(engine: Any, model: Any, tok: Any, loop: LoopThread) -> None:
     new_model = build_tiny_model("qwen3", tok, seed=7)
     old_version = engine.version
@@ -137,6 +160,7 @@ def test_pause_load_resume_tags_tokens_with_versions(engine: Any, model: Any, to
         task = asyncio.create_task(
             engine.generate(GenerationRequest("span", _prompt(tok), SamplingSpec(max_tokens=160, seed=3, temperature=1.0)))
         )
+        await asyncio.sleep(0)
         while not engine.request_started("span"):
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
@@ -227,6 +251,7 @@ def test_partial_rollout_through_the_worker(engine: Any, model: Any, tok: Any, l
             assert list(r.versions) == sorted(r.versions)
             assert set(r.versions) <= {before, before + 1}
             assert r.finish_reason != common_pb2.FINISH_REASON_ABORT
+            assert r.text == tok.decode(list(r.token_ids), skip_special_tokens=True)
             if set(r.versions) == {before, before + 1}:
                 spanning += 1
                 if exact:

@@ -175,3 +175,46 @@ def test_failed_group_returns_its_lease_and_bad_input_marks_unhealthy(tok: Any) 
     healthy_after_drain, healthy_bad = asyncio.run(scenario())
     assert healthy_after_drain and not healthy_bad
     assert coord.submitted == []
+
+
+class _ScriptedEngine:
+    """Hand-written fake engine: the first request is cut by an update (abort), the continuation
+    then produces the given text. Records the requests it saw."""
+
+    name = "scripted"
+    version = 0
+    paused = False
+
+    def __init__(self, tok: Any, first: str, rest: str) -> None:
+        self.tok, self.first, self.rest = tok, first, rest
+        self.requests: list[Any] = []
+
+    def request_started(self, request_id: str) -> bool:
+        return True
+
+    async def generate(self, request: Any) -> list[Any]:
+        from services.rollout.engines import SampleOutput
+
+        self.requests.append(request)
+        text, finish = (self.first, Finish.ABORT) if len(self.requests) == 1 else (self.rest, Finish.LENGTH)
+        ids = self.tok.encode(text)[: request.sampling.max_tokens]
+        return [SampleOutput(0, list(ids), [-1.0] * len(ids), [len(self.requests) - 1] * len(ids), finish, text)]
+
+
+def test_continuation_respects_max_tokens_and_a_stop_string_across_the_cut(tok: Any) -> None:
+    from services.rollout.engines import SamplingSpec
+
+    engine = _ScriptedEngine(tok, first="hello wo", rest="rld! and more")
+    worker = RolloutWorker(engine, tok, None, None, None, WorkerSettings(replica_id="s"))  # type: ignore[arg-type]
+    prompt = common_pb2.Prompt(prompt_id="p", text="say: ")
+    spec = SamplingSpec(n=1, max_tokens=12, stop=("world",))
+    group = asyncio.run(worker.generate_group(prompt, spec, score=False))
+    assert group is not None
+    r = group.responses[0]
+    cont = engine.requests[1]
+    assert cont.prompt_token_ids == tok.encode("say: ") + tok.encode("hello wo")
+    assert cont.sampling.max_tokens == 12 - len("hello wo")
+    assert r.text == "hello world", "cut where the stop string completes, text re-decoded"
+    assert r.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert list(r.versions) == [0] * 8 + [1] * 3
+    assert r.num_resumes == 1

@@ -84,7 +84,7 @@ class VLLMEngine(RolloutEngine):
         self._version = version
         self._llm: Any = None
         self._paused = False
-        self._live: dict[str, list[str]] = {}
+        self._live: dict[str, asyncio.Future[list[SampleOutput]]] = {}
         self._started: set[str] = set()
         self._error: BaseException | None = None
         self._counters = {"tokens_generated": 0.0, "requests_finished": 0.0, "weight_loads": 0.0}
@@ -116,14 +116,19 @@ class VLLMEngine(RolloutEngine):
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "empty prompt")
         rid = request.request_id
-        self._live[rid] = [rid]
+        done: asyncio.Future[list[SampleOutput]] = asyncio.get_running_loop().create_future()
+        self._live[rid] = done
         try:
-            return await self._run(llm, request)
+            outs = await self._run(llm, request)
+            done.set_result(outs)
+            return outs
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await llm.abort(rid)
             raise
         finally:
+            if not done.done():
+                done.cancel()
             self._live.pop(rid, None)
             self._started.discard(rid)
 
@@ -185,23 +190,25 @@ class VLLMEngine(RolloutEngine):
         return outs
 
     def request_started(self, request_id: str) -> bool:
-        subs = self._live.get(request_id)
-        return subs is None or not self.stream or any(s in self._started for s in subs)
+        return request_id not in self._live or not self.stream or request_id in self._started
 
     async def abort(self, request_id: str) -> bool:
         llm = self._check()
-        subs = self._live.get(request_id)
-        if subs is None:
+        if request_id not in self._live:
             return False
-        await llm.abort(subs)
+        await llm.abort(request_id)
         return True
 
     async def abort_all(self) -> dict[str, list[SampleOutput]]:
         llm = self._check()
-        ids = [s for subs in self._live.values() for s in subs]
-        if ids:
-            await llm.abort(ids)
-        return {}
+        live = dict(self._live)
+        if live:
+            await llm.abort(list(live))
+        out: dict[str, list[SampleOutput]] = {}
+        for rid, fut in live.items():
+            with contextlib.suppress(asyncio.CancelledError):
+                out[rid] = await asyncio.shield(fut)
+        return out
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         llm = self._check()
@@ -264,7 +271,7 @@ class VLLMEngine(RolloutEngine):
 
     def stats(self) -> dict[str, float]:
         out = dict(self._counters)
-        out["running_requests"] = float(sum(len(s) for s in self._live.values()))
+        out["running_requests"] = float(len(self._live))
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             out.update(free_bytes=float(free), total_bytes=float(total))
