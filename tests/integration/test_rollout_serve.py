@@ -4,6 +4,7 @@ healthy, and on shutdown returns its leases so nothing waits for lease expiry.""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -121,4 +122,6 @@ def test_rollout_deployment_leases_serves_grpc_and_drains(tmp_path: Path, ray_se
         channel.close()
         loop.run(client.close())
         loop.run(server.stop())
+        server = client = None  # type: ignore[assignment]  # grpc.aio objects must die while their loop runs
+        gc.collect()
         loop.close()
