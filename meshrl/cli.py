@@ -10,6 +10,7 @@
     meshrl bench reward [--out FILE]
     meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--out FILE]
     meshrl bench trainer [--out FILE]
+    meshrl bench rollout [--engines transformers,vllm] [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -131,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
     pt.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     pt.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    pro = bsub.add_parser("rollout", help="tokens/s on a long-tailed mix: engines vs model.generate / bare vLLM")
+    pro.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pro.add_argument("--engines", default="transformers,vllm", help="comma list; vllm needs .venv-vllm")
+    pro.add_argument("--prompts", type=int, default=48, help="prompts (each with --n samples)")
+    pro.add_argument("--n", type=int, default=4, help="samples per prompt")
+    pro.add_argument("--slots", type=int, default=64, help="concurrent sequences (engine slots = generate batch)")
+    pro.add_argument("--repeats", type=int, default=3, help="interleaved measurement rounds (median reported)")
+    pro.add_argument("--device", default="cpu", help="device of the transformers case (cpu, cuda)")
     return parser
 
 
@@ -338,6 +347,13 @@ def _bench(args: argparse.Namespace) -> int:
         from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
 
         result = run_trainer_benchmark(steps=args.steps, batch_size=args.batch_size, threads=args.threads or None)
+    elif args.bench_command == "rollout":
+        from meshrl.bench.rollout import run_benchmark as run_rollout
+
+        result = run_rollout(
+            engines=tuple(e for e in args.engines.split(",") if e), prompts=args.prompts, n=args.n,
+            slots=args.slots, repeats=args.repeats, device=args.device,
+        )
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

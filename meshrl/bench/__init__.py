@@ -1,0 +1,1 @@
+"""Benchmarks behind `meshrl bench <name>` (JSON out, ratios to an in-run baseline)."""

@@ -27,7 +27,9 @@ class InvalidArgument(MeshError, ValueError):
         self.reason = reason
         super().__init__(f"{field}: {reason}")
 
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable across Ray processes
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Picklable with its two-argument constructor: Ray Serve ships a replica's exception to
+        # the gRPC proxy, and an unpicklable one turns the status code into INTERNAL.
         return (type(self), (self.field, self.reason))
 
 
@@ -81,7 +83,7 @@ class MissingDependency(MeshError, ImportError):
         self.install_hint = install_hint
         super().__init__(f"{what} is not available: {install_hint}")
 
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable across Ray processes
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
         return (type(self), (self.what, self.install_hint))
 
 

@@ -9,6 +9,7 @@ from pydantic import model_validator
 from services.coordinator.config import CoordinatorConfig
 from services.param_server.config import ParamServerConfig
 from services.reward.config import RewardServiceConfig
+from services.rollout.config import RolloutWorkerConfig
 from services.trainer.config import TrainerServiceConfig
 
 from .actor_rollout_ref import ActorRolloutRefConfig
@@ -49,6 +50,8 @@ class MeshConfig(ConfigModel):
     """The reward service."""
     trainer_service: TrainerServiceConfig = TrainerServiceConfig()
     """The trainer service (coordinator link, checkpoints kept, weight publisher)."""
+    rollout_worker: RolloutWorkerConfig = RolloutWorkerConfig()
+    """The rollout replicas' worker loop (engine knobs are actor_rollout_ref.rollout.*)."""
     serve: ServeConfig = ServeConfig()
     """Ray Serve deployment."""
 

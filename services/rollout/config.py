@@ -1,0 +1,39 @@
+"""`rollout_worker.*`: what a rollout replica's worker loop can be told. The engine's own knobs are
+verl's `actor_rollout_ref.rollout.*`; partial rollout and concurrency are `async_training.*`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.config.base import ConfigModel
+
+
+class RolloutWorkerConfig(ConfigModel):
+    """The lease → generate → score → submit loop of one rollout replica."""
+
+    coordinator_address: str | None = None
+    """host:port of CoordinatorService; null: `coordinator.host:coordinator.port`."""
+    coordinator_application: str | None = None
+    """Serve application name sent as `application` metadata when the coordinator sits behind
+    Serve's gRPC ingress with several applications; null: none sent."""
+    device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
+    """Device of the transformers engine; `auto` picks cuda, then npu, then cpu."""
+    initial_policy_version: int = Field(default=0, ge=0)
+    """Policy version of the weights the engine starts with (the checkpoint in
+    actor_rollout_ref.model.path)."""
+    lease_renew_interval_s: float | None = Field(default=None, gt=0)
+    """Seconds between RenewLeases calls for in-flight groups; null: coordinator.lease_timeout_s / 3."""
+    idle_poll_s: float = Field(default=0.5, gt=0)
+    """First wait before leasing again when no prompt was granted (doubles up to 8x)."""
+    rpc_timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one coordinator call."""
+    submit_max_retries: int = Field(default=5, ge=0)
+    """Retries of a SubmitGroups call that failed with UNAVAILABLE / DEADLINE_EXCEEDED
+    (idempotent by lease id); after that the lease expires and its prompt is re-issued."""
+    weight_load_timeout_s: float = Field(default=600.0, gt=0)
+    """Deadline of one weight update (fetch + load)."""
+    autostart: bool = True
+    """Start the lease loop when the replica starts; false: only the RolloutService RPCs
+    (validation-only replicas)."""

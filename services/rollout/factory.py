@@ -1,0 +1,111 @@
+"""Build a rollout replica (tokenizer, engine, worker) from a MeshConfig."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from meshrl.v1 import common_pb2
+from services.common.config import MeshConfig
+from services.common.errors import ConfigError
+
+from .engines import RolloutEngine, get_engine_cls
+from .weights import WeightFetcher
+from .worker import Coordinator, RolloutWorker, Scorer, WorkerSettings
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def load_model_and_tokenizer(cfg: MeshConfig) -> tuple[Any, Any]:
+    """The policy checkpoint (actor_rollout_ref.model.path) or, when null, the built-in tiny model
+    built from trainer.seed (the trainer builds the same one)."""
+    import torch
+
+    m = cfg.actor_rollout_ref.model
+    if m.path is None:
+        from services.common.tiny import build_tiny_model, build_tokenizer
+
+        tok = build_tokenizer()
+        return build_tiny_model("qwen3", tok, seed=cfg.trainer.seed), tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(m.tokenizer_path or m.path, trust_remote_code=m.trust_remote_code)
+    dtype = cfg.actor_rollout_ref.rollout.dtype
+    torch_dtype = getattr(torch, _DTYPES[dtype]) if dtype in _DTYPES else "auto"
+    model = AutoModelForCausalLM.from_pretrained(m.path, dtype=torch_dtype, trust_remote_code=m.trust_remote_code)
+    return model, tok
+
+
+def max_model_len(cfg: MeshConfig) -> int:
+    r = cfg.actor_rollout_ref.rollout
+    return r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def build_engine(cfg: MeshConfig, *, model: Any = None, tokenizer: Any = None) -> tuple[RolloutEngine, Any]:
+    """The engine named by actor_rollout_ref.rollout.name, not yet started."""
+    r = cfg.actor_rollout_ref.rollout
+    w = cfg.rollout_worker
+    cls = get_engine_cls(r.name)
+    if model is None or tokenizer is None:
+        model, tokenizer = load_model_and_tokenizer(cfg)
+    if r.name == "transformers":
+        from services.common.device import detect, torch_device
+
+        info = detect(w.device)
+        engine = cls(  # type: ignore[call-arg]
+            model, tokenizer, device=torch_device(info), max_num_seqs=r.max_num_seqs,
+            max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=max_model_len(cfg),
+            version=w.initial_policy_version, seed=r.seed,
+        )
+        return engine, tokenizer
+    if r.name == "vllm":
+        from .engines.vllm_args import engine_args_from_config
+        from .engines.vllm_engine import save_model_dir
+
+        path = cfg.actor_rollout_ref.model.path or save_model_dir(model, tokenizer)
+        device = "cpu" if w.device == "cpu" else None
+        args = engine_args_from_config(path, r, max_model_len=max_model_len(cfg), seed=r.seed, device=device)
+        return cls(args, tokenizer, version=w.initial_policy_version, free_cache_engine=r.free_cache_engine), tokenizer  # type: ignore[call-arg]
+    raise ConfigError(f"no builder for rollout engine {r.name!r}")
+
+
+def worker_settings(cfg: MeshConfig, replica_id: str | None = None) -> WorkerSettings:
+    at, w = cfg.async_training, cfg.rollout_worker
+    return WorkerSettings(
+        replica_id=replica_id or f"rollout-{uuid.uuid4().hex[:8]}",
+        concurrent_groups=at.concurrent_samples_per_replica,
+        partial_rollout=at.partial_rollout,
+        partial_rollout_mode=at.partial_rollout_mode,
+        renew_interval_s=w.lease_renew_interval_s or cfg.coordinator.lease_timeout_s / 3,
+        idle_poll_s=w.idle_poll_s,
+        submit_max_retries=w.submit_max_retries,
+        weight_load_timeout_s=w.weight_load_timeout_s,
+        max_prompt_length=cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
+    )
+
+
+def validation_sampling(cfg: MeshConfig) -> common_pb2.SamplingParams:
+    """Sampling of the Generate RPC when the request carries none (val_kwargs)."""
+    v = cfg.actor_rollout_ref.rollout.val_kwargs
+    return common_pb2.SamplingParams(
+        n=v.n, temperature=v.temperature if v.do_sample else 0.0, top_p=v.top_p, top_k=v.top_k,
+        max_tokens=cfg.data.max_response_length, stop=cfg.actor_rollout_ref.rollout.stop,
+    )
+
+
+def coordinator_address(cfg: MeshConfig) -> str:
+    return cfg.rollout_worker.coordinator_address or f"{cfg.coordinator.host}:{cfg.coordinator.port}"
+
+
+def build_worker(
+    cfg: MeshConfig,
+    engine: RolloutEngine,
+    tokenizer: Any,
+    *,
+    coordinator: Coordinator | None,
+    scorer: Scorer | None,
+    fetcher: WeightFetcher | None,
+    replica_id: str | None = None,
+) -> RolloutWorker:
+    return RolloutWorker(engine, tokenizer, coordinator, scorer, fetcher, worker_settings(cfg, replica_id))

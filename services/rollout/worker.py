@@ -1,0 +1,476 @@
+"""RolloutWorker: one replica's loop — lease → generate → score → submit — and its weight updates.
+No Ray, no gRPC server: the coordinator, the scorer and the weight fetcher are injected.
+
+    lease loop    LeasePrompts(free slots) ──► one task per lease (≤ concurrent groups in flight)
+    group task    tokenize → engine.generate(n) ─┬─► Score ─► SubmitGroups (retried, idempotent)
+                                                 └─ an aborted sample (weight update, mode abort)
+                                                    is continued: prompt + its tokens, max_tokens
+                                                    reduced by what it has
+    renew loop    RenewLeases(in-flight) every lease_timeout/3; a lost lease aborts its group
+    watch loop    WatchVersions: a newer version → pause → fetch → load → resume
+
+Weight updates, by async_training.partial_rollout / partial_rollout_mode:
+    True / keep   pause("keep"): running samples continue on the new weights with their KV
+    True / abort  pause("abort"): running samples end with their partial tokens and are resubmitted
+                  (re-prefill with the new weights); new tokens carry the new version
+    False         pause("wait"): running samples finish on the old weights; new ones wait
+Every token carries the version that produced it; no sample is dropped by an update.
+
+Shutdown: drain(finish_in_flight) stops leasing, returns the leases of groups the engine has not
+started (and with finish_in_flight=False all others too), and waits for the rest to submit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2
+from services.common.logging import get_logger
+
+from . import convert
+from .engines.base import Finish, GenerationRequest, PauseMode, RolloutEngine, SampleOutput, SamplingSpec
+from .weights import WeightFetcher
+
+log = get_logger(__name__)
+
+Scorer = Callable[[list[reward_pb2.ScoreItem]], Awaitable[list[reward_pb2.ScoreResult]]]
+"""Scores a batch of responses (one result per item, matched by item_id)."""
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class Coordinator(Protocol):
+    """The part of services.coordinator.client.CoordinatorClient the worker uses."""
+
+    async def lease(self, replica_id: str, max_groups: int) -> coordinator_pb2.LeasePromptsResponse: ...
+
+    async def renew(self, replica_id: str, lease_ids: Sequence[str]) -> coordinator_pb2.RenewLeasesResponse: ...
+
+    async def return_leases(self, replica_id: str, lease_ids: Sequence[str]) -> int: ...
+
+    async def submit(
+        self, replica_id: str, groups: Sequence[common_pb2.TrajectoryGroup]
+    ) -> coordinator_pb2.SubmitGroupsResponse: ...
+
+    def watch_versions(self, replica_id: str) -> AsyncIterator[coordinator_pb2.WatchVersionsResponse]: ...
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    replica_id: str = field(default_factory=lambda: f"rollout-{uuid.uuid4().hex[:8]}")
+    concurrent_groups: int = 16
+    """async_training.concurrent_samples_per_replica: prompt groups in flight."""
+    partial_rollout: bool = True
+    partial_rollout_mode: PauseMode = "abort"
+    renew_interval_s: float = 200.0
+    idle_poll_s: float = 0.5
+    submit_max_retries: int = 5
+    weight_load_timeout_s: float = 600.0
+    max_prompt_length: int | None = None
+    truncation: convert.Truncation = "error"
+    max_resubmits: int = 64
+    """Bound on continuations of one sample (each needs a weight update to happen)."""
+
+
+@dataclass
+class _Group:
+    lease: coordinator_pb2.PromptLease
+    request_id: str
+    task: asyncio.Task[None] | None = None
+    live: set[str] = field(default_factory=set)
+    """Engine request ids running for this group (the first one and any continuations)."""
+    cancel_reason: str | None = None
+    """Set when the worker itself aborts the group (lease lost, drain): no resubmit, no submit."""
+
+
+@dataclass
+class WorkerCounters:
+    groups_submitted: int = 0
+    groups_expired: int = 0
+    groups_failed: int = 0
+    leases_returned: int = 0
+    leases_lost: int = 0
+    tokens_generated: int = 0
+    resubmits: int = 0
+    weight_updates: int = 0
+    last_weight_load_s: float = 0.0
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        coordinator: Coordinator | None,
+        scorer: Scorer | None,
+        fetcher: WeightFetcher | None,
+        settings: WorkerSettings,
+    ) -> None:
+        assert settings.partial_rollout_mode in ("keep", "abort")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.coordinator = coordinator
+        self.scorer = scorer
+        self.fetcher = fetcher
+        self.s = settings
+        self.counters = WorkerCounters()
+        self._groups: dict[str, _Group] = {}
+        self._changed = asyncio.Event()
+        self._update_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._draining = False
+        self._stopping = False
+        self._run_error: BaseException | None = None
+
+    @property
+    def replica_id(self) -> str:
+        return self.s.replica_id
+
+    @property
+    def groups_in_flight(self) -> int:
+        return len(self._groups)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self, timeout_s: float) -> None:
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout_s)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the lease, renew and watch loops on the running loop."""
+        assert self.coordinator is not None, "the lease loop needs a coordinator"
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._lease_loop(), name="rollout-lease"),
+            loop.create_task(self._renew_loop(), name="rollout-renew"),
+            loop.create_task(self._watch_loop(), name="rollout-watch"),
+        ]
+
+    @property
+    def healthy(self) -> bool:
+        """False once a loop died of an exception or a group hit a non-retryable input error."""
+        if self._run_error is not None:
+            return False
+        return not any(t.done() and not t.cancelled() and t.exception() is not None for t in self._tasks)
+
+    async def drain(self, finish_in_flight: bool = True) -> tuple[int, int]:
+        """Stop leasing; return the leases of groups not started by the engine (all groups when
+        finish_in_flight is False); wait for the others to submit. Returns (returned, finished)."""
+        self._draining = True
+        self._notify()
+        to_return = [
+            g for g in self._groups.values()
+            if not finish_in_flight or not any(self.engine.request_started(r) for r in g.live)
+        ]
+        for g in to_return:
+            await self._abort_group(g, "drain")
+        for g in to_return:
+            if g.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await g.task
+        returned = 0
+        ids = [g.lease.lease_id for g in to_return]
+        if ids and self.coordinator is not None:
+            try:
+                returned = await self.coordinator.return_leases(self.replica_id, ids)
+            except grpc.RpcError as exc:  # the leases expire instead: nothing is lost
+                log.warning("return_leases_failed", error=str(exc), leases=len(ids))
+        self.counters.leases_returned += returned
+        before = self.counters.groups_submitted
+        remaining = [g.task for g in self._groups.values() if g.task is not None]
+        if remaining:
+            await asyncio.gather(*remaining, return_exceptions=True)
+        return returned, self.counters.groups_submitted - before
+
+    async def stop(self, finish_in_flight: bool = False) -> tuple[int, int]:
+        """drain() and stop every loop."""
+        result = await self.drain(finish_in_flight)
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        return result
+
+    # ---- lease loop ------------------------------------------------------------------------------
+
+    async def _lease_loop(self) -> None:
+        assert self.coordinator is not None
+        backoff = self.s.idle_poll_s
+        while not self._draining and not self._stopping:
+            free = self.s.concurrent_groups - len(self._groups)
+            if free <= 0:
+                await self._wait_change(5.0)
+                continue
+            try:
+                resp = await self.coordinator.lease(self.replica_id, free)
+            except grpc.RpcError as exc:
+                log.warning("lease_failed", code=str(exc.code()), details=exc.details())  # type: ignore[attr-defined]
+                await self._wait_change(backoff)
+                backoff = min(backoff * 2, self.s.idle_poll_s * 8)
+                continue
+            for lease in resp.leases:
+                self._start_group(lease, resp.sampling)
+            if resp.leases:
+                backoff = self.s.idle_poll_s
+                continue
+            if resp.limit == coordinator_pb2.LEASE_LIMIT_STOPPING:
+                self._stopping = True
+                break
+            await self._wait_change(backoff)
+            backoff = min(backoff * 2, self.s.idle_poll_s * 8)
+
+    def _start_group(self, lease: coordinator_pb2.PromptLease, sampling: common_pb2.SamplingParams) -> None:
+        g = _Group(lease, request_id=f"{self.replica_id}/{lease.lease_id}")
+        self._groups[lease.lease_id] = g
+        g.task = asyncio.get_running_loop().create_task(self._run_group(g, sampling), name=f"group-{lease.lease_id}")
+
+    async def _run_group(self, g: _Group, sampling: common_pb2.SamplingParams) -> None:
+        try:
+            n = sampling.n or 1
+            spec = convert.sampling_spec(sampling, seed_offset=g.lease.prompt.prompt_seq * n)
+            group = await self.generate_group(g.lease.prompt, spec, request_id=g.request_id, lease_id=g.lease.lease_id,
+                                              group_state=g, score=True)
+            if group is None:
+                return
+            await self._submit(group)
+        except Exception as exc:
+            self.counters.groups_failed += 1
+            log.error("group_failed", lease_id=g.lease.lease_id, error=repr(exc), exc_info=exc)
+            if isinstance(exc, ValueError):
+                # Bad input that will fail again anywhere (e.g. an overlong prompt with
+                # data.truncation=error): stop this replica so the operator sees it.
+                self._run_error = exc
+                self._draining = True
+            await self._give_back(g)
+        finally:
+            self._groups.pop(g.lease.lease_id, None)
+            self._notify()
+
+    async def _give_back(self, g: _Group) -> None:
+        """Return a failed group's lease now, so its prompt is re-issued without waiting for expiry."""
+        if self.coordinator is None:
+            return
+        try:
+            self.counters.leases_returned += await self.coordinator.return_leases(self.replica_id, [g.lease.lease_id])
+        except grpc.RpcError as exc:  # it expires instead: nothing is lost
+            log.warning("return_lease_failed", lease_id=g.lease.lease_id, code=str(exc.code()))  # type: ignore[attr-defined]
+
+    async def _submit(self, group: common_pb2.TrajectoryGroup) -> None:
+        assert self.coordinator is not None
+        delay = 0.2
+        for attempt in range(self.s.submit_max_retries + 1):
+            try:
+                resp = await self.coordinator.submit(self.replica_id, [group])
+                break
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt == self.s.submit_max_retries:  # type: ignore[attr-defined]
+                    raise
+                log.warning("submit_retry", lease_id=group.lease_id, attempt=attempt + 1, code=str(exc.code()))  # type: ignore[attr-defined]
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        status = resp.statuses[0]
+        if status == coordinator_pb2.SUBMIT_STATUS_EXPIRED:
+            self.counters.groups_expired += 1
+            log.warning("group_expired_on_submit", lease_id=group.lease_id)
+        else:
+            self.counters.groups_submitted += 1
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    async def generate_group(
+        self,
+        prompt: common_pb2.Prompt,
+        spec: SamplingSpec,
+        *,
+        request_id: str | None = None,
+        lease_id: str = "",
+        group_state: _Group | None = None,
+        score: bool = True,
+    ) -> common_pb2.TrajectoryGroup | None:
+        """One group for `prompt` (also the Generate RPC). Returns None when the worker aborted
+        it on purpose (lease lost, drain)."""
+        rid = request_id or f"{self.replica_id}/gen-{uuid.uuid4().hex[:12]}"
+        ids = convert.prompt_token_ids(prompt, self.tokenizer, max_prompt_length=self.s.max_prompt_length,
+                                       truncation=self.s.truncation)
+        t0 = time.monotonic()
+        outs = await self._generate_tracked(GenerationRequest(rid, ids, spec), group_state)
+        outs = await self._continue_aborted(rid, ids, spec, outs, group_state)
+        if group_state is not None and group_state.cancel_reason is not None:
+            return None
+        gen_s = time.monotonic() - t0
+        self.counters.tokens_generated += sum(len(o) for o in outs)
+        group = convert.group(
+            lease_id=lease_id or rid, prompt=prompt, prompt_ids=ids, outputs=outs, replica_id=self.replica_id,
+            fallback_version=self.engine.version, generation_s=gen_s,
+        )
+        if score and self.scorer is not None:
+            t1 = time.monotonic()
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            results = await self.scorer(convert.score_items(group, text, spec.max_tokens))
+            convert.apply_scores(group, results)
+            group.reward_s = time.monotonic() - t1
+        return group
+
+    async def _continue_aborted(
+        self, rid: str, prompt_ids: list[int], spec: SamplingSpec, outs: list[SampleOutput], g: _Group | None
+    ) -> list[SampleOutput]:
+        """Partial rollout, mode abort: a sample cut by a weight update goes on from prompt + its
+        tokens with max_tokens reduced by what it has (re-prefilled on the new weights)."""
+        outs = list(outs)
+        for round_ in range(1, self.s.max_resubmits + 1):
+            todo = [
+                o for o in outs
+                if o.finish_reason == Finish.ABORT and (g is None or g.cancel_reason is None) and not self._draining
+            ]
+            if not todo:
+                return outs
+            conts = []
+            for o in todo:
+                left = spec.max_tokens - len(o)
+                if left <= 0:
+                    o.finish_reason = Finish.LENGTH
+                    continue
+                seed = None if spec.seed is None else spec.seed + o.index + 7919 * round_ + len(o)
+                sub = dataclasses.replace(spec, n=1, max_tokens=left, seed=seed)
+                req = GenerationRequest(f"{rid}/s{o.index}/r{round_}", prompt_ids + o.token_ids, sub)
+                conts.append((o, req))
+            if not conts:
+                return outs
+            self.counters.resubmits += len(conts)
+            results = await asyncio.gather(*(self._generate_tracked(req, g) for _, req in conts))
+            for (o, _), res in zip(conts, results, strict=True):
+                c = res[0]
+                boundary = len(o.token_ids)
+                o.token_ids.extend(c.token_ids)
+                o.logprobs.extend(c.logprobs)
+                o.versions.extend(c.versions)
+                o.finish_reason = c.finish_reason
+                o.num_resumes += 1 + c.num_resumes
+                if spec.stop:
+                    self._cut_at_boundary_stop(o, boundary, spec.stop)
+                o.text = str(self.tokenizer.decode(o.token_ids, skip_special_tokens=True))
+        return outs
+
+    def _cut_at_boundary_stop(self, o: SampleOutput, boundary: int, stop: Sequence[str]) -> None:
+        """A stop string that starts in the prefix and ends in the continuation is invisible to
+        the engine (it saw only the continuation): end the sample where it completes."""
+        window = max(len(x) for x in stop)
+        for k in range(boundary + 1, min(len(o.token_ids), boundary + window) + 1):
+            tail = str(self.tokenizer.decode(o.token_ids[max(0, k - window) : k], skip_special_tokens=False))
+            if any(x in tail for x in stop):
+                del o.token_ids[k:], o.logprobs[k:], o.versions[k:]
+                o.finish_reason = Finish.STOP
+                return
+
+    async def _generate_tracked(self, req: GenerationRequest, g: _Group | None) -> list[SampleOutput]:
+        if g is not None:
+            if g.cancel_reason is not None:
+                return [SampleOutput(index=i) for i in range(req.sampling.n)]
+            g.live.add(req.request_id)
+        try:
+            return await self.engine.generate(req)
+        finally:
+            if g is not None:
+                g.live.discard(req.request_id)
+
+    async def _abort_group(self, g: _Group, reason: str) -> None:
+        g.cancel_reason = reason
+        for rid in list(g.live):
+            await self.engine.abort(rid)
+
+    # ---- leases ----------------------------------------------------------------------------------
+
+    async def _renew_loop(self) -> None:
+        assert self.coordinator is not None
+        while True:
+            await asyncio.sleep(self.s.renew_interval_s)
+            ids = [lid for lid, g in self._groups.items() if g.cancel_reason is None]
+            if not ids:
+                continue
+            try:
+                resp = await self.coordinator.renew(self.replica_id, ids)
+            except grpc.RpcError as exc:
+                log.warning("renew_failed", code=str(exc.code()), leases=len(ids))  # type: ignore[attr-defined]
+                continue
+            for lid in resp.lost:
+                g = self._groups.get(lid)
+                if g is not None:
+                    self.counters.leases_lost += 1
+                    log.warning("lease_lost", lease_id=lid)
+                    await self._abort_group(g, "lost")
+
+    # ---- weights ---------------------------------------------------------------------------------
+
+    async def _watch_loop(self) -> None:
+        assert self.coordinator is not None
+        delay = 0.5
+        while not self._stopping:
+            try:
+                async for msg in self.coordinator.watch_versions(self.replica_id):
+                    delay = 0.5
+                    if msg.stopping:
+                        self._stopping = True
+                        self._notify()
+                    if msg.weights.policy_version > self.engine.version:
+                        try:
+                            await self.update_weights(msg.weights)
+                        except Exception as exc:  # noqa: BLE001 - retried on the next version message
+                            log.error("weight_update_failed", version=msg.weights.policy_version, error=repr(exc))
+                    if self._stopping:
+                        return
+            except grpc.RpcError as exc:
+                log.warning("watch_versions_broken", code=str(exc.code()))  # type: ignore[attr-defined]
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def update_weights(self, ref: common_pb2.WeightsRef) -> float:
+        """pause → fetch → load → resume. Returns the seconds it took (0 for an old version)."""
+        if self.fetcher is None:
+            raise RuntimeError("this replica has no weight fetcher configured")
+        async with self._update_lock:
+            if ref.policy_version <= self.engine.version:
+                return 0.0
+            mode: PauseMode = self.s.partial_rollout_mode if self.s.partial_rollout else "wait"
+            t0 = time.monotonic()
+            await self.engine.pause(mode)
+            try:
+                n = await asyncio.wait_for(
+                    self.engine.load_weights(ref.policy_version, self.fetcher.fetch(ref)), self.s.weight_load_timeout_s
+                )
+            finally:
+                await self.engine.resume()
+            dt = time.monotonic() - t0
+            self.counters.weight_updates += 1
+            self.counters.last_weight_load_s = dt
+            log.info("weights_loaded", policy_version=ref.policy_version, tensors=n, mode=mode, seconds=round(dt, 3))
+            return dt
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "engine": self.engine.name,
+            "policy_version": self.engine.version,
+            "groups_in_flight": len(self._groups),
+            "paused": self.engine.paused,
+            "draining": self._draining,
+            **dataclasses.asdict(self.counters),
+        }

@@ -1,0 +1,97 @@
+"""Config → engine arguments, worker settings and Serve options for the rollout service."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from meshrl.v1 import common_pb2
+from services.common.config import load_config
+from services.common.errors import ConfigError, InvalidArgument
+from services.rollout import convert, factory
+from services.rollout.deployment import deployment_options, in_flight_policy
+from services.rollout.engines import get_engine_cls
+from services.rollout.engines.vllm_args import engine_args_from_config
+
+
+def test_vllm_knobs_come_from_the_rollout_config() -> None:
+    cfg = load_config(None, [
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+        "actor_rollout_ref.rollout.max_num_seqs=32",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
+        "actor_rollout_ref.rollout.enable_chunked_prefill=false",
+        "actor_rollout_ref.rollout.enable_prefix_caching=false",
+        "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.expert_parallel_size=2",
+        "actor_rollout_ref.rollout.engine_kwargs={vllm: {swap_space: 1}}",
+    ])
+    args = engine_args_from_config("/m", cfg.actor_rollout_ref.rollout, max_model_len=1024, seed=3, device="cuda")
+    assert args["model"] == "/m" and args["max_model_len"] == 1024 and args["seed"] == 3
+    assert args["gpu_memory_utilization"] == 0.7 and args["max_num_seqs"] == 32
+    assert args["max_num_batched_tokens"] == 4096 and args["enable_chunked_prefill"] is False
+    assert args["enable_prefix_caching"] is False and args["enforce_eager"] is True
+    assert args["tensor_parallel_size"] == 2 and args["enable_expert_parallel"] is True
+    assert args["logprobs_mode"] == "processed_logprobs"
+    assert args["worker_extension_cls"].endswith("MeshrlWorkerExtension")
+    assert args["enable_sleep_mode"] is True  # free_cache_engine on a GPU
+    assert args["swap_space"] == 1
+    assert engine_args_from_config("/m", cfg.actor_rollout_ref.rollout, device="cpu")["enable_sleep_mode"] is False
+
+
+def test_worker_settings_follow_async_training() -> None:
+    cfg = load_config(None, [
+        "async_training.partial_rollout_mode=keep", "async_training.concurrent_samples_per_replica=5",
+        "coordinator.lease_timeout_s=90", "data.truncation=left",
+    ])
+    s = factory.worker_settings(cfg, "r1")
+    assert (s.replica_id, s.concurrent_groups, s.partial_rollout_mode) == ("r1", 5, "keep")
+    assert s.renew_interval_s == 30 and s.truncation == "left"
+
+
+def test_unknown_engine_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.name='sglang'"):
+        get_engine_cls("sglang")
+
+
+def test_sampling_conversion_and_validation() -> None:
+    spec = convert.sampling_spec(common_pb2.SamplingParams(n=0, max_tokens=5, top_k=0, seed=10), seed_offset=4)
+    assert (spec.n, spec.top_p, spec.top_k, spec.seed) == (1, 1.0, -1, 14)
+    with pytest.raises(InvalidArgument, match=r"sampling\.max_tokens"):
+        convert.sampling_spec(common_pb2.SamplingParams(n=1))
+    with pytest.raises(InvalidArgument, match=r"sampling\.top_k"):
+        convert.sampling_spec(common_pb2.SamplingParams(n=1, max_tokens=3, top_k=-5))
+
+
+def test_prompt_truncation() -> None:
+    from services.common.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    p = common_pb2.Prompt(prompt_id="x:1", text="abcdefgh")
+    assert tok.decode(convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="left")) == "efgh"
+    assert tok.decode(convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="middle")) == "abgh"
+    with pytest.raises(InvalidArgument, match=r"data\.max_prompt_length"):
+        convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="error")
+
+
+def test_serve_options_and_in_flight_autoscaling() -> None:
+    cfg = load_config(None, [
+        "serve.rollout.num_gpus=1", "serve.rollout.resources={NPU: 0}",
+        "serve.rollout.autoscaling={min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}",
+    ])
+    opts = deployment_options(cfg.serve.rollout)
+    assert opts["ray_actor_options"]["num_gpus"] == 1 and "num_replicas" not in opts
+    assert opts["autoscaling_config"]["policy"]["policy_function"].endswith(":in_flight_policy")
+
+    def ctx(values: list[float]) -> SimpleNamespace:
+        return SimpleNamespace(
+            aggregated_metrics={"groups_in_flight": dict(enumerate(values))},
+            config=SimpleNamespace(target_ongoing_requests=8),
+            capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
+        )
+
+    assert in_flight_policy(ctx([16, 16]))[0] == 4
+    assert in_flight_policy(ctx([8, 4]))[0] == 2
+    assert in_flight_policy(ctx([0, 0]))[0] == 1
+    assert in_flight_policy(ctx([100]))[0] == 4

@@ -1,0 +1,264 @@
+"""The engine contract, run against every registered rollout engine (services/rollout/engines).
+
+`vllm` runs only in .venv-vllm (marker `vllm`):
+    scripts/setup_vllm.sh && PYTHONPATH=$PWD .venv-vllm/bin/python -m pytest -m vllm tests/unit/test_rollout_engine_conformance.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.tiny import build_tiny_model, build_tokenizer
+from services.rollout.engines import Finish, GenerationRequest, SamplingSpec, engine_names, iterate_buckets
+from services.rollout.weights import model_named_tensors
+from tests.rollout_helpers import LoopThread, build_engine, reference_logprobs
+
+ENGINES = [pytest.param(name, marks=[pytest.mark.vllm] if name == "vllm" else []) for name in engine_names()]
+# vLLM on CPU computes in its own kernels (and may reorder reductions): a looser bound.
+TOL = {"transformers": 1e-4, "vllm": 2e-2}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok: Any) -> Any:
+    return build_tiny_model("qwen3", tok, seed=0)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest, model: Any, tok: Any, loop: LoopThread, tmp_path_factory: Any) -> Iterator[Any]:
+    eng = build_engine(request.param, model, tok, str(tmp_path_factory.mktemp(f"engine-{request.param}")))
+    loop.run(eng.start(), timeout_s=600)
+    yield eng
+    loop.run(eng.close())
+
+
+def _prompt(tok: Any, text: str = "question: 12+13=") -> list[int]:
+    return list(tok.encode(text))
+
+
+def test_logprobs_are_temperature_scaled_before_truncation(engine: Any, model: Any, tok: Any, loop: LoopThread) -> None:
+    prompt = _prompt(tok)
+    spec = SamplingSpec(n=3, temperature=0.7, top_k=8, top_p=0.9, max_tokens=24, seed=11)
+    outs = loop.run(engine.generate(GenerationRequest("lp", prompt, spec)))
+    assert [o.index for o in outs] == [0, 1, 2]
+    for o in outs:
+        assert len(o.token_ids) == len(o.logprobs) == len(o.versions) > 0
+        ref = reference_logprobs(model, prompt, o.token_ids, 0.7)
+        diff = (ref - torch.tensor(o.logprobs)).abs().max().item()
+        assert diff < TOL[engine.name], f"sample {o.index}: max |logprob - reference| = {diff}"
+        # Truncation shapes sampling only: the reported value is not renormalised over the kept set,
+        # so it is strictly below the truncated distribution's (which would be >= the full one).
+        assert all(lp <= 0 for lp in o.logprobs)
+        assert set(o.versions) == {engine.version}
+
+
+def test_greedy_reports_untempered_logprobs(engine: Any, model: Any, tok: Any, loop: LoopThread) -> None:
+    prompt = _prompt(tok, "abc")
+    outs = loop.run(engine.generate(GenerationRequest("greedy", prompt, SamplingSpec(n=2, temperature=0.0, max_tokens=12))))
+    a, b = outs
+    assert a.token_ids == b.token_ids
+    ids = torch.tensor([prompt + a.token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    assert a.token_ids == logits.argmax(-1).tolist()
+    ref = reference_logprobs(model, prompt, a.token_ids, 0.0)
+    assert (ref - torch.tensor(a.logprobs)).abs().max().item() < TOL[engine.name]
+
+
+def test_n_samples_max_tokens_and_seeds(engine: Any, tok: Any, loop: LoopThread) -> None:
+    prompt = _prompt(tok, "hello")
+    spec = SamplingSpec(n=4, temperature=1.0, max_tokens=7, seed=123)
+    first = loop.run(engine.generate(GenerationRequest("n1", prompt, spec)))
+    again = loop.run(engine.generate(GenerationRequest("n2", prompt, spec)))
+    assert len(first) == 4
+    for o in first:
+        assert 0 < len(o.token_ids) <= 7
+        assert o.finish_reason in (Finish.LENGTH, Finish.STOP)
+        if o.finish_reason == Finish.LENGTH:
+            assert len(o.token_ids) == 7
+        assert o.text == tok.decode(o.token_ids, skip_special_tokens=True)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again], "same seed, same samples"
+    assert len({tuple(o.token_ids) for o in first}) > 1, "samples of one request must differ"
+
+
+def test_stop_sequence_ends_the_sample(engine: Any, tok: Any, loop: LoopThread) -> None:
+    prompt = _prompt(tok, "xyz")
+    greedy = loop.run(engine.generate(GenerationRequest("g", prompt, SamplingSpec(temperature=0.0, max_tokens=16))))[0]
+    text = tok.decode(greedy.token_ids, skip_special_tokens=True)
+    stop = text[4:6]
+    assert len(stop) == 2
+    cut = text.index(stop) + len(stop)
+    out = loop.run(
+        engine.generate(GenerationRequest("s", prompt, SamplingSpec(temperature=0.0, max_tokens=16, stop=(stop,))))
+    )[0]
+    assert out.finish_reason == Finish.STOP
+    assert out.text == text[:cut], "the stop string is the end of the text (included)"
+    assert out.token_ids == greedy.token_ids[: len(out.token_ids)]
+
+
+def test_abort_returns_partial_tokens(engine: Any, tok: Any, loop: LoopThread) -> None:
+    async def scenario() -> list[Any]:
+        task = asyncio.create_task(
+            engine.generate(GenerationRequest("long", _prompt(tok), SamplingSpec(max_tokens=200, seed=1)))
+        )
+        await asyncio.sleep(0)  # let generate() register the request (unknown ids count as started)
+        while not engine.request_started("long") and not task.done():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert await engine.abort("long")
+        return await asyncio.wait_for(task, 60)
+
+    outs = loop.run(scenario())
+    o = outs[0]
+    assert o.finish_reason in (Finish.ABORT, Finish.STOP)
+    assert len(o.token_ids) == len(o.logprobs) == len(o.versions) < 200
+
+
+def test_abort_all_returns_every_request_partial(engine: Any, tok: Any, loop: LoopThread) -> None:
+    async def scenario() -> tuple[dict[str, Any], list[Any]]:
+        tasks = [
+            asyncio.create_task(engine.generate(GenerationRequest(f"all{i}", _prompt(tok), SamplingSpec(n=2, max_tokens=300, seed=i))))
+            for i in range(2)
+        ]
+        await asyncio.sleep(0)  # let generate() register the requests (unknown ids count as started)
+        while not all(engine.request_started(f"all{i}") for i in range(2)):
+            await asyncio.sleep(0.01)
+        partial = await engine.abort_all()
+        return partial, await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    partial, results = loop.run(scenario())
+    assert set(partial) == {"all0", "all1"}
+    for i, outs in enumerate(results):
+        assert [o.token_ids for o in partial[f"all{i}"]] == [o.token_ids for o in outs]
+        assert len(outs) == 2
+        for o in outs:
+            assert len(o.token_ids) == len(o.logprobs) == len(o.versions) < 300
+            assert o.finish_reason in (Finish.ABORT, Finish.STOP)
+
+
+def test_pause_load_resume_tags_tokens_with_versions(engine: Any, model: Any, tok: Any, loop: LoopThread) -> None:
+    new_model = build_tiny_model("qwen3", tok, seed=7)
+    old_version = engine.version
+
+    async def scenario() -> Any:
+        task = asyncio.create_task(
+            engine.generate(GenerationRequest("span", _prompt(tok), SamplingSpec(max_tokens=160, seed=3, temperature=1.0)))
+        )
+        await asyncio.sleep(0)
+        while not engine.request_started("span"):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        await engine.pause("keep")
+        loaded = await engine.load_weights(old_version + 1, iterate_buckets([model_named_tensors(new_model)]))
+        await engine.resume()
+        return loaded, await asyncio.wait_for(task, 120)
+
+    try:
+        loaded, outs = loop.run(scenario())
+        assert loaded > 0
+        assert engine.version == old_version + 1
+        o = outs[0]
+        assert len(o.token_ids) <= 160
+        assert o.versions == sorted(o.versions), "versions never go back"
+        assert set(o.versions) <= {old_version, old_version + 1}
+        if o.finish_reason == Finish.LENGTH:
+            assert old_version + 1 in o.versions
+        # A fresh request sees the new weights only: its logprobs match a forward pass of them.
+        prompt = _prompt(tok, "fresh")
+        fresh = loop.run(engine.generate(GenerationRequest("fresh", prompt, SamplingSpec(max_tokens=10, seed=5))))[0]
+        assert set(fresh.versions) == {old_version + 1}
+        ref = reference_logprobs(new_model, prompt, fresh.token_ids, 1.0)
+        assert (ref - torch.tensor(fresh.logprobs)).abs().max().item() < TOL[engine.name]
+    finally:
+        async def restore() -> None:
+            await engine.pause("abort")
+            await engine.load_weights(old_version + 2, iterate_buckets([model_named_tensors(model)]))
+            await engine.resume()
+
+        loop.run(restore())
+
+
+def test_health_and_stats(engine: Any, loop: LoopThread) -> None:
+    assert loop.run(engine.health()).healthy
+    stats = engine.stats()
+    assert stats["tokens_generated"] > 0
+    assert all(isinstance(v, float) for v in stats.values())
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_partial_rollout_through_the_worker(engine: Any, model: Any, tok: Any, loop: LoopThread, mode: str) -> None:
+    """A sample spanning a weight update: tokens of both versions, length within max_tokens, and
+    (where the engine re-prefills: abort mode; vLLM with prefix caching in keep mode too) the
+    tokens after the switch carry exactly the new weights' logprobs."""
+    from meshrl.v1 import common_pb2
+    from services.rollout.weights import InMemoryWeightStore
+    from services.rollout.worker import RolloutWorker, WorkerSettings
+    from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
+
+    new_model = build_tiny_model("qwen3", tok, seed=21)
+    exact = mode == "abort" or (engine.name == "vllm" and engine.engine_args.get("enable_prefix_caching"))
+
+    async def scenario(attempt: int) -> common_pb2.TrajectoryGroup:
+        v = engine.version
+        store = InMemoryWeightStore()
+        ref = store.publish(v + 1, model_named_tensors(new_model))
+        prompt = common_pb2.Prompt(prompt_seq=attempt, prompt_id=f"p:{attempt}", text="partial rollout: ")
+        sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=150, seed=8 + attempt)
+        coord = FakeCoordinator([prompt], sampling)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, store, WorkerSettings(
+            replica_id="w", concurrent_groups=1, partial_rollout=True, partial_rollout_mode=mode,  # type: ignore[arg-type]
+            idle_poll_s=0.05, renew_interval_s=5.0,
+        ))
+        worker.start()
+        await wait_for(lambda: worker.groups_in_flight == 1, what="group in flight")
+        await asyncio.sleep(0.3)
+        coord.push_version(ref)
+        await wait_for(lambda: len(coord.submitted) == 1, timeout_s=180, what="the group")
+        await worker.stop()
+        return coord.submitted[0]
+
+    async def restore() -> None:
+        await engine.pause("abort")
+        await engine.load_weights(engine.version + 1, iterate_buckets([model_named_tensors(model)]))
+        await engine.resume()
+
+    # A sample may end (EOS) before the update lands; a few attempts make a spanning one certain.
+    spanning = 0
+    for attempt in range(4):
+        before = engine.version
+        try:
+            g = loop.run(scenario(attempt))
+        finally:
+            loop.run(restore())
+        for r in g.responses:
+            assert len(r.token_ids) == len(r.logprobs) == len(r.versions) <= 150
+            assert list(r.versions) == sorted(r.versions)
+            assert set(r.versions) <= {before, before + 1}
+            assert r.finish_reason != common_pb2.FINISH_REASON_ABORT
+            assert r.text == tok.decode(list(r.token_ids), skip_special_tokens=True)
+            if set(r.versions) == {before, before + 1}:
+                spanning += 1
+                if exact:
+                    first_new = list(r.versions).index(before + 1)
+                    ref_lp = reference_logprobs(new_model, list(g.prompt_token_ids), list(r.token_ids), 1.0)
+                    got = torch.tensor(list(r.logprobs))
+                    assert (ref_lp[first_new:] - got[first_new:]).abs().max().item() < TOL[engine.name]
+        if spanning:
+            break
+    assert spanning >= 1, "at least one sample must span the update"

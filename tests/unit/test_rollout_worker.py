@@ -1,0 +1,220 @@
+"""RolloutWorker with the real transformers engine, a hand-written fake coordinator and a simple
+real scorer: the loop, updates without partial rollout, lost leases, drain. Partial rollout
+(keep / abort) across an update runs for every engine in test_rollout_engine_conformance.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from meshrl.v1 import common_pb2
+from services.common.tiny import build_tiny_model, build_tokenizer
+from services.rollout.engines import Finish
+from services.rollout.engines.transformers_engine import TransformersEngine
+from services.rollout.weights import InMemoryWeightStore, model_named_tensors
+from services.rollout.worker import RolloutWorker, WorkerSettings
+from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return build_tokenizer()
+
+
+def _prompts(n: int) -> list[common_pb2.Prompt]:
+    out = []
+    for i in range(n):
+        p = common_pb2.Prompt(prompt_seq=i, prompt_id=f"train:{i}", ground_truth=str(i), data_source="test")
+        p.messages.add(role="user", content=f"what is {i}+{i}?")
+        out.append(p)
+    return out
+
+
+def _worker(tok: Any, coord: FakeCoordinator, store: InMemoryWeightStore, **kw: Any) -> tuple[RolloutWorker, TransformersEngine]:
+    model = build_tiny_model("qwen3", tok, seed=0)
+    engine = TransformersEngine(model, tok, max_num_seqs=kw.pop("max_num_seqs", 16))
+    settings = WorkerSettings(replica_id="r0", idle_poll_s=0.05, renew_interval_s=kw.pop("renew_interval_s", 0.2), **kw)
+    return RolloutWorker(engine, tok, coord, length_scorer, store, settings), engine
+
+
+def test_loop_leases_generates_scores_and_submits(tok: Any) -> None:
+    sampling = common_pb2.SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=5)
+    coord = FakeCoordinator(_prompts(6), sampling)
+
+    async def scenario() -> None:
+        worker, engine = _worker(tok, coord, InMemoryWeightStore(), concurrent_groups=2)
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.submitted) == 6, what="6 submitted groups")
+        await worker.stop()
+        await engine.close()
+
+    asyncio.run(scenario())
+    seqs = sorted(g.prompt.prompt_seq for g in coord.submitted)
+    assert seqs == list(range(6))
+    for g in coord.submitted:
+        assert len(g.responses) == 3
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": g.prompt.messages[0].content}], add_generation_prompt=True, tokenize=False
+        )
+        assert list(g.prompt_token_ids) == tok.encode(text)
+        for r in g.responses:
+            assert len(r.token_ids) == len(r.logprobs) == len(r.versions) <= 12
+            assert r.text == tok.decode(list(r.token_ids), skip_special_tokens=True)
+            assert r.reward == pytest.approx(sum(c.isdigit() for c in r.text) / max(1, len(r.text)))
+            assert r.reward_metrics["len"] == len(r.text)
+        assert g.min_policy_version == g.max_policy_version == 0
+    # seeds differ per prompt: two groups never share their samples
+    assert len({tuple(g.responses[0].token_ids) for g in coord.submitted}) == 6
+
+
+def test_without_partial_rollout_in_flight_samples_finish_on_old_weights(tok: Any) -> None:
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=60, seed=2)
+    coord = FakeCoordinator(_prompts(3), sampling)
+    store = InMemoryWeightStore()
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+
+    async def scenario() -> None:
+        worker, engine = _worker(tok, coord, store, concurrent_groups=1, partial_rollout=False)
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: engine.stats()["tokens_generated"] >= 10, what="generation under way")
+        coord.push_version(ref)
+        await wait_for(lambda: len(coord.submitted) == 3, what="3 groups")
+        await worker.stop()
+        await engine.close()
+
+    asyncio.run(scenario())
+    for g in coord.submitted:
+        assert g.min_policy_version == g.max_policy_version, "no sample mixes versions"
+        for r in g.responses:
+            assert r.num_resumes == 0
+            assert r.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+    assert coord.submitted[0].max_policy_version == 0
+    assert coord.submitted[-1].min_policy_version == 1
+
+
+def test_lost_lease_aborts_its_group_and_drain_returns_unstarted(tok: Any) -> None:
+    sampling = common_pb2.SamplingParams(n=4, temperature=1.0, max_tokens=200, seed=3)
+    coord = FakeCoordinator(_prompts(4), sampling)
+
+    async def scenario() -> None:
+        # 4 slots: the first group fills them, the others wait in the engine (unstarted).
+        worker, engine = _worker(tok, coord, InMemoryWeightStore(), concurrent_groups=4, max_num_seqs=4)
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: worker.groups_in_flight == 4 and engine.stats()["tokens_generated"] > 4, what="leases")
+        first = min(coord.active)
+        coord.lost.add(first)
+        await wait_for(lambda: first not in {g for g in worker._groups}, what="lost group aborted")
+        returned, finished = await worker.drain(finish_in_flight=True)
+        assert returned == 2  # the two groups still waiting for slots
+        assert finished == 1  # the running one finished and was submitted
+        await worker.stop()
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert len(coord.returned) == 2
+    assert len(coord.submitted) == 1
+    assert all(r.finish_reason != common_pb2.FINISH_REASON_ABORT for r in coord.submitted[0].responses)
+
+
+def test_abort_outputs_are_continued_not_lost(tok: Any) -> None:
+    """engine.abort_all() outside the worker's own cancellations counts as an interruption: the
+    worker continues the samples, so the group still arrives complete."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=80, seed=4)
+    coord = FakeCoordinator(_prompts(1), sampling)
+
+    async def scenario() -> None:
+        worker, engine = _worker(tok, coord, InMemoryWeightStore(), concurrent_groups=1)
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: engine.stats()["tokens_generated"] >= 10, what="generation under way")
+        await engine.abort_all()
+        await wait_for(lambda: len(coord.submitted) == 1, what="the group")
+        await worker.stop()
+        await engine.close()
+
+    asyncio.run(scenario())
+    for r in coord.submitted[0].responses:
+        assert r.finish_reason != common_pb2.FINISH_REASON_ABORT
+        assert len(r.token_ids) <= 80
+    assert Finish.ABORT.value == "abort"
+
+
+def test_failed_group_returns_its_lease_and_bad_input_marks_unhealthy(tok: Any) -> None:
+    sampling = common_pb2.SamplingParams(n=1, temperature=1.0, max_tokens=4, seed=1)
+    coord = FakeCoordinator(_prompts(1), sampling)
+
+    async def broken_scorer(items: list[Any]) -> list[Any]:
+        raise ConnectionError("reward service down")
+
+    async def scenario() -> tuple[bool, bool]:
+        model = build_tiny_model("qwen3", tok, seed=0)
+        engine = TransformersEngine(model, tok)
+        await engine.start()
+        worker = RolloutWorker(engine, tok, coord, broken_scorer, None, WorkerSettings(replica_id="r", idle_poll_s=0.05))
+        worker.start()
+        await wait_for(lambda: len(coord.returned) >= 1, what="the failed group's lease back")
+        await worker.drain(finish_in_flight=True)
+        healthy_after_drain = worker.healthy
+        await worker.stop()
+        # An overlong prompt with data.truncation=error is a config problem: the replica says so.
+        long_prompt = common_pb2.Prompt(prompt_seq=9, prompt_id="train:9", text="x" * 50)
+        coord2 = FakeCoordinator([long_prompt], sampling)
+        w2 = RolloutWorker(engine, tok, coord2, length_scorer, None,
+                           WorkerSettings(replica_id="r2", idle_poll_s=0.05, max_prompt_length=10))
+        w2.start()
+        await wait_for(lambda: not w2.healthy, what="unhealthy replica")
+        await w2.stop()
+        await engine.close()
+        return healthy_after_drain, w2.healthy
+
+    healthy_after_drain, healthy_bad = asyncio.run(scenario())
+    assert healthy_after_drain and not healthy_bad
+    assert coord.submitted == []
+
+
+class _ScriptedEngine:
+    """Hand-written fake engine: the first request is cut by an update (abort), the continuation
+    then produces the given text. Records the requests it saw."""
+
+    name = "scripted"
+    version = 0
+    paused = False
+
+    def __init__(self, tok: Any, first: str, rest: str) -> None:
+        self.tok, self.first, self.rest = tok, first, rest
+        self.requests: list[Any] = []
+
+    def request_started(self, request_id: str) -> bool:
+        return True
+
+    async def generate(self, request: Any) -> list[Any]:
+        from services.rollout.engines import SampleOutput
+
+        self.requests.append(request)
+        text, finish = (self.first, Finish.ABORT) if len(self.requests) == 1 else (self.rest, Finish.LENGTH)
+        ids = self.tok.encode(text)[: request.sampling.max_tokens]
+        return [SampleOutput(0, list(ids), [-1.0] * len(ids), [len(self.requests) - 1] * len(ids), finish, text)]
+
+
+def test_continuation_respects_max_tokens_and_a_stop_string_across_the_cut(tok: Any) -> None:
+    from services.rollout.engines import SamplingSpec
+
+    engine = _ScriptedEngine(tok, first="hello wo", rest="rld! and more")
+    worker = RolloutWorker(engine, tok, None, None, None, WorkerSettings(replica_id="s"))  # type: ignore[arg-type]
+    prompt = common_pb2.Prompt(prompt_id="p", text="say: ")
+    spec = SamplingSpec(n=1, max_tokens=12, stop=("world",))
+    group = asyncio.run(worker.generate_group(prompt, spec, score=False))
+    assert group is not None
+    r = group.responses[0]
+    cont = engine.requests[1]
+    assert cont.prompt_token_ids == tok.encode("say: ") + tok.encode("hello wo")
+    assert cont.sampling.max_tokens == 12 - len("hello wo")
+    assert r.text == "hello world", "cut where the stop string completes, text re-decoded"
+    assert r.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert list(r.versions) == [0] * 8 + [1] * 3
+    assert r.num_resumes == 1
