@@ -70,6 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrl", description="Fully asynchronous RL post-training for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    p = sub.add_parser("train", help="run a whole job (no CONFIG: the built-in example)")
+    _config_args(p)
+    p.add_argument("--run-dir", default=None, help="run directory (default: runs/<experiment>-<mode>-<time>)")
+    p.add_argument("--mode", choices=["fully_async", "one_step_off", "sync"], default=None,
+                   help="async_training.mode (default: the config's)")
+    p.add_argument("--resume", default=None, help="continue RUN_DIR from its last checkpoint (queue intact)")
+    p.add_argument("--no-report", action="store_true", help="skip report.html")
+
+    p = sub.add_parser("report", help="rebuild report.html and plots from run directories (overlaid)")
+    p.add_argument("run_dirs", nargs="+", help="run directories")
+    p.add_argument("--out", default=None, help="output directory (default: the first run directory)")
+
+    p = sub.add_parser("pretrain", help="build the built-in example's warm-start checkpoint (cached)")
+    p.add_argument("--steps", type=int, default=None, help="SFT steps (default: the example's)")
+    p.add_argument("--task", default="addition", help="synthetic task")
+    p.add_argument("--digits", type=int, default=2, help="digits per operand")
+
     p = sub.add_parser("plan", help="print the derived run quantities and resource layout; starts nothing")
     _config_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -149,6 +166,43 @@ def _run_dir(arg: str | None, name: str) -> Path:
     import time
 
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@_command("train")
+def _train(args: argparse.Namespace) -> int:
+    from meshrl.progress import ProgressView
+    from meshrl.train import train
+
+    config, overrides = _split_config_and_overrides(args)
+    resume = Path(args.resume) if args.resume else None
+    with ProgressView() as view:
+        summary = train(config, overrides, run_dir=Path(args.run_dir) if args.run_dir else None, mode=args.mode,
+                        resume=resume, on_progress=view.update, report=not args.no_report)
+    print(json.dumps({k: summary[k] for k in ("run_dir", "mode", "steps", "wall_s", "reward_first_10pct",
+                                               "reward_last_10pct", "max_staleness_seen", "audit")}, indent=2))
+    print(f"report: {Path(summary['run_dir']) / 'report.html'}")
+    return 0 if summary["audit"]["balanced"] else 4
+
+
+@_command("report")
+def _report(args: argparse.Namespace) -> int:
+    from meshrl.report import write_report
+
+    print(write_report(args.run_dirs, args.out))
+    return 0
+
+
+@_command("pretrain")
+def _pretrain(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from meshrl.pretrain import PretrainSpec, ensure_pretrained
+
+    spec = PretrainSpec(task=args.task, digits=args.digits)
+    if args.steps is not None:
+        spec = replace(spec, steps=args.steps)
+    print(ensure_pretrained(spec))
+    return 0
 
 
 @_command("plan")

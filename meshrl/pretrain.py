@@ -31,7 +31,7 @@ class PretrainSpec:
     task: str = "addition"
     digits: int = 2
     arch: str = "qwen3"
-    steps: int = 300
+    steps: int = 500
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0

@@ -68,3 +68,8 @@ class ParamServerConfig(ConfigModel):
                 f"{self.transfer_timeout_s}; lower it (it bounds silence within one transfer)"
             )
         return self
+
+
+def data_address(cfg: ParamServerConfig) -> str:
+    """Where publishers and fetchers dial the param server's data plane."""
+    return cfg.advertise_address or f"{cfg.host}:{cfg.port}"

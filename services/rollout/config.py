@@ -34,6 +34,15 @@ class RolloutWorkerConfig(ConfigModel):
     (idempotent by lease id); after that the lease expires and its prompt is re-issued."""
     weight_load_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline of one weight update (fetch + load)."""
+    reward_application: str | None = "reward"
+    """Serve application of the reward service, called through a DeploymentHandle when the
+    replica runs under Serve; null: use `reward_address`."""
+    reward_address: str | None = None
+    """host:port of a RewardService (Serve's gRPC ingress or a plain server) when not using the
+    handle; with `reward_application` it is sent as `application` metadata."""
+    fetch_weights_from_param_server: bool = True
+    """Fetch new versions from the param server (param_server.host:port or advertise_address)
+    with the group's transport; false: the replica never updates weights (validation only)."""
     autostart: bool = True
     """Start the lease loop when the replica starts; false: only the RolloutService RPCs
     (validation-only replicas)."""

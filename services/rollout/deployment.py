@@ -72,7 +72,12 @@ class RolloutDeployment:
         )
         if scorer is None and reward_handle is not None:
             scorer = _handle_scorer(reward_handle)
-        fetcher = fetcher_factory(self.cfg) if fetcher_factory is not None else None
+        scorer = scorer or factory.default_scorer(self.cfg)
+        fetcher: WeightFetcher | None
+        if fetcher_factory is not None:
+            fetcher = fetcher_factory(self.cfg)
+        else:
+            fetcher = factory.default_fetcher(self.cfg, replica_id)
         self.worker = factory.build_worker(
             self.cfg, engine, tok, coordinator=self.coordinator, scorer=scorer, fetcher=fetcher, replica_id=replica_id
         )
@@ -151,13 +156,17 @@ def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
 
 
 def build_app(
-    cfg: MeshConfig,
+    cfg: MeshConfig | dict[str, Any],
     *,
     reward_handle: Any = None,
     scorer: Scorer | None = None,
     fetcher_factory: FetcherFactory | None = None,
 ) -> Any:
-    """The rollout application, ready for serve.run."""
+    """The rollout application, ready for serve.run. Also the serve-config `import_path` target,
+    called there with args = {config: dict} (then the reward service and the param server are
+    found from the config: rollout_worker.reward_application / param_server address)."""
+    if isinstance(cfg, dict):
+        cfg = MeshConfig.model_validate(cfg["config"] if "config" in cfg else cfg)
     dep = serve.deployment(name="Rollout", **deployment_options(cfg.serve.rollout))(RolloutDeployment)
     return dep.bind(  # type: ignore[attr-defined]
         cfg.model_dump(mode="json"), reward_handle=reward_handle, scorer=scorer, fetcher_factory=fetcher_factory

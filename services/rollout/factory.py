@@ -109,3 +109,31 @@ def build_worker(
     replica_id: str | None = None,
 ) -> RolloutWorker:
     return RolloutWorker(engine, tokenizer, coordinator, scorer, fetcher, worker_settings(cfg, replica_id))
+
+
+def default_scorer(cfg: MeshConfig) -> Scorer | None:
+    """The reward service this replica calls: a DeploymentHandle to `reward_application` when
+    running under Serve, else RewardClient(`reward_address`); None when neither is configured."""
+    w = cfg.rollout_worker
+    if w.reward_address:
+        from services.reward.client import RewardClient
+
+        return RewardClient(w.reward_address, application=w.reward_application)  # type: ignore[return-value]
+    if w.reward_application:
+        from ray import serve
+
+        from services.reward.client import HandleScorer
+
+        return HandleScorer(serve.get_app_handle(w.reward_application))
+    return None
+
+
+def default_fetcher(cfg: MeshConfig, replica_id: str) -> WeightFetcher | None:
+    """The param server fetcher for this replica (the group's transport), or None when
+    rollout_worker.fetch_weights_from_param_server is false."""
+    if not cfg.rollout_worker.fetch_weights_from_param_server:
+        return None
+    from services.param_server.config import data_address
+    from services.param_server.transports import make_fetcher
+
+    return make_fetcher(cfg, consumer_id=replica_id, address=data_address(cfg.param_server))  # type: ignore[return-value]

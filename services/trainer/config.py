@@ -25,9 +25,13 @@ class TrainerServiceConfig(ConfigModel):
     max_checkpoints_to_keep: int | None = Field(default=3, ge=1)
     """Newest checkpoints kept under the checkpoint directory; null: keep all."""
     publisher: str = "in_process"
-    """Weight publisher (services/trainer/publisher.py registry): `in_process` keeps versions in
-    the trainer's memory; the param server provides the others."""
+    """Weight publisher: `param_server` (the param server, over the rollout group's transport
+    `actor_rollout_ref.rollout.checkpoint_engine.backend`) or `in_process` (versions kept in the
+    trainer's memory: tests and single-process use only, rollouts cannot fetch them)."""
     worker_num_cpus: float = Field(default=1.0, ge=0)
     """CPUs reserved per training rank actor (placement group bundle)."""
+    hf_export_dir: str | None = "hf_export"
+    """Where the final policy is exported as a Hugging Face checkpoint when the run ends, relative
+    to the run directory; null: no export."""
     metrics_file: str = "metrics/trainer.jsonl"
     """Per-step metrics, relative to the run directory."""

@@ -108,6 +108,8 @@ class LoopSettings:
     resume_mode: str = "auto"
     resume_from_path: str | None = None
     seed: int = 42
+    hf_export_dir: Path | None = None
+    """Where the final policy is written as a Hugging Face checkpoint when the run ends; None: not."""
 
 
 @dataclass
@@ -226,6 +228,9 @@ class TrainerLoop:
         if self.step > 0 and self.last_checkpoint_step != self.step:
             await self._checkpoint()
         self._serve_checkpoint_waiters()
+        if self.s.hf_export_dir is not None and self.step > 0:
+            await self.group.save_hf(self.s.hf_export_dir)
+            log.info("hf_exported", path=str(self.s.hf_export_dir), step=self.step)
 
     # ---- one step ------------------------------------------------------------------------------
 

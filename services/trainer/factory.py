@@ -126,6 +126,7 @@ def loop_settings(cfg: MeshConfig, run_dir: str | os.PathLike[str], size: int | 
         resume_mode=cfg.trainer.resume_mode,
         resume_from_path=cfg.trainer.resume_from_path,
         seed=cfg.trainer.seed,
+        hf_export_dir=Path(run_dir) / ts.hf_export_dir if ts.hf_export_dir else None,
     )
 
 
@@ -214,6 +215,24 @@ class TrainerParts:
         await self.coordinator.close()
 
 
+def _publisher(cfg: MeshConfig, run_dir: str | os.PathLike[str], client: CoordinatorClient) -> WeightPublisher:
+    """`trainer_service.publisher`: `param_server` publishes through the param server with the
+    rollout group's transport (actor_rollout_ref.rollout.checkpoint_engine.backend); collective
+    transports announce the version through CommitVersion before broadcasting."""
+    from .publisher import build_publisher
+
+    ts = cfg.trainer_service
+    if ts.publisher != "param_server":
+        return build_publisher(ts.publisher, retain_versions=cfg.param_server.retain_versions)
+    from services.param_server.config import data_address
+    from services.param_server.transports import make_publisher
+
+    async def announce(ref: Any) -> None:
+        await client.commit_version(ts.trainer_id, ref)
+
+    return make_publisher(cfg, address=data_address(cfg.param_server), run_dir=run_dir, announce=announce)
+
+
 async def build_trainer(
     cfg: MeshConfig,
     run_dir: str | os.PathLike[str],
@@ -228,7 +247,6 @@ async def build_trainer(
 
     from services.coordinator.client import CoordinatorClient
 
-    from .publisher import build_publisher
     from .servicer import TrainerServicer
     from .workers import RayTrainGroup
 
@@ -240,11 +258,11 @@ async def build_trainer(
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     ts = cfg.trainer_service
     settings = loop_settings(cfg, run_dir, size, pad_token_id(cfg))
-    pub = publisher or build_publisher(ts.publisher, retain_versions=cfg.param_server.retain_versions)
     client = CoordinatorClient(
         coordinator_address(cfg), token=coordinator_token(cfg), application=ts.coordinator_application,
         timeout_s=ts.coordinator_timeout_s,
     )
+    pub = publisher or _publisher(cfg, run_dir, client)
     group = await RayTrainGroup.create(
         spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus
     )

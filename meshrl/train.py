@@ -1,0 +1,344 @@
+"""`meshrl train`: start the five services as Ray Serve applications on a local (or given) Ray,
+wire them together, watch the run, and leave a complete run directory behind.
+
+Who waits for whom:
+
+    driver ── start Serve (gRPC ingress) ── coordinator, param_server, reward ── trainer ── rollout
+      │                                                                            │          │
+      │   rollout: LeasePrompts → generate → Score (reward handle) → SubmitGroups ─┘          │
+      │   trainer: FetchBatch → step → publish (param server) → CommitVersion ───────────────┘
+      │   rollout: WatchVersions → fetch → load
+      └── polls GetStatus + the trainer's status; validates every trainer.test_freq versions;
+          on Ctrl-C: Stop (trainer checkpoints and exits), rollouts return their leases;
+          at the end: ledger audit, summary.json, report.html, Serve and Ray shut down.
+
+Modes run the same services: `fully_async` (the staleness budget), `one_step_off` (staleness 1,
+trigger 1, no partial rollout: a whole batch generated with the previous weights) and `sync`
+(staleness 0, trigger 1: lock-step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common.config import MeshConfig, derive, load_config, write_resolved_config
+from services.common.logging import get_logger
+
+log = get_logger(__name__)
+
+EXAMPLE_CONFIG = Path(__file__).resolve().parent / "configs" / "example.yaml"
+APPS = ("coordinator", "param_server", "reward", "trainer", "rollout")
+
+MODE_OVERRIDES: dict[str, list[str]] = {
+    "fully_async": ["async_training.mode=fully_async"],
+    "one_step_off": [
+        "async_training.mode=one_step_off", "async_training.staleness_threshold=1.0",
+        "async_training.trigger_parameter_sync_step=1", "async_training.partial_rollout=false",
+        "async_training.max_staleness_versions=1",
+    ],
+    "sync": ["async_training.mode=sync", "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1"],
+}
+
+
+def resolve_config(
+    config: str | None, overrides: list[str], *, mode: str | None = None, resume: Path | None = None
+) -> MeshConfig:
+    """The run's config: the resumed run's resolved config, else CONFIG (or the built-in
+    example), then the mode's settings, then the user's overrides."""
+    base: str | Path
+    if resume is not None:
+        base = resume / "config.resolved.yaml"
+        if not base.exists():
+            raise FileNotFoundError(f"{resume} has no config.resolved.yaml; is it a meshrl run directory?")
+    else:
+        base = config or EXAMPLE_CONFIG
+    mode_overrides = MODE_OVERRIDES[mode] if mode else []
+    return load_config(base, [*mode_overrides, *overrides])
+
+
+def ensure_model(cfg: MeshConfig) -> MeshConfig:
+    """With `actor_rollout_ref.model.path` null: the built-in warm start (meshrl pretrain)."""
+    if cfg.actor_rollout_ref.model.path is not None:
+        return cfg
+    from meshrl.pretrain import PretrainSpec, ensure_pretrained
+
+    syn = cfg.data.synthetic
+    spec = PretrainSpec(task=syn.name, digits=syn.digits) if syn is not None else PretrainSpec()
+    path = ensure_pretrained(spec)
+    return cfg.model_copy(update={"actor_rollout_ref": cfg.actor_rollout_ref.model_copy(
+        update={"model": cfg.actor_rollout_ref.model.model_copy(update={"path": str(path)})})})
+
+
+def wire(cfg: MeshConfig, grpc_port: int) -> MeshConfig:
+    """Point every service at the others through Serve's gRPC ingress and the param server."""
+    address = f"127.0.0.1:{grpc_port}"
+    data = cfg.model_dump(mode="json")
+    data["rollout_worker"].update(coordinator_address=address, coordinator_application="coordinator",
+                                  reward_application="reward")
+    data["trainer_service"].update(coordinator_address=address, coordinator_application="coordinator",
+                                   publisher="param_server")
+    data["serve"]["grpc_port"] = grpc_port
+    return MeshConfig.model_validate(data)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Progress:
+    """What the driver knows about the run at one moment."""
+
+    step: int = 0
+    total_steps: int = 0
+    policy_version: int = 0
+    reward_mean: float | None = None
+    staleness_mean: float | None = None
+    tokens_per_s: float | None = None
+    trainer_state: str = "starting"
+    elapsed_s: float = 0.0
+    queued: int = 0
+    in_flight: int = 0
+    val_score: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.step <= 0 or self.total_steps <= 0:
+            return None
+        return self.elapsed_s / self.step * max(0, self.total_steps - self.step)
+
+
+class MeshRun:
+    """One `meshrl train` run: deploy, watch, stop, summarize."""
+
+    def __init__(self, cfg: MeshConfig, run_dir: Path, mode: str) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.mode = mode
+        self.started = time.time()
+        self.grpc_port = cfg.serve.grpc_port
+        self.derived = derive(cfg)
+        self._val_versions: set[int] = set()
+        self._stop_requested = False
+        self.interrupts = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def deploy(self) -> None:
+        from ray import serve
+
+        from services.common.serve_util import init_ray, start_serve
+        from services.coordinator.deployment import build_app as coordinator_app
+        from services.param_server.deployment import build_app as param_server_app
+        from services.reward.deployment import build_app as reward_app
+        from services.rollout.deployment import build_app as rollout_app
+        from services.trainer.deployment import build_app as trainer_app
+
+        init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(4, os.cpu_count() or 1))
+        start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if _port_free(self.cfg.serve.http_port)
+                    else _free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
+        args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir)}
+        # Order: what others call first. serve.run blocks until the replicas are healthy.
+        serve.run(coordinator_app(args), name="coordinator", route_prefix="/coordinator")
+        serve.run(param_server_app(args), name="param_server", route_prefix="/param_server")
+        serve.run(reward_app(args), name="reward", route_prefix="/reward")
+        serve.run(trainer_app(args), name="trainer", route_prefix="/trainer")
+        serve.run(rollout_app(args), name="rollout", route_prefix="/rollout")
+        log.info("mesh_deployed", apps=list(APPS), grpc=f"127.0.0.1:{self.grpc_port}")
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.delete("rollout")  # replicas return their leases on the way out
+        except Exception as exc:  # noqa: BLE001 -- best effort on the way down
+            log.warning("rollout_delete_failed", error=str(exc))
+        serve.shutdown()
+        ray.shutdown()
+
+    # ---- watching ------------------------------------------------------------------------------
+
+    async def poll(self, client: Any) -> Progress:
+        from ray import serve
+
+        status = await client.status()
+        trainer = await serve.get_app_handle("trainer").status.remote()
+        m = trainer.get("metrics", {})
+        p = Progress(
+            step=int(trainer.get("step", 0)), total_steps=self.derived.total_optimizer_steps,
+            policy_version=int(status.policy_version), reward_mean=m.get("critic/rewards/mean"),
+            staleness_mean=m.get("staleness/mean"), tokens_per_s=m.get("perf/throughput_tokens_per_s"),
+            trainer_state=str(trainer.get("state", "?")), elapsed_s=time.time() - self.started,
+            queued=int(status.totals.queued), in_flight=int(status.totals.in_flight),
+        )
+        if trainer.get("state") == "failed":
+            raise RuntimeError(f"the trainer failed: {trainer.get('error')}")
+        return p
+
+    async def validate(self, version: int) -> dict[str, Any] | None:
+        """Score the held-out split with the current rollout weights (rollout.val_kwargs)."""
+        from services.common.data import val_dataset
+
+        from .validation import run_validation
+
+        val = val_dataset(self.cfg.data)
+        if val is None:
+            return None
+        return await run_validation(self.cfg, val, version, self.run_dir, self.started)
+
+    async def watch(self, on_progress: Callable[[Progress], None]) -> Progress:
+        from services.coordinator.client import CoordinatorClient
+
+        test_freq = self.cfg.trainer.test_freq
+        async with CoordinatorClient(f"127.0.0.1:{self.grpc_port}", application="coordinator",
+                                     token=self.cfg.coordinator.token or os.environ.get("MESHRL_TOKEN")) as client:
+            if self.cfg.trainer.val_before_train and test_freq > 0:
+                await self._maybe_validate(0)
+            progress = await self.poll(client)
+            while progress.trainer_state not in ("finished", "failed"):
+                if self._stop_requested:
+                    await client.stop()
+                    self._stop_requested = False
+                await asyncio.sleep(1.0)
+                progress = await self.poll(client)
+                if test_freq > 0 and progress.policy_version > 0 and progress.policy_version % test_freq == 0:
+                    await self._maybe_validate(progress.policy_version)
+                on_progress(progress)
+            if test_freq > 0:
+                await self._maybe_validate(progress.policy_version)
+            self.final_status = await client.status()
+            return progress
+
+    async def _maybe_validate(self, version: int) -> None:
+        if version in self._val_versions:
+            return
+        self._val_versions.add(version)
+        rec = await self.validate(version)
+        if rec is not None:
+            log.info("validation", policy_version=version, score=rec["val/score"])
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def summarize(self, progress: Progress) -> dict[str, Any]:
+        from google.protobuf.json_format import MessageToDict
+        from ray import serve
+
+        audit = serve.get_app_handle("coordinator").audit.remote().result(timeout_s=120)
+        status = MessageToDict(self.final_status, preserving_proto_field_name=True)
+        rewards = _rewards(self.run_dir)
+        k = max(1, len(rewards) // 10)
+        summary = {
+            "mode": self.mode,
+            "run_dir": str(self.run_dir),
+            "started_unix_s": self.started,
+            "wall_s": round(time.time() - self.started, 2),
+            "steps": progress.step,
+            "policy_versions": int(self.final_status.policy_version),
+            "reward_first_10pct": sum(rewards[:k]) / k if rewards else None,
+            "reward_last_10pct": sum(rewards[-k:]) / k if rewards else None,
+            "staleness_histogram": {str(b.staleness): int(b.groups) for b in self.final_status.staleness_histogram},
+            "max_staleness_seen": max((b.staleness for b in self.final_status.staleness_histogram), default=0),
+            "audit": {k2: v for k2, v in audit.items() if k2 not in ("lost", "duplicated")}
+            | {"lost": len(audit["lost"]), "duplicated": len(audit["duplicated"])},
+            "totals": status.get("totals", {}),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def _rewards(run_dir: Path) -> list[float]:
+    path = run_dir / "metrics" / "trainer.jsonl"
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("critic/rewards/mean") is not None:
+                out.append(float(rec["critic/rewards/mean"]))
+    return out
+
+
+def new_run_dir(cfg: MeshConfig, mode: str) -> Path:
+    return Path("runs") / f"{cfg.trainer.experiment_name}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def train(
+    config: str | None,
+    overrides: list[str],
+    *,
+    run_dir: Path | None = None,
+    mode: str | None = None,
+    resume: Path | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    report: bool = True,
+) -> dict[str, Any]:
+    """Run a whole job; returns the summary (also written to RUN_DIR/summary.json)."""
+    from services.common.logging import configure_logging
+
+    cfg = resolve_config(config, overrides, mode=mode, resume=resume)
+    mode = cfg.async_training.mode
+    run_dir = resume or run_dir or new_run_dir(cfg, mode)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    configure_logging("driver", json=False, level=os.environ.get("MESHRL_LOG_LEVEL", "WARNING"))
+    cfg = ensure_model(cfg)
+    port = cfg.serve.grpc_port if cfg.serve.grpc_port and _port_free(cfg.serve.grpc_port) else _free_port()
+    cfg = wire(cfg, port)
+    write_resolved_config(cfg, run_dir)
+    os.environ.setdefault("MESHRL_LOG_DIR", str((run_dir / "logs").resolve()))
+    run = MeshRun(cfg, run_dir.resolve(), mode)
+    try:
+        run.deploy()
+        loop = asyncio.new_event_loop()
+        try:
+            watch = loop.create_task(run.watch(on_progress or (lambda p: None)))
+            while True:
+                try:
+                    progress = loop.run_until_complete(asyncio.shield(watch))
+                    break
+                except KeyboardInterrupt:
+                    # Ctrl-C: ask the run to stop cleanly (the trainer checkpoints, rollouts drain).
+                    run.interrupts += 1
+                    if run.interrupts > 1:
+                        raise
+                    log.warning("stopping", hint="press Ctrl-C again to abort without a clean stop")
+                    run.request_stop()
+            summary = run.summarize(progress)
+        finally:
+            loop.close()
+    finally:
+        run.shutdown()
+    if report:
+        from meshrl.report import write_report
+
+        write_report([run_dir])
+    return summary
