@@ -68,7 +68,8 @@ def transformer_config_kwargs(arch: ModelArch, m: MegatronConfig, *, dtype: str,
         gradient_accumulation_fusion=False,
         use_cpu_initialization=True,
         perform_initialization=False,
-        variable_seq_lengths=True,
+        # Micro-batches differ in length; PP must then exchange shapes.
+        variable_seq_lengths=m.pipeline_model_parallel_size > 1,
         # Gradients are averaged by the engine's loss scaling contract (see engine.train_step).
         calculate_per_token_loss=False,
     )
@@ -84,7 +85,8 @@ def transformer_config_kwargs(arch: ModelArch, m: MegatronConfig, *, dtype: str,
             moe_router_pre_softmax=not arch.norm_topk_prob,
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            moe_token_dispatcher_type="alltoall" if m.expert_model_parallel_size > 1 else "allgather",
+            # alltoall needs CUDA streams in megatron 0.16; allgather runs on CPU (tests).
+            moe_token_dispatcher_type="allgather" if cpu else "alltoall",
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
         )

@@ -42,6 +42,16 @@ def import_megatron() -> ModuleType:
     return mcore
 
 
+def apply_compat_patches() -> None:
+    """megatron-core 0.16.1 without Transformer Engine: `moe_utils.te_general_gemm` is referenced
+    by the router's gating linear but only defined when TE imports (NameError on every MoE
+    forward). Define it as None so the plain torch path runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
 def apply_cpu_patches() -> None:
     """megatron-core 0.16 allocates with `torch.cuda.current_device()` and forks CUDA RNG states
     in its layers; on a CPU-only torch both fail. Point the device at "cpu" and make RNG forks
@@ -114,6 +124,7 @@ def init_model_parallel(m: MegatronConfig, device: str, seed: int) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
+    apply_compat_patches()
     if device == "cpu":
         apply_cpu_patches()
     check_layout(m, dist.get_world_size())
