@@ -49,6 +49,7 @@ from . import runtime
 from .config import MegatronEngineConfig
 from .convert import check_supported, padded_vocab_size
 from .logprobs import vocab_parallel_logprobs
+from .norms import localize_norms
 from .mcore_config import build_dataclass, ddp_config_kwargs, optimizer_config_kwargs, transformer_config_kwargs
 from .schedule import lr_at
 from .weights import HFCheckpoint, export_hf, load_hf_into, unwrap
@@ -130,7 +131,9 @@ class MegatronEngine(TrainEngine):
         """Hook for subclasses (MindSpeed applies its patches here)."""
 
     def _transformer_config(self, m: Any) -> TransformerConfig:
-        base = transformer_config_kwargs(self.arch, m, dtype=self.cfg.dtype, cpu=self.device_kind == "cpu")
+        base = transformer_config_kwargs(
+            self.arch, m, dtype=self.cfg.dtype, cpu=self.device_kind == "cpu", transformer_engine=self.use_te
+        )
         if self.cfg.gradient_checkpointing and "recompute_granularity" not in m.override_transformer_config:
             base.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         overrides = self._transformer_overrides(m)
@@ -146,6 +149,8 @@ class MegatronEngine(TrainEngine):
         for vp_stage in range(vpp or 1):
             stage = vp_stage if vpp else None
             spec = get_gpt_decoder_block_spec(tcfg, use_transformer_engine=self.use_te, normalization="RMSNorm", vp_stage=stage)
+            if not self.use_te:
+                spec = localize_norms(spec)
             model = GPTModel(
                 config=tcfg,
                 transformer_layer_spec=spec,

@@ -22,9 +22,12 @@ log = get_logger(__name__)
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def transformer_config_kwargs(arch: ModelArch, m: MegatronConfig, *, dtype: str, cpu: bool) -> dict[str, Any]:
+def transformer_config_kwargs(
+    arch: ModelArch, m: MegatronConfig, *, dtype: str, cpu: bool, transformer_engine: bool = False
+) -> dict[str, Any]:
     """TransformerConfig fields for a Qwen3 / Qwen3-MoE (or Llama-like) model, before overrides.
-    Fusions that need apex / Transformer Engine / CUDA kernels are off; overrides may turn them on."""
+    Fusions that need apex / Transformer Engine / CUDA kernels are off; overrides may turn them on.
+    Without TE the engine swaps megatron's torch norms for SP-capable ones (norms.py)."""
     import torch
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -66,8 +69,11 @@ def transformer_config_kwargs(arch: ModelArch, m: MegatronConfig, *, dtype: str,
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        use_cpu_initialization=True,
-        perform_initialization=False,
+        use_cpu_initialization=cpu,
+        # Must stay on: megatron 0.16 sets the tensor-parallel attributes of linear weights
+        # (used by grad-norm, clipping and checkpointing) only in its init path. The random
+        # values are then replaced by the HF weights.
+        perform_initialization=True,
         # Micro-batches differ in length; PP must then exchange shapes.
         variable_seq_lengths=m.pipeline_model_parallel_size > 1,
         # Gradients are averaged by the engine's loss scaling contract (see engine.train_step).
@@ -90,8 +96,6 @@ def transformer_config_kwargs(arch: ModelArch, m: MegatronConfig, *, dtype: str,
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
         )
-    if cpu:
-        kw["use_cpu_initialization"] = True
     return kw
 
 

@@ -1,0 +1,187 @@
+"""One rank of a megatron-engine equivalence check, run under torchrun by the tests (CPU, gloo)
+and by scripts/gpu/megatron.sh (GPU, nccl). Compares against plain transformers forward /
+backward / AdamW on the same HF weights, on rank 0, with the full batch.
+
+    torchrun --nproc-per-node 2 tests/megatron_worker.py --ckpt DIR --out OUT.json \
+        --device cpu --tp 2 [--ep 2] [--pp 1] [--steps 3]
+
+Writes {"logprob_max_abs_diff", "entropy_max_abs_diff", "losses", "ref_losses", "grad_norms",
+"ref_grad_norms", "export_exact", "post_train_logprob_max_abs_diff", ...} from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from services.common.config.actor_rollout_ref import MegatronConfig, OptimConfig  # noqa: E402
+from services.trainer.engines.base import ForwardOutput, LossScale, SequenceBatch  # noqa: E402
+
+
+def make_batch(vocab: int, seed: int, b: int = 8, length: int = 24) -> SequenceBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, vocab, (b, length), generator=g)
+    lengths = torch.randint(length // 2, length + 1, (b,), generator=g)
+    am = (torch.arange(length)[None, :] < lengths[:, None]).long()
+    ids = ids * am
+    prompt = 6
+    rm = ((torch.arange(length)[None, :] >= prompt).long() * am).float()
+    adv = torch.randn(b, length, generator=g) * rm
+    return SequenceBatch(ids, am, rm, tensors={"advantages": adv})
+
+
+def loss_fn(fo: ForwardOutput, mb: SequenceBatch, scale: LossScale) -> tuple[torch.Tensor, dict[str, float]]:
+    """A token-mean policy-gradient-like loss with an entropy term (exercises both outputs)."""
+    mask = mb.response_mask.to(fo.logprobs.device)
+    adv = mb.tensors["advantages"].to(fo.logprobs.device)
+    assert fo.entropy is not None
+    per_tok = -(fo.logprobs * adv) - 0.01 * fo.entropy
+    loss = (per_tok * mask).sum() / scale.num_tokens * scale.dp_size
+    return loss, {"pg_loss": float(loss.detach()) / scale.dp_size}
+
+
+def hf_reference(ckpt: str, batch: SequenceBatch, micro: int, steps: int, optim: OptimConfig, clip: float, device: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+
+    def logprobs(ids: torch.Tensor, am: torch.Tensor, rm: torch.Tensor, grad: bool):
+        with torch.set_grad_enabled(grad):
+            logits = model(input_ids=ids.to(device), attention_mask=am.to(device)).logits.float()
+            logp = torch.log_softmax(logits[:, :-1], -1)
+            lp = logp.gather(-1, ids[:, 1:, None].to(device)).squeeze(-1)
+            ent = -(logp.exp() * logp).sum(-1)
+            z = torch.zeros(ids.shape[0], 1, device=device)
+            r = rm.to(device)
+            return torch.cat([z, lp], 1) * r, torch.cat([z, ent], 1) * r
+
+    lp0, ent0 = logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, False)
+    losses, norms = [], []
+    n_tok = batch.num_response_tokens
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for i in range(0, batch.num_seqs, micro):
+            mb = batch.select(list(range(i, min(i + micro, batch.num_seqs))))
+            lp, ent = logprobs(mb.input_ids, mb.attention_mask, mb.response_mask, True)
+            scale = LossScale(num_tokens=n_tok, num_seqs=batch.num_seqs, dp_size=1)
+            loss, _ = loss_fn(ForwardOutput(lp, ent), mb.to(device), scale)
+            loss.backward()
+            total += float(loss)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        losses.append(total)
+    lp_after, _ = logprobs(batch.input_ids, batch.attention_mask, batch.response_mask, False)
+    return lp0.cpu(), ent0.cpu(), losses, norms, lp_after.cpu(), model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
+    ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--dist-opt", action="store_true")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--save-dir", default=None, help="also test save_checkpoint/load_checkpoint and save_hf here")
+    args = ap.parse_args()
+
+    from services.trainer.engines.megatron.config import MegatronEngineConfig
+    from services.trainer.engines.megatron.engine import MegatronEngine
+
+    optim = OptimConfig(lr=1e-3, weight_decay=0.01)
+    mcfg = MegatronConfig(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep,
+        expert_tensor_parallel_size=args.etp, sequence_parallel=args.sp, use_distributed_optimizer=args.dist_opt,
+    )
+    engine = MegatronEngine(MegatronEngineConfig(
+        model_path=args.ckpt, device=args.device, dtype="float32", megatron=mcfg, optim=optim, grad_clip=1.0,
+        total_training_steps=args.steps,
+    ))
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.ckpt).vocab_size
+    batch = make_batch(vocab, seed=0)
+    rank = engine.rank
+
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    out = engine.compute_logprobs(batch, with_entropy=True)
+    per = batch.num_seqs // dp
+    shard = batch.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
+    micro = [shard.select(list(range(i, min(i + args.micro, per)))) for i in range(0, per, args.micro)]
+    results = [engine.train_step(micro, loss_fn) for _ in range(args.steps)]
+    after = engine.compute_logprobs(batch)
+    exported: dict[str, torch.Tensor] = {}
+    for bucket in engine.export_weights(bucket_bytes=64 * 1024):
+        exported.update(dict(bucket))
+
+    report: dict[str, object] = {}
+    if args.save_dir:
+        engine.save_checkpoint(Path(args.save_dir) / "ckpt")
+        engine.save_hf(Path(args.save_dir) / "hf")
+        more = engine.train_step(micro, loss_fn)
+        engine.load_checkpoint(Path(args.save_dir) / "ckpt")
+        again = engine.train_step(micro, loss_fn)
+        report["resume_loss_diff"] = abs(more.metrics["pg_loss"] - again.metrics["pg_loss"])
+        report["resume_grad_norm_diff"] = abs(more.grad_norm - again.grad_norm)
+        report["resume_step"] = again.step
+
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        lp0, ent0, ref_losses, ref_norms, lp_after, ref_model = hf_reference(
+            args.ckpt, batch, args.micro, args.steps, optim, 1.0, args.device
+        )
+        original = load_file(str(Path(args.ckpt) / "model.safetensors"))
+        from services.trainer.engines.megatron.convert import fused_to_checkpoint_names
+
+        trained = fused_to_checkpoint_names({k: v.detach().cpu() for k, v in ref_model.state_dict().items()})
+        if "lm_head.weight" not in original:
+            trained.pop("lm_head.weight", None)
+        report.update(
+            logprob_max_abs_diff=float((out.logprobs - lp0).abs().max()),
+            entropy_max_abs_diff=float((out.entropy - ent0).abs().max()),  # type: ignore[operator]
+            losses=[r.metrics["pg_loss"] for r in results],
+            ref_losses=ref_losses,
+            grad_norms=[r.grad_norm for r in results],
+            ref_grad_norms=ref_norms,
+            post_train_logprob_max_abs_diff=float((after.logprobs - lp_after).abs().max()),
+            export_names_match=sorted(exported) == sorted(original),
+            export_weight_max_abs_diff=max(float((exported[k] - trained[k]).abs().max()) for k in exported),
+            steps=[r.step for r in results],
+            lrs=[r.lr for r in results],
+            world_size=engine.world_size,
+            layout={"tp": args.tp, "pp": args.pp, "ep": args.ep, "dp": dp},
+        )
+        if args.save_dir:
+            saved = load_file(str(Path(args.save_dir) / "hf" / "model.safetensors"))
+            report["save_hf_exact"] = sorted(saved) == sorted(exported) and all(
+                torch.equal(saved[k], exported[k]) for k in saved
+            )
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    engine.shutdown()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MESHRL_LOG_FORMAT", "console")
+    main()
