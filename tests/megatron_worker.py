@@ -97,6 +97,10 @@ def main() -> None:
     ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--sp", action="store_true")
     ap.add_argument("--dist-opt", action="store_true")
+    ap.add_argument("--vpp", type=int, default=None)
+    ap.add_argument("--first-stage-layers", type=int, default=None)
+    ap.add_argument("--last-stage-layers", type=int, default=None)
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--save-dir", default=None, help="also test save_checkpoint/load_checkpoint and save_hf here")
@@ -109,9 +113,16 @@ def main() -> None:
     mcfg = MegatronConfig(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep,
         expert_tensor_parallel_size=args.etp, sequence_parallel=args.sp, use_distributed_optimizer=args.dist_opt,
+        virtual_pipeline_model_parallel_size=args.vpp,
+        override_transformer_config={
+            k: v for k, v in (
+                ("num_layers_in_first_pipeline_stage", args.first_stage_layers),
+                ("num_layers_in_last_pipeline_stage", args.last_stage_layers),
+            ) if v is not None
+        },
     )
     engine = MegatronEngine(MegatronEngineConfig(
-        model_path=args.ckpt, device=args.device, dtype="float32", megatron=mcfg, optim=optim, grad_clip=1.0,
+        model_path=args.ckpt, device=args.device, dtype=args.dtype, megatron=mcfg, optim=optim, grad_clip=1.0,
         total_training_steps=args.steps,
     ))
     from transformers import AutoConfig
@@ -123,6 +134,9 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    initial: dict[str, torch.Tensor] = {}
+    for bucket in engine.export_weights(bucket_bytes=64 * 1024):
+        initial.update(dict(bucket))
     out = engine.compute_logprobs(batch, with_entropy=True)
     per = batch.num_seqs // dp
     shard = batch.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
@@ -157,6 +171,8 @@ def main() -> None:
         if "lm_head.weight" not in original:
             trained.pop("lm_head.weight", None)
         report.update(
+            hf_roundtrip_exact=sorted(initial) == sorted(original)
+            and all(torch.equal(initial[k], original[k].to(initial[k].dtype)) for k in original),
             logprob_max_abs_diff=float((out.logprobs - lp0).abs().max()),
             entropy_max_abs_diff=float((out.entropy - ent0).abs().max()),  # type: ignore[operator]
             losses=[r.metrics["pg_loss"] for r in results],
@@ -165,11 +181,12 @@ def main() -> None:
             ref_grad_norms=ref_norms,
             post_train_logprob_max_abs_diff=float((after.logprobs - lp_after).abs().max()),
             export_names_match=sorted(exported) == sorted(original),
-            export_weight_max_abs_diff=max(float((exported[k] - trained[k]).abs().max()) for k in exported),
+            export_weight_max_abs_diff=max(float((exported[k].float() - trained[k]).abs().max()) for k in exported),
             steps=[r.step for r in results],
             lrs=[r.lr for r in results],
             world_size=engine.world_size,
-            layout={"tp": args.tp, "pp": args.pp, "ep": args.ep, "dp": dp},
+            layout={"tp": args.tp, "pp": args.pp, "vpp": args.vpp, "ep": args.ep, "dp": dp, "dtype": args.dtype},
+            memory=engine.memory_stats(),
         )
         if args.save_dir:
             saved = load_file(str(Path(args.save_dir) / "hf" / "model.safetensors"))

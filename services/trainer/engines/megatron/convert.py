@@ -215,6 +215,31 @@ def merge_to_hf(
     raise AssertionError(rule.kind)
 
 
+def local_mcore_names(arch: ModelArch, layers: range, ep_size: int = 1, first: bool = True, last: bool = True) -> list[str]:
+    """megatron parameter names (local spec, SequentialMLP experts) of a stage holding `layers`
+    (global indices; named stage-locally from 0). For tests and docs."""
+    names = ["embedding.word_embeddings.weight"] if first else []
+    for local, g in enumerate(layers):
+        p = f"decoder.layers.{local}."
+        names += [p + "input_layernorm.weight", p + "self_attention.linear_qkv.weight"]
+        if arch.attention_bias:
+            names.append(p + "self_attention.linear_qkv.bias")
+        if arch.qk_norm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        if arch.moe_layers and arch.moe_layers[g]:
+            names.append(p + "mlp.router.weight")
+            for j in range(arch.num_experts // ep_size):
+                names += [f"{p}mlp.experts.local_experts.{j}.linear_fc1.weight", f"{p}mlp.experts.local_experts.{j}.linear_fc2.weight"]
+        else:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    if last:
+        names.append("decoder.final_layernorm.weight")
+        if not arch.tie_word_embeddings:
+            names.append("output_layer.weight")
+    return names
+
+
 def hf_param_names(arch: ModelArch) -> list[str]:
     """Every HF checkpoint tensor name of the model, in checkpoint order."""
     names = ["model.embed_tokens.weight"]

@@ -177,16 +177,24 @@ class MegatronEngine(TrainEngine):
         return list(wrapped)
 
     def _build_optimizer(self) -> Any:
-        m = self.cfg.megatron
-        if self.device_kind == "cpu":
-            params = [p for c in self.model for p in c.parameters() if p.requires_grad]
-            o = self.cfg.optim
-            return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        """megatron's optimizer (distributed, offloadable) from OptimizerConfig with
+        override_optimizer_config applied. On CPU the same OptimizerConfig is built (so overrides
+        are validated and lr/betas/eps/weight_decay/clip_grad take effect) and a torch AdamW runs it."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        m = self.cfg.megatron
         kw = optimizer_config_kwargs(self.cfg.optim, m, dtype=self.cfg.dtype, grad_clip=self.cfg.grad_clip)
+        if self.device_kind == "cpu":
+            kw.update(use_distributed_optimizer=False, optimizer_cpu_offload=False)
         ocfg = build_dataclass(OptimizerConfig, kw, m.override_optimizer_config, "override_optimizer_config")
         self.optimizer_config = ocfg
+        # The schedule's peak is whatever OptimizerConfig ended up with (an `lr` override wins).
+        self._schedule_optim = self.cfg.optim.model_copy(update={"lr": ocfg.lr})
+        if self.device_kind == "cpu":
+            params = [p for c in self.model for p in c.parameters() if p.requires_grad]
+            return torch.optim.AdamW(
+                params, lr=ocfg.lr, betas=(ocfg.adam_beta1, ocfg.adam_beta2), eps=ocfg.adam_eps, weight_decay=ocfg.weight_decay
+            )
         return get_megatron_optimizer(ocfg, self.model)
 
     # ---- data --------------------------------------------------------------------------------
@@ -269,7 +277,7 @@ class MegatronEngine(TrainEngine):
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
             return loss * n_micro, {}
 
-        lr = lr_at(self.cfg.optim, self._step, self.cfg.total_training_steps)
+        lr = lr_at(self._schedule_optim, self._step, self.cfg.total_training_steps)
         self._run_schedule(self.model, micro_batches, loss_func, forward_only=False)
         grad_norm = self._optimizer_step(lr)
         self._step += 1
@@ -347,7 +355,7 @@ class MegatronEngine(TrainEngine):
         dist.all_reduce(dense_sq, group=ps.get_model_parallel_group())
         dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
         grad_norm = float((dense_sq + expert_sq).sqrt())
-        clip = self.cfg.grad_clip / (grad_norm + 1e-6)
+        clip = self.optimizer_config.clip_grad / (grad_norm + 1e-6)
         if clip < 1.0:
             for p in params:
                 p.grad.mul_(clip)  # type: ignore[union-attr]
@@ -359,14 +367,15 @@ class MegatronEngine(TrainEngine):
         return grad_norm
 
     def _average_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
+        """Metrics exist on the last pipeline stage: average there over micro-batches and DP
+        (a DP group never spans stages), then hand them to every stage."""
         keys = sorted(sums)
-        if not keys:
-            return {}
-        # Metrics exist on the last pipeline stage; average there over micro-batches and DP.
-        t = torch.tensor([sums[k] / n_micro for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-        t /= ps.get_data_parallel_world_size()
-        out = dict(zip(keys, t.tolist(), strict=True))
+        out: dict[str, float] = {}
+        if keys:
+            t = torch.tensor([sums[k] / n_micro for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, group=ps.get_data_parallel_group())
+            t /= ps.get_data_parallel_world_size()
+            out = dict(zip(keys, t.tolist(), strict=True))
         return self._broadcast_metrics(out)
 
     def _broadcast_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
