@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--first-stage-layers", type=int, default=None)
     ap.add_argument("--last-stage-layers", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--override-transformer", default="{}", help="JSON for override_transformer_config")
+    ap.add_argument("--override-optimizer", default="{}", help="JSON for override_optimizer_config")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--save-dir", default=None, help="also test save_checkpoint/load_checkpoint and save_hf here")
@@ -115,11 +117,13 @@ def main() -> None:
         expert_tensor_parallel_size=args.etp, sequence_parallel=args.sp, use_distributed_optimizer=args.dist_opt,
         virtual_pipeline_model_parallel_size=args.vpp,
         override_transformer_config={
-            k: v for k, v in (
+            **{k: v for k, v in (
                 ("num_layers_in_first_pipeline_stage", args.first_stage_layers),
                 ("num_layers_in_last_pipeline_stage", args.last_stage_layers),
-            ) if v is not None
+            ) if v is not None},
+            **json.loads(args.override_transformer),
         },
+        override_optimizer_config=json.loads(args.override_optimizer),
     )
     engine = MegatronEngine(MegatronEngineConfig(
         model_path=args.ckpt, device=args.device, dtype=args.dtype, megatron=mcfg, optim=optim, grad_clip=1.0,
@@ -147,7 +151,15 @@ def main() -> None:
     for bucket in engine.export_weights(bucket_bytes=64 * 1024):
         exported.update(dict(bucket))
 
-    report: dict[str, object] = {}
+    from services.trainer.engines.megatron.weights import unwrap
+
+    report: dict[str, object] = {
+        "applied_transformer": {
+            k: repr(getattr(unwrap(engine.model[0]).config, k)) for k in mcfg.override_transformer_config
+        },
+        "applied_optimizer": {k: repr(getattr(engine.optimizer_config, k)) for k in mcfg.override_optimizer_config},
+        "export_equals_initial": all(torch.equal(exported[k], initial[k]) for k in initial) if engine.rank == 0 else None,
+    }
     if args.save_dir:
         engine.save_checkpoint(Path(args.save_dir) / "ckpt")
         engine.save_hf(Path(args.save_dir) / "hf")

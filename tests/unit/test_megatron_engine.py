@@ -15,7 +15,7 @@ pytest.importorskip("megatron.core")
 
 from tests.megatron_cases import RESUME_ATOL, check_equivalence, run_worker, tiny_checkpoint  # noqa: E402
 
-N_MICRO = 4  # 8 sequences / DP, micro-batches of 2
+N_MICRO = 4  # 8 sequences in micro-batches of 2, over all DP ranks (metrics are averaged over them)
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,24 @@ def test_moe_tp2_ep2_matches_transformers(ckpts: dict[str, Path], tmp_path: Path
 def test_moe_ep2_dp2_matches_transformers(ckpts: dict[str, Path], tmp_path: Path) -> None:
     r = run_worker(ckpts["qwen3_moe"], tmp_path / "r.json", 2, "--ep", "2", "--micro", "2")
     assert r["layout"]["dp"] == 2
-    check_equivalence(r, n_micro=2)  # 4 sequences per DP rank, micro-batches of 2
+    check_equivalence(r, n_micro=N_MICRO)  # metrics average over all micro-batches of all DP ranks
 
 
 @pytest.mark.slow
 def test_moe_tp2_ep2_etp2_four_ranks(ckpts: dict[str, Path], tmp_path: Path) -> None:
     r = run_worker(ckpts["qwen3_moe"], tmp_path / "r.json", 4, "--tp", "2", "--ep", "2", "--sp", "--steps", "2")
-    check_equivalence(r, n_micro=2)
+    check_equivalence(r, n_micro=N_MICRO)
+
+
+def test_overrides_reach_the_model_and_the_optimizer(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """override_transformer_config / override_optimizer_config are really applied (verl once
+    shipped a release where they were silently dropped): a changed norm epsilon shows up in the
+    model's config and in its logprobs; lr=0 through the optimizer override freezes the weights."""
+    r = run_worker(
+        ckpts["qwen3"], tmp_path / "r.json", 1, "--steps", "1",
+        "--override-transformer", '{"layernorm_epsilon": 0.5}', "--override-optimizer", '{"lr": 0.0}',
+    )
+    assert r["applied_transformer"] == {"layernorm_epsilon": "0.5"}
+    assert r["applied_optimizer"] == {"lr": "0.0"}
+    assert r["logprob_max_abs_diff"] > 1e-2  # the HF reference keeps rms_norm_eps=1e-6
+    assert r["export_equals_initial"] is True and r["lrs"] == [0.0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -30,7 +31,12 @@ _CPU_PATCHED = False
 
 
 def import_megatron() -> ModuleType:
-    """megatron.core, or MissingDependency naming the extra (and the Python floor of 0.17+)."""
+    """megatron.core, or MissingDependency naming the extra (and the Python floor of 0.17+).
+    megatron-core warns at import, per module, that Apex / Transformer Engine are absent; meshrl
+    runs the local spec without them on purpose, so those warnings are silenced (the engine
+    logs once whether TE is in use)."""
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*(not installed|Falling back).*")
+    warnings.filterwarnings("ignore", message=r".*custom_layers.transformer_engine.*deprecated.*")
     try:
         import megatron.core as mcore
     except ImportError as exc:
