@@ -50,7 +50,7 @@ from .config import MegatronEngineConfig
 from .convert import check_supported, padded_vocab_size
 from .logprobs import vocab_parallel_logprobs
 from .norms import localize_norms
-from .mcore_config import build_dataclass, ddp_config_kwargs, optimizer_config_kwargs, transformer_config_kwargs
+from .mcore_config import build_dataclass, ddp_config_kwargs, has_transformer_engine, optimizer_config_kwargs, transformer_config_kwargs
 from .schedule import lr_at
 from .weights import HFCheckpoint, export_hf, load_hf_into, unwrap
 
@@ -65,14 +65,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 log = get_logger(__name__)
-
-
-def _has_te() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @register_engine("megatron", "cuda")
@@ -92,7 +84,7 @@ class MegatronEngine(TrainEngine):
         runtime.check_layout(config.megatron, self.world_size, self.arch.num_experts)
         self.coords = runtime.coords()
         self.padded_vocab = padded_vocab_size(self.arch.vocab_size, self.coords.tp_size)
-        self.use_te = config.device == "cuda" and _has_te()
+        self.use_te = config.device == "cuda" and has_transformer_engine()
         self.tcfg = self._transformer_config(config.megatron)
         self.groups = {
             "tp": ps.get_tensor_model_parallel_group(),

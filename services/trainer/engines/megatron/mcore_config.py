@@ -119,10 +119,28 @@ def split_overrides(overrides: dict[str, Any], cls: type, extra_known: set[str] 
     return mine, extra
 
 
+# Settings whose megatron-core implementation lives in Transformer Engine.
+NEEDS_TE = {"use_precision_aware_optimizer", "moe_permute_fusion", "moe_grouped_gemm", "fp8", "apply_rope_fusion"}
+
+
+def has_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def build_dataclass(cls: type, base: dict[str, Any], overrides: dict[str, Any], section: str) -> Any:
     """cls(**base | overrides), and a check that megatron kept every override."""
     mine, _ = split_overrides(overrides, cls)
     kwargs = {**base, **mine}
+    te_only = sorted(k for k in NEEDS_TE if mine.get(k))
+    if te_only and not has_transformer_engine():
+        raise ConfigError(
+            f"{section}.{te_only[0]}=true needs NVIDIA Transformer Engine, which is not installed; "
+            f"install transformer-engine or set it to false"
+        )
     try:
         obj = cls(**kwargs)
     except (ValueError, AssertionError, TypeError) as exc:
