@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--save-dir", default=None, help="also test save_checkpoint/load_checkpoint and save_hf here")
+    ap.add_argument("--mesh-config", default=None, help="build the engine from this meshrl config (a recipe miniature)")
+    ap.add_argument("--set", action="append", default=[], help="dotted override for --mesh-config")
     args = ap.parse_args()
 
     from services.trainer.engines.megatron.config import MegatronEngineConfig
@@ -125,10 +127,18 @@ def main() -> None:
         },
         override_optimizer_config=json.loads(args.override_optimizer),
     )
-    engine = MegatronEngine(MegatronEngineConfig(
+    ecfg = MegatronEngineConfig(
         model_path=args.ckpt, device=args.device, dtype=args.dtype, megatron=mcfg, optim=optim, grad_clip=1.0,
         total_training_steps=args.steps,
-    ))
+    )
+    if args.mesh_config:
+        from services.common.config import derive, load_config
+
+        cfg = load_config(args.mesh_config, [f"actor_rollout_ref.model.path={args.ckpt}", *args.set])
+        ecfg = MegatronEngineConfig.from_mesh(cfg, args.device, derive(cfg).total_optimizer_steps)
+        ecfg = ecfg.model_copy(update={"dtype": args.dtype})
+        mcfg, optim = ecfg.megatron, ecfg.optim
+    engine = MegatronEngine(ecfg)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.ckpt).vocab_size
@@ -147,6 +157,7 @@ def main() -> None:
     micro = [shard.select(list(range(i, min(i + args.micro, per)))) for i in range(0, per, args.micro)]
     results = [engine.train_step(micro, loss_fn) for _ in range(args.steps)]
     after = engine.compute_logprobs(batch)
+    ref_after = engine.compute_logprobs(batch, reference=True) if ecfg.ref_megatron is not None else None
     exported: dict[str, torch.Tensor] = {}
     for bucket in engine.export_weights(bucket_bytes=64 * 1024):
         exported.update(dict(bucket))
@@ -174,8 +185,10 @@ def main() -> None:
         from safetensors.torch import load_file
 
         lp0, ent0, ref_losses, ref_norms, lp_after, ref_model = hf_reference(
-            args.ckpt, batch, args.micro, args.steps, optim, 1.0, args.device
+            args.ckpt, batch, args.micro, args.steps, optim, ecfg.grad_clip, args.device
         )
+        if ref_after is not None:
+            report["ref_logprob_max_abs_diff"] = float((ref_after.logprobs - lp0).abs().max())
         original = load_file(str(Path(args.ckpt) / "model.safetensors"))
         from services.trainer.engines.megatron.convert import fused_to_checkpoint_names
 

@@ -42,7 +42,7 @@ need megatron.core 'megatron_core-*.whl'
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 export MESHRL_GPU_OUT="$OUT" PYTHONUNBUFFERED=1 MESHRL_LOG_FORMAT=console
-python -m pytest -m gpu tests/gpu/test_megatron_gpu.py -v -p no:cacheprovider -o addopts="" \
+python -m pytest -m gpu tests/gpu/test_megatron_gpu.py tests/gpu/test_recipe_minis_gpu.py -v -p no:cacheprovider -o addopts="" \
   --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
 python - "$OUT" <<'PY'

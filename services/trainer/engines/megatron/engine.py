@@ -77,6 +77,11 @@ class MegatronEngine(TrainEngine):
         self.rank, self.world_size = runtime.init_distributed(config.device)
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(torch_device(_DeviceRef(config.device), self.local_rank))
+        if config.megatron.context_parallel_size > 1:
+            raise ConfigError(
+                "actor_rollout_ref.actor.megatron.context_parallel_size > 1: the megatron engine does not split "
+                "sequences over CP ranks yet; set context_parallel_size=1"
+            )
         self._before_model_parallel_init()
         runtime.init_model_parallel(config.megatron, config.device, config.seed)
         self.arch = ModelArch.from_hf_config(read_hf_config(config.model_path))
@@ -110,6 +115,11 @@ class MegatronEngine(TrainEngine):
             if config.ref_megatron.param_offload:
                 self._move(self.ref_model, "cpu")
         self._step = 0
+        if config.megatron.use_remove_padding:
+            # Packing (THD) needs Transformer Engine / MindSpeed attention; batches stay [B, L]
+            # with right padding, which gives the same numbers (causal attention never looks
+            # at the padding after a sequence).
+            log.info("megatron engine runs unpacked [B, L] batches; use_remove_padding only saves compute")
         self._offload(after_step=True)
         log.info(
             "megatron engine ready", rank=self.rank, tp=self.coords.tp_size, pp=self.groups["pp_size"],
