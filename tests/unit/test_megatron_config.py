@@ -12,10 +12,10 @@ from services.common.model_arch import KNOWN_CONFIGS, ModelArch, load_arch
 
 pytest.importorskip("megatron.core")
 
-from megatron.core.optimizer import OptimizerConfig  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer import TransformerConfig
 
-from services.trainer.engines.megatron.mcore_config import (  # noqa: E402
+from services.trainer.engines.megatron.mcore_config import (
     build_dataclass,
     optimizer_config_kwargs,
     transformer_config_kwargs,

@@ -154,7 +154,7 @@ def test_expert_placement_follows_ep_rank() -> None:
 
 def test_unknown_parameter_and_unsupported_model_are_named() -> None:
     arch = ModelArch.from_hf_config(DENSE)
-    with pytest.raises(ConfigError, match="decoder.layers.0.self_attention.weird"):
+    with pytest.raises(ConfigError, match=r"decoder\.layers\.0\.self_attention\.weird"):
         rule_for("decoder.layers.0.self_attention.weird", arch, lambda i: i, ParallelCoords())
     from services.trainer.engines.megatron.convert import check_supported
 

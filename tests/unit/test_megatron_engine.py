@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.megatron_cases import RESUME_ATOL, check_equivalence, run_worker, tiny_checkpoint  # noqa: E402
+from tests.megatron_cases import RESUME_ATOL, check_equivalence, run_worker, tiny_checkpoint
 
 N_MICRO = 4  # 8 sequences in micro-batches of 2, over all DP ranks (metrics are averaged over them)
 

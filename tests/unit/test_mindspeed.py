@@ -60,7 +60,7 @@ def test_mindspeed_config_runs_parent_validators_then_its_own(tmp_path) -> None:
     assert ok.device == "npu" and ok.plan.repatch["use_fused_swiglu"] is True
     assert ok.plan.transformer_overrides == {"recompute_granularity": "full"}
     # A parent (megatron) check still fires for the MindSpeed config: ref layout must equal the actor's.
-    with pytest.raises(ValueError, match="ref.megatron.tensor_model_parallel_size"):
+    with pytest.raises(ValueError, match=r"ref\.megatron\.tensor_model_parallel_size"):
         MindSpeedEngineConfig(model_path=str(tmp_path), megatron=MegatronConfig(tensor_model_parallel_size=2),
                               ref_megatron=MegatronConfig())
     # Parent: uneven stage sizes need PP > 1.

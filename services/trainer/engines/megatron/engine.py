@@ -49,16 +49,25 @@ from . import runtime
 from .config import MegatronEngineConfig
 from .convert import check_supported, padded_vocab_size
 from .logprobs import vocab_parallel_logprobs
+from .mcore_config import (
+    build_dataclass,
+    ddp_config_kwargs,
+    has_transformer_engine,
+    optimizer_config_kwargs,
+    transformer_config_kwargs,
+)
 from .norms import localize_norms
-from .mcore_config import build_dataclass, ddp_config_kwargs, has_transformer_engine, optimizer_config_kwargs, transformer_config_kwargs
 from .schedule import lr_at
 from .weights import HFCheckpoint, export_hf, load_hf_into, unwrap
 
 runtime.import_megatron()
 
 from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron.core.distributed import finalize_model_grads  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
@@ -259,7 +268,7 @@ class MegatronEngine(TrainEngine):
             raise ValueError("train_step needs at least one micro-batch")
         self._onload(self.model, False)
         for chunk in self.model:
-            chunk.zero_grad_buffer()
+            chunk.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
         counts = torch.tensor(
             [sum(mb.num_response_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches)],
@@ -464,7 +473,7 @@ class MegatronEngine(TrainEngine):
             out.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
             for name in os.listdir(self.cfg.model_path):
-                if name.endswith(".json") and not name.startswith("model.safetensors") or name.endswith((".txt", ".model", ".jinja")):
+                if (name.endswith(".json") and not name.startswith("model.safetensors")) or name.endswith((".txt", ".model", ".jinja")):
                     shutil.copy(Path(self.cfg.model_path) / name, out / name)
         dist.barrier()
 
@@ -559,5 +568,5 @@ def _load_dist_opt_param_state(optimizer: Any, states: Any) -> None:
             sub.load_parameter_state_from_dp_reshardable(st)
 
 
-def _DeviceRef(kind: str) -> DeviceInfo:  # noqa: N802
+def _DeviceRef(kind: str) -> DeviceInfo:
     return DeviceInfo(kind, collective_backend(kind), ray_resource(kind), 1)  # type: ignore[arg-type]

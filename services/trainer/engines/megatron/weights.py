@@ -62,8 +62,8 @@ class HFCheckpoint:
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
+    while isinstance(getattr(chunk, "module", None), torch.nn.Module):
+        chunk = chunk.module  # type: ignore[assignment]
     return chunk
 
 
@@ -106,7 +106,7 @@ def load_hf_into(
 
 
 def _local_params(chunks: list[torch.nn.Module], arch: ModelArch, coords: ParallelCoords) -> list[tuple[str, torch.Tensor, ParamRule]]:
-    out = []
+    out: list[tuple[str, torch.Tensor, ParamRule]] = []
     for chunk in chunks:
         lmap = layer_map(chunk)
         for name, param in unwrap(chunk).named_parameters():

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.logging import get_logger
+from services.trainer.engines.ascend import require_mindspeed
 from services.trainer.engines.base import register_engine
 from services.trainer.engines.megatron.engine import MegatronEngine
 
-from services.trainer.engines.ascend import require_mindspeed
 from .config import MindSpeedEngineConfig
 
 log = get_logger(__name__)
@@ -39,7 +39,7 @@ class MindSpeedEngine(MegatronEngine):
         self._adaptor.repatch(plan.repatch)  # type: ignore[attr-defined]
 
     def _transformer_overrides(self, m: Any) -> dict[str, Any]:
-        from .patches import build_patch_plan
         from .config import transformer_fields
+        from .patches import build_patch_plan
 
         return build_patch_plan(m, transformer_fields()).transformer_overrides
