@@ -56,6 +56,11 @@ class MegatronEngineConfig(ConfigModel):
                     f"actor_rollout_ref.ref.megatron.{diff[0]}={getattr(ref, diff[0])} differs from the actor's "
                     f"({getattr(m, diff[0])}); actor and reference share one parallel layout: set them equal"
                 )
+        if m.param_offload and not m.use_distributed_optimizer and self.device != "cpu":
+            raise ConfigError(
+                "actor_rollout_ref.actor.megatron.param_offload moves megatron's parameter buffers, which exist only with "
+                "use_distributed_optimizer=true; enable it or turn param_offload off"
+            )
         tcfg = m.override_transformer_config
         first, last = tcfg.get("num_layers_in_first_pipeline_stage"), tcfg.get("num_layers_in_last_pipeline_stage")
         if (first is not None or last is not None) and m.pipeline_model_parallel_size == 1:
