@@ -49,6 +49,7 @@ def _run(name: str, ckpt: Path, tmp: Path, nproc: int, *args: str) -> dict:
 def test_dense_tp2_fp32(ckpts: dict[str, Path], tmp_path: Path) -> None:
     r = _run("dense_tp2_fp32", ckpts["qwen3"], tmp_path, 2, "--tp", "2", "--sp", "--dist-opt", "--save-dir", str(tmp_path / "s"))
     check_equivalence(r, n_micro=N_MICRO)
+    assert "resume_error" not in r, r.get("resume_error")
     assert r["resume_loss_diff"] <= RESUME_ATOL * 10 and r["save_hf_exact"]
 
 
@@ -64,6 +65,7 @@ def test_dense_pp2_uneven_stages(ckpts: dict[str, Path], tmp_path: Path) -> None
     r = _run("dense_pp2_uneven", ckpts["qwen3"], tmp_path, 2, "--pp", "2", "--first-stage-layers", "1",
              "--last-stage-layers", "3", "--dist-opt", "--save-dir", str(tmp_path / "s"))
     check_equivalence(r, n_micro=N_MICRO)
+    assert "resume_error" not in r, r.get("resume_error")
     assert r["resume_loss_diff"] <= RESUME_ATOL * 10
 
 

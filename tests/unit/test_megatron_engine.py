@@ -27,6 +27,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_dense_tp2_matches_transformers_and_resumes(ckpts: dict[str, Path], tmp_path: Path) -> None:
     r = run_worker(ckpts["qwen3"], tmp_path / "r.json", 2, "--tp", "2", "--sp", "--save-dir", str(tmp_path / "save"))
     check_equivalence(r, n_micro=N_MICRO)
+    assert "resume_error" not in r, r.get("resume_error")
     assert r["resume_loss_diff"] <= RESUME_ATOL and r["resume_grad_norm_diff"] <= RESUME_ATOL
     assert r["save_hf_exact"]
 

@@ -134,3 +134,35 @@ def test_context_parallel_split_is_load_balanced_and_invertible() -> None:
     assert torch.equal(context_parallel_merge(parts), x)
     with pytest.raises(ValueError, match="multiple of 2"):
         context_parallel_split(torch.zeros(1, 6), cp=2, cp_rank=0)
+
+
+def test_missing_mindspeed_is_reported_once_and_only_on_ascend_hosts(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import builtins
+
+    from structlog.testing import capture_logs
+
+    from services.trainer.engines import ascend
+
+    real_import = builtins.__import__
+
+    def no_mindspeed(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name.startswith("mindspeed"):
+            raise ImportError("No module named 'mindspeed'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_mindspeed)
+    # A GPU/CPU host: nothing attempted, nothing said.
+    monkeypatch.setattr(ascend, "_STATE", {})
+    monkeypatch.setattr(ascend, "has_ascend_devices", lambda: False)
+    with capture_logs() as logs:
+        assert ascend.maybe_import_mindspeed() is None
+    assert logs == []
+    # An Ascend host with CANN but no MindSpeed: one warning, however often it is asked.
+    monkeypatch.setattr(ascend, "_STATE", {})
+    monkeypatch.setattr(ascend, "has_ascend_devices", lambda: True)
+    monkeypatch.setattr(ascend, "cann_home", lambda: str(tmp_path))
+    with capture_logs() as logs:
+        for _ in range(3):
+            assert ascend.maybe_import_mindspeed() is None
+    assert [entry["log_level"] for entry in logs] == ["warning"]
+    assert "placeholder" in logs[0]["hint"]
