@@ -27,7 +27,8 @@ from services.common.config.actor_rollout_ref import MegatronConfig, OptimConfig
 from services.trainer.engines.base import ForwardOutput, LossScale, SequenceBatch  # noqa: E402
 
 
-def make_batch(vocab: int, seed: int, b: int = 8, length: int = 24) -> SequenceBatch:
+def make_batch(vocab: int, seed: int, b: int = 8, length: int = 23) -> SequenceBatch:
+    """Odd length on purpose: sequence parallelism must pad it to a multiple of TP."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(6, vocab, (b, length), generator=g)
     lengths = torch.randint(length // 2, length + 1, (b,), generator=g)

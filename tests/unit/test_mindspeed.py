@@ -166,3 +166,26 @@ def test_missing_mindspeed_is_reported_once_and_only_on_ascend_hosts(monkeypatch
             assert ascend.maybe_import_mindspeed() is None
     assert [entry["log_level"] for entry in logs] == ["warning"]
     assert "placeholder" in logs[0]["hint"]
+
+
+def test_engines_build_their_own_config_from_the_run_config(tmp_path) -> None:
+    pytest.importorskip("megatron.core")
+    from services.common.config import load_config
+    from services.trainer.engines.megatron.config import MegatronEngineConfig
+    from services.trainer.engines.mindspeed.config import MindSpeedEngineConfig
+    from services.trainer.engines.mindspeed.engine import MindSpeedEngine
+
+    cfg = load_config("configs/recipes/qwen3_8b_grpo_mindspeed_npu.yaml", [f"actor_rollout_ref.model.path={tmp_path}"])
+    assert MindSpeedEngine.config_cls is MindSpeedEngineConfig
+    ms = MindSpeedEngineConfig.from_mesh(cfg, "npu", 200)
+    assert ms.ref_megatron is not None and ms.ref_megatron.param_offload  # use_kl_loss -> reference model
+    assert ms.plan.repatch["use_fused_swiglu"] is True and ms.total_training_steps == 200
+    with pytest.raises(ValueError, match="NPU only"):
+        MindSpeedEngineConfig.from_mesh(cfg, "cuda", 200)
+    with pytest.raises(ValueError, match="use_fused_swiglu.*neither|neither.*use_fused_swiglu|not a field"):
+        # On the megatron (GPU) engine MindSpeed flags are not TransformerConfig fields.
+        from megatron.core.transformer import TransformerConfig
+
+        from services.trainer.engines.megatron.mcore_config import split_overrides
+
+        split_overrides(MegatronEngineConfig.from_mesh(cfg, "cuda", 1).megatron.override_transformer_config, TransformerConfig)

@@ -80,6 +80,14 @@ log = get_logger(__name__)
 class MegatronEngine(TrainEngine):
     """One rank of a megatron-core training group (see the module docstring)."""
 
+    config_cls: type[MegatronEngineConfig] = MegatronEngineConfig
+
+    @classmethod
+    def from_mesh(cls, cfg: Any, device: str, total_training_steps: int) -> MegatronEngine:
+        """Build this rank's engine from a MeshConfig (`actor_rollout_ref.*`, `trainer.seed`);
+        call on every rank of the training group (torchrun / Ray env vars set)."""
+        return cls(cls.config_cls.from_mesh(cfg, device, total_training_steps))
+
     def __init__(self, config: MegatronEngineConfig) -> None:
         self.cfg = config
         self.device_kind = config.device
@@ -213,6 +221,12 @@ class MegatronEngine(TrainEngine):
     def _inputs(self, mb: SequenceBatch) -> dict[str, torch.Tensor]:
         ids = mb.input_ids.to(self.device)
         b, s = ids.shape
+        if self.tcfg.sequence_parallel and s % self.coords.tp_size:
+            # SP splits the sequence over TP ranks: pad on the right (causal attention keeps
+            # real tokens unaffected; _token_logprobs drops the extra positions).
+            extra = self.coords.tp_size - s % self.coords.tp_size
+            ids = torch.cat([ids, ids.new_zeros((b, extra))], dim=1)
+            s += extra
         pos = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
         # True = masked (megatron convention); right padding needs only the causal mask.
         mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), diagonal=1).view(1, 1, s, s)
@@ -224,6 +238,7 @@ class MegatronEngine(TrainEngine):
         """logits [B, L, V/TP] at positions 0..L-1 predict tokens 1..L; shift to the contract's
         alignment (position t holds log p(x_t | x_<t); position 0 is 0)."""
         ids = mb.input_ids.to(logits.device)
+        logits = logits[:, : ids.shape[1]]
         tp_rank, tp_size = self.coords.tp_rank, self.coords.tp_size
         lp, ent = vocab_parallel_logprobs(
             logits[:, :-1], ids[:, 1:], vocab_start=tp_rank * logits.shape[-1], vocab_size=self.arch.vocab_size,

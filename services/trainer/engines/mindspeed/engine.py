@@ -27,7 +27,9 @@ log = get_logger(__name__)
 class MindSpeedEngine(MegatronEngine):
     """One rank of a MindSpeed training group."""
 
-    def __init__(self, config: MindSpeedEngineConfig) -> None:
+    config_cls = MindSpeedEngineConfig
+
+    def __init__(self, config: MindSpeedEngineConfig) -> None:  # type: ignore[override]
         if not isinstance(config, MindSpeedEngineConfig):
             config = MindSpeedEngineConfig.model_validate(config.model_dump())
         self._adaptor = require_mindspeed()  # torch_npu + CANN + MindSpeed, or a clear error
