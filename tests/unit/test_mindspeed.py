@@ -182,7 +182,7 @@ def test_engines_build_their_own_config_from_the_run_config(tmp_path) -> None:
     assert ms.plan.repatch["use_fused_swiglu"] is True and ms.total_training_steps == 200
     with pytest.raises(ValueError, match="NPU only"):
         MindSpeedEngineConfig.from_mesh(cfg, "cuda", 200)
-    with pytest.raises(ValueError, match="use_fused_swiglu.*neither|neither.*use_fused_swiglu|not a field"):
+    with pytest.raises(ValueError, match=r"is not a field of megatron-core.s TransformerConfig"):
         # On the megatron (GPU) engine MindSpeed flags are not TransformerConfig fields.
         from megatron.core.transformer import TransformerConfig
 
