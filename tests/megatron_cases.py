@@ -25,7 +25,8 @@ def tiny_checkpoint(arch: str, path: Path) -> Path:
 
 
 def run_worker(ckpt: Path, out: Path, nproc: int, *args: str, timeout_s: int = 600) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MESHRL_LOG_FORMAT": "console"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MESHRL_LOG_FORMAT": "console"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
         str(WORKER), "--ckpt", str(ckpt), "--out", str(out), *args,

@@ -14,7 +14,12 @@ WHEELS=.wheels/megatron
 mkdir -p "$SITE"
 need() {  # need MODULE WHEEL-GLOB: install the wheel only if MODULE does not import already
   if ! python -c "import $1" 2>/dev/null; then
-    python -m pip install -q --no-index --no-deps --target "$SITE" $WHEELS/$2 || echo "install of $2 failed" >&2
+    for w in $WHEELS/$2; do
+      # pip if the image has it; a wheel is a zip of the package, so unzip is the fallback.
+      python -m pip install -q --no-index --no-deps --target "$SITE" "$w" 2>/dev/null \
+        || python -m zipfile -e "$w" "$SITE" || echo "install of $w failed" >&2
+    done
+    python -c "import $1" 2>/dev/null || echo "warning: $1 still does not import" >&2
   fi
 }
 export PYTHONPATH="$PWD:$SITE"
