@@ -154,7 +154,7 @@ def init_model_parallel(m: MegatronConfig, device: str, seed: int) -> None:
         create_gloo_process_groups=device != "cpu",
     )
     torch.manual_seed(seed)
-    if device == "cuda":
+    if device in ("cuda", "npu"):  # on NPU MindSpeed routes megatron's CUDA RNG calls to the NPU
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
