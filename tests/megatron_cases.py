@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "megatron_worker.py"
 
 
-def tiny_checkpoint(arch: str, path: Path) -> Path:
+def tiny_checkpoint(arch: str, path: Path, **overrides: object) -> Path:
     from services.common.tiny import build_tiny_model, build_tokenizer, save_pretrained_pair
 
     if not (path / "config.json").exists():
         tok = build_tokenizer()
-        save_pretrained_pair(build_tiny_model(arch, tok, seed=0), tok, path)
+        save_pretrained_pair(build_tiny_model(arch, tok, seed=0, **overrides), tok, path)
     return path
 
 

@@ -262,6 +262,7 @@ class MegatronEngine(TrainEngine):
         self._onload(model, reference)
         size = self.cfg.log_prob_micro_batch_size or batch.num_seqs
         micro = [batch.select(list(range(i, min(i + size, batch.num_seqs)))) for i in range(0, batch.num_seqs, size)]
+        micro = self._fit_schedule(micro)
         outputs: list[ForwardOutput] = []
 
         def loss_func(mb: SequenceBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -294,6 +295,8 @@ class MegatronEngine(TrainEngine):
         dp = ps.get_data_parallel_world_size()
         scale = LossScale(num_tokens=int(counts[0].item()), num_seqs=int(counts[1].item()), dp_size=dp)
         n_micro = len(micro_batches)
+        micro_batches = self._fit_schedule(micro_batches)
+        n_sched = len(micro_batches)
         metric_sums: dict[str, float] = {}
 
         def loss_func(mb: SequenceBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -301,7 +304,7 @@ class MegatronEngine(TrainEngine):
             loss, metrics = loss_fn(fo, mb, scale)
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
-            return loss * n_micro, {}
+            return loss * n_sched, {}
 
         lr = lr_at(self._schedule_optim, self._step, self.cfg.total_training_steps)
         self._run_schedule(self.model, micro_batches, loss_func, forward_only=False)
@@ -310,6 +313,27 @@ class MegatronEngine(TrainEngine):
         metrics = self._average_metrics(metric_sums, n_micro)
         self._offload(after_step=True)
         return StepResult(grad_norm=grad_norm, lr=lr, metrics=metrics, num_tokens=scale.num_tokens, step=self._step)
+
+    def _fit_schedule(self, micro: list[SequenceBatch]) -> list[SequenceBatch]:
+        """The interleaved (VPP) schedule needs at least PP micro-batches: split the largest ones
+        by sequences until there are. Losses are normalised globally (LossScale), so the summed
+        gradient is the same however the sequences are grouped."""
+        pp = self.groups["pp_size"]
+        if len(self.model) == 1 or len(micro) >= pp:
+            return micro
+        micro = list(micro)
+        while len(micro) < pp:
+            i = max(range(len(micro)), key=lambda j: micro[j].num_seqs)
+            mb = micro[i]
+            if mb.num_seqs < 2:
+                raise ConfigError(
+                    f"virtual pipeline parallelism needs at least pipeline_model_parallel_size={pp} micro-batches, but "
+                    f"only {sum(m.num_seqs for m in micro)} sequences are on this rank; unset "
+                    "virtual_pipeline_model_parallel_size or give each rank more sequences"
+                )
+            half = mb.num_seqs // 2
+            micro[i : i + 1] = [mb.select(list(range(half))), mb.select(list(range(half, mb.num_seqs)))]
+        return micro
 
     def _run_schedule(self, model: list[torch.nn.Module], micro: list[SequenceBatch], loss_func: Any, forward_only: bool) -> None:
         data = iter(micro)
@@ -320,19 +344,6 @@ class MegatronEngine(TrainEngine):
             return out, functools.partial(loss_func, mb)
 
         vpp = len(model)
-        if self.device_kind == "cpu":
-            # megatron 0.16's schedules allocate on "cuda"; on CPU (tests, PP=1) run the same
-            # steps as forward_backward_no_pipelining: forward, loss / n_micro, backward, then
-            # finalize_model_grads (DP all-reduce, SP norm grads).
-            assert vpp == 1 and self.groups["pp_size"] == 1, "pipeline parallelism needs a GPU/NPU"
-            for _ in micro:
-                out, reduce = forward_step(data, model[0])
-                loss, _ = reduce(out)
-                if not forward_only:
-                    (loss / len(micro)).backward()
-            if not forward_only:
-                finalize_model_grads(model)
-            return
         iters: Any = [iter(micro) for _ in range(vpp)] if vpp > 1 else data
         seq_len = max(int(mb.input_ids.shape[1]) for mb in micro)
         get_forward_backward_func()(

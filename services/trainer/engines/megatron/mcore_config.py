@@ -78,6 +78,9 @@ def transformer_config_kwargs(
         variable_seq_lengths=m.pipeline_model_parallel_size > 1,
         # Gradients are averaged by the engine's loss scaling contract (see engine.train_step).
         calculate_per_token_loss=False,
+        # megatron refuses variable_seq_lengths with the allgather dispatcher even for dense
+        # models; alltoall is the choice for MoE on GPU anyway (below).
+        moe_token_dispatcher_type="alltoall",
     )
     if arch.is_moe:
         kw.update(

@@ -69,7 +69,28 @@ def apply_cpu_patches() -> None:
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     mrandom.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore[method-assign,assignment,misc]
+    # The pipeline schedules allocate one counter with device="cuda" and p2p syncs the CUDA
+    # stream; on CPU the counter goes to the CPU and the sync is a no-op (gloo is synchronous).
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuTorch(torch)  # type: ignore[attr-defined]
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     _CPU_PATCHED = True
+
+
+class _CpuTorch:
+    """`torch` as megatron's schedules module sees it on CPU: device="cuda" becomes "cpu"."""
+
+    def __init__(self, real: ModuleType) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def zeros(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return self._real.zeros(*args, **kwargs)
 
 
 def init_distributed(device: str, timeout_s: int = 600) -> tuple[int, int]:
