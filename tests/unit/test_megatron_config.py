@@ -54,6 +54,10 @@ def test_transformer_overrides_are_applied_and_checked() -> None:
     assert tc.moe_aux_loss_coeff == 0.01 and tc.num_moe_experts == 128 and tc.moe_router_topk == 8
     assert tc.num_query_groups == 4 and tc.kv_channels == 128 and tc.moe_ffn_hidden_size == 768
     assert tc.sequence_parallel and tc.expert_tensor_parallel_size == 4
+    backend = build_dataclass(TransformerConfig, base, {"attention_backend": "local"}, "override_transformer_config")
+    assert backend.attention_backend.name == "local"  # YAML string -> megatron's AttnBackend enum
+    with pytest.raises(ConfigError, match="attention_backend='fast' is not one of"):
+        build_dataclass(TransformerConfig, base, {"attention_backend": "fast"}, "override_transformer_config")
     with pytest.raises(ConfigError, match=r"'recompute_granularty'.*did you mean 'recompute_granularity'"):
         build_dataclass(TransformerConfig, base, {"recompute_granularty": "full"}, "override_transformer_config")
     with pytest.raises(ConfigError, match="megatron-core rejected"):

@@ -134,9 +134,29 @@ def has_transformer_engine() -> bool:
     return True
 
 
+def _coerce_enums(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """YAML gives strings; megatron wants its enums (e.g. attention_backend: flash -> AttnBackend.flash)."""
+    import enum
+
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    out = dict(values)
+    for key, value in values.items():
+        default = defaults.get(key)
+        if isinstance(default, enum.Enum) and isinstance(value, str):
+            enum_cls = type(default)
+            try:
+                out[key] = enum_cls[value]
+            except KeyError:
+                raise ConfigError(
+                    f"{key}={value!r} is not one of {', '.join(m.name for m in enum_cls)}"
+                ) from None
+    return out
+
+
 def build_dataclass(cls: type, base: dict[str, Any], overrides: dict[str, Any], section: str) -> Any:
     """cls(**base | overrides), and a check that megatron kept every override."""
     mine, _ = split_overrides(overrides, cls)
+    mine = _coerce_enums(cls, mine)
     kwargs = {**base, **mine}
     te_only = sorted(k for k in NEEDS_TE if mine.get(k))
     if te_only and not has_transformer_engine():
