@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--save-dir", default=None, help="also test save_checkpoint/load_checkpoint and save_hf here")
     ap.add_argument("--mesh-config", default=None, help="build the engine from this meshrl config (a recipe miniature)")
     ap.add_argument("--set", action="append", default=[], help="dotted override for --mesh-config")
+    ap.add_argument("--build-spec", action="store_true",
+                    help="construct through TrainEngine.build(spec) with model.path=null and a model_init callable")
+    ap.add_argument("--proximal", action="store_true", help="snapshot_proximal before training, compare after")
     args = ap.parse_args()
 
     from services.trainer.engines.megatron.config import MegatronEngineConfig
@@ -139,7 +142,24 @@ def main() -> None:
         ecfg = MegatronEngineConfig.from_mesh(cfg, args.device, derive(cfg).total_optimizer_steps)
         ecfg = ecfg.model_copy(update={"dtype": args.dtype})
         mcfg, optim = ecfg.megatron, ecfg.optim
-    engine = MegatronEngine(ecfg)
+    if args.build_spec:
+        from types import SimpleNamespace
+
+        from transformers import AutoModelForCausalLM
+
+        from services.common.config.actor_rollout_ref import ActorConfig, ModelConfig
+
+        spec = SimpleNamespace(  # the fields of main's EngineSpec
+            model=ModelConfig(path=None, dtype=args.dtype),
+            actor=ActorConfig(strategy="megatron", megatron=mcfg, optim=optim, grad_clip=1.0),
+            ref=None, device=args.device, total_training_steps=args.steps, log_prob_micro_batch_size_per_gpu=None,
+            seed=42, collective_timeout_s=600.0,
+            model_init=lambda: AutoModelForCausalLM.from_pretrained(args.ckpt, dtype=torch.float32),
+        )
+        engine = MegatronEngine.build(spec)
+        assert engine.model_path != args.ckpt
+    else:
+        engine = MegatronEngine(ecfg)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.ckpt).vocab_size
@@ -153,11 +173,15 @@ def main() -> None:
     for bucket in engine.export_weights(bucket_bytes=64 * 1024):
         initial.update(dict(bucket))
     out = engine.compute_logprobs(batch, with_entropy=True)
+    if args.proximal:
+        engine.snapshot_proximal()
     per = batch.num_seqs // dp
     shard = batch.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
     micro = [shard.select(list(range(i, min(i + args.micro, per)))) for i in range(0, per, args.micro)]
     results = [engine.train_step(micro, loss_fn) for _ in range(args.steps)]
     after = engine.compute_logprobs(batch)
+    proximal = engine.compute_proximal_logprobs(batch) if args.proximal else None
+    after_again = engine.compute_logprobs(batch) if args.proximal else None
     ref_after = engine.compute_logprobs(batch, reference=True) if ecfg.ref_megatron is not None else None
     exported: dict[str, torch.Tensor] = {}
     for bucket in engine.export_weights(bucket_bytes=64 * 1024):
@@ -166,6 +190,7 @@ def main() -> None:
     from services.trainer.engines.megatron.weights import unwrap
 
     report: dict[str, object] = {
+        "dp": [engine.dp_rank, engine.dp_size],
         "applied_transformer": {
             k: repr(getattr(unwrap(engine.model[0]).config, k)) for k in mcfg.override_transformer_config
         },
@@ -193,6 +218,9 @@ def main() -> None:
         lp0, ent0, ref_losses, ref_norms, lp_after, ref_model = hf_reference(
             args.ckpt, batch, args.micro, args.steps, optim, ecfg.grad_clip, args.device
         )
+        if proximal is not None and after_again is not None:
+            report["proximal_logprob_max_abs_diff"] = float((proximal.logprobs - out.logprobs).abs().max())
+            report["restored_after_proximal"] = bool(torch.equal(after_again.logprobs, after.logprobs))
         if ref_after is not None:
             report["ref_logprob_max_abs_diff"] = float((ref_after.logprobs - lp0).abs().max())
         original = load_file(str(Path(args.ckpt) / "model.safetensors"))

@@ -27,9 +27,15 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def test_dense_tp2_matches_transformers_and_resumes(ckpts: dict[str, Path], tmp_path: Path) -> None:
-    r = run_worker(ckpts["qwen3"], tmp_path / "r.json", 2, "--tp", "2", "--sp", "--save-dir", str(tmp_path / "save"))
+def test_dense_tp2_built_from_spec_matches_transformers_and_resumes(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    r = run_worker(ckpts["qwen3"], tmp_path / "r.json", 2, "--tp", "2", "--sp", "--save-dir", str(tmp_path / "save"),
+                   "--build-spec", "--proximal")
     check_equivalence(r, n_micro=N_MICRO)
+    # Built through TrainEngine.build(spec) from a model_init callable (model.path=null).
+    assert r["dp"] == [0, 1]
+    # Decoupled PPO: the proximal snapshot reproduces the pre-training logprobs exactly, and the
+    # current parameters come back afterwards.
+    assert r["proximal_logprob_max_abs_diff"] == 0.0 and r["restored_after_proximal"]
     assert "resume_error" not in r, r.get("resume_error")
     assert r["resume_loss_diff"] <= RESUME_ATOL and r["resume_grad_norm_diff"] <= RESUME_ATOL
     assert r["save_hf_exact"]

@@ -16,8 +16,13 @@ from services.common.errors import ConfigError
 class MegatronEngineConfig(ConfigModel):
     """One megatron training engine (actor, optionally with a frozen reference)."""
 
-    model_path: str
-    """Local HF checkpoint directory (config.json + safetensors)."""
+    model_path: str | None
+    """Local HF checkpoint directory (config.json + safetensors); null: `model_init` builds one."""
+    model_init: Any = Field(default=None, exclude=True)
+    """Callable returning the initial HF model, used on rank 0 when `model_path` is null (the
+    built-in tiny model, tests): it is saved to a temporary directory that every rank loads."""
+    collective_timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds before a collective is declared hung."""
     device: Literal["cuda", "npu", "cpu"] = "cuda"
     """Device kind; `cpu` only for tests (torch optimizer instead of megatron's)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -41,6 +46,8 @@ class MegatronEngineConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_megatron(self) -> Self:
+        if self.model_path is None and self.model_init is None:
+            raise ConfigError("the megatron engine loads a HF checkpoint: set actor_rollout_ref.model.path")
         m = self.megatron
         if m.context_parallel_size > 1 and self.device == "cpu":
             raise ConfigError("context_parallel_size > 1 needs Transformer Engine attention (GPU) or MindSpeed (NPU)")
@@ -70,17 +77,38 @@ class MegatronEngineConfig(ConfigModel):
         return self
 
     @classmethod
+    def from_spec(cls, spec: Any, **extra: Any) -> Self:
+        """From the trainer's EngineSpec (services/trainer/engines/base.py on main): model, actor,
+        ref, device, total_training_steps, log_prob_micro_batch_size_per_gpu, seed,
+        collective_timeout_s, model_init."""
+        return cls(
+            model_path=spec.model.path,
+            model_init=getattr(spec, "model_init", None),
+            device=spec.device,
+            dtype=spec.model.dtype,
+            megatron=spec.actor.megatron,
+            ref_megatron=spec.ref.megatron if spec.ref is not None else None,
+            optim=spec.actor.optim,
+            grad_clip=spec.actor.grad_clip,
+            total_training_steps=max(1, spec.total_training_steps),
+            gradient_checkpointing=spec.model.enable_gradient_checkpointing,
+            log_prob_micro_batch_size=spec.log_prob_micro_batch_size_per_gpu,
+            seed=spec.seed,
+            collective_timeout_s=getattr(spec, "collective_timeout_s", 600.0),
+            **extra,
+        )
+
+    @classmethod
     def from_mesh(cls, cfg: Any, device: str, total_training_steps: int = 1, **extra: Any) -> Self:
         """From a MeshConfig (`actor_rollout_ref.*`)."""
         arr = cfg.actor_rollout_ref
         if arr.model.path is None:
             raise ConfigError("the megatron engine loads a HF checkpoint: set actor_rollout_ref.model.path")
         with_ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        dtype = arr.model.dtype if device == "cpu" else "bfloat16"
         return cls(
             model_path=arr.model.path,
             device=device,  # type: ignore[arg-type]
-            dtype=dtype,
+            dtype=arr.model.dtype,
             megatron=arr.actor.megatron,
             ref_megatron=arr.ref.megatron if with_ref else None,
             optim=arr.actor.optim,

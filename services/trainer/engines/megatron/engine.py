@@ -88,10 +88,20 @@ class MegatronEngine(TrainEngine):
         call on every rank of the training group (torchrun / Ray env vars set)."""
         return cls(cls.config_cls.from_mesh(cfg, device, total_training_steps))
 
+    @classmethod
+    def build(cls, spec: Any) -> MegatronEngine:
+        """Construct from the trainer's EngineSpec (`get_engine_cls(backend, device).build(spec)`)."""
+        return cls(cls.config_cls.from_spec(spec))
+
     def __init__(self, config: MegatronEngineConfig) -> None:
         self.cfg = config
         self.device_kind = config.device
-        self.rank, self.world_size = runtime.init_distributed(config.device)
+        self.rank, self.world_size = runtime.init_distributed(config.device, int(config.collective_timeout_s))
+        if config.model_path is None:
+            config = self.cfg = config.model_copy(update={"model_path": self._materialize_initial_model()})
+        assert config.model_path is not None
+        self.model_path: str = config.model_path
+        self._proximal: list[torch.Tensor] | None = None
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(torch_device(_DeviceRef(config.device), self.local_rank))
         if config.megatron.context_parallel_size > 1:
@@ -101,7 +111,7 @@ class MegatronEngine(TrainEngine):
             )
         self._before_model_parallel_init()
         runtime.init_model_parallel(config.megatron, config.device, config.seed)
-        self.arch = ModelArch.from_hf_config(read_hf_config(config.model_path))
+        self.arch = ModelArch.from_hf_config(read_hf_config(self.model_path))
         check_supported(self.arch)
         runtime.check_layout(config.megatron, self.world_size, self.arch.num_experts)
         self.coords = runtime.coords()
@@ -116,7 +126,7 @@ class MegatronEngine(TrainEngine):
             "pp_size": ps.get_pipeline_model_parallel_world_size(),
             "pp_rank": ps.get_pipeline_model_parallel_rank(),
         }
-        ckpt = HFCheckpoint(config.model_path)
+        ckpt = HFCheckpoint(self.model_path)
         self.model = self._build_chunks(self.tcfg)
         load_hf_into(self.model, self.arch, ckpt, self.coords, self.padded_vocab)
         self.model = self._wrap_ddp(self.model)
@@ -145,6 +155,26 @@ class MegatronEngine(TrainEngine):
         )
 
     # ---- construction ------------------------------------------------------------------------
+
+    def _materialize_initial_model(self) -> str:
+        """Rank 0 builds the initial HF model (`model_init`) and saves it; every rank gets the
+        directory (one host: the directory is local to it)."""
+        import tempfile
+
+        box: list[Any] = [None]
+        if self.rank == 0:
+            from services.common.tiny import build_tokenizer
+
+            path = tempfile.mkdtemp(prefix="meshrl-megatron-init-")
+            model = self.cfg.model_init()
+            model.save_pretrained(path)
+            try:
+                build_tokenizer().save_pretrained(path)
+            except Exception:  # noqa: BLE001 -- the tokenizer is a convenience for save_hf only
+                log.warning("could not save a tokenizer next to the initial model", path=path)
+            box = [path]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])
 
     def _before_model_parallel_init(self) -> None:
         """Hook for subclasses (MindSpeed applies its patches here)."""
@@ -498,9 +528,9 @@ class MegatronEngine(TrainEngine):
 
             out.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-            for name in os.listdir(self.cfg.model_path):
+            for name in os.listdir(self.model_path):
                 if (name.endswith(".json") and not name.startswith("model.safetensors")) or name.endswith((".txt", ".model", ".jinja")):
-                    shutil.copy(Path(self.cfg.model_path) / name, out / name)
+                    shutil.copy(Path(self.model_path) / name, out / name)
         dist.barrier()
 
     def _ckpt_file(self, path: Path) -> Path:
@@ -569,6 +599,55 @@ class MegatronEngine(TrainEngine):
         dist.barrier()
         self._offload(after_step=False)
 
+    # ---- decoupled PPO, data-parallel coordinates, teardown ------------------------------------
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of the data this rank gets (TP/PP ranks of one replica get the same)."""
+        return int(ps.get_data_parallel_rank())
+
+    @property
+    def dp_size(self) -> int:
+        return int(ps.get_data_parallel_world_size())
+
+    def _actor_params(self) -> list[torch.Tensor]:
+        return [p for chunk in self.model for p in unwrap(chunk).parameters()]
+
+    @torch.no_grad()
+    def snapshot_proximal(self) -> None:
+        """Keep this rank's shards of the current parameters (on CPU) as the proximal policy."""
+        self._onload(self.model, False)
+        self._proximal = [p.detach().to("cpu", copy=True) for p in self._actor_params()]
+        self._offload(after_step=False)
+
+    def compute_proximal_logprobs(self, batch: SequenceBatch, *, temperature: float = 1.0) -> ForwardOutput:
+        from services.common.errors import FailedPrecondition
+
+        if self._proximal is None:
+            raise FailedPrecondition("no proximal snapshot yet: call snapshot_proximal() at the start of the sync window")
+        self._onload(self.model, False)
+        params = self._actor_params()
+        with torch.no_grad():
+            current = [p.detach().to("cpu", copy=True) for p in params]
+            for p, saved in zip(params, self._proximal, strict=True):
+                p.copy_(saved)
+        try:
+            return self.compute_logprobs(batch, temperature=temperature)
+        finally:
+            with torch.no_grad():
+                self._onload(self.model, False)
+                for p, saved in zip(params, current, strict=True):
+                    p.copy_(saved)
+            self._offload(after_step=False)
+
+    def close(self) -> None:
+        """Drop the reference model and snapshots and megatron's model-parallel state."""
+        self._proximal = None
+        self.ref_model = None
+        runtime.destroy_model_parallel()
+        if self.device_kind == "cuda":
+            torch.cuda.empty_cache()
+
     def memory_stats(self) -> dict[str, float]:
         return device_memory_stats(_DeviceRef(self.device_kind), self.local_rank)
 
@@ -577,8 +656,8 @@ class MegatronEngine(TrainEngine):
         return self._step
 
     def shutdown(self) -> None:
-        """Release megatron's model-parallel state (the process group stays for the caller)."""
-        runtime.destroy_model_parallel()
+        """Alias of close()."""
+        self.close()
 
 
 def _dist_opt_param_state(optimizer: Any) -> Any:

@@ -45,6 +45,12 @@ class MindSpeedEngineConfig(MegatronEngineConfig):
         return self._plan
 
     @classmethod
+    def from_spec(cls, spec: Any, **extra: Any) -> Self:
+        if spec.device != "npu":
+            raise ConfigError(f"the mindspeed engine runs on NPU only (device={spec.device}); use strategy=megatron there")
+        return super().from_spec(spec, **extra)
+
+    @classmethod
     def from_mesh(cls, cfg: Any, device: str = "npu", total_training_steps: int = 1, **extra: Any) -> Self:
         if device != "npu":
             raise ConfigError(f"the mindspeed engine runs on NPU only (trainer.device={device}); use strategy=megatron on {device}")
