@@ -24,12 +24,12 @@ def tiny_checkpoint(arch: str, path: Path, **overrides: object) -> Path:
     return path
 
 
-def run_worker(ckpt: Path, out: Path, nproc: int, *args: str, timeout_s: int = 600) -> dict[str, Any]:
+def run_worker(ckpt: Path, out: Path, nproc: int, *args: str, timeout_s: int = 600, worker: Path = WORKER) -> dict[str, Any]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MESHRL_LOG_FORMAT": "console"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        str(WORKER), "--ckpt", str(ckpt), "--out", str(out), *args,
+        str(worker), "--ckpt", str(ckpt), "--out", str(out), *args,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     if proc.returncode != 0 or not out.exists():
