@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-
 from megatron_worker import loss_fn, make_batch  # noqa: E402
+
 from services.common.config.actor_rollout_ref import ActorConfig, MegatronConfig, ModelConfig, OptimConfig  # noqa: E402
 
 

@@ -18,7 +18,7 @@ try:
 except ImportError:
     pytest.skip("needs the fsdp engine and EngineSpec (branch fsdp, merged into main)", allow_module_level=True)
 
-from tests.megatron_cases import ROOT, run_worker, tiny_checkpoint  # noqa: E402
+from tests.megatron_cases import ROOT, run_worker, tiny_checkpoint
 
 WORKER = ROOT / "tests" / "megatron_vs_fsdp_worker.py"
 
