@@ -44,7 +44,7 @@ def _has_train_command() -> bool:
 @pytest.mark.parametrize("recipe", ["qwen3_30b_a3b_dapo_fsdp_npu", "qwen3_5_27b_grpo_fsdp"])
 def test_fsdp_miniature_trains_on_cpu(recipe: str, tmp_path: Path) -> None:
     if not _has_train_command():
-        pytest.skip("needs `meshrl train` and the FSDP engine (branch fsdp); runs after that merge")
+        pytest.skip("needs `meshrl train` (the CLI entry of the trainer loop); runs once it exists")
     model = tiny_model_dir(MINI_ARCH[recipe], tmp_path / "model")
     run = subprocess.run(
         [sys.executable, "-m", "meshrl.cli", "train", str(MINI_DIR / f"{recipe}.yaml"),
