@@ -12,6 +12,7 @@ from services.common.errors import ConfigError
 from services.common.model_arch import ModelArch
 from services.trainer.engines.megatron.convert import (
     ParallelCoords,
+    checkpoint_to_fused_names,
     fused_to_checkpoint_names,
     hf_param_names,
     local_mcore_names,
@@ -172,3 +173,6 @@ def test_fused_transformers_moe_layout_maps_to_checkpoint_names() -> None:
     assert set(state) == expected
     fused = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
     assert torch.equal(state["model.layers.0.mlp.experts.2.up_proj.weight"], fused[2].chunk(2, dim=0)[1])
+    back = checkpoint_to_fused_names(state)
+    original = model.state_dict()
+    assert sorted(back) == sorted(original) and all(torch.equal(back[k], original[k]) for k in original)

@@ -284,3 +284,27 @@ def fused_to_checkpoint_names(state: Mapping[str, torch.Tensor]) -> dict[str, to
         else:
             out[name] = t
     return out
+
+
+_EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def checkpoint_to_fused_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `fused_to_checkpoint_names`: per-expert checkpoint names -> transformers'
+    in-memory `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I] (what
+    `model.load_state_dict` of a transformers 5 MoE wants). Other names pass through."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in state.items():
+        m = _EXPERT_NAME.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+    for base, by_expert in experts.items():
+        ids = sorted(by_expert)
+        assert ids == list(range(len(ids))), f"{base}: experts {ids} are not 0..E-1"
+        out[base + "gate_up_proj"] = torch.stack([torch.cat([by_expert[e]["gate"], by_expert[e]["up"]]) for e in ids])
+        out[base + "down_proj"] = torch.stack([by_expert[e]["down"] for e in ids])
+    return out
+
