@@ -1,12 +1,46 @@
-"""`meshrl plan`: derived quantities and the resource layout of a config, without starting
-anything. Invalid configs fail here with the same messages as at run start."""
+"""`meshrl plan`: derived quantities, the parallel layout, per-rank memory estimates and the
+checks of a config, without starting anything or touching a device. Invalid configs fail here
+with one message that lists every problem and its fix.
+
+Model facts come from `model.path` (a local directory with config.json), else from the table of
+known configs in services/common/model_arch.py (there is no model hub), else the built-in tiny
+model when `model.path` is null.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from services.common.config import MeshConfig, derive, load_config
 from services.common.data import train_dataset
+from services.common.errors import ConfigError
+from services.common.model_arch import ModelArch, load_arch
+
+from .plan_layout import megatron_layout, memory_estimate, rollout_checks, trainer_checks
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "recipes"
+
+
+def resolve_config_path(config: str | None) -> str | None:
+    """A path, or a recipe name from configs/recipes (with or without .yaml)."""
+    if config is None or Path(config).exists():
+        return config
+    for candidate in (RECIPES_DIR / config, RECIPES_DIR / f"{config}.yaml"):
+        if candidate.is_file():
+            return str(candidate)
+    return config
+
+
+def model_arch(cfg: MeshConfig) -> tuple[ModelArch, str]:
+    path = cfg.actor_rollout_ref.model.path
+    if path is None:
+        from services.common.tiny import TINY_CONFIGS, build_tokenizer
+
+        vocab = len(build_tokenizer())
+        return ModelArch.from_hf_config({"model_type": "qwen3", "vocab_size": vocab, **TINY_CONFIGS["qwen3"]}), "built-in tiny"
+    source = "config.json" if Path(path, "config.json").is_file() else "known-config table"
+    return load_arch(path), source
 
 
 def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
@@ -30,20 +64,52 @@ def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
             "engine": r.name,
             "devices_per_engine": per_engine,
             "engines": max(1, rollout_devices // per_engine),
+            "tensor_parallel": r.tensor_model_parallel_size,
+            "data_parallel": r.data_parallel_size,
+            "expert_parallel": r.expert_parallel_size,
         },
     }
 
 
 def make_plan(config: str | None, overrides: list[str]) -> dict[str, Any]:
-    cfg = load_config(config, overrides)
+    cfg = load_config(resolve_config_path(config), overrides)
     dataset_size: int | None
     try:
         dataset_size = len(train_dataset(cfg.data))
     except Exception:  # noqa: BLE001 -- plan must work without the data files present
         dataset_size = None
     derived = derive(cfg, dataset_size=dataset_size)
+    arch, source = model_arch(cfg)
+    errors: list[str] = []
+    warnings: list[str] = []
+    layout = resource_layout(cfg)
+    strategy = cfg.actor_rollout_ref.actor.strategy
+    trainer_checks(cfg, arch, errors, warnings)
+    rollout_checks(cfg, arch, errors, warnings)
+    if strategy in ("megatron", "mindspeed"):
+        layout["trainer"]["megatron"] = megatron_layout(cfg, arch, errors)
+    if errors:
+        raise ConfigError("the plan is not runnable:\n  - " + "\n  - ".join(errors))
+    counts = arch.param_counts()
     return {
         "derived": {**derived.as_dict(), "dataset_size": dataset_size},
         "async_training": cfg.async_training.model_dump(mode="json"),
-        "layout": resource_layout(cfg),
+        "model": {
+            "source": source,
+            "verified": arch.verified,
+            "model_type": arch.model_type,
+            "layers": arch.num_layers,
+            "hidden_size": arch.hidden_size,
+            "attention_heads": arch.num_attention_heads,
+            "kv_heads": arch.num_key_value_heads,
+            "experts": arch.num_experts,
+            "experts_per_token": arch.num_experts_per_tok,
+            "linear_attention_layers": arch.num_linear_attention_layers,
+            "vocab_size": arch.vocab_size,
+            "params": arch.total_params,
+            "params_by_kind": counts,
+        },
+        "layout": layout,
+        "memory": memory_estimate(cfg, arch),
+        "warnings": warnings,
     }

@@ -59,10 +59,12 @@ def ray_resource(kind: str) -> str | None:
 
 
 def import_torch_npu() -> object:
-    """Import torch_npu or fail with what to install. Call only on NPU paths."""
+    """Import torch_npu or fail with what to install. Call only on NPU paths. Its import fails
+    with ImportError (libhccl.so, libascendcl.so ...) when CANN is absent, and a broken torch_npu
+    can also raise RuntimeError/OSError at import; all are reported as MissingDependency."""
     try:
         import torch_npu  # type: ignore[import-not-found]
-    except ImportError as exc:
+    except (ImportError, OSError, RuntimeError) as exc:
         raise MissingDependency(
             "torch_npu (Ascend NPU support)",
             "install Huawei CANN and `pip install meshrl[npu]` (torch_npu matching your torch); "
@@ -71,9 +73,103 @@ def import_torch_npu() -> object:
     return torch_npu
 
 
+# Where CANN is looked for (set by Ascend's set_env.sh); torch_npu's import fails without it.
+_CANN_ENV = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_OPP_PATH")
+# Ray sets ASCEND_RT_VISIBLE_DEVICES per worker unless told not to; engines that manage devices
+# themselves (vLLM-Ascend, MindSpeed with local ranks) opt out, as verl and vLLM-Ascend do.
+RAY_NOSET_VISIBLE_ENV: dict[str, str | None] = {
+    "cuda": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
+    "npu": "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES",
+    "cpu": None,
+}
+
+
+def has_ascend_devices() -> bool:
+    """True when the host exposes Ascend device nodes (/dev/davinci<N>); imports nothing."""
+    return any(name.startswith("davinci") and name[7:].isdigit() for name in _safe_listdir("/dev"))
+
+
+def cann_home() -> str | None:
+    """The CANN toolkit directory from Ascend's environment variables, if set and present."""
+    for var in _CANN_ENV:
+        path = os.environ.get(var)
+        if path and os.path.isdir(path):
+            return path
+    return None
+
+
+def require_npu(what: str = "this NPU path") -> object:
+    """Fail fast, naming the missing piece, unless CANN and torch_npu are both usable. Returns
+    the torch_npu module. Call at the top of every NPU-only code path."""
+    if cann_home() is None:
+        raise MissingDependency(
+            f"Huawei CANN (needed by {what})",
+            "install the CANN toolkit and `source <cann>/set_env.sh` so ASCEND_TOOLKIT_HOME is set; "
+            "NPU paths cannot run on this host",
+        )
+    return import_torch_npu()
+
+
+def visible_devices_env(kind: str, device_ids: list[int]) -> dict[str, str]:
+    """Environment that restricts a process to `device_ids` (CUDA_VISIBLE_DEVICES or
+    ASCEND_RT_VISIBLE_DEVICES); empty for CPU."""
+    if kind not in _VISIBLE_ENV:
+        raise ValueError(f"unknown device kind {kind!r}; use cuda, npu or cpu")
+    var = _VISIBLE_ENV[kind]
+    return {var: ",".join(str(i) for i in device_ids)} if var else {}
+
+
+def ray_actor_resources(kind: str, count: float) -> dict[str, object]:
+    """Ray actor / Serve `ray_actor_options` for `count` devices: num_gpus for CUDA, the custom
+    `NPU` resource for Ascend (Ray's NPUAcceleratorManager), nothing for CPU."""
+    if kind == "cuda":
+        return {"num_gpus": count}
+    if kind == "npu":
+        return {"resources": {"NPU": count}}
+    if kind == "cpu":
+        return {}
+    raise ValueError(f"unknown device kind {kind!r}; use cuda, npu or cpu")
+
+
+@dataclass(frozen=True)
+class CollectiveTransport:
+    """What a weight-broadcast transport (param_server's nccl/hccl) needs to set up a group."""
+
+    backend: str
+    """torch.distributed backend: nccl, hccl or gloo."""
+    device_type: str
+    """Torch device type the broadcast tensors live on."""
+    env: dict[str, str]
+    """Extra environment for the participating processes."""
+
+    def device(self, local_rank: int = 0) -> str:
+        return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{local_rank}"
+
+
+def collective_transport(transport: str) -> CollectiveTransport:
+    """The process-group recipe for a param_server collective transport name (`nccl`, `hccl`,
+    `gloo`). `hccl` needs torch_npu and CANN at group creation (checked by `require_npu`)."""
+    if transport == "nccl":
+        return CollectiveTransport("nccl", "cuda", {})
+    if transport == "hccl":
+        # HCCL's own connect timeout (s) defaults to 120; large broadcasts across nodes need more.
+        return CollectiveTransport("hccl", "npu", {"HCCL_CONNECT_TIMEOUT": "600"})
+    if transport == "gloo":
+        return CollectiveTransport("gloo", "cpu", {})
+    raise ValueError(f"unknown collective transport {transport!r}; use nccl (CUDA), hccl (Ascend) or gloo (CPU)")
+
+
+def vllm_platform_env(kind: str) -> dict[str, str]:
+    """Environment for a vLLM rollout replica on `kind`: vLLM-Ascend (the vLLM NPU plugin) picks
+    its devices from ASCEND_RT_VISIBLE_DEVICES, which Ray must then leave alone."""
+    if kind == "npu":
+        return {"VLLM_USE_V1": "1", "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}
+    return {}
+
+
 def _npu_count() -> int:
     # Avoid importing torch_npu when no Ascend device node exists: its import fails without CANN.
-    if not any(name.startswith("davinci") and name[7:].isdigit() for name in _safe_listdir("/dev")):
+    if not has_ascend_devices():
         return 0
     try:
         import_torch_npu()

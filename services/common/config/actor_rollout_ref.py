@@ -74,6 +74,66 @@ class FSDPConfig(ConfigModel):
     """Compute dtype for forward/backward."""
 
 
+class MegatronConfig(ConfigModel):
+    """Megatron-core / MindSpeed options (verl `actor.megatron`, `ref.megatron`). Used when
+    `actor.strategy` is `megatron` or `mindspeed`. Devices split as
+    world = TP x PP x CP x DP; experts as world = ETP x EP x expert-DP (per PP stage)."""
+
+    tensor_model_parallel_size: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (TP)."""
+    pipeline_model_parallel_size: int = Field(default=1, ge=1)
+    """Pipeline-parallel stages (PP). Uneven first/last stages: set
+    `override_transformer_config.num_layers_in_first_pipeline_stage` / `..._last_...`."""
+    virtual_pipeline_model_parallel_size: int | None = Field(default=None, ge=1)
+    """Model chunks per pipeline stage (interleaved schedule, VPP); null: 1."""
+    context_parallel_size: int = Field(default=1, ge=1)
+    """Context-parallel degree (CP): the sequence split across ranks (needs Transformer Engine
+    attention on GPU, MindSpeed on NPU)."""
+    expert_model_parallel_size: int = Field(default=1, ge=1)
+    """Expert-parallel degree (EP); must divide the model's expert count."""
+    expert_tensor_parallel_size: int | None = Field(default=None, ge=1)
+    """Tensor-parallel degree inside each expert (ETP); null: same as TP."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism (shard activations of norms/dropout over TP); only takes
+    effect when TP > 1."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    use_dist_checkpointing: bool = False
+    """Save/load with megatron's distributed (resharding) checkpoint format."""
+    dist_checkpointing_path: str | None = None
+    """Initial weights in dist-checkpoint format instead of the HF checkpoint."""
+    param_offload: bool = False
+    """Move parameters (megatron's param buffers) to CPU between uses."""
+    grad_offload: bool = False
+    """Free gradient buffers on the device between optimizer steps."""
+    optimizer_offload: bool = False
+    """Keep optimizer state on CPU (megatron-core's `optimizer_cpu_offload`)."""
+    seed: int = 42
+    """Seed for megatron's model-parallel RNG trackers."""
+    use_mbridge: bool = False
+    """Convert HF <-> megatron weights with Megatron-Bridge / mbridge when installed; otherwise
+    (or false) meshrl's own name map for Qwen3 / Qwen3-MoE is used."""
+    vanilla_mbridge: bool = True
+    """With `use_mbridge`: the original mbridge package (true) or NVIDIA Megatron-Bridge (false)."""
+    use_remove_padding: bool = True
+    """Pack sequences (THD) for attention; must be false for gated delta-net models (Qwen3.5)."""
+    override_transformer_config: dict[str, Any] = {}
+    """Fields set on megatron-core's TransformerConfig after meshrl derives it from the HF config
+    (e.g. recompute_granularity, num_layers_in_first_pipeline_stage, moe_token_dispatcher_type).
+    Unknown keys are rejected; on `mindspeed` MindSpeed's own flags (use_flash_attn, ...) are
+    passed to its repatch."""
+    override_optimizer_config: dict[str, Any] = {}
+    """Fields set on megatron-core's OptimizerConfig (e.g. optimizer_offload_fraction,
+    overlap_cpu_optimizer_d2h_h2d, use_precision_aware_optimizer). Unknown keys are rejected."""
+    override_ddp_config: dict[str, Any] = {}
+    """Fields set on megatron-core's DistributedDataParallelConfig (e.g. bucket_size)."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the dense model: TP x PP x CP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+
 class PolicyLossConfig(ConfigModel):
     """verl `actor.policy_loss`."""
 
@@ -144,6 +204,8 @@ class ActorConfig(ConfigModel):
     """Optimizer and schedule."""
     fsdp_config: FSDPConfig = FSDPConfig()
     """FSDP2 options."""
+    megatron: MegatronConfig = MegatronConfig()
+    """Megatron-core options (strategy `megatron` / `mindspeed`)."""
     checkpoint: CheckpointContentsConfig = CheckpointContentsConfig()
     """Checkpoint contents."""
 
@@ -235,6 +297,9 @@ class RefConfig(ConfigModel):
 
     fsdp_config: FSDPConfig = FSDPConfig()
     """Reference FSDP options (`param_offload` keeps it on CPU between uses)."""
+    megatron: MegatronConfig = MegatronConfig()
+    """Reference megatron options (same parallel layout as the actor; `param_offload` keeps it
+    on CPU between uses)."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Micro-batch for reference logprobs."""
     ulysses_sequence_parallel_size: int = 1

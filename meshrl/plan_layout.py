@@ -1,0 +1,251 @@
+"""The checks and numbers behind `meshrl plan`: parallel layouts against device counts and the
+model's shape, and per-rank parameter / gradient / optimizer memory.
+
+Memory model (bytes per parameter, stated so the numbers can be checked by hand):
+  megatron: bf16 params 2, fp32 grads 4 (grad_reduce_in_fp32), Adam fp32 master + m + v 12;
+            params and grads split by TP x PP (dense) or ETP x EP x PP (experts); optimizer
+            state additionally by DP x CP (dense) or expert-DP with the distributed optimizer.
+  fsdp:     params and grads in `fsdp_config.model_dtype` (4 for fp32, 2 for bf16), Adam m + v
+            (+ fp32 master when the model is bf16), all sharded over the FSDP group.
+Offload flags move the at-rest copy to host memory; activations and KV are not estimated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.common.config import MeshConfig
+from services.common.model_arch import ModelArch
+
+GiB = 1024**3
+_ARR = "actor_rollout_ref"
+
+
+def _world(cfg: MeshConfig) -> int:
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def stage_layers(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int] | None:
+    """Layers per pipeline stage (megatron's split), or None when it does not divide."""
+    if pp == 1:
+        return [num_layers]
+    if first is None and last is None:
+        return [num_layers // pp] * pp if num_layers % pp == 0 else None
+    f = first if first is not None else None
+    la = last if last is not None else None
+    middle_stages = pp - (f is not None) - (la is not None)
+    rest = num_layers - (f or 0) - (la or 0)
+    if middle_stages == 0:
+        return [f or 0, la or 0] if rest == 0 else None
+    if rest < 0 or rest % middle_stages:
+        return None
+    mid = [rest // middle_stages] * middle_stages
+    return ([f] if f is not None else []) + mid + ([la] if la is not None else [])
+
+
+def trainer_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings: list[str]) -> None:
+    arr = cfg.actor_rollout_ref
+    actor = arr.actor
+    world = _world(cfg)
+    n = arr.rollout.n
+    strategy = actor.strategy
+    remove_padding = arr.model.use_remove_padding or (strategy in ("megatron", "mindspeed") and actor.megatron.use_remove_padding)
+    if arch.has_linear_attention and remove_padding:
+        errors.append(
+            f"{arch.model_type} has gated delta-net (linear attention) layers, which need unpacked bshd batches: "
+            f"set {_ARR}.model.use_remove_padding=false"
+            + (f" and {_ARR}.actor.megatron.use_remove_padding=false" if strategy in ("megatron", "mindspeed") else "")
+        )
+    if strategy == "mindspeed" and cfg.trainer.device != "npu":
+        errors.append(f"actor.strategy=mindspeed runs on Ascend NPU only: set trainer.device=npu or strategy=megatron (got {cfg.trainer.device})")
+    if strategy in ("megatron", "mindspeed"):
+        m = actor.megatron
+        dp = world // max(1, m.model_parallel_size)
+        if world % m.model_parallel_size == 0:
+            seqs = actor.ppo_mini_batch_size * n
+            if seqs % dp:
+                errors.append(
+                    f"a mini-batch of {actor.ppo_mini_batch_size} prompts x rollout.n={n} = {seqs} sequences does not split "
+                    f"over data-parallel size {dp}; change {_ARR}.actor.ppo_mini_batch_size"
+                )
+        if arch.model_type not in ("qwen3", "qwen3_moe", "qwen2", "llama"):
+            warnings.append(
+                f"meshrl's megatron engine maps Qwen3 / Qwen3-MoE weights; {arch.model_type} (gated delta-net, shared experts) "
+                "is not implemented there yet, so this recipe validates but cannot train with strategy=megatron"
+            )
+    else:
+        sp = actor.ulysses_sequence_parallel_size
+        if world % sp:
+            errors.append(f"{_ARR}.actor.ulysses_sequence_parallel_size={sp} does not divide the {world} training devices")
+        elif arch.num_attention_heads % sp:
+            errors.append(
+                f"ulysses_sequence_parallel_size={sp} must divide the {arch.num_attention_heads} attention heads; pick a divisor"
+            )
+        else:
+            dp = world // sp
+            seqs = actor.ppo_mini_batch_size * n
+            if seqs % dp:
+                errors.append(
+                    f"a mini-batch of {seqs} sequences does not split over {dp} data-parallel ranks; change ppo_mini_batch_size"
+                )
+        fsdp_size = actor.fsdp_config.fsdp_size
+        if fsdp_size > 0 and world % fsdp_size:
+            errors.append(f"{_ARR}.actor.fsdp_config.fsdp_size={fsdp_size} does not divide the {world} training devices")
+
+
+def megatron_layout(cfg: MeshConfig, arch: ModelArch, errors: list[str]) -> dict[str, Any]:
+    m = cfg.actor_rollout_ref.actor.megatron
+    world = _world(cfg)
+    tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+    vpp = m.virtual_pipeline_model_parallel_size or 1
+    key = f"{_ARR}.actor.megatron"
+    if world % (tp * pp * cp):
+        errors.append(
+            f"{key}: TP({tp}) x PP({pp}) x CP({cp}) = {tp * pp * cp} does not divide the {world} training devices "
+            f"(trainer.nnodes x trainer.n_gpus_per_node); change the parallel sizes or the device count"
+        )
+    per_stage = world // pp if world % pp == 0 else 0
+    if arch.is_moe and (not per_stage or per_stage % (etp * ep)):
+        errors.append(
+            f"{key}: expert_tensor_parallel_size({etp}) x expert_model_parallel_size({ep}) = {etp * ep} does not divide the "
+            f"{per_stage or world / pp} devices of a pipeline stage; change EP or ETP"
+        )
+    if arch.is_moe and arch.num_experts % ep:
+        errors.append(f"{key}.expert_model_parallel_size={ep} does not divide the model's {arch.num_experts} experts")
+    if not arch.is_moe and ep > 1:
+        errors.append(f"{key}.expert_model_parallel_size={ep} > 1 but {arch.model_type} has no experts; set it to 1")
+    if arch.num_attention_heads % tp:
+        errors.append(f"{key}.tensor_model_parallel_size={tp} must divide the {arch.num_attention_heads} attention heads")
+    if arch.num_key_value_heads % tp:
+        errors.append(f"{key}.tensor_model_parallel_size={tp} must divide the {arch.num_key_value_heads} key/value heads")
+    tcfg = m.override_transformer_config
+    first, last = tcfg.get("num_layers_in_first_pipeline_stage"), tcfg.get("num_layers_in_last_pipeline_stage")
+    stages = stage_layers(arch.num_layers, pp, first, last)
+    if stages is None:
+        errors.append(
+            f"{key}: {arch.num_layers} layers do not split over {pp} pipeline stages"
+            + (f" with {first} in the first and {last} in the last stage" if first or last else "")
+            + "; set override_transformer_config.num_layers_in_first_pipeline_stage / _last_ or change PP"
+        )
+    elif vpp > 1 and any(s % vpp for s in stages):
+        errors.append(f"{key}.virtual_pipeline_model_parallel_size={vpp} must divide every stage's layers {stages}")
+    if vpp > 1 and pp == 1:
+        errors.append(f"{key}.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
+    dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
+    expert_dp = per_stage // (etp * ep) if arch.is_moe and per_stage and per_stage % (etp * ep) == 0 else None
+    return {
+        "tensor_parallel": tp, "pipeline_parallel": pp, "virtual_pipeline_parallel": vpp, "context_parallel": cp,
+        "expert_parallel": ep, "expert_tensor_parallel": etp, "data_parallel": dp, "expert_data_parallel": expert_dp,
+        "layers_per_stage": stages, "sequence_parallel": m.sequence_parallel and tp > 1,
+        "distributed_optimizer": m.use_distributed_optimizer,
+    }
+
+
+def rollout_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings: list[str]) -> None:
+    r = cfg.actor_rollout_ref.rollout
+    devices = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    engine = r.tensor_model_parallel_size * r.data_parallel_size
+    key = f"{_ARR}.rollout"
+    if devices % engine:
+        errors.append(
+            f"{key}: tensor_model_parallel_size({r.tensor_model_parallel_size}) x data_parallel_size({r.data_parallel_size}) "
+            f"= {engine} devices per engine does not divide the {devices} rollout devices (rollout.nnodes x rollout.n_gpus_per_node)"
+        )
+    tp = r.tensor_model_parallel_size
+    if arch.num_attention_heads % tp:
+        errors.append(f"{key}.tensor_model_parallel_size={tp} must divide the {arch.num_attention_heads} attention heads")
+    kv = arch.num_key_value_heads
+    if kv % tp and tp % kv:
+        errors.append(f"{key}.tensor_model_parallel_size={tp} and the {kv} key/value heads must divide one another")
+    ep = r.expert_parallel_size
+    if ep > 1:
+        if not arch.is_moe:
+            errors.append(f"{key}.expert_parallel_size={ep} > 1 but {arch.model_type} has no experts; set it to 1")
+        elif arch.num_experts % ep:
+            errors.append(f"{key}.expert_parallel_size={ep} does not divide the model's {arch.num_experts} experts")
+        if ep != engine:
+            errors.append(
+                f"{key}.expert_parallel_size={ep}: vLLM's expert parallelism spans an engine's TP x DP = {engine} ranks; "
+                f"set it to {engine} (or 1)"
+            )
+
+
+def memory_estimate(cfg: MeshConfig, arch: ModelArch) -> dict[str, Any]:
+    """Per-rank at-rest bytes of parameters, gradients and optimizer state, and where they live."""
+    actor = cfg.actor_rollout_ref.actor
+    world = _world(cfg)
+    counts = arch.param_counts()
+    if actor.strategy in ("megatron", "mindspeed"):
+        m = actor.megatron
+        tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+        ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+        tcfg = m.override_transformer_config
+        stages = stage_layers(arch.num_layers, pp, tcfg.get("num_layers_in_first_pipeline_stage"),
+                              tcfg.get("num_layers_in_last_pipeline_stage")) or [arch.num_layers // pp] * pp
+        dp = max(1, world // (tp * pp * cp))
+        edp = max(1, world // (pp * etp * ep))
+        worst: dict[str, float] = {}
+        start = 0
+        for s, n in enumerate(stages):
+            dense = sum(arch.layer_params(i)[0] for i in range(start, start + n))
+            expert = sum(arch.layer_params(i)[1] for i in range(start, start + n))
+            start += n
+            if s == 0:
+                dense += counts["embedding"]
+            if s == pp - 1:
+                dense += counts["output"] + arch.hidden_size
+            dense_rank, expert_rank = dense / tp, expert / (etp * ep)
+            opt_div_dense = dp * cp if m.use_distributed_optimizer else 1
+            opt_div_expert = edp if m.use_distributed_optimizer else 1
+            stage = {
+                "stage": s,
+                "params": dense_rank + expert_rank,
+                "param_bytes": 2 * (dense_rank + expert_rank),
+                "grad_bytes": 4 * (dense_rank + expert_rank),
+                "optimizer_bytes": 12 * (dense_rank / opt_div_dense + expert_rank / opt_div_expert),
+            }
+            if not worst or stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"] > (
+                worst["param_bytes"] + worst["grad_bytes"] + worst["optimizer_bytes"]
+            ):
+                worst = stage
+        offload = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload}
+        assumptions = "bf16 params, fp32 grads, fp32 Adam master+m+v; largest pipeline stage"
+    else:
+        f = actor.fsdp_config
+        shard = world if f.fsdp_size <= 0 else f.fsdp_size
+        p_bytes = 4 if f.model_dtype == "fp32" else 2
+        total = arch.total_params / shard
+        worst = {
+            "stage": 0, "params": total, "param_bytes": p_bytes * total, "grad_bytes": p_bytes * total,
+            "optimizer_bytes": (8 + (4 if p_bytes == 2 else 0)) * total,
+        }
+        offload = {"params": f.param_offload, "grads": f.param_offload, "optimizer": f.optimizer_offload}
+        assumptions = f"{f.model_dtype} params and grads, Adam m+v (+fp32 master for bf16), sharded over {shard} ranks"
+    device = sum(worst[k] for k, kind in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer"))
+                 if not offload[kind])
+    host = sum(worst[k] for k, kind in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer"))
+               if offload[kind])
+    per_rank = {k: int(v) for k, v in worst.items()}
+    return {
+        "trainer_per_rank": {
+            **per_rank,
+            "param_gib": round(worst["param_bytes"] / GiB, 2),
+            "grad_gib": round(worst["grad_bytes"] / GiB, 2),
+            "optimizer_gib": round(worst["optimizer_bytes"] / GiB, 2),
+            "device_at_rest_gib": round(device / GiB, 2),
+            "host_at_rest_gib": round(host / GiB, 2),
+            "offload": offload,
+            "assumptions": assumptions,
+        },
+        "rollout_weights_per_device_gib": round(_rollout_weight_bytes(cfg, arch) / GiB, 2),
+    }
+
+
+def _rollout_weight_bytes(cfg: MeshConfig, arch: ModelArch) -> float:
+    r = cfg.actor_rollout_ref.rollout
+    counts = arch.param_counts()
+    dense = counts["embedding"] + counts["output"] + counts["dense"]
+    bytes_per = 4 if r.dtype == "float32" else 2
+    experts_split = max(r.expert_parallel_size, r.tensor_model_parallel_size)
+    return bytes_per * (dense / r.tensor_model_parallel_size + counts["expert"] / experts_split)

@@ -1,0 +1,101 @@
+"""`meshrl plan` on the seed recipes: derived numbers, layouts, memory, and rejections that
+name the fix. No hardware, no data files, no model hub (the known-config table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshrl.cli import main
+from meshrl.plan import RECIPES_DIR, make_plan
+from services.common.errors import ConfigError
+
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def test_all_recipes_present_and_plan() -> None:
+    assert RECIPES == [
+        "qwen3_235b_a22b_grpo_megatron_npu", "qwen3_30b_a3b_dapo_fsdp_npu", "qwen3_5_122b_a10b_grpo_megatron",
+        "qwen3_5_27b_grpo_fsdp", "qwen3_8b_grpo_mindspeed_npu",
+    ]
+    for name in RECIPES:
+        plan = make_plan(name, [])
+        mem = plan["memory"]["trainer_per_rank"]
+        assert mem["param_bytes"] > 0 and mem["optimizer_bytes"] > 0, name
+
+
+def test_recipe1_qwen3_235b_numbers() -> None:
+    plan = make_plan("qwen3_235b_a22b_grpo_megatron_npu", [])
+    assert plan["derived"]["max_required_samples"] == 192
+    assert plan["derived"]["total_train_steps"] == 1600
+    mg = plan["layout"]["trainer"]["megatron"]
+    assert mg["layers_per_stage"] == [11, 12, 12, 12, 12, 12, 12, 11]
+    assert (mg["data_parallel"], mg["expert_parallel"], mg["expert_tensor_parallel"], mg["expert_data_parallel"]) == (4, 4, 4, 1)
+    assert plan["layout"]["trainer"]["world_size"] == 128 and plan["layout"]["rollout"]["engines"] == 2
+    assert plan["model"]["experts"] == 128 and 230e9 < plan["model"]["params"] < 240e9
+    mem = plan["memory"]["trainer_per_rank"]
+    # Everything offloaded: nothing resident between steps; a middle stage (12 layers) is the largest.
+    assert mem["device_at_rest_gib"] == 0 and mem["stage"] in range(1, 7)
+    # 12 layers of ~2.45B params / (ETP4 x EP4) experts + attention / TP4, about 2.0e9 params per rank.
+    assert 1.8e9 < mem["params"] < 2.2e9
+
+
+def test_recipe2_qwen3_30b_numbers() -> None:
+    plan = make_plan("qwen3_30b_a3b_dapo_fsdp_npu", [])
+    assert plan["derived"]["max_required_samples"] == 56
+    assert plan["derived"]["total_train_steps"] == 100
+    assert plan["memory"]["trainer_per_rank"]["params"] == pytest.approx(plan["model"]["params"] / 16, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "fix"),
+    [
+        ("qwen3_5_122b_a10b_grpo_megatron", ["actor_rollout_ref.model.use_remove_padding=true"],
+         "set actor_rollout_ref.model.use_remove_padding=false"),
+        ("qwen3_5_27b_grpo_fsdp", ["actor_rollout_ref.model.use_remove_padding=true"], "use_remove_padding=false"),
+        ("qwen3_235b_a22b_grpo_megatron_npu", ["trainer.n_gpus_per_node=10"], "= 32 does not divide the 80 training devices"),
+        ("qwen3_235b_a22b_grpo_megatron_npu", ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=3"],
+         "does not divide the model's 128 experts"),
+        ("qwen3_235b_a22b_grpo_megatron_npu",
+         ["actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=10"],
+         "num_layers_in_first_pipeline_stage"),
+        ("qwen3_235b_a22b_grpo_megatron_npu", ["actor_rollout_ref.rollout.expert_parallel_size=32"],
+         "set it to 64"),
+        ("qwen3_30b_a3b_dapo_fsdp_npu", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"],
+         "ulysses_sequence_parallel_size=3 does not divide"),
+        ("qwen3_8b_grpo_mindspeed_npu", ["trainer.device=cuda"], "set trainer.device=npu"),
+        ("qwen3_8b_grpo_mindspeed_npu", ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"],
+         "TP(3) x PP(1) x CP(1) = 3 does not divide"),
+    ],
+)
+def test_rejections_name_the_fix(recipe: str, overrides: list[str], fix: str) -> None:
+    with pytest.raises(ConfigError, match="not runnable") as info:
+        make_plan(recipe, overrides)
+    assert fix in str(info.value)
+
+
+def test_qwen35_megatron_recipe_warns_engine_gap() -> None:
+    plan = make_plan("qwen3_5_122b_a10b_grpo_megatron", [])
+    assert plan["model"]["linear_attention_layers"] == 36 and plan["model"]["verified"] is False
+    assert any("not implemented" in w for w in plan["warnings"])
+
+
+def test_local_model_path_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.common.tiny import build_tiny_model, build_tokenizer, save_pretrained_pair
+
+    tok = build_tokenizer()
+    model = build_tiny_model("qwen3_moe", tok)
+    save_pretrained_pair(model, tok, tmp_path / "m")
+    args = ["plan", "qwen3_235b_a22b_grpo_megatron_npu", f"actor_rollout_ref.model.path={tmp_path / 'm'}",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "actor_rollout_ref.actor.megatron.override_transformer_config={}",
+            "actor_rollout_ref.rollout.expert_parallel_size=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            "actor_rollout_ref.rollout.data_parallel_size=1", "--json"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["source"] == "config.json" and plan["model"]["experts"] == 4
+    assert plan["model"]["params"] == sum(p.numel() for p in model.parameters())
+    assert main(["plan", "qwen3_235b_a22b_grpo_megatron_npu", "trainer.n_gpus_per_node=10"]) == 2
+    assert "does not divide the 80 training devices" in capsys.readouterr().err
