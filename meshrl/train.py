@@ -157,7 +157,9 @@ class MeshRun:
         from services.rollout.deployment import build_app as rollout_app
         from services.trainer.deployment import build_app as trainer_app
 
-        init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(4, os.cpu_count() or 1))
+        # Logical CPUs for a local Ray: Serve replicas and rank actors reserve CPU shares to be
+        # placed, not to be fast; 8 lets the five services fit on a 2-core laptop.
+        init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1))
         start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if _port_free(self.cfg.serve.http_port)
                     else _free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir)}

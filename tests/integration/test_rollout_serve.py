@@ -5,7 +5,6 @@ healthy, and on shutdown returns its leases so nothing waits for lease expiry.""
 from __future__ import annotations
 
 import gc
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -31,26 +30,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture()
-def ray_serve() -> Iterator[int]:
-    import ray
+def ray_serve(serve_grpc_port: int) -> Iterator[int]:
+    """The session's Ray + Serve (tests/integration/conftest.py); the rollout app is removed after."""
     from ray import serve
-    from ray.serve.config import gRPCOptions
 
-    os.environ["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "MESHRL_LOG_LEVEL": "WARNING"}})
-    port = _free_port()
-    serve.start(
-        http_options={"port": _free_port()},
-        grpc_options=gRPCOptions(
-            port=port, grpc_servicer_functions=["meshrl.v1.rollout_pb2_grpc.add_RolloutServiceServicer_to_server"]
-        ),
-    )
-    try:
-        yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    yield serve_grpc_port
+    for app in ("rollout",):
+        try:
+            serve.delete(app)
+        except Exception:
+            pass
 
 
 def _poll(cond: Any, timeout_s: float, what: str) -> Any:
