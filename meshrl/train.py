@@ -149,6 +149,7 @@ class MeshRun:
 
     def deploy(self) -> None:
         from ray import serve
+        from ray.serve.schema import LoggingConfig
 
         from services.common.serve_util import init_ray, start_serve
         from services.coordinator.deployment import build_app as coordinator_app
@@ -159,16 +160,16 @@ class MeshRun:
 
         # Logical CPUs for a local Ray: Serve replicas and rank actors reserve CPU shares to be
         # placed, not to be fast; 8 lets the five services fit on a 2-core laptop.
-        init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1))
+        init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
+                 log_to_driver=False)
         start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if _port_free(self.cfg.serve.http_port)
                     else _free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir)}
+        quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
         # Order: what others call first. serve.run blocks until the replicas are healthy.
-        serve.run(coordinator_app(args), name="coordinator", route_prefix="/coordinator")
-        serve.run(param_server_app(args), name="param_server", route_prefix="/param_server")
-        serve.run(reward_app(args), name="reward", route_prefix="/reward")
-        serve.run(trainer_app(args), name="trainer", route_prefix="/trainer")
-        serve.run(rollout_app(args), name="rollout", route_prefix="/rollout")
+        for name, builder in (("coordinator", coordinator_app), ("param_server", param_server_app),
+                              ("reward", reward_app), ("trainer", trainer_app), ("rollout", rollout_app)):
+            serve.run(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)
         log.info("mesh_deployed", apps=list(APPS), grpc=f"127.0.0.1:{self.grpc_port}")
 
     def shutdown(self) -> None:
@@ -311,12 +312,12 @@ def train(
     run_dir = resume or run_dir or new_run_dir(cfg, mode)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
+    os.environ["MESHRL_LOG_DIR"] = str((run_dir / "logs").resolve())
     configure_logging("driver", json=False, level=os.environ.get("MESHRL_LOG_LEVEL", "WARNING"))
     cfg = ensure_model(cfg)
     port = cfg.serve.grpc_port if cfg.serve.grpc_port and _port_free(cfg.serve.grpc_port) else _free_port()
     cfg = wire(cfg, port)
     write_resolved_config(cfg, run_dir)
-    os.environ.setdefault("MESHRL_LOG_DIR", str((run_dir / "logs").resolve()))
     run = MeshRun(cfg, run_dir.resolve(), mode)
     try:
         run.deploy()

@@ -67,6 +67,24 @@ def configure_logging(
             root.removeHandler(old)
     handler._meshrl = True  # type: ignore[attr-defined]
     root.addHandler(handler)
+    log_dir = os.environ.get("MESHRL_LOG_DIR")
+    if log_dir:
+        # A run directory's structured logs: one JSON-lines file per service process.
+        os.makedirs(log_dir, exist_ok=True)
+        path = os.path.join(log_dir, f"{service or 'meshrl'}.{os.getpid()}.jsonl")
+        file_handler = logging.FileHandler(path)
+        file_handler.setFormatter(
+            structlog.stdlib.ProcessorFormatter(
+                foreign_pre_chain=_shared_processors(),
+                processors=[
+                    structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                    structlog.processors.dict_tracebacks,
+                    structlog.processors.JSONRenderer(),
+                ],
+            )
+        )
+        file_handler._meshrl = True  # type: ignore[attr-defined]
+        root.addHandler(file_handler)
     root.setLevel(level)
     structlog.configure(
         processors=[

@@ -79,8 +79,11 @@ def repo_root() -> Path:
     return Path(services.__file__).resolve().parent.parent
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None, namespace: str = "meshrl") -> None:
-    """Start a local Ray (address None) or join one, with workers importing this process's code."""
+def init_ray(
+    address: str | None = None, *, num_cpus: int | None = None, namespace: str = "meshrl", log_to_driver: bool = True
+) -> None:
+    """Start a local Ray (address None) or join one, with workers importing this process's code
+    (and writing structured logs to MESHRL_LOG_DIR when that is set)."""
     import ray
 
     if ray.is_initialized():
@@ -88,14 +91,18 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, namespa
     root = str(repo_root())
     pythonpath = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
     os.environ["PYTHONPATH"] = pythonpath  # a local Ray's raylet and workers inherit it
+    env_vars = {"PYTHONPATH": pythonpath, "RAY_USAGE_STATS_ENABLED": "0"}
+    for key in ("MESHRL_LOG_DIR", "MESHRL_LOG_LEVEL", "MESHRL_TOKEN", "MESHRL_CACHE_DIR"):
+        if os.environ.get(key):
+            env_vars[key] = os.environ[key]
     ray.init(
         address=address,
         num_cpus=num_cpus,
         namespace=namespace,
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath, "RAY_USAGE_STATS_ENABLED": "0"}},
+        runtime_env={"env_vars": env_vars},
         logging_level=logging.WARNING,
-        log_to_driver=True,
+        log_to_driver=log_to_driver,
     )
 
 

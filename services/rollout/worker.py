@@ -435,6 +435,10 @@ class RolloutWorker:
                             await self.update_weights(msg.weights)
                         except Exception as exc:  # noqa: BLE001 - retried on the next version message
                             log.error("weight_update_failed", version=msg.weights.policy_version, error=repr(exc))
+                    # A commit resets the coordinator's staleness budget (and pause/resume changes
+                    # what may be leased): wake the lease loop instead of letting it sleep out its
+                    # backoff.
+                    self._notify()
                     if self._stopping:
                         return
             except grpc.RpcError as exc:
