@@ -155,8 +155,9 @@ async def run_baseline(cfg: MeshConfig, model_path: str | Path, scorer: Scorer, 
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), actor.grad_clip))
             opt.step()
             rec = {
-                "step": step, "time_s": round(time.monotonic() - t_start, 3), "policy_version": step,
-                "reward/mean": sum(rewards) / len(rewards), "loss": float(loss.item()), "grad_norm": grad_norm,
+                "step": step, "time": time.time(), "time_s": round(time.monotonic() - t_start, 3),
+                "policy_version": step, "critic/rewards/mean": sum(rewards) / len(rewards),
+                "loss": float(loss.item()), "actor/grad_norm": grad_norm,
                 "timing/gen_s": round(t_gen, 4), "timing/step_s": round(time.monotonic() - t0, 4),
                 "response_length/mean": sum(len(s[0]) for s in samples) / len(samples),
                 "staleness/mean": 0.0, "staleness/max": 0.0, **metrics,

@@ -5,27 +5,29 @@ A run directory holds `metrics/trainer.jsonl` (one record per optimizer step), o
 histogram, ledger audit, totals). Several run directories are overlaid (sync and async side by
 side). The report is written into the first run directory unless `out` is given.
 
-Metric keys read (missing ones simply leave their plot out):
-  step, time_s, policy_version, reward/mean, val/score, staleness/mean, staleness/max,
-  perf/tokens_per_s, trainer/idle_ratio, rollout/idle_ratio, timing/weight_sync_s
+Metric keys read (the trainer's names; missing ones simply leave their plot out):
+  step, time (unix s), policy_version, critic/rewards/mean, val/score, staleness/mean,
+  perf/throughput_tokens_per_s, perf/idle_ratio (trainer), rollout/idle_ratio, timing_s/publish
+Wall time on the x axis is seconds since the run started (summary.json's started_unix_s, else the
+first record).
 """
 
 from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 PLOTS: list[tuple[str, str, str]] = [
     # (file stem, metric key, y label)
-    ("reward", "reward/mean", "reward (mean)"),
+    ("reward", "critic/rewards/mean", "reward (mean)"),
     ("val_score", "val/score", "validation score"),
-    ("tokens_per_s", "perf/tokens_per_s", "trained tokens / s"),
-    ("trainer_idle", "trainer/idle_ratio", "trainer idle ratio"),
+    ("tokens_per_s", "perf/throughput_tokens_per_s", "trained tokens / s"),
+    ("trainer_idle", "perf/idle_ratio", "trainer idle ratio"),
     ("rollout_idle", "rollout/idle_ratio", "rollout idle ratio"),
-    ("weight_sync", "timing/weight_sync_s", "weight sync (s)"),
+    ("weight_sync", "timing_s/publish", "weight publish (s)"),
     ("staleness_mean", "staleness/mean", "staleness (versions, mean)"),
 ]
 
@@ -37,6 +39,7 @@ class Run:
     steps: list[dict[str, Any]]
     validation: list[dict[str, Any]]
     summary: dict[str, Any]
+    rollout: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -60,7 +63,16 @@ def load_run(path: str | Path) -> Run:
     summary = json.loads((p / "summary.json").read_text()) if (p / "summary.json").exists() else {}
     mode = summary.get("mode", "")
     label = f"{p.name} ({mode})" if mode else p.name
-    return Run(p, label, _jsonl(p / "metrics" / "trainer.jsonl"), _jsonl(p / "metrics" / "validation.jsonl"), summary)
+    steps = _jsonl(p / "metrics" / "trainer.jsonl")
+    validation = _jsonl(p / "metrics" / "validation.jsonl")
+    rollout = _jsonl(p / "metrics" / "rollout.jsonl")
+    start = summary.get("started_unix_s") or (steps[0].get("time") if steps else None)
+    for rec in (*steps, *validation, *rollout):
+        if "time_s" not in rec and start is not None and "time" in rec:
+            rec["time_s"] = rec["time"] - start
+        if "step" not in rec and "policy_version" in rec:
+            rec["step"] = rec["policy_version"]  # validation records: x = policy version
+    return Run(p, label, steps, validation, summary, rollout)
 
 
 def _series(records: list[dict[str, Any]], key: str, x: str) -> tuple[list[float], list[float]]:
@@ -79,11 +91,13 @@ def _plot(runs: list[Run], stem: str, key: str, ylabel: str, out: Path) -> list[
     import matplotlib.pyplot as plt
 
     written = []
-    for x, xlabel in (("step", "optimizer step"), ("time_s", "wall time (s)")):
+    xs_available = (("time_s", "wall time (s)"),) if key.startswith("rollout/") else (
+        ("step", "policy version" if key.startswith("val/") else "trainer step"), ("time_s", "wall time (s)"))
+    for x, xlabel in xs_available:
         fig, ax = plt.subplots(figsize=(6, 3.6))
         drawn = False
         for run in runs:
-            records = run.validation if key.startswith("val/") else run.steps
+            records = run.validation if key.startswith("val/") else run.rollout if key.startswith("rollout/") else run.steps
             xs, ys = _series(records, key, x)
             if xs:
                 ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=run.label)
@@ -127,7 +141,7 @@ def _histogram(runs: list[Run], out: Path) -> list[str]:
 
 def _summary_rows(run: Run) -> list[tuple[str, str]]:
     rows = []
-    rewards = [r["reward/mean"] for r in run.steps if "reward/mean" in r]
+    rewards = [r["critic/rewards/mean"] for r in run.steps if r.get("critic/rewards/mean") is not None]
     if rewards:
         k = max(1, len(rewards) // 10)
         rows.append(("reward, first 10% of steps", f"{sum(rewards[:k]) / k:.3f}"))
@@ -135,7 +149,7 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
     if run.steps:
         rows.append(("optimizer steps", str(len(run.steps))))
         rows.append(("wall time (s)", f"{run.steps[-1].get('time_s', float('nan')):.1f}"))
-    for key in ("mode", "policy_versions", "audit", "totals"):
+    for key in ("mode", "policy_versions", "max_staleness_seen", "audit", "totals"):
         if key in run.summary:
             rows.append((key, json.dumps(run.summary[key])))
     return rows

@@ -144,6 +144,7 @@ class MeshRun:
         self._val_versions: set[int] = set()
         self._stop_requested = False
         self.interrupts = 0
+        self._rollout_prev: dict[str, dict[str, Any]] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -200,7 +201,34 @@ class MeshRun:
         )
         if trainer.get("state") == "failed":
             raise RuntimeError(f"the trainer failed: {trainer.get('error')}")
+        await self._sample_rollout()
         return p
+
+    async def _sample_rollout(self) -> None:
+        """One rollout replica's counters -> metrics/rollout.jsonl (idle ratio since the last
+        sample of that replica). The handle picks a replica; over time every one is sampled."""
+        from ray import serve
+
+        st = await serve.get_app_handle("rollout").status.remote()
+        rid = st["replica_id"]
+        prev = self._rollout_prev.get(rid)
+        self._rollout_prev[rid] = st
+        if prev is None:
+            return
+        dt = st["uptime_s"] - prev["uptime_s"]
+        if dt <= 0:
+            return
+        rec = {
+            "time": time.time(), "time_s": round(time.time() - self.started, 3), "replica_id": rid,
+            "rollout/idle_ratio": max(0.0, 1.0 - (st["busy_s_now"] - prev["busy_s_now"]) / dt),
+            "rollout/tokens_per_s": (st["tokens_generated"] - prev["tokens_generated"]) / dt,
+            "rollout/policy_version": st["policy_version"], "rollout/groups_in_flight": st["groups_in_flight"],
+            "rollout/weight_load_s": st["last_weight_load_s"],
+        }
+        path = self.run_dir / "metrics" / "rollout.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
 
     async def validate(self, version: int) -> dict[str, Any] | None:
         """Score the held-out split with the current rollout weights (rollout.val_kwargs)."""

@@ -106,6 +106,10 @@ class RolloutDeployment:
         if not self.worker.healthy:
             raise RuntimeError("rollout worker loop stopped; see the replica log")
 
+    async def status(self) -> dict[str, Any]:
+        """The worker's counters (handle calls; `meshrl train` samples them for rollout metrics)."""
+        return self.worker.status()
+
     async def record_autoscaling_stats(self) -> dict[str, float]:
         return {"groups_in_flight": float(self.worker.groups_in_flight)}
 

@@ -103,6 +103,8 @@ class WorkerCounters:
     resubmits: int = 0
     weight_updates: int = 0
     last_weight_load_s: float = 0.0
+    busy_s: float = 0.0
+    """Seconds with at least one leased group in flight (idle ratio = 1 - busy_s / uptime)."""
 
 
 class RolloutWorker:
@@ -124,6 +126,8 @@ class RolloutWorker:
         self.s = settings
         self.counters = WorkerCounters()
         self._groups: dict[str, _Group] = {}
+        self._busy_since = time.monotonic()
+        self._started_at = time.monotonic()
         self._changed = asyncio.Event()
         self._update_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
@@ -240,6 +244,8 @@ class RolloutWorker:
 
     def _start_group(self, lease: coordinator_pb2.PromptLease, sampling: common_pb2.SamplingParams) -> None:
         g = _Group(lease, request_id=f"{self.replica_id}/{lease.lease_id}")
+        if not self._groups:
+            self._busy_since = time.monotonic()
         self._groups[lease.lease_id] = g
         g.task = asyncio.get_running_loop().create_task(self._run_group(g, sampling), name=f"group-{lease.lease_id}")
 
@@ -262,7 +268,8 @@ class RolloutWorker:
                 self._draining = True
             await self._give_back(g)
         finally:
-            self._groups.pop(g.lease.lease_id, None)
+            if self._groups.pop(g.lease.lease_id, None) is not None and not self._groups:
+                self.counters.busy_s += time.monotonic() - self._busy_since
             self._notify()
 
     async def _give_back(self, g: _Group) -> None:
@@ -469,7 +476,10 @@ class RolloutWorker:
             return dt
 
     def status(self) -> dict[str, Any]:
+        busy = self.counters.busy_s + (time.monotonic() - self._busy_since if self._groups else 0.0)
         return {
+            "uptime_s": time.monotonic() - self._started_at,
+            "busy_s_now": busy,
             "replica_id": self.replica_id,
             "engine": self.engine.name,
             "policy_version": self.engine.version,
