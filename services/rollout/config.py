@@ -43,6 +43,13 @@ class RolloutWorkerConfig(ConfigModel):
     fetch_weights_from_param_server: bool = True
     """Fetch new versions from the param server (param_server.host:port or advertise_address)
     with the group's transport; false: the replica never updates weights (validation only)."""
+    batch_window_ms: float = Field(default=5.0, ge=0)
+    """Groups finishing within this window share one SubmitGroups call and one reward Score call
+    (fewer RPCs per group); 0: every group alone."""
+    max_submit_batch: int = Field(default=64, ge=1)
+    """Groups per SubmitGroups call."""
+    max_score_batch: int = Field(default=512, ge=1)
+    """Items per reward Score call."""
     autostart: bool = True
     """Start the lease loop when the replica starts; false: only the RolloutService RPCs
     (validation-only replicas)."""

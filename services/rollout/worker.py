@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2
+from services.common.coalesce import Coalescer
 from services.common.logging import get_logger
 
 from . import convert
@@ -79,6 +80,12 @@ class WorkerSettings:
     truncation: convert.Truncation = "error"
     max_resubmits: int = 64
     """Bound on continuations of one sample (each needs a weight update to happen)."""
+    batch_window_s: float = 0.005
+    """Groups finishing within this window share one SubmitGroups call and one Score call."""
+    max_submit_batch: int = 64
+    """Groups per SubmitGroups call."""
+    max_score_batch: int = 512
+    """Items per Score call."""
 
 
 @dataclass
@@ -126,6 +133,13 @@ class RolloutWorker:
         self.s = settings
         self.counters = WorkerCounters()
         self._groups: dict[str, _Group] = {}
+        self._submitter: Coalescer[common_pb2.TrajectoryGroup, int] = Coalescer(
+            self._submit_many, max_items=settings.max_submit_batch, max_wait_s=settings.batch_window_s
+        )
+        self._score_batcher: Coalescer[reward_pb2.ScoreItem, reward_pb2.ScoreResult] | None = (
+            Coalescer(scorer, max_items=settings.max_score_batch, max_wait_s=settings.batch_window_s)
+            if scorer is not None else None
+        )
         self._busy_since = time.monotonic()
         self._started_at = time.monotonic()
         self._changed = asyncio.Event()
@@ -282,24 +296,34 @@ class RolloutWorker:
             log.warning("return_lease_failed", lease_id=g.lease.lease_id, code=str(exc.code()))  # type: ignore[attr-defined]
 
     async def _submit(self, group: common_pb2.TrajectoryGroup) -> None:
-        assert self.coordinator is not None
-        delay = 0.2
-        for attempt in range(self.s.submit_max_retries + 1):
-            try:
-                resp = await self.coordinator.submit(self.replica_id, [group])
-                break
-            except grpc.RpcError as exc:
-                if exc.code() not in _RETRYABLE or attempt == self.s.submit_max_retries:  # type: ignore[attr-defined]
-                    raise
-                log.warning("submit_retry", lease_id=group.lease_id, attempt=attempt + 1, code=str(exc.code()))  # type: ignore[attr-defined]
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        status = resp.statuses[0]
+        """Submit one group; groups finishing together share a SubmitGroups call (Coalescer)."""
+        (status,) = await self._submitter.call([group])
         if status == coordinator_pb2.SUBMIT_STATUS_EXPIRED:
             self.counters.groups_expired += 1
             log.warning("group_expired_on_submit", lease_id=group.lease_id)
         else:
             self.counters.groups_submitted += 1
+
+    async def _submit_many(self, groups: list[common_pb2.TrajectoryGroup]) -> list[int]:
+        """One SubmitGroups call, retried on UNAVAILABLE / DEADLINE_EXCEEDED (idempotent by lease id)."""
+        assert self.coordinator is not None
+        delay = 0.2
+        for attempt in range(self.s.submit_max_retries + 1):
+            try:
+                resp = await self.coordinator.submit(self.replica_id, groups)
+                return list(resp.statuses)
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt == self.s.submit_max_retries:  # type: ignore[attr-defined]
+                    raise
+                log.warning("submit_retry", groups=len(groups), attempt=attempt + 1, code=str(exc.code()))  # type: ignore[attr-defined]
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    async def _score(self, items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
+        """Score through the reward service; items of groups finishing together share a call."""
+        assert self._score_batcher is not None
+        return await self._score_batcher.call(items)
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -332,7 +356,7 @@ class RolloutWorker:
         if score and self.scorer is not None:
             t1 = time.monotonic()
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            results = await self.scorer(convert.score_items(group, text, spec.max_tokens))
+            results = await self._score(convert.score_items(group, text, spec.max_tokens))
             convert.apply_scores(group, results)
             group.reward_s = time.monotonic() - t1
         return group
