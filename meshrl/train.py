@@ -368,6 +368,9 @@ def train(
             loop.close()
     finally:
         run.shutdown()
+    from meshrl.tensorboard import write_tensorboard
+
+    write_tensorboard(run_dir)
     if report:
         from meshrl.report import write_report
 

@@ -96,7 +96,9 @@ def init_ray(
         if os.environ.get(key):
             env_vars[key] = os.environ[key]
     ray.init(
-        address=address,
+        # "local": always a fresh instance. None would join any Ray found running on this host
+        # (another user's, another test's), and our Serve shutdown would then tear theirs down.
+        address=address or "local",
         num_cpus=num_cpus,
         namespace=namespace,
         include_dashboard=False,
