@@ -64,6 +64,8 @@ def _client_args(p: argparse.ArgumentParser) -> None:
         help="Serve application name (when the address is Serve's gRPC ingress with several apps)",
     )
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
+    p.add_argument("--tls", action="store_true", help="use TLS (system roots, or --ca-file)")
+    p.add_argument("--ca-file", default=None, help="PEM root certificates for TLS")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
     pt.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     pt.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
+    pe = bsub.add_parser("e2e", help="time to a target reward: fully async vs sync vs the plain single-process loop")
+    pe.add_argument("overrides", nargs="*", help="dotted overrides applied to the built-in example (all cases)")
+    pe.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pe.add_argument("--target-reward", type=float, default=0.5, help="smoothed reward to reach")
+    pe.add_argument("--window", type=int, default=5, help="smoothing window in steps")
+    pe.add_argument("--modes", default="fully_async,sync", help="comma list of fully_async, one_step_off, sync")
+    pe.add_argument("--no-baseline", action="store_true", help="skip the plain single-process loop")
+    pe.add_argument("--run-root", default=None, help="where the runs go (default: a temporary directory)")
     pro = bsub.add_parser("rollout", help="tokens/s on a long-tailed mix: engines vs model.generate / bare vLLM")
     pro.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pro.add_argument("--engines", default="transformers,vllm", help="comma list; vllm needs .venv-vllm")
@@ -321,7 +331,8 @@ def _reward(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace) -> Any:
     from services.coordinator.client import CoordinatorClient
 
-    return CoordinatorClient(args.address, token=args.token, application=args.application, timeout_s=args.timeout)
+    return CoordinatorClient(args.address, token=args.token, application=args.application, timeout_s=args.timeout,
+                             tls=args.tls, ca_file=args.ca_file)
 
 
 def _status_dict(resp: Any) -> dict[str, Any]:
@@ -401,6 +412,13 @@ def _bench(args: argparse.Namespace) -> int:
         from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
 
         result = run_trainer_benchmark(steps=args.steps, batch_size=args.batch_size, threads=args.threads or None)
+    elif args.bench_command == "e2e":
+        from meshrl.bench.e2e import run_benchmark as run_e2e
+
+        result = run_e2e(
+            overrides=list(args.overrides), target=args.target_reward, window=args.window,
+            modes=tuple(m for m in args.modes.split(",") if m), baseline=not args.no_baseline, out_dir=args.run_root,
+        )
     elif args.bench_command == "rollout":
         from meshrl.bench.rollout import run_benchmark as run_rollout
 

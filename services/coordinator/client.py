@@ -25,10 +25,14 @@ class CoordinatorClient:
         application: str | None = None,
         timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: bool = False,
+        ca_file: str | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = create_channel(address, max_message_bytes=max_message_bytes)
+        roots = open(ca_file, "rb").read() if ca_file else None
+        self._channel = create_channel(address, max_message_bytes=max_message_bytes, tls=tls or roots is not None,
+                                       root_certificates=roots)
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         route = [("application", application)] if application else []
         self._md = tuple(route)

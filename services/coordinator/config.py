@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.config.base import ConfigModel
 
@@ -26,9 +26,20 @@ class CoordinatorConfig(ConfigModel):
     token: str | None = None
     """Bearer token for control RPCs (Pause, Resume, SetStaleness, RequestCheckpoint, Stop,
     CommitVersion, ResumeTrainer); falls back to the MESHRL_TOKEN environment variable."""
+    tls_cert_file: str | None = None
+    """PEM certificate chain of the plain gRPC server; with `tls_key_file` the server speaks TLS only.
+    (Under Ray Serve, TLS is terminated in front of Serve's ingress.)"""
+    tls_key_file: str | None = None
+    """PEM private key matching `tls_cert_file`."""
     max_groups_per_call: int = Field(default=1024, ge=1)
     """Upper bound on groups in one LeasePrompts/SubmitGroups call."""
     max_message_mb: int = Field(default=64, ge=1)
     """gRPC message size limit (both directions)."""
     max_response_tokens: int = Field(default=1 << 20, ge=1)
     """Sanity bound on tokens per submitted response."""
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> CoordinatorConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both coordinator.tls_cert_file and coordinator.tls_key_file (or neither)")
+        return self

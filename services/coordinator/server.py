@@ -29,7 +29,15 @@ class CoordinatorServer:
         self.server = create_server(max_message_bytes=cfg.coordinator.max_message_mb * MiB)
         coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = self.server.add_insecure_port(f"{cfg.coordinator.host}:{cfg.coordinator.port}")
+        bind = f"{cfg.coordinator.host}:{cfg.coordinator.port}"
+        c = cfg.coordinator
+        if c.tls_cert_file and c.tls_key_file:
+            import grpc
+
+            creds = grpc.ssl_server_credentials([(Path(c.tls_key_file).read_bytes(), Path(c.tls_cert_file).read_bytes())])
+            self.port = self.server.add_secure_port(bind, creds)
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"cannot bind {cfg.coordinator.host}:{cfg.coordinator.port}")
 

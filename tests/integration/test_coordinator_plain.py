@@ -107,3 +107,31 @@ def test_coordinator_serve_cli_process(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="needs the openssl CLI for a test certificate")
+def test_tls_and_token_on_the_plain_server(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    cfg = load_config(None, [*OVERRIDES, "coordinator.host=localhost", f"coordinator.tls_cert_file={cert}",
+                             f"coordinator.tls_key_file={key}", "coordinator.token=t0k"])
+
+    async def main() -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        try:
+            async with CoordinatorClient(server.address, ca_file=str(cert), token="t0k") as c:
+                await c.pause()  # TLS + token
+                assert (await c.status()).paused
+            async with CoordinatorClient(server.address, timeout_s=3) as plain:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await plain.status()  # plaintext to a TLS port: refused
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
