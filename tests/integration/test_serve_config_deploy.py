@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         left = _pids_naming(str(temp_dir))
         for pid in left:  # ours by construction: they name this test's temp dir
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"Ray processes left behind: {left}"
 
 
