@@ -1,6 +1,7 @@
 """`meshrl` command line: run, plan, deploy and operate a mesh.
 
     meshrl plan CONFIG [overrides] [--json]
+    meshrl serve-config [CONFIG] [overrides] [--run-dir DIR] > serve.yaml   (then `serve deploy serve.yaml`)
     meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR]
     meshrl reward serve [CONFIG] [overrides] [--host H] [--port P]
     meshrl param-server serve [CONFIG] [overrides] [--run-dir DIR]
@@ -79,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async_training.mode (default: the config's)")
     p.add_argument("--resume", default=None, help="continue RUN_DIR from its last checkpoint (queue intact)")
     p.add_argument("--no-report", action="store_true", help="skip report.html")
+
+    p = sub.add_parser("serve-config", help="print a Ray Serve config (serve deploy / serve run) for a cluster")
+    _config_args(p)
+    p.add_argument("--run-dir", default=None,
+                   help="run directory on a filesystem every node mounts (default: ./runs/<experiment>-<mode>-<time>, absolute)")
+    p.add_argument("--mode", choices=["fully_async", "one_step_off", "sync"], default=None,
+                   help="async_training.mode (default: the config's)")
 
     p = sub.add_parser("report", help="rebuild report.html and plots from run directories (overlaid)")
     p.add_argument("run_dirs", nargs="+", help="run directories")
@@ -192,6 +200,21 @@ def _train(args: argparse.Namespace) -> int:
                                                "reward_last_10pct", "max_staleness_seen", "audit")}, indent=2))
     print(f"report: {Path(summary['run_dir']) / 'report.html'}")
     return 0 if summary["audit"]["balanced"] else 4
+
+
+@_command("serve-config")
+def _serve_config(args: argparse.Namespace) -> int:
+    import shlex
+
+    from meshrl.serve_config import serve_config
+    from services.common.logging import configure_logging
+
+    configure_logging("cli", json=False, level="WARNING")  # stderr: stdout is the YAML
+    config, overrides = _split_config_and_overrides(args)
+    command = shlex.join(["meshrl", "serve-config", *sys.argv[2:]]) if sys.argv[1:2] == ["serve-config"] else "meshrl serve-config"
+    sys.stdout.write(serve_config(config, overrides, run_dir=Path(args.run_dir) if args.run_dir else None,
+                                  mode=args.mode, command=command))
+    return 0
 
 
 @_command("report")

@@ -166,12 +166,18 @@ def build_app(
     scorer: Scorer | None = None,
     fetcher_factory: FetcherFactory | None = None,
 ) -> Any:
-    """The rollout application, ready for serve.run. Also the serve-config `import_path` target,
-    called there with args = {config: dict} (then the reward service and the param server are
-    found from the config: rollout_worker.reward_application / param_server address)."""
+    """The rollout application, ready for serve.run. Called with args = {config: dict} (then the
+    reward service and the param server are found from the config: rollout_worker.reward_application
+    / param_server address). `app_builder` is the serve-config `import_path` target."""
     if isinstance(cfg, dict):
         cfg = MeshConfig.model_validate(cfg["config"] if "config" in cfg else cfg)
     dep = serve.deployment(name="Rollout", **deployment_options(cfg.serve.rollout))(RolloutDeployment)
     return dep.bind(  # type: ignore[attr-defined]
         cfg.model_dump(mode="json"), reward_handle=reward_handle, scorer=scorer, fetcher_factory=fetcher_factory
     )
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """The serve-config `import_path` target: Serve calls builders with exactly one argument,
+    args = {config: dict, run_dir?: str}."""
+    return build_app(args)

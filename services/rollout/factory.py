@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from typing import Any
 
 from meshrl.v1 import common_pb2
 from services.common.config import MeshConfig
 from services.common.errors import ConfigError
+from services.common.logging import get_logger
 
 from .engines import RolloutEngine, get_engine_cls
 from .weights import WeightFetcher
 from .worker import Coordinator, RolloutWorker, Scorer, WorkerSettings
+
+log = get_logger(__name__)
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -123,12 +128,45 @@ def default_scorer(cfg: MeshConfig) -> Scorer | None:
 
         return RewardClient(w.reward_address, application=w.reward_application)  # type: ignore[return-value]
     if w.reward_application:
+        return AppHandleScorer(w.reward_application)
+    return None
+
+
+class AppHandleScorer:
+    """A HandleScorer to the Serve application `app`, looked up at the first call and retried
+    while the application is not deployed yet (the apps of one `serve deploy` start together).
+    Past `wait_s` the call fails like any scorer error: the group's lease goes back."""
+
+    def __init__(self, app: str, wait_s: float = 600.0) -> None:
+        self.app = app
+        self.wait_s = wait_s
+        self._scorer: Any = None
+        self._lock = asyncio.Lock()
+
+    async def __call__(self, items: list[Any]) -> list[Any]:
+        if self._scorer is None:
+            async with self._lock:
+                if self._scorer is None:
+                    self._scorer = await self._resolve()
+        return await self._scorer(items)  # type: ignore[no-any-return]
+
+    async def _resolve(self) -> Any:
         from ray import serve
+        from ray.serve.exceptions import RayServeException
 
         from services.reward.client import HandleScorer
 
-        return HandleScorer(serve.get_app_handle(w.reward_application))
-    return None
+        deadline = time.monotonic() + self.wait_s
+        delay = 0.5
+        while True:
+            try:
+                return HandleScorer(serve.get_app_handle(self.app))
+            except RayServeException as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("reward_app_not_up_yet", application=self.app, retry_in_s=delay, error=str(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
 
 def default_fetcher(cfg: MeshConfig, replica_id: str) -> WeightFetcher | None:

@@ -19,6 +19,9 @@ class TrainerServiceConfig(ConfigModel):
     """Serve application name when the coordinator sits behind Serve's gRPC ingress with other apps."""
     coordinator_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline of one coordinator call (FetchBatch adds its own wait)."""
+    coordinator_wait_s: float = Field(default=600.0, ge=0)
+    """How long the trainer's first call (ResumeTrainer) is retried while the coordinator is not
+    up yet (the apps of one `serve deploy` start together); 0: fail at once."""
     fetch_timeout_ms: int = Field(default=5_000, ge=0, le=600_000)
     """How long one FetchBatch waits for groups before returning what is queued (the loop then
     fetches again; operator requests are checked between fetches)."""

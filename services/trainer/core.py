@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
 import torch
 
 from meshrl.v1 import common_pb2, coordinator_pb2
@@ -44,6 +45,9 @@ from .group import TrainGroup
 from .publisher import WeightPublisher
 
 log = get_logger(__name__)
+
+# Codes of a coordinator that is not up yet (see TrainerLoop._resume_trainer).
+_NOT_UP_YET = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class CoordinatorLike(Protocol):
@@ -110,6 +114,9 @@ class LoopSettings:
     seed: int = 42
     hf_export_dir: Path | None = None
     """Where the final policy is written as a Hugging Face checkpoint when the run ends; None: not."""
+    coordinator_wait_s: float = 600.0
+    """How long ResumeTrainer is retried while the coordinator is not up yet (unreachable, or its
+    Serve application not deployed yet); 0: fail at once."""
 
 
 @dataclass
@@ -214,13 +221,31 @@ class TrainerLoop:
             self.pending_filtered = list(state.pending_filtered)
             self.last_checkpoint_step, self.last_checkpoint_path = state.step, str(path)
             log.info("trainer_resumed_from_checkpoint", path=str(path), step=self.step)
-        resp = await self.coordinator.resume_trainer(self.s.trainer_id, self.step)
+        resp = await self._resume_trainer()
         self.policy_version = resp.policy_version
         log.info("trainer_started", step=self.step, policy_version=self.policy_version, requeued=resp.requeued)
         if path is not None or resp.policy_version > 0:
             await self._publish()  # rollouts move to the weights training continues from
         elif not self.s.bypass_mode:
             await self.group.snapshot_proximal()
+
+    async def _resume_trainer(self) -> coordinator_pb2.ResumeTrainerResponse:
+        """ResumeTrainer, retried with backoff while the coordinator is not up: the apps of one
+        `serve deploy` start together, and the gRPC ingress answers NOT_FOUND for an application
+        not deployed yet (UNAVAILABLE before a proxy listens, DEADLINE_EXCEEDED while it starts)."""
+        deadline = time.monotonic() + self.s.coordinator_wait_s
+        delay = 0.5
+        while True:
+            try:
+                return await self.coordinator.resume_trainer(self.s.trainer_id, self.step)
+            except grpc.RpcError as exc:
+                code = exc.code()  # type: ignore[attr-defined]
+                if code not in _NOT_UP_YET or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("coordinator_not_up_yet", code=code.name, retry_in_s=delay,
+                            hint="waiting for the coordinator (trainer_service.coordinator_wait_s)")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
     async def _finish(self) -> None:
         if self._since_publish > 0:

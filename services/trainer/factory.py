@@ -127,6 +127,7 @@ def loop_settings(cfg: MeshConfig, run_dir: str | os.PathLike[str], size: int | 
         resume_from_path=cfg.trainer.resume_from_path,
         seed=cfg.trainer.seed,
         hf_export_dir=Path(run_dir) / ts.hf_export_dir if ts.hf_export_dir else None,
+        coordinator_wait_s=ts.coordinator_wait_s,
     )
 
 

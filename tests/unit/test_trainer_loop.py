@@ -241,3 +241,49 @@ def test_exhausted_data_trains_the_last_partial_batch(tmp_path: Path) -> None:
     _run(loop)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["training/groups"] for x in lines] == [2, 1]
+
+
+class _NotUpYet(FakeCoordinator):
+    """ResumeTrainer answers with `codes` (one per call) before the coordinator is up."""
+
+    def __init__(self, codes: list[Any]) -> None:
+        super().__init__()
+        self.codes = list(codes)
+
+    async def resume_trainer(self, trainer_id: str, checkpoint_step: int) -> Any:
+        import grpc
+
+        if self.codes:
+            code = self.codes.pop(0)
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="not up yet")
+        return await super().resume_trainer(trainer_id, checkpoint_step)
+
+
+def test_first_resume_trainer_waits_for_a_coordinator_that_is_not_up_yet(tmp_path: Path) -> None:
+    import grpc
+
+    # Serve's ingress answers NOT_FOUND before the coordinator app is deployed, UNAVAILABLE before
+    # a proxy listens: the loop retries instead of failing the replica.
+    coord = _NotUpYet([grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE])
+    _fill(coord, 2)
+    algo, _ = fake_algorithm()
+    loop = TrainerLoop(_settings(tmp_path), _group(), coord, InProcessPublisher(), algo)
+    _run(loop)
+    assert loop.state == "finished" and coord.resumes == [0] and not coord.codes
+
+
+@pytest.mark.parametrize(("codes", "wait_s"), [
+    (["PERMISSION_DENIED"], 600.0),  # a real answer, not a coordinator that is starting
+    (["UNAVAILABLE"], 0.0),  # trainer_service.coordinator_wait_s=0: fail at once
+])
+def test_resume_trainer_fails_on_other_codes_or_when_the_wait_is_over(
+    tmp_path: Path, codes: list[str], wait_s: float
+) -> None:
+    import grpc
+
+    coord = _NotUpYet([getattr(grpc.StatusCode, c) for c in codes])
+    algo, _ = fake_algorithm()
+    loop = TrainerLoop(_settings(tmp_path, coordinator_wait_s=wait_s), _group(), coord, InProcessPublisher(), algo)
+    with pytest.raises(grpc.RpcError):
+        _run(loop)
+    assert loop.state == "failed" and coord.resumes == []

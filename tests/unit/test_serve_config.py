@@ -1,0 +1,195 @@
+"""`meshrl serve-config`: the YAML is a config Ray's `serve deploy` accepts (ServeDeploySchema, and
+every application built the way Serve builds it), wired like `meshrl train`, with the resources
+of `serve.<app>` and the trainer's ranks spelled out. Nothing here starts Ray."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from meshrl.cli import main
+from meshrl.serve_config import APP_IMPORT_PATHS, build_application, build_serve_config, render_yaml
+from meshrl.train import resolve_config
+from services.common.config import MeshConfig
+from services.common.errors import ConfigError
+from services.common.serve_util import SERVICER_FUNCTIONS
+
+DEPLOYMENTS = {"coordinator": "Coordinator", "param_server": "ParamServer", "reward": "Reward",
+               "trainer": "Trainer", "rollout": "Rollout"}
+
+
+def _yaml(tmp_path: Path, *overrides: str) -> tuple[str, dict[str, Any]]:
+    cfg = resolve_config(None, ["serve.grpc_port=9100", "param_server.port=50100", *overrides])
+    run_dir = tmp_path / "run"
+    text = render_yaml(build_serve_config(cfg, run_dir), cfg, run_dir, "meshrl serve-config (test)")
+    return text, yaml.safe_load(text)
+
+
+def _deployment(doc: dict[str, Any], app: str) -> dict[str, Any]:
+    (entry,) = next(a for a in doc["applications"] if a["name"] == app)["deployments"]
+    return entry  # type: ignore[no-any-return]
+
+
+def test_the_yaml_is_a_serve_deploy_config_with_one_routed_app_per_service(tmp_path: Path) -> None:
+    text, doc = _yaml(tmp_path)
+    schema = ServeDeploySchema.model_validate(doc)
+    assert [a.name for a in schema.applications] == list(APP_IMPORT_PATHS)
+    for app in schema.applications:
+        assert app.route_prefix == f"/{app.name}"  # the gRPC ingress only routes to apps with one
+        assert [d.name for d in app.deployments] == [DEPLOYMENTS[app.name]]
+        assert app.runtime_env["env_vars"]["MESHRL_LOG_DIR"] == str(tmp_path / "run" / "logs")
+        # what `serve deploy` does with the entry: import the builder, call it with args (one argument)
+        built = build_application(app.import_path, app.args)
+        assert built._bound_deployment.name == DEPLOYMENTS[app.name]
+    assert schema.grpc_options.port == 9100
+    assert schema.grpc_options.grpc_servicer_functions == SERVICER_FUNCTIONS
+    assert schema.proxy_location.value == "EveryNode"  # services dial 127.0.0.1 on their own node
+    assert schema.logging_config is not None and schema.logging_config.encoding == "JSON"
+    # one config, written once: the other four apps alias it
+    assert text.count("args: &mesh") == 1 and text.count("args: *mesh") == 4
+    assert all(a["args"] == doc["applications"][0]["args"] for a in doc["applications"])
+    # key order readable: the app's identity first, the big config last
+    assert list(doc["applications"][0]) == ["name", "route_prefix", "import_path", "runtime_env", "deployments", "args"]
+    assert list(doc) == ["proxy_location", "http_options", "grpc_options", "logging_config", "applications"]
+
+
+def test_the_config_is_wired_like_meshrl_train(tmp_path: Path) -> None:
+    _, doc = _yaml(tmp_path)
+    args = doc["applications"][0]["args"]
+    assert args["run_dir"] == str(tmp_path / "run")
+    cfg = MeshConfig.model_validate(args["config"])
+    assert cfg.rollout_worker.coordinator_address == "127.0.0.1:9100"
+    assert cfg.rollout_worker.coordinator_application == "coordinator"
+    assert cfg.rollout_worker.reward_application == "reward"
+    assert cfg.trainer_service.coordinator_address == "127.0.0.1:9100"
+    assert cfg.trainer_service.coordinator_application == "coordinator"
+    assert cfg.trainer_service.publisher == "param_server"
+    assert cfg.serve.grpc_port == 9100 and cfg.serve.proxy_location == "EveryNode"
+
+
+def test_replicas_and_resources_come_from_the_serve_sections(tmp_path: Path) -> None:
+    _, doc = _yaml(
+        tmp_path, "serve.rollout.num_replicas=3", "serve.rollout.num_cpus=4", "serve.rollout.resources={NPU: 1}",
+        "serve.reward.num_gpus=0.25", "serve.reward.num_cpus=0.5", "serve.coordinator.num_cpus=2", "serve.trainer.num_cpus=0.5",
+    )
+    ServeDeploySchema.model_validate(doc)
+    rollout = _deployment(doc, "rollout")
+    assert rollout["num_replicas"] == 3
+    assert rollout["ray_actor_options"] == {"num_cpus": 4.0, "resources": {"NPU": 1.0}}
+    assert _deployment(doc, "reward")["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.25}
+    assert _deployment(doc, "coordinator")["ray_actor_options"] == {"num_cpus": 2.0}
+    assert _deployment(doc, "coordinator")["max_ongoing_requests"] == 1024  # the deployment's own choice
+    assert _deployment(doc, "trainer") | {} == {"name": "Trainer", "num_replicas": 1, "max_ongoing_requests": 64,
+                                                 "ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 10.0}
+
+
+def test_rollout_autoscaling_uses_the_in_flight_policy(tmp_path: Path) -> None:
+    text, doc = _yaml(tmp_path, "serve.rollout.autoscaling={min_replicas: 1, max_replicas: 4, target_ongoing_requests: 8}")
+    ServeDeploySchema.model_validate(doc)
+    rollout = _deployment(doc, "rollout")
+    assert "num_replicas" not in rollout
+    auto = rollout["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"], auto["target_ongoing_requests"]) == (1, 4, 8.0)
+    assert auto["policy"] == {"policy_function": "services.rollout.deployment:in_flight_policy"}
+    assert "1..4 (autoscaling)" in text
+
+
+def test_trainer_ranks_are_documented_from_the_trainer_section(tmp_path: Path) -> None:
+    text, doc = _yaml(tmp_path, "trainer.device=npu", "trainer.nnodes=2", "trainer.n_gpus_per_node=8",
+                      "trainer_service.worker_num_cpus=4")
+    assert "16 bundle(s) of" in text and "{CPU: 4, NPU: 1}, strategy PACK" in text
+    assert "trainer ranks 16 x {CPU: 4, NPU: 1}" in text
+    cfg = MeshConfig.model_validate(doc["applications"][0]["args"]["config"])
+    assert (cfg.trainer.device, cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == ("npu", 2, 8)
+    text, _ = _yaml(tmp_path, "trainer.device=cuda", "trainer.n_gpus_per_node=4")
+    assert "trainer ranks 4 x {CPU: 1, GPU: 1}" in text
+
+
+def test_an_explicit_proxy_location_is_kept(tmp_path: Path) -> None:
+    _, doc = _yaml(tmp_path, "serve.proxy_location=HeadOnly")
+    assert doc["proxy_location"] == "HeadOnly"
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("serve.grpc_port=0", "serve.grpc_port"),
+    ("param_server.port=0", "param_server.port"),
+    ("serve.proxy_location=Disabled", "serve.proxy_location"),
+    ("param_server.advertise_address=10.0.0.5:50100", "param_server.host"),
+])
+def test_what_cannot_work_on_a_cluster_is_refused(tmp_path: Path, override: str, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        _yaml(tmp_path, override)
+
+
+def test_a_relative_run_dir_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="absolute"):
+        build_serve_config(resolve_config(None, []), Path("runs/x"))
+
+
+def test_relative_input_paths_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reward.py").write_text("def compute_score(**kw):\n    return 0.0\n")
+    (tmp_path / "model").mkdir()
+    _, doc = _yaml(tmp_path, "custom_reward_function.path=reward.py", "actor_rollout_ref.model.path=model",
+                   "trainer.default_local_dir=ckpt")
+    cfg = MeshConfig.model_validate(doc["applications"][0]["args"]["config"])
+    assert cfg.custom_reward_function.path == str(tmp_path / "reward.py")
+    assert cfg.actor_rollout_ref.model.path == str(tmp_path / "model")
+    assert cfg.trainer.default_local_dir == str(tmp_path / "ckpt")
+
+
+def test_cli_prints_only_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    rc = main(["serve-config", "--run-dir", str(tmp_path / "r"), f"actor_rollout_ref.model.path={model}",
+               "rollout.total_rollout_steps=64"])
+    assert rc == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    ServeDeploySchema.model_validate(doc)
+    assert doc["applications"][0]["args"]["config"]["rollout"]["total_rollout_steps"] == 64
+
+
+def test_the_reward_handle_is_looked_up_when_first_needed_and_waits_for_the_app(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    from meshrl.v1 import reward_pb2
+    from services.rollout.factory import AppHandleScorer
+
+    class Method:
+        async def remote(self, req: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+            return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(item_id=i.item_id, score=1.0) for i in req.items])
+
+    class Handle:
+        score_request = Method()
+
+    lookups: list[str] = []
+
+    def get_app_handle(name: str) -> Handle:
+        lookups.append(name)
+        if len(lookups) < 3:
+            raise RayServeException(f"Application '{name}' does not exist.")
+        return Handle()
+
+    monkeypatch.setattr(serve, "get_app_handle", get_app_handle)
+    scorer = AppHandleScorer("reward")
+    assert lookups == []  # nothing at construction: the reward app may not be deployed yet
+    items = [reward_pb2.ScoreItem(item_id=f"s{i}") for i in range(3)]
+
+    async def both() -> list[Any]:
+        return await asyncio.gather(scorer(items), scorer(items))
+
+    out = asyncio.run(both())
+    assert [[r.score for r in o] for o in out] == [[1.0] * 3, [1.0] * 3]
+    assert lookups == ["reward"] * 3  # two refusals, then one handle shared by both callers
+
+    monkeypatch.setattr(serve, "get_app_handle", lambda name: (_ for _ in ()).throw(RayServeException("no app")))
+    with pytest.raises(RayServeException):
+        asyncio.run(AppHandleScorer("reward", wait_s=0)(items))
