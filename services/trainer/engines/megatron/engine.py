@@ -696,7 +696,10 @@ def _load_dist_opt_param_state(optimizer: Any, states: Any) -> None:
                     for bucket in buckets:
                         for entry in bucket:
                             entry.setdefault("padding", False)
-        sub.load_parameter_state_from_dp_reshardable(st)
+        # It copies into the main params in place; for fp32 models those are views of the
+        # (grad-requiring) model params, which autograd refuses outside no_grad.
+        with torch.no_grad():
+            sub.load_parameter_state_from_dp_reshardable(st)
 
 
 def _DeviceRef(kind: str) -> DeviceInfo:
