@@ -40,6 +40,13 @@ def make_batch(vocab: int, seed: int, b: int = 8, length: int = 23) -> SequenceB
     return SequenceBatch(ids, am, rm, tensors={"advantages": adv})
 
 
+def trim(mb: SequenceBatch) -> SequenceBatch:
+    """The micro-batch cut to its longest sequence (right padding only, so nothing changes for HF)."""
+    n = int(mb.attention_mask.sum(1).max())
+    return SequenceBatch(mb.input_ids[:, :n], mb.attention_mask[:, :n], mb.response_mask[:, :n],
+                         tensors={k: v[:, :n] for k, v in mb.tensors.items()}, seq_tensors=dict(mb.seq_tensors))
+
+
 def loss_fn(fo: ForwardOutput, mb: SequenceBatch, scale: LossScale) -> tuple[torch.Tensor, dict[str, float]]:
     """A token-mean policy-gradient-like loss with an entropy term (exercises both outputs)."""
     mask = mb.response_mask.to(fo.logprobs.device)
@@ -106,6 +113,8 @@ def main() -> None:
     ap.add_argument("--override-optimizer", default="{}", help="JSON for override_optimizer_config")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--ragged", action="store_true",
+                    help="cut each micro-batch to its longest sequence (micro-batches then differ in length)")
     ap.add_argument("--save-dir", default=None, help="also test save_checkpoint/load_checkpoint and save_hf here")
     ap.add_argument("--mesh-config", default=None, help="build the engine from this meshrl config (a recipe miniature)")
     ap.add_argument("--set", action="append", default=[], help="dotted override for --mesh-config")
@@ -178,6 +187,8 @@ def main() -> None:
     per = batch.num_seqs // dp
     shard = batch.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
     micro = [shard.select(list(range(i, min(i + args.micro, per)))) for i in range(0, per, args.micro)]
+    if args.ragged:
+        micro = [trim(mb) for mb in micro]
     results = [engine.train_step(micro, loss_fn) for _ in range(args.steps)]
     after = engine.compute_logprobs(batch)
     proximal = engine.compute_proximal_logprobs(batch) if args.proximal else None

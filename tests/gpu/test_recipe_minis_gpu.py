@@ -23,9 +23,10 @@ OUT = Path(os.environ.get("MESHRL_GPU_OUT", "/tmp/meshrl-gpu"))
 needs2 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
 
-def _mini(recipe: str, tmp: Path, *sets: str) -> dict:
+def _mini(recipe: str, tmp: Path, *sets: str, dtype: str = "float32") -> dict:
     model = tiny_model_dir(MINI_ARCH[recipe], tmp / "model")
-    args = ["--device", "cuda", "--mesh-config", str(MINI_DIR / f"{recipe}.yaml"), "--micro", "1"]
+    args = ["--device", "cuda", "--mesh-config", str(MINI_DIR / f"{recipe}.yaml"), "--micro", "1", "--dtype", dtype]
+    sets = (f"actor_rollout_ref.model.dtype={dtype}", *sets)
     for s in sets:
         args += ["--set", s]
     r = run_worker(model, tmp / f"mini_{recipe}.json", 2, *args)
@@ -36,9 +37,12 @@ def _mini(recipe: str, tmp: Path, *sets: str) -> dict:
 
 @needs2
 def test_mini_recipe1_qwen3_moe_tp2_ep2_offload_recompute_ref(tmp_path: Path) -> None:
-    r = _mini("qwen3_235b_a22b_grpo_megatron_npu", tmp_path)
-    check_equivalence(r, n_micro=8)
-    assert r["ref_logprob_max_abs_diff"] <= 1e-4  # the reference keeps the initial weights
+    """bf16 as in the full recipe: megatron-core's optimizer CPU offload cannot take fp32
+    parameters with the distributed optimizer (the engine config refuses that). Tolerances are
+    the bf16 ones of test_moe_tp2_ep2_bf16 (fp32 reference)."""
+    r = _mini("qwen3_235b_a22b_grpo_megatron_npu", tmp_path, dtype="bfloat16")
+    check_equivalence(r, n_micro=8, logprob_atol=0.1, grad_rtol=0.05, post_atol=0.1)
+    assert r["ref_logprob_max_abs_diff"] <= 0.1  # the reference keeps the initial weights (bf16 vs fp32 HF)
 
 
 @needs2

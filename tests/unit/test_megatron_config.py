@@ -96,3 +96,15 @@ def test_architecture_table_and_local_config(tmp_path) -> None:
     assert local.model_type == "qwen3_moe" and local.num_experts == 4 and local.moe_layers == (True, True)
     with pytest.raises(ConfigError, match="neither a directory"):
         load_arch("Qwen/Qwen9-1T")
+
+
+def test_optimizer_offload_with_fp32_distributed_optimizer_is_refused() -> None:
+    """megatron-core 0.16 cannot offload fp32 parameter shards (non-leaf views); bf16 is fine, and
+    on CPU the engine runs torch AdamW without offload."""
+    from services.trainer.engines.megatron.config import MegatronEngineConfig
+
+    m = MegatronConfig(optimizer_offload=True, use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match=r"optimizer_offload.*model.dtype=bfloat16"):  # pydantic wraps ConfigError
+        MegatronEngineConfig(model_path="/x", device="cuda", dtype="float32", megatron=m)
+    assert MegatronEngineConfig(model_path="/x", device="cuda", dtype="bfloat16", megatron=m).megatron.optimizer_offload
+    assert MegatronEngineConfig(model_path="/x", device="cpu", dtype="float32", megatron=m)

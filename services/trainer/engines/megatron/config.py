@@ -68,6 +68,15 @@ class MegatronEngineConfig(ConfigModel):
                 "actor_rollout_ref.actor.megatron.param_offload moves megatron's parameter buffers, which exist only with "
                 "use_distributed_optimizer=true; enable it or turn param_offload off"
             )
+        if m.optimizer_offload and m.use_distributed_optimizer and self.device != "cpu" and self.dtype == "float32":
+            # megatron-core 0.16 hands fp32 parameters' shards to its CPU-offload optimizer as views
+            # of the parameters (non-leaf tensors), which torch.optim refuses; with bf16/fp16 the
+            # shards are fp32 master copies and offload works.
+            raise ConfigError(
+                "actor_rollout_ref.actor.megatron.optimizer_offload with the distributed optimizer needs bf16/fp16 "
+                "parameters (megatron-core cannot offload fp32 parameter shards); set actor_rollout_ref.model.dtype="
+                "bfloat16 or optimizer_offload=false"
+            )
         tcfg = m.override_transformer_config
         first, last = tcfg.get("num_layers_in_first_pipeline_stage"), tcfg.get("num_layers_in_last_pipeline_stage")
         if (first is not None or last is not None) and m.pipeline_model_parallel_size == 1:

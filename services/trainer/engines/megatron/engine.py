@@ -248,8 +248,10 @@ class MegatronEngine(TrainEngine):
 
     # ---- data --------------------------------------------------------------------------------
 
-    def _inputs(self, mb: SequenceBatch) -> dict[str, torch.Tensor]:
+    def _inputs(self, mb: SequenceBatch, pad_to: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
         ids = mb.input_ids.to(self.device)
+        if pad_to is not None and (pad_to[0] > ids.shape[0] or pad_to[1] > ids.shape[1]):
+            ids = torch.nn.functional.pad(ids, (0, pad_to[1] - ids.shape[1], 0, pad_to[0] - ids.shape[0]))
         b, s = ids.shape
         if self.tcfg.sequence_parallel and s % self.coords.tp_size:
             # SP splits the sequence over TP ranks: pad on the right (causal attention keeps
@@ -268,7 +270,7 @@ class MegatronEngine(TrainEngine):
         """logits [B, L, V/TP] at positions 0..L-1 predict tokens 1..L; shift to the contract's
         alignment (position t holds log p(x_t | x_<t); position 0 is 0)."""
         ids = mb.input_ids.to(logits.device)
-        logits = logits[:, : ids.shape[1]]
+        logits = logits[: ids.shape[0], : ids.shape[1]]
         tp_rank, tp_size = self.coords.tp_rank, self.coords.tp_size
         lp, ent = vocab_parallel_logprobs(
             logits[:, :-1], ids[:, 1:], vocab_start=tp_rank * logits.shape[-1], vocab_size=self.arch.vocab_size,
@@ -345,21 +347,28 @@ class MegatronEngine(TrainEngine):
         return StepResult(grad_norm=grad_norm, lr=lr, metrics=metrics, num_tokens=scale.num_tokens, step=self._step)
 
     def _fit_schedule(self, micro: list[SequenceBatch]) -> list[SequenceBatch]:
-        """The interleaved (VPP) schedule needs at least PP micro-batches: split the largest ones
-        by sequences until there are. Losses are normalised globally (LossScale), so the summed
-        gradient is the same however the sequences are grouped."""
+        """The interleaved (VPP) schedule needs at least PP micro-batches, and megatron refuses a
+        count M whose remainder M % N (N = microbatch_group_size_per_vp_stage, default PP) is
+        neither 0 nor >= PP: split the largest ones by sequences until the count fits. Losses are
+        normalised globally (LossScale), so the summed gradient is the same however the sequences
+        are grouped."""
         pp = self.groups["pp_size"]
-        if len(self.model) == 1 or len(micro) >= pp:
+        group = getattr(self.tcfg, "microbatch_group_size_per_vp_stage", None) or pp
+
+        def fits(m: int) -> bool:
+            return m >= pp and (m % group == 0 or m % group >= pp)
+
+        if len(self.model) == 1 or fits(len(micro)):
             return micro
         micro = list(micro)
-        while len(micro) < pp:
+        while not fits(len(micro)):
             i = max(range(len(micro)), key=lambda j: micro[j].num_seqs)
             mb = micro[i]
             if mb.num_seqs < 2:
                 raise ConfigError(
-                    f"virtual pipeline parallelism needs at least pipeline_model_parallel_size={pp} micro-batches, but "
-                    f"only {sum(m.num_seqs for m in micro)} sequences are on this rank; unset "
-                    "virtual_pipeline_model_parallel_size or give each rank more sequences"
+                    f"virtual pipeline parallelism needs at least pipeline_model_parallel_size={pp} micro-batches "
+                    f"(a multiple of {group}), but only {sum(m.num_seqs for m in micro)} sequences are on this rank; "
+                    "unset virtual_pipeline_model_parallel_size or give each rank more sequences"
                 )
             half = mb.num_seqs // 2
             micro[i : i + 1] = [mb.select(list(range(half))), mb.select(list(range(half, mb.num_seqs)))]
@@ -367,13 +376,21 @@ class MegatronEngine(TrainEngine):
 
     def _run_schedule(self, model: list[torch.nn.Module], micro: list[SequenceBatch], loss_func: Any, forward_only: bool) -> None:
         data = iter(micro)
+        vpp = len(model)
+        pad_to = None
+        if vpp > 1 and self.groups["pp_size"] == 2:
+            # With PP=2 the previous and the next stage are one rank, and megatron 0.16 exchanges
+            # the p2p tensor shapes in one batched call that pairs them in posting order, so the
+            # peer may size an activation buffer with a gradient's shape. Every micro-batch padded
+            # to one shape makes that harmless (the padding rows/columns are cut off again before
+            # the loss, so they get no gradient).
+            pad_to = (max(mb.num_seqs for mb in micro), max(int(mb.input_ids.shape[1]) for mb in micro))
 
         def forward_step(data_iterator: Iterator[SequenceBatch], chunk: torch.nn.Module) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
-            out = chunk(**self._inputs(mb))
+            out = chunk(**self._inputs(mb, pad_to))
             return out, functools.partial(loss_func, mb)
 
-        vpp = len(model)
         iters: Any = [iter(micro) for _ in range(vpp)] if vpp > 1 else data
         seq_len = max(int(mb.input_ids.shape[1]) for mb in micro)
         get_forward_backward_func()(
@@ -669,7 +686,19 @@ def _dist_opt_param_state(optimizer: Any) -> Any:
 def _load_dist_opt_param_state(optimizer: Any, states: Any) -> None:
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
     for sub, st in zip(subs, states, strict=True):
-        if st is not None:
+        if st is None:
+            continue
+        # megatron 0.16's loader skips entries flagged "padding", a flag that only its sharded
+        # (dist-checkpointing) form adds; get_parameter_state_dp_reshardable() holds parameters only.
+        for key, per_dtype in st.items():
+            if isinstance(key, int):
+                for buckets in per_dtype.values():
+                    for bucket in buckets:
+                        for entry in bucket:
+                            entry.setdefault("padding", False)
+        # It copies into the main params in place; for fp32 models those are views of the
+        # (grad-requiring) model params, which autograd refuses outside no_grad.
+        with torch.no_grad():
             sub.load_parameter_state_from_dp_reshardable(st)
 
 

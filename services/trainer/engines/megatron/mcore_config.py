@@ -76,6 +76,13 @@ def transformer_config_kwargs(
         perform_initialization=True,
         # Micro-batches differ in length; PP must then exchange shapes.
         variable_seq_lengths=m.pipeline_model_parallel_size > 1,
+        # The interleaved (VPP) schedule sends to the previous and the next stage in one call. With
+        # PP=2 both are the same rank, and megatron's batched p2p posts send_prev before send_next
+        # on one communicator while the peer posts recv_prev before recv_next: NCCL and gloo match
+        # them in order, so gradients land in activation buffers (grad norms 2000x off, seen on
+        # CUDA and CPU). The unbatched path orders by rank parity over two communicators (what
+        # Megatron-LM uses for VPP: overlap_p2p_comm on, batch_p2p_comm off).
+        batch_p2p_comm=(m.virtual_pipeline_model_parallel_size or 1) <= 1,
         # Gradients are averaged by the engine's loss scaling contract (see engine.train_step).
         calculate_per_token_loss=False,
         # megatron refuses variable_seq_lengths with the allgather dispatcher even for dense
