@@ -170,7 +170,10 @@ class MeshRun:
         # Order: what others call first. serve.run blocks until the replicas are healthy.
         for name, builder in (("coordinator", coordinator_app), ("param_server", param_server_app),
                               ("reward", reward_app), ("trainer", trainer_app), ("rollout", rollout_app)):
-            serve.run(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)
+            try:
+                serve.run(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}\n{name}: {_last_error(self.run_dir, name)}") from None
         log.info("mesh_deployed", apps=list(APPS), grpc=f"127.0.0.1:{self.grpc_port}")
 
     def shutdown(self) -> None:
@@ -302,6 +305,21 @@ class MeshRun:
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def _last_error(run_dir: Path, service: str) -> str:
+    """The last error a service logged in the run directory (the reason a replica did not start)."""
+    for path in sorted((run_dir / "logs").glob(f"{service}.*.jsonl"), key=lambda p: p.stat().st_mtime, reverse=True):
+        for line in reversed(path.read_text().splitlines()):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("level") in ("error", "critical"):
+                exc = rec.get("exception")
+                detail = exc[-1].get("exc_value") if isinstance(exc, list) and exc else rec.get("error")
+                return f"{rec.get('event')}: {detail}" if detail else str(rec.get("event"))
+    return f"no error logged; see {run_dir / 'logs'} and Ray's logs under /tmp/ray/session_latest/logs/serve"
 
 
 def _rewards(run_dir: Path) -> list[float]:

@@ -92,7 +92,7 @@ def init_ray(
     pythonpath = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
     os.environ["PYTHONPATH"] = pythonpath  # a local Ray's raylet and workers inherit it
     env_vars = {"PYTHONPATH": pythonpath, "RAY_USAGE_STATS_ENABLED": "0"}
-    for key in ("MESHRL_LOG_DIR", "MESHRL_LOG_LEVEL", "MESHRL_TOKEN", "MESHRL_CACHE_DIR"):
+    for key in ("MESHRL_LOG_DIR", "MESHRL_LOG_LEVEL", "MESHRL_TOKEN", "MESHRL_CACHE_DIR", "OMP_NUM_THREADS"):
         if os.environ.get(key):
             env_vars[key] = os.environ[key]
     ray.init(
@@ -122,3 +122,36 @@ def start_serve(grpc_port: int, *, http_port: int = 8000, request_timeout_s: flo
         ),
         logging_config={"enable_access_log": False, "log_level": "WARNING"},
     )
+
+
+def log_init_errors(init: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a deployment's (async) `__init__` so a failure is also logged through structlog (into
+    the run directory's logs), not only in Ray's replica log: `meshrl train` reports it."""
+    import functools
+    import inspect
+
+    from services.common.logging import get_logger
+
+    log = get_logger("services.serve")
+
+    if inspect.iscoroutinefunction(init):
+
+        @functools.wraps(init)
+        async def async_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                await init(self, *args, **kwargs)
+            except BaseException as exc:
+                log.error("replica_init_failed", deployment=type(self).__name__, error=f"{type(exc).__name__}: {exc}")
+                raise
+
+        return async_wrapper
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException as exc:
+            log.error("replica_init_failed", deployment=type(self).__name__, error=f"{type(exc).__name__}: {exc}")
+            raise
+
+    return wrapper

@@ -15,7 +15,7 @@ from ray import serve
 from meshrl.v1 import coordinator_pb2
 from services.common.config import MeshConfig
 from services.common.logging import configure_logging
-from services.common.serve_util import grpc_shim
+from services.common.serve_util import grpc_shim, log_init_errors
 
 from .factory import build_servicer
 
@@ -27,6 +27,7 @@ SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
 class CoordinatorDeployment:
     """A thin shim: every RPC goes to CoordinatorServicer (servicer.py)."""
 
+    @log_init_errors
     async def __init__(self, config: dict[str, Any], run_dir: str, run_id: str = "") -> None:  # type: ignore[misc]
         cfg = MeshConfig.model_validate(config)
         configure_logging("coordinator", json=True, run_id=run_id or None)

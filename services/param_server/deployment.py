@@ -23,7 +23,7 @@ from services.common.config import MeshConfig
 from services.common.errors import FailedPrecondition
 from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
-from services.common.serve_util import grpc_shim
+from services.common.serve_util import grpc_shim, log_init_errors
 
 from . import convert
 from .server import ParamServerServer
@@ -39,6 +39,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["ParamServerService"]
 class ParamServerDeployment:
     """Serve replica of the param server. Keep exactly one replica: the store is in its memory."""
 
+    @log_init_errors
     async def __init__(self, config: dict[str, Any], run_dir: str | None = None, run_id: str = "") -> None:  # type: ignore[misc]
         cfg = MeshConfig.model_validate(config)
         configure_logging("param_server", json=True, run_id=run_id or None)

@@ -33,7 +33,7 @@ from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.errors import MeshError
 from services.common.logging import configure_logging, get_logger
-from services.common.serve_util import SERVICER_FUNCTIONS, grpc_shim
+from services.common.serve_util import SERVICER_FUNCTIONS, grpc_shim, log_init_errors
 
 from .factory import build_pipeline
 from .samples import Sample
@@ -81,6 +81,7 @@ class RewardDeployment:
     """One reward replica. gRPC ingress calls `Score` (added by grpc_shim); handles call
     `score_request`, which raises MeshErrors instead of setting a status."""
 
+    @log_init_errors
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = MeshConfig.model_validate(config)
         ctx = serve.get_replica_context()

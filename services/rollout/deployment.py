@@ -25,6 +25,7 @@ from meshrl.v1 import reward_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
+from services.common.serve_util import log_init_errors
 
 from . import factory
 from .servicer import RolloutServicer
@@ -50,6 +51,7 @@ class RolloutDeployment:
     """One rollout replica. Constructor args: the resolved config as a dict, and optionally a
     reward deployment handle (or a scorer callable) and a weight-fetcher factory."""
 
+    @log_init_errors
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         cfg: dict[str, Any],
@@ -116,6 +118,8 @@ class RolloutDeployment:
     async def __del__(self) -> None:
         # Graceful drain: return every unfinished lease so another replica takes the prompts now
         # rather than after coordinator.lease_timeout_s.
+        if not hasattr(self, "worker"):  # the constructor failed: nothing was leased
+            return
         try:
             returned, _ = await asyncio.wait_for(self.worker.stop(finish_in_flight=False), 30)
             log.info("rollout_replica_drained", returned_leases=returned)

@@ -22,7 +22,7 @@ from meshrl.v1 import trainer_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
-from services.common.serve_util import grpc_shim
+from services.common.serve_util import grpc_shim, log_init_errors
 
 from .factory import TrainerParts, build_trainer
 
@@ -37,6 +37,7 @@ class TrainerDeployment:
     """A thin shim over services.trainer.factory.build_trainer; every RPC goes to
     TrainerServicer (servicer.py)."""
 
+    @log_init_errors
     async def __init__(  # type: ignore[misc]  # Serve (Ray actors) awaits an async constructor
         self, config: dict[str, Any], run_dir: str, extras: dict[str, Any] | None = None
     ) -> None:

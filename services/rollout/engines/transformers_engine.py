@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.logging import get_logger
 
 from .base import (
@@ -120,11 +120,14 @@ class TransformersEngine(RolloutEngine):
         from transformers import DynamicCache
 
         kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
-        if kinds - {"DynamicLayer"}:
-            raise ConfigError(
-                f"the transformers rollout engine batches full-attention KV caches only; {type(model).__name__} "
-                f"has {sorted(kinds)} layers: set actor_rollout_ref.rollout.name=vllm for this model"
-            )
+        # Slot refill merges and slices KV caches row by row, which only full-attention layers
+        # allow. Models with other layers (Qwen3.5's gated delta-net state) run in static batches:
+        # a batch is admitted only when the previous one has finished, and finished rows ride
+        # along unused until then. Correct but without refill; vLLM is the fast path for them.
+        self._static = bool(kinds - {"DynamicLayer"})
+        if self._static:
+            log.warning("transformers_engine_static_batching", model=type(model).__name__, layers=sorted(kinds),
+                        hint="no slot refill for non-full-attention caches; actor_rollout_ref.rollout.name=vllm is faster")
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -405,7 +408,7 @@ class TransformersEngine(RolloutEngine):
                 s.queued = False
                 s.out.finish_reason = Finish.ABORT
                 self._waiting.remove(s)
-        self._retire([i for i, s in enumerate(self._rows) if s.req is req], Finish.ABORT)
+        self._retire([i for i, s in enumerate(self._rows) if s.req is req and s.active], Finish.ABORT)
         req.finish_if_complete(self._decode_text)
 
     def _abort_everything(self) -> None:
@@ -431,14 +434,14 @@ class TransformersEngine(RolloutEngine):
 
     def _admit(self) -> None:
         free = self.max_num_seqs - len(self._rows)
-        if free <= 0 or not self._waiting:
+        if free <= 0 or not self._waiting or (self._static and self._rows):
             return
         batch: list[_Seq] = []
         uniques: dict[tuple[int, int], int] = {}
         budget = self.max_num_batched_tokens
         while self._waiting and len(batch) < free:
             s = self._waiting[0]
-            key = (id(s.req), len(s.prompt))
+            key = self._prefill_key(s)
             cost = 0 if key in uniques else len(s.prompt)
             if batch and cost > budget:
                 break
@@ -450,7 +453,7 @@ class TransformersEngine(RolloutEngine):
             batch.append(s)
         prompts: list[list[int]] = [[] for _ in uniques]
         for s in batch:
-            prompts[uniques[(id(s.req), len(s.prompt))]] = s.prompt
+            prompts[uniques[self._prefill_key(s)]] = s.prompt
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -467,18 +470,25 @@ class TransformersEngine(RolloutEngine):
             logits_to_keep=1,
         )
         self._counters["prefills"] += 1
-        select = torch.tensor([uniques[(id(s.req), len(s.prompt))] for s in batch], device=self.device)
-        logits = out.logits[:, -1, :].index_select(0, select)
         new_cache = out.past_key_values
-        for layer in new_cache.layers:
-            layer.keys = layer.keys.index_select(0, select)
-            layer.values = layer.values.index_select(0, select)
-        new_mask = mask.index_select(0, select)
+        if self._static:  # one row per sequence already: nothing to select
+            logits, new_mask = out.logits[:, -1, :], mask
+        else:
+            select = torch.tensor([uniques[self._prefill_key(s)] for s in batch], device=self.device)
+            logits = out.logits[:, -1, :].index_select(0, select)
+            for layer in new_cache.layers:
+                layer.keys = layer.keys.index_select(0, select)
+                layer.values = layer.values.index_select(0, select)
+            new_mask = mask.index_select(0, select)
         for s in batch:
             s.active = True
             s.cached = len(s.prompt)
         self._merge(new_cache, new_mask, batch)
         self._sample_and_advance(logits, list(range(len(self._rows) - len(batch), len(self._rows))))
+
+    def _prefill_key(self, s: _Seq) -> tuple[int, int]:
+        """Samples of one request share a prompt: prefilled once and copied (refill mode only)."""
+        return (id(s), 0) if self._static else (id(s.req), len(s.prompt))
 
     def _merge(self, cache: Any, mask: torch.Tensor, seqs: list[_Seq]) -> None:
         if self._cache is None or not self._rows:
@@ -514,7 +524,12 @@ class TransformersEngine(RolloutEngine):
         for s in rows:
             s.cached += 1
         self._counters["steps"] += 1
-        self._sample_and_advance(out.logits[:, -1, :], list(range(len(rows))))
+        if self._static:
+            live = [i for i, s in enumerate(rows) if s.active]
+            index = torch.tensor(live, device=self.device)
+            self._sample_and_advance(out.logits[:, -1, :].index_select(0, index), live)
+        else:
+            self._sample_and_advance(out.logits[:, -1, :], list(range(len(rows))))
 
     def _sample_and_advance(self, logits: torch.Tensor, row_idx: list[int]) -> None:
         seqs = [self._rows[i] for i in row_idx]
@@ -551,16 +566,8 @@ class TransformersEngine(RolloutEngine):
             return Finish.LENGTH
         return None
 
-    def _retire(self, row_idx: list[int], reason: Finish | None, reasons: dict[int, Finish] | None = None) -> None:
-        if not row_idx:
-            return
-        gone = set(row_idx)
-        for i in row_idx:
-            s = self._rows[i]
-            s.out.finish_reason = reason if reason is not None else (reasons or {})[i]
-            s.active = False
-        keep = [i for i in range(len(self._rows)) if i not in gone]
-        reqs = {id(self._rows[i].req): self._rows[i].req for i in row_idx}
+    def _drop_rows(self, keep: list[int]) -> None:
+        """Keep only rows `keep` of the running batch (cache, mask, rows), trimming shared padding."""
         if keep:
             assert self._mask is not None
             idx = torch.tensor(keep, device=self.device)
@@ -574,6 +581,23 @@ class TransformersEngine(RolloutEngine):
             self._rows = [self._rows[i] for i in keep]
         else:
             self._cache, self._mask, self._rows = None, None, []
+
+    def _retire(self, row_idx: list[int], reason: Finish | None, reasons: dict[int, Finish] | None = None) -> None:
+        if not row_idx:
+            return
+        gone = set(row_idx)
+        for i in row_idx:
+            s = self._rows[i]
+            s.out.finish_reason = reason if reason is not None else (reasons or {})[i]
+            s.active = False
+        reqs = {id(self._rows[i].req): self._rows[i].req for i in row_idx}
+        if self._static:
+            # Rows stay in the batch (a recurrent cache state cannot be sliced out) until every
+            # row of the batch is done; then the batch is dropped whole.
+            if not any(s.active for s in self._rows):
+                self._cache, self._mask, self._rows = None, None, []
+        else:
+            self._drop_rows([i for i in range(len(self._rows)) if i not in gone])
         self._counters["requests_finished"] += sum(
             1 for r in reqs.values() if not any(s.active or s.queued for s in r.seqs)
         )
