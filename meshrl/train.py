@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,7 +166,9 @@ class MeshRun:
                  log_to_driver=False)
         start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if _port_free(self.cfg.serve.http_port)
                     else _free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
-        args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir)}
+        # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
+        args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
+                "session": uuid.uuid4().hex}
         quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
         # Order: what others call first. serve.run blocks until the replicas are healthy.
         for name, builder in (("coordinator", coordinator_app), ("param_server", param_server_app),

@@ -49,6 +49,10 @@ class CoordinatorSettings:
     max_staleness_versions: int | None = None
     keep_delivered_payloads: bool = True
     run_id: str = ""
+    # Which start of the mesh this is (one per `meshrl train` invocation; Serve restarts of the
+    # replica keep it). A Stop belongs to the session that asked for it: a later session that
+    # continues the same ledger (`meshrl train --resume`) starts un-stopped.
+    session: str = ""
 
     def fingerprint(self) -> dict[str, Any]:
         """Facts a ledger must agree with to be continued by this config."""
@@ -162,6 +166,7 @@ class _State:
     staleness_threshold: float = 0.0
     paused: bool = False
     stopping: bool = False
+    stop_session: str = ""
     checkpoint_requested: bool = False
     trainer_step: int = 0
     last_checkpoint_step: int = -1
@@ -244,6 +249,12 @@ class CoordinatorCore:
                 f"ledger {ledger.path} belongs to a run with {state.fingerprint}, but this config gives "
                 f"{settings.fingerprint()}; use the same data and batch settings, or a new coordinator.ledger_path"
             )
+        if state.stopping and state.stop_session != settings.session:
+            # The Stop ended an earlier session (Ctrl-C, `meshrl stop`); this one continues the run.
+            state.stopping = False
+            state.stop_session = ""
+            with ledger.transaction():
+                ledger.save_state(state.to_json())
         self._s = state
         for lease in snap.active_leases:
             self._leases[lease.lease_id] = lease
@@ -630,6 +641,7 @@ class CoordinatorCore:
 
     def stop(self) -> None:
         self._s.stopping = True
+        self._s.stop_session = self.settings.session
         with self.ledger.transaction():
             self._persist()
 

@@ -28,10 +28,13 @@ class CoordinatorDeployment:
     """A thin shim: every RPC goes to CoordinatorServicer (servicer.py)."""
 
     @log_init_errors
-    async def __init__(self, config: dict[str, Any], run_dir: str, run_id: str = "") -> None:  # type: ignore[misc]
+    async def __init__(  # type: ignore[misc]
+        self, config: dict[str, Any], run_dir: str, run_id: str = "", session: str = ""
+    ) -> None:
         cfg = MeshConfig.model_validate(config)
         configure_logging("coordinator", json=True, run_id=run_id or None)
-        self._servicer = build_servicer(cfg, run_dir, run_id)
+        # SESSION: fixed by whoever deploys the app, so a restarted replica keeps a pending Stop.
+        self._servicer = build_servicer(cfg, run_dir, run_id, session)
         self._servicer.start_sweeper()
 
     def check_health(self) -> None:
@@ -45,5 +48,7 @@ class CoordinatorDeployment:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder: args = {config: dict, run_dir: str, run_id?: str}."""
-    return CoordinatorDeployment.bind(args["config"], args["run_dir"], args.get("run_id", ""))  # type: ignore[attr-defined]
+    """Serve application builder: args = {config: dict, run_dir: str, run_id?: str, session?: str}."""
+    return CoordinatorDeployment.bind(  # type: ignore[attr-defined]
+        args["config"], args["run_dir"], args.get("run_id", ""), args.get("session", "")
+    )  # type: ignore[attr-defined]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 from meshrl.v1 import common_pb2
@@ -29,7 +30,10 @@ def ledger_path(cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> Path:
     return Path(cfg.coordinator.ledger_path) if cfg.coordinator.ledger_path else Path(run_dir) / "ledger.sqlite"
 
 
-def build_core(cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "") -> CoordinatorCore:
+def build_core(
+    cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "", session: str = ""
+) -> CoordinatorCore:
+    """SESSION: see CoordinatorSettings.session; empty means a fresh one (this process)."""
     dataset = train_dataset(cfg.data)
     derived = derive(cfg, dataset_size=len(dataset))
     at = cfg.async_training
@@ -42,15 +46,18 @@ def build_core(cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "
         max_staleness_versions=at.max_staleness_versions,
         keep_delivered_payloads=cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable",
         run_id=run_id,
+        session=session or uuid.uuid4().hex,
     )
     prompts = PromptStream(dataset, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     ledger = Ledger(ledger_path(cfg, run_dir), synchronous=cfg.coordinator.ledger_synchronous)
     return CoordinatorCore(settings, prompts, ledger)
 
 
-def build_servicer(cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "") -> CoordinatorServicer:
+def build_servicer(
+    cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "", session: str = ""
+) -> CoordinatorServicer:
     return CoordinatorServicer(
-        build_core(cfg, run_dir, run_id),
+        build_core(cfg, run_dir, run_id, session),
         sampling=sampling_from_config(cfg),
         token=cfg.coordinator.token or os.environ.get("MESHRL_TOKEN") or None,
         max_groups_per_call=cfg.coordinator.max_groups_per_call,

@@ -20,12 +20,14 @@ def make_core(
     lease_timeout_s: float = 10.0,
     eta: int | None = None,
     dataset_size: int = 16,
+    session: str = "s1",
 ) -> CoordinatorCore:
     settings = CoordinatorSettings(
         required_samples=mini_batch,
         staleness_threshold=staleness,
         trigger_parameter_sync_step=trigger,
         prompts_total=total,
+        session=session,
         lease_timeout_s=lease_timeout_s,
         max_staleness_versions=eta,
     )

@@ -230,6 +230,22 @@ def test_pause_and_stop(tmp_path: Path) -> None:
     assert core.fetch("t", 1, 1, 0.0).stop_requested
 
 
+def test_stop_belongs_to_its_session(tmp_path: Path) -> None:
+    db = tmp_path / "l.db"
+    core = make_core(db, session="a")
+    core.stop()
+    core.ledger.close()
+    # A restarted replica of the same session keeps the pending stop...
+    again = make_core(db, session="a")
+    assert again.stopping and again.lease("r", 1, 0.0).limit is LeaseLimit.STOPPING
+    again.ledger.close()
+    # ...a new session continuing the ledger (`meshrl train --resume`) starts un-stopped.
+    resumed = make_core(db, session="b")
+    assert not resumed.stopping and resumed.lease("r", 1, 0.0).leases
+    resumed.ledger.close()
+    assert not make_core(db, session="b").stopping
+
+
 def test_run_exhausts_after_total_prompts(tmp_path: Path) -> None:
     core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=5, dataset_size=3)
     leases = core.lease("r", 100, 0.0).leases
