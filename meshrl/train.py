@@ -256,13 +256,17 @@ class MeshRun:
             if self.cfg.trainer.val_before_train and test_freq > 0:
                 await self._maybe_validate(0)
             progress = await self.poll(client)
+            val_due = 0
             while progress.trainer_state not in ("finished", "failed"):
                 if self._stop_requested:
                     await client.stop()
                     self._stop_requested = False
                 await asyncio.sleep(1.0)
                 progress = await self.poll(client)
-                if test_freq > 0 and progress.policy_version > 0 and progress.policy_version % test_freq == 0:
+                # Every test_freq versions: at the first poll past each multiple (a poll can
+                # miss the exact version while the trainer runs ahead), with the version then live.
+                if test_freq > 0 and progress.policy_version // test_freq > val_due:
+                    val_due = progress.policy_version // test_freq
                     await self._maybe_validate(progress.policy_version)
                 on_progress(progress)
             if test_freq > 0:

@@ -32,8 +32,8 @@ class TrainerConfig(ConfigModel):
     """Checkpoint every N optimizer steps (-1: only at the end and on request)."""
     test_freq: int = -1
     """Validate every N policy versions (-1: never)."""
-    val_before_train: bool = False
-    """Validate the initial policy."""
+    val_before_train: bool = True
+    """Validate the initial policy (when `test_freq` > 0), as verl does by default."""
     default_local_dir: str | None = None
     """Checkpoint directory; null: `<run_dir>/checkpoints`."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
