@@ -86,6 +86,11 @@ def wire(cfg: MeshConfig, grpc_port: int) -> MeshConfig:
     data["trainer_service"].update(coordinator_address=address, coordinator_application="coordinator",
                                    publisher="param_server")
     data["serve"]["grpc_port"] = grpc_port
+    # The param server's data plane is bound on this node (trainer and rollouts dial host:port from
+    # this config): when another run holds the port, take a free one instead of failing to deploy.
+    ps = data["param_server"]
+    if not ps.get("advertise_address") and (not ps["port"] or not _port_free(ps["port"])):
+        ps["port"] = _free_port()
     return MeshConfig.model_validate(data)
 
 

@@ -72,11 +72,26 @@ def create_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     maximum_concurrent_rpcs: int | None = None,
 ) -> grpc.aio.Server:
+    # SO_REUSEPORT off (grpc turns it on by default): a second server on a port in use must fail
+    # to bind, not silently share the port and receive half of another run's connections.
     return grpc.aio.server(
-        options=message_options(max_message_bytes),
+        options=[*message_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         interceptors=list(interceptors),
         maximum_concurrent_rpcs=maximum_concurrent_rpcs,
     )
+
+
+def bind_port(server: grpc.aio.Server, address: str, key: str, credentials: Any = None) -> int:
+    """Bind ADDRESS (host:port, port 0 = any free one); returns the port. A port in use gives an
+    OSError naming the config KEY to change."""
+    try:
+        port = server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot bind {address} ({key}): the port is in use (another run on this node?) or the host "
+                      f"is not local; set {key} to a free port, or 0 for any free one")
+    return port
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> Any:

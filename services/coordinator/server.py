@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.common.config import MeshConfig
-from services.common.grpc_util import MiB, add_health_and_reflection, create_server, set_serving
+from services.common.grpc_util import MiB, add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
 
 from .factory import build_servicer
@@ -35,11 +35,9 @@ class CoordinatorServer:
             import grpc
 
             creds = grpc.ssl_server_credentials([(Path(c.tls_key_file).read_bytes(), Path(c.tls_cert_file).read_bytes())])
-            self.port = self.server.add_secure_port(bind, creds)
+            self.port = bind_port(self.server, bind, "coordinator.port", creds)
         else:
-            self.port = self.server.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"cannot bind {cfg.coordinator.host}:{cfg.coordinator.port}")
+            self.port = bind_port(self.server, bind, "coordinator.port")
 
     @property
     def address(self) -> str:

@@ -13,7 +13,7 @@ import grpc.aio
 
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.config import MeshConfig
-from services.common.grpc_util import add_health_and_reflection, create_server, set_serving
+from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
 
 from . import wire
@@ -83,9 +83,7 @@ class ParamServerServer:
         self.server = create_server(max_message_bytes=self.cfg.max_message_mb * MiB)
         add_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
+        self.port = bind_port(self.server, f"{self.cfg.host}:{self.cfg.port}", "param_server.port")
         self.servicer.address = advertised(self.cfg, self.port)
 
     @property

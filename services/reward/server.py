@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common.config import MeshConfig
-from services.common.grpc_util import add_health_and_reflection, create_server, set_serving
+from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
 
 from .factory import build_pipeline
@@ -26,9 +26,7 @@ class RewardServer:
         self.server = create_server()
         reward_pb2_grpc.add_RewardServiceServicer_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+        self.port = bind_port(self.server, f"{host}:{port}", "--port")
 
     @property
     def address(self) -> str:

@@ -109,6 +109,7 @@ class WorkerCounters:
     tokens_generated: int = 0
     resubmits: int = 0
     weight_updates: int = 0
+    weight_update_failures: int = 0
     last_weight_load_s: float = 0.0
     busy_s: float = 0.0
     """Seconds with at least one leased group in flight (idle ratio = 1 - busy_s / uptime)."""
@@ -148,6 +149,11 @@ class RolloutWorker:
         self._draining = False
         self._stopping = False
         self._run_error: BaseException | None = None
+        # The newest version the coordinator announced, and whether loading it failed: then this
+        # replica leases nothing (it would only make ever staler data) and retries with backoff.
+        self._latest_ref: common_pb2.WeightsRef | None = None
+        self._weights_failed = False
+        self._weights_retry: asyncio.Task[None] | None = None
 
     @property
     def replica_id(self) -> str:
@@ -221,6 +227,8 @@ class RolloutWorker:
     async def stop(self, finish_in_flight: bool = False) -> tuple[int, int]:
         """drain() and stop every loop."""
         result = await self.drain(finish_in_flight)
+        if self._weights_retry is not None:
+            self._weights_retry.cancel()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -234,6 +242,9 @@ class RolloutWorker:
         assert self.coordinator is not None
         backoff = self.s.idle_poll_s
         while not self._draining and not self._stopping:
+            if self._weights_failed:
+                await self._wait_change(5.0)
+                continue
             free = self.s.concurrent_groups - len(self._groups)
             if free <= 0:
                 await self._wait_change(5.0)
@@ -462,10 +473,8 @@ class RolloutWorker:
                         self._stopping = True
                         self._notify()
                     if msg.weights.policy_version > self.engine.version:
-                        try:
-                            await self.update_weights(msg.weights)
-                        except Exception as exc:  # noqa: BLE001 - retried on the next version message
-                            log.error("weight_update_failed", version=msg.weights.policy_version, error=repr(exc))
+                        self._latest_ref = msg.weights
+                        await self._load_latest()
                     # A commit resets the coordinator's staleness budget (and pause/resume changes
                     # what may be leased): wake the lease loop instead of letting it sleep out its
                     # backoff.
@@ -476,6 +485,35 @@ class RolloutWorker:
                 log.warning("watch_versions_broken", code=str(exc.code()))  # type: ignore[attr-defined]
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+    async def _load_latest(self) -> None:
+        """Load the newest announced version; on failure stop leasing and retry in the background."""
+        ref = self._latest_ref
+        if ref is None:
+            return
+        try:
+            await self.update_weights(ref)
+            self._weights_failed = False
+        except Exception as exc:  # noqa: BLE001 - any failure: retried with backoff, leasing paused
+            self.counters.weight_update_failures += 1
+            self._weights_failed = True
+            log.error("weight_update_failed", version=ref.policy_version, error=repr(exc),
+                      hint="this replica leases no prompts until the weights load; retrying")
+            if self._weights_retry is None or self._weights_retry.done():
+                self._weights_retry = asyncio.get_running_loop().create_task(self._retry_weights(), name="rollout-weights")
+        self._notify()
+
+    async def _retry_weights(self) -> None:
+        delay = self.s.idle_poll_s
+        while self._weights_failed and not self._stopping and not self._draining:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+            ref = self._latest_ref
+            if ref is None or ref.policy_version <= self.engine.version:
+                self._weights_failed = False
+                break
+            await self._load_latest()
+        self._notify()
 
     async def update_weights(self, ref: common_pb2.WeightsRef) -> float:
         """pause → fetch → load → resume. Returns the seconds it took (0 for an old version)."""
@@ -510,5 +548,6 @@ class RolloutWorker:
             "groups_in_flight": len(self._groups),
             "paused": self.engine.paused,
             "draining": self._draining,
+            "weights_failed": self._weights_failed,
             **dataclasses.asdict(self.counters),
         }

@@ -218,3 +218,57 @@ def test_continuation_respects_max_tokens_and_a_stop_string_across_the_cut(tok: 
     assert r.finish_reason == common_pb2.FINISH_REASON_STOP
     assert list(r.versions) == [0] * 8 + [1] * 3
     assert r.num_resumes == 1
+
+
+class _FlakyStore:
+    """Fails the first `failures` fetches (a param server that is not there yet), then serves."""
+
+    def __init__(self, store: InMemoryWeightStore, failures: int) -> None:
+        self.store = store
+        self.failures = failures
+        self.calls = 0
+
+    async def fetch(self, ref: common_pb2.WeightsRef) -> Any:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ConnectionError("param server unreachable")
+        async for bucket in self.store.fetch(ref):
+            yield bucket
+
+
+def test_failed_weight_update_stops_leasing_and_retries_until_loaded(tok: Any) -> None:
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
+    coord = FakeCoordinator(_prompts(40), sampling)
+    store = InMemoryWeightStore()
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    flaky = _FlakyStore(store, failures=2)
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        model = build_tiny_model("qwen3", tok, seed=0)
+        engine = TransformersEngine(model, tok, max_num_seqs=4)
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=0.3, renew_interval_s=0.2, concurrent_groups=1)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, flaky, settings)  # type: ignore[arg-type]
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.submitted) >= 2, what="generation under way")
+        coord.push_version(ref)
+        await wait_for(lambda: worker.status()["weights_failed"], what="the first failed update")
+        leased = len(coord.active) + len(coord.submitted)
+        # While the weights cannot load, no new prompt is leased (it would only be staler data).
+        await asyncio.sleep(0.25)
+        seen["leased_while_failed"] = len(coord.active) + len(coord.submitted) - leased
+        await wait_for(lambda: engine.version == 1, what="the retried update")
+        await wait_for(lambda: len(coord.submitted) >= seen_count() + 2, what="leasing resumed")
+        seen["status"] = worker.status()
+        await worker.stop()
+        await engine.close()
+
+    def seen_count() -> int:
+        return int(seen.setdefault("at_load", len(coord.submitted)))
+
+    asyncio.run(scenario())
+    assert seen["leased_while_failed"] == 0
+    assert flaky.calls == 3 and seen["status"]["weight_update_failures"] == 2
+    assert not seen["status"]["weights_failed"]
+    assert coord.submitted[-1].min_policy_version == 1
