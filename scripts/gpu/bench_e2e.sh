@@ -133,10 +133,10 @@ bench() {  # bench NAME CAP_S ARGS...
     --target-reward "$TARGET" --targets "$TARGETS" --out "$OUT/e2e_$name.json" "$@"
 }
 for mode in $MODES; do
-  bench "$mode" $((MAX_TRAIN_S + 150)) --modes "$mode" --no-baseline --max-train-s "$MAX_TRAIN_S"
+  bench "$mode" $((MAX_TRAIN_S + 110)) --modes "$mode" --no-baseline --max-train-s "$MAX_TRAIN_S"
 done
 if [ "$PLAIN_S" -gt 0 ]; then
-  bench plain $((PLAIN_S + 90)) --modes "" --max-train-s "$PLAIN_S"
+  bench plain $((PLAIN_S + 60)) --modes "" --max-train-s "$PLAIN_S"
 fi
 stop_monitors
 
