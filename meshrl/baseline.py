@@ -168,6 +168,7 @@ async def run_baseline(cfg: MeshConfig, model_path: str | Path, scorer: Scorer, 
                 "loss": float(loss.item()), "actor/grad_norm": grad_norm,
                 "timing/gen_s": round(t_gen, 4), "timing/step_s": round(time.monotonic() - t0, 4),
                 "response_length/mean": sum(len(s[0]) for s in samples) / len(samples),
+                "response_length/max": max(len(s[0]) for s in samples),
                 "staleness/mean": 0.0, "staleness/max": 0.0, **metrics,
             }
             records.append(rec)

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ class PretrainSpec:
     """Longest string with `length_tail_alpha` (data.synthetic.max_digits)."""
     warmup_steps: int | None = None
     """Linear learning-rate warm-up over this many steps; null: none."""
+    stop_loss: float | None = None
+    """Stop before `steps` once the mean loss of the last 50 steps is below this: a partly trained
+    warm start, so RL has room to improve (a fully trained copy policy is right ~95% of the time)."""
 
     def key(self) -> str:
         # Fields added later are left out while unset, so earlier checkpoints keep their names.
@@ -49,7 +53,7 @@ class PretrainSpec:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
-_LATER_FIELDS = ("length_tail_alpha", "max_digits", "warmup_steps")
+_LATER_FIELDS = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss")
 
 
 def cache_dir() -> Path:
@@ -93,6 +97,8 @@ def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict
     model.train()
     t0 = time.monotonic()
     loss_val = float("nan")
+    recent: deque[float] = deque(maxlen=50)
+    steps_done = 0
     # A heavy tail would pad most rows of a random batch to its one long string: batch neighbours in
     # length order instead: the window of the sorted examples around a random one (clamped at the
     # ends, so the longest strings are drawn about as often as any other).
@@ -121,11 +127,17 @@ def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict
         opt.step()
         sched.step()
         loss_val = float(loss.item())
+        recent.append(loss_val)
+        steps_done = step + 1
         if step % 50 == 0:
             log.info("pretrain_step", step=step, loss=round(loss_val, 4))
+        if spec.stop_loss is not None and len(recent) == recent.maxlen and sum(recent) / len(recent) < spec.stop_loss:
+            log.info("pretrain_stop_loss", step=step, mean_loss_50=round(sum(recent) / len(recent), 5))
+            break
     model.eval()
     save_pretrained_pair(model.to("cpu"), tok, out_dir)
-    metrics = {"loss": loss_val, "seconds": time.monotonic() - t0}
+    metrics = {"loss": loss_val, "mean_loss_last_50": sum(recent) / max(1, len(recent)), "steps": steps_done,
+               "seconds": time.monotonic() - t0}
     (out_dir / "meshrl_pretrain.json").write_text(json.dumps({"spec": asdict(spec), "metrics": metrics}, indent=2))
     return metrics
 

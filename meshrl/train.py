@@ -87,11 +87,11 @@ def wire(cfg: MeshConfig, grpc_port: int) -> MeshConfig:
     data["trainer_service"].update(coordinator_address=address, coordinator_application="coordinator",
                                    publisher="param_server")
     data["serve"]["grpc_port"] = grpc_port
-    ps = data["param_server"]
-    if ps["port"] and ps["host"] in ("127.0.0.1", "localhost") and not ps.get("advertise_address") \
-            and not _port_free(ps["port"]):
-        # Another run's param server holds the port; gRPC servers bind with SO_REUSEPORT, so ours
-        # would share it and our rollouts would fetch from theirs. Take a free port instead.
+    ps, given = data["param_server"], cfg.param_server
+    if given.port and given.host in ("127.0.0.1", "localhost") and not given.advertise_address \
+            and ("port" not in given.model_fields_set or not _port_free(given.port)):
+        # A loopback param server on the default port (or a held one) gets a free port: gRPC servers
+        # bind with SO_REUSEPORT, so two local runs on 50071 share it and fetch each other's weights.
         ps["port"] = _free_port()
     return MeshConfig.model_validate(data)
 

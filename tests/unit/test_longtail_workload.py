@@ -69,12 +69,13 @@ def test_config_fields_reach_the_dataset_and_bad_values_name_the_field() -> None
 def test_pretrain_key_of_the_example_is_stable_and_the_tail_gets_its_own() -> None:
     base = PretrainSpec()
     # The key the built-in example's cache has always had (fields added later are left out while unset).
-    assert base.key() == PretrainSpec(length_tail_alpha=None, max_digits=None, warmup_steps=None).key()
+    assert base.key() == PretrainSpec(length_tail_alpha=None, max_digits=None, warmup_steps=None, stop_loss=None).key()
     import hashlib
     import json
     from dataclasses import asdict
 
-    old = {k: v for k, v in asdict(base).items() if k not in ("length_tail_alpha", "max_digits", "warmup_steps")}
+    later = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss")
+    old = {k: v for k, v in asdict(base).items() if k not in later}
     assert base.key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
     tail = PretrainSpec(task="copy", digits=4, length_tail_alpha=1.5, max_digits=64)
     assert tail.key() != PretrainSpec(task="copy", digits=4).key()
@@ -164,5 +165,23 @@ def test_wire_moves_the_param_server_off_a_port_another_run_holds() -> None:
         port = held.getsockname()[1]
         cfg = wire(load_config(None, [f"param_server.port={port}"]), 9000)
         assert cfg.param_server.port not in (port, 0)
-    free = wire(load_config(None, []), 9000).param_server.port
-    assert free > 0
+    # The default port is never used as is on loopback; a port the user set and that is free is kept.
+    default = wire(load_config(None, []), 9000).param_server.port
+    assert default > 0
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        mine = probe.getsockname()[1]
+    assert wire(load_config(None, [f"param_server.port={mine}"]), 9000).param_server.port == mine
+
+
+def test_sft_stops_at_the_loss_threshold_and_records_it(tmp_path: Path) -> None:
+    import json
+
+    from meshrl.pretrain import train_sft
+
+    spec = PretrainSpec(task="copy", digits=2, length_tail_alpha=1.5, max_digits=8, steps=200, batch_size=4,
+                        num_examples=64, stop_loss=100.0)
+    metrics = train_sft(spec, tmp_path / "ckpt")
+    assert metrics["steps"] == 50  # the first moment 50 losses exist, their mean is below 100
+    saved = json.loads((tmp_path / "ckpt" / "meshrl_pretrain.json").read_text())
+    assert saved["spec"]["stop_loss"] == 100.0 and saved["metrics"]["steps"] == 50
