@@ -49,6 +49,7 @@ def generate(model: Any, tok: Any, prompts: list[list[int]], *, n: int, temperat
         ids[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
     torch.manual_seed(seed)
+    ids, attn = ids.to(model.device), attn.to(model.device)
     out = model.generate(
         input_ids=ids, attention_mask=attn, do_sample=temperature > 0, temperature=temperature or None,
         top_k=0, top_p=1.0, max_new_tokens=max_tokens, output_logits=True, return_dict_in_generate=True,
@@ -94,7 +95,7 @@ def build_batch(prompts: list[list[int]], samples: list[tuple[list[int], list[fl
 def forward(model: Any, batch: SequenceBatch, temperature: float, with_entropy: bool) -> ForwardOutput:
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float() / temperature
     logp_all = torch.log_softmax(logits[:, :-1], dim=-1)
-    lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    lp = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
     lp[:, 1:] = logp_all.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     lp = lp * batch.response_mask
     ent = None
@@ -106,14 +107,20 @@ def forward(model: Any, batch: SequenceBatch, temperature: float, with_entropy: 
 
 async def run_baseline(cfg: MeshConfig, model_path: str | Path, scorer: Scorer, *, max_steps: int | None = None,
                        metrics_path: Path | None = None,
-                       on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Train on-policy for the run's optimizer steps (or max_steps); returns per-step metrics."""
+                       on_step: Callable[[dict[str, Any]], None] | None = None,
+                       max_wall_s: float | None = None) -> list[dict[str, Any]]:
+    """Train on-policy for the run's optimizer steps (or max_steps, or until a step ends after
+    max_wall_s seconds) on trainer.device; returns per-step metrics."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.common.device import detect, torch_device
 
     actor, algo, r = cfg.actor_rollout_ref.actor, cfg.algorithm, cfg.actor_rollout_ref.rollout
     torch.manual_seed(cfg.trainer.seed)
     tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    device = torch_device(detect(cfg.trainer.device))
+    model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=actor.optim.lr, betas=actor.optim.betas,
                             weight_decay=actor.optim.weight_decay, eps=actor.optim.eps)
     loss_fn = build_loss_fn(actor, algo)
@@ -147,6 +154,7 @@ async def run_baseline(cfg: MeshConfig, model_path: str | Path, scorer: Scorer, 
             batch = build_batch(prompts, samples, rewards, r.n, tok.pad_token_id)
             batch.tensors["advantages"] = compute_advantages(batch, algo)
             num_tokens, num_seqs = loss_scale_counts(batch)
+            batch = batch.to(device)
             model.train()
             output = forward(model, batch, r.temperature, with_entropy=actor.entropy_coeff != 0)
             loss, metrics = loss_fn(output, batch, LossScale(num_tokens=num_tokens, num_seqs=num_seqs, dp_size=1))
@@ -160,6 +168,7 @@ async def run_baseline(cfg: MeshConfig, model_path: str | Path, scorer: Scorer, 
                 "loss": float(loss.item()), "actor/grad_norm": grad_norm,
                 "timing/gen_s": round(t_gen, 4), "timing/step_s": round(time.monotonic() - t0, 4),
                 "response_length/mean": sum(len(s[0]) for s in samples) / len(samples),
+                "response_length/max": max(len(s[0]) for s in samples),
                 "staleness/mean": 0.0, "staleness/max": 0.0, **metrics,
             }
             records.append(rec)
@@ -168,6 +177,8 @@ async def run_baseline(cfg: MeshConfig, model_path: str | Path, scorer: Scorer, 
                 out.flush()
             if on_step:
                 on_step(rec)
+            if max_wall_s is not None and time.monotonic() - t_start >= max_wall_s:
+                break
     finally:
         if out:
             out.close()

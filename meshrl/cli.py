@@ -96,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: the example's)")
     p.add_argument("--task", default="addition", help="synthetic task")
     p.add_argument("--digits", type=int, default=2, help="digits per operand")
+    p.add_argument("--arch", default=None, help="tiny model size: qwen3 (0.8M, default), qwen3_small (25M), qwen3_moe")
+    p.add_argument("--length-tail-alpha", type=float, default=None, help="copy: heavy-tailed lengths (Pareto shape)")
+    p.add_argument("--max-digits", type=int, default=None, help="copy: longest string with --length-tail-alpha")
+    p.add_argument("--lr", type=float, default=None, help="SFT learning rate (default: the example's)")
+    p.add_argument("--batch-size", type=int, default=None, help="SFT batch size (default: the example's)")
+    p.add_argument("--warmup-steps", type=int, default=None, help="linear learning-rate warm-up steps")
+    p.add_argument("--stop-loss", type=float, default=None, help="stop once the mean loss of the last 50 steps is below this")
+    p.add_argument("--device", default="cpu", help="device to train on (cpu, cuda); not part of the cache key")
 
     p = sub.add_parser("plan", help="print the derived run quantities and resource layout; starts nothing")
     _config_args(p)
@@ -167,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--modes", default="fully_async,sync", help="comma list of fully_async, one_step_off, sync")
     pe.add_argument("--no-baseline", action="store_true", help="skip the plain single-process loop")
     pe.add_argument("--run-root", default=None, help="where the runs go (default: a temporary directory)")
+    pe.add_argument("--config", default=None, help="config YAML for all cases (default: the built-in example)")
+    pe.add_argument("--targets", default="", help="comma list of further smoothed rewards to time (besides --target-reward)")
+    pe.add_argument("--max-train-s", type=float, default=None, help="stop each case cleanly this long after its first step")
+    pe.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="combine earlier results (cases merged, ratios recomputed) instead of running")
+    pe.add_argument("--gpu-csv", default=None, help="with --merge: nvidia-smi CSV for per-case GPU utilization")
     pro = bsub.add_parser("rollout", help="tokens/s on a long-tailed mix: engines vs model.generate / bare vLLM")
     pro.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pro.add_argument("--engines", default="transformers,vllm", help="comma list; vllm needs .venv-vllm")
@@ -231,10 +245,12 @@ def _pretrain(args: argparse.Namespace) -> int:
 
     from meshrl.pretrain import PretrainSpec, ensure_pretrained
 
-    spec = PretrainSpec(task=args.task, digits=args.digits)
-    if args.steps is not None:
-        spec = replace(spec, steps=args.steps)
-    print(ensure_pretrained(spec))
+    spec = PretrainSpec(task=args.task, digits=args.digits, length_tail_alpha=args.length_tail_alpha,
+                        max_digits=args.max_digits, warmup_steps=args.warmup_steps, stop_loss=args.stop_loss)
+    for name in ("steps", "arch", "lr", "batch_size"):
+        if getattr(args, name) is not None:
+            spec = replace(spec, **{name: getattr(args, name)})
+    print(ensure_pretrained(spec, device=args.device))
     return 0
 
 
@@ -436,12 +452,18 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = run_trainer_benchmark(steps=args.steps, batch_size=args.batch_size, threads=args.threads or None)
     elif args.bench_command == "e2e":
+        from meshrl.bench.e2e import merge_results
         from meshrl.bench.e2e import run_benchmark as run_e2e
 
-        result = run_e2e(
-            overrides=list(args.overrides), target=args.target_reward, window=args.window,
-            modes=tuple(m for m in args.modes.split(",") if m), baseline=not args.no_baseline, out_dir=args.run_root,
-        )
+        if args.merge:
+            result = merge_results([json.loads(Path(p).read_text()) for p in args.merge], gpu_csv=args.gpu_csv)
+        else:
+            result = run_e2e(
+                overrides=list(args.overrides), target=args.target_reward, window=args.window,
+                modes=tuple(m for m in args.modes.split(",") if m), baseline=not args.no_baseline,
+                out_dir=args.run_root, config=args.config,
+                extra_targets=[float(t) for t in args.targets.split(",") if t.strip()], max_train_s=args.max_train_s,
+            )
     elif args.bench_command == "rollout":
         from meshrl.bench.rollout import run_benchmark as run_rollout
 

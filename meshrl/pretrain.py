@@ -14,6 +14,7 @@ import json
 import os
 import random
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,23 @@ class PretrainSpec:
     lr: float = 3e-3
     seed: int = 0
     num_examples: int = 4096
+    length_tail_alpha: float | None = None
+    """`copy` only: heavy-tailed string lengths (data.synthetic.length_tail_alpha)."""
+    max_digits: int | None = None
+    """Longest string with `length_tail_alpha` (data.synthetic.max_digits)."""
+    warmup_steps: int | None = None
+    """Linear learning-rate warm-up over this many steps; null: none."""
+    stop_loss: float | None = None
+    """Stop before `steps` once the mean loss of the last 50 steps is below this: a partly trained
+    warm start, so RL has room to improve (a fully trained copy policy is right ~95% of the time)."""
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        # Fields added later are left out while unset, so earlier checkpoints keep their names.
+        fields = {k: v for k, v in asdict(self).items() if not (k in _LATER_FIELDS and v is None)}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+_LATER_FIELDS = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss")
 
 
 def cache_dir() -> Path:
@@ -46,7 +61,8 @@ def cache_dir() -> Path:
 
 
 def checkpoint_path(spec: PretrainSpec) -> Path:
-    return cache_dir() / f"tiny-{spec.arch}-{spec.task}{spec.digits}-{spec.key()}"
+    tail = "" if spec.length_tail_alpha is None else "tail"
+    return cache_dir() / f"tiny-{spec.arch}-{spec.task}{spec.digits}{tail}-{spec.key()}"
 
 
 def _sft_examples(records: RecordList, tok: Any) -> list[tuple[list[int], int]]:
@@ -59,8 +75,9 @@ def _sft_examples(records: RecordList, tok: Any) -> list[tuple[list[int], int]]:
     return out
 
 
-def train_sft(spec: PretrainSpec, out_dir: Path) -> dict[str, float]:
-    """Train and save an HF checkpoint (model + tokenizer) to out_dir. Returns final metrics."""
+def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict[str, float]:
+    """Train (on `device`) and save an HF checkpoint (model + tokenizer, fp32) to out_dir. Returns
+    final metrics."""
     import torch
     import torch.nn.functional as F
 
@@ -69,17 +86,30 @@ def train_sft(spec: PretrainSpec, out_dir: Path) -> dict[str, float]:
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
     tok = build_tokenizer()
-    model = build_tiny_model(spec.arch, tok, seed=spec.seed)
+    model = build_tiny_model(spec.arch, tok, seed=spec.seed).to(device)
     # The SFT data uses a seed disjoint from the RL prompts (which use data.synthetic.seed).
-    examples = _sft_examples(
-        synthetic_records(spec.task, spec.num_examples, digits=spec.digits, seed=10_000 + spec.seed, split="sft"), tok
-    )
+    records = synthetic_records(spec.task, spec.num_examples, digits=spec.digits, seed=10_000 + spec.seed, split="sft",
+                                length_tail_alpha=spec.length_tail_alpha, max_digits=spec.max_digits)
+    examples = _sft_examples(records, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+    warmup = spec.warmup_steps or 0
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     model.train()
     t0 = time.monotonic()
     loss_val = float("nan")
+    recent: deque[float] = deque(maxlen=50)
+    steps_done = 0
+    # A heavy tail would pad most rows of a random batch to its one long string: batch neighbours in
+    # length order instead: the window of the sorted examples around a random one (clamped at the
+    # ends, so the longest strings are drawn about as often as any other).
+    by_length = sorted(examples, key=lambda e: len(e[0])) if spec.length_tail_alpha is not None else None
     for step in range(spec.steps):
-        batch = rng.sample(examples, spec.batch_size)
+        if by_length is not None:
+            n = len(by_length)
+            start = min(max(0, rng.randrange(n) - spec.batch_size // 2), n - spec.batch_size)
+            batch = by_length[start : start + spec.batch_size]
+        else:
+            batch = rng.sample(examples, spec.batch_size)
         width = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -88,23 +118,31 @@ def train_sft(spec: PretrainSpec, out_dir: Path) -> dict[str, float]:
             ids[i, : len(seq)] = torch.tensor(seq)
             attn[i, : len(seq)] = 1
             labels[i, n_prompt : len(seq)] = torch.tensor(seq[n_prompt:])
+        ids, labels, attn = ids.to(device), labels.to(device), attn.to(device)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        sched.step()
         loss_val = float(loss.item())
+        recent.append(loss_val)
+        steps_done = step + 1
         if step % 50 == 0:
             log.info("pretrain_step", step=step, loss=round(loss_val, 4))
+        if spec.stop_loss is not None and len(recent) == recent.maxlen and sum(recent) / len(recent) < spec.stop_loss:
+            log.info("pretrain_stop_loss", step=step, mean_loss_50=round(sum(recent) / len(recent), 5))
+            break
     model.eval()
-    save_pretrained_pair(model, tok, out_dir)
-    metrics = {"loss": loss_val, "seconds": time.monotonic() - t0}
+    save_pretrained_pair(model.to("cpu"), tok, out_dir)
+    metrics = {"loss": loss_val, "mean_loss_last_50": sum(recent) / max(1, len(recent)), "steps": steps_done,
+               "seconds": time.monotonic() - t0}
     (out_dir / "meshrl_pretrain.json").write_text(json.dumps({"spec": asdict(spec), "metrics": metrics}, indent=2))
     return metrics
 
 
-def ensure_pretrained(spec: PretrainSpec | None = None) -> Path:
+def ensure_pretrained(spec: PretrainSpec | None = None, *, device: str = "cpu") -> Path:
     """The cached warm-start checkpoint for `spec`, trained now if absent (atomic: written to a
     temporary directory and renamed, so concurrent callers never see a half-written one)."""
     spec = spec or PretrainSpec()
@@ -112,7 +150,7 @@ def ensure_pretrained(spec: PretrainSpec | None = None) -> Path:
     if (path / "meshrl_pretrain.json").exists():
         return path
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    train_sft(spec, tmp)
+    train_sft(spec, tmp, device=device)
     try:
         tmp.rename(path)
     except OSError:  # another process finished first

@@ -71,7 +71,8 @@ def ensure_model(cfg: MeshConfig) -> MeshConfig:
     from meshrl.pretrain import PretrainSpec, ensure_pretrained
 
     syn = cfg.data.synthetic
-    spec = PretrainSpec(task=syn.name, digits=syn.digits) if syn is not None else PretrainSpec()
+    spec = (PretrainSpec(task=syn.name, digits=syn.digits, length_tail_alpha=syn.length_tail_alpha,
+                         max_digits=syn.max_digits) if syn is not None else PretrainSpec())
     path = ensure_pretrained(spec)
     return cfg.model_copy(update={"actor_rollout_ref": cfg.actor_rollout_ref.model_copy(
         update={"model": cfg.actor_rollout_ref.model.model_copy(update={"path": str(path)})})})
@@ -86,29 +87,43 @@ def wire(cfg: MeshConfig, grpc_port: int) -> MeshConfig:
     data["trainer_service"].update(coordinator_address=address, coordinator_application="coordinator",
                                    publisher="param_server")
     data["serve"]["grpc_port"] = grpc_port
-    # The param server's data plane is bound on this node (trainer and rollouts dial host:port from
-    # this config): when another run holds the port, take a free one instead of failing to deploy.
-    ps = data["param_server"]
-    if not ps.get("advertise_address") and (not ps["port"] or not _port_free(ps["port"])):
+    ps, given = data["param_server"], cfg.param_server
+    if given.port and given.host in ("127.0.0.1", "localhost") and not given.advertise_address \
+            and ("port" not in given.model_fields_set or not _port_free(given.port)):
+        # A loopback param server on the default port (or a held one) gets a free port, so that two
+        # local runs never meet on 50071 (before SO_REUSEPORT was turned off they silently shared
+        # it and fetched each other's weights; now the second would fail to bind).
         ps["port"] = _free_port()
     return MeshConfig.model_validate(data)
 
 
 def _free_port() -> int:
+    """A port free on every interface, outside the kernel's ephemeral range and Ray's worker ports
+    (10002-19999): Ray's processes, started after this pick, take ephemeral ports and could grab it
+    before Serve binds it (seen on a 32-core host: the proxy failed to bind its gRPC port)."""
+    import random
     import socket
 
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        if _port_free(port):
+            return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
 def _port_free(port: int) -> bool:
+    """Nothing is bound to PORT on any IPv4 or IPv6 address (Serve's proxy binds [::])."""
     import socket
 
-    with socket.socket() as s:
+    for family, host in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
         try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
+            with socket.socket(family) as s:
+                s.bind((host, port))
+        except OSError as exc:
+            if family == socket.AF_INET6 and exc.errno in (97, 99):  # no IPv6 on this host
+                continue
             return False
     return True
 
@@ -140,8 +155,11 @@ class Progress:
 class MeshRun:
     """One `meshrl train` run: deploy, watch, stop, summarize."""
 
-    def __init__(self, cfg: MeshConfig, run_dir: Path, mode: str) -> None:
+    def __init__(self, cfg: MeshConfig, run_dir: Path, mode: str, *, max_train_s: float | None = None) -> None:
         self.cfg = cfg
+        self.max_train_s = max_train_s
+        self._first_step_seen: float | None = None
+        self._time_stop_sent = False
         self.run_dir = run_dir
         self.mode = mode
         self.started = time.time()
@@ -232,6 +250,7 @@ class MeshRun:
         rec = {
             "time": time.time(), "time_s": round(time.time() - self.started, 3), "replica_id": rid,
             "rollout/idle_ratio": max(0.0, 1.0 - (st["busy_s_now"] - prev["busy_s_now"]) / dt),
+            "rollout/interval_s": dt, "rollout/busy_s": st["busy_s_now"] - prev["busy_s_now"],
             "rollout/tokens_per_s": (st["tokens_generated"] - prev["tokens_generated"]) / dt,
             "rollout/policy_version": st["policy_version"], "rollout/groups_in_flight": st["groups_in_flight"],
             "rollout/weight_load_s": st["last_weight_load_s"],
@@ -268,6 +287,7 @@ class MeshRun:
                     self._stop_requested = False
                 await asyncio.sleep(1.0)
                 progress = await self.poll(client)
+                self._check_time_limit(progress)
                 # Every test_freq versions: at the first poll past each multiple (a poll can
                 # miss the exact version while the trainer runs ahead), with the version then live.
                 if test_freq > 0 and progress.policy_version // test_freq > val_due:
@@ -278,6 +298,18 @@ class MeshRun:
                 await self._maybe_validate(progress.policy_version)
             self.final_status = await client.status()
             return progress
+
+    def _check_time_limit(self, progress: Progress) -> None:
+        """With max_train_s: a clean stop once that many seconds passed since the first step was seen."""
+        if self.max_train_s is None or progress.step <= 0 or self._time_stop_sent:
+            return
+        now = time.time()
+        if self._first_step_seen is None:
+            self._first_step_seen = now
+        elif now - self._first_step_seen >= self.max_train_s:
+            log.warning("time_limit_stop", max_train_s=self.max_train_s, step=progress.step)
+            self._time_stop_sent = True
+            self.request_stop()
 
     async def _maybe_validate(self, version: int) -> None:
         if version in self._val_versions:
@@ -361,8 +393,10 @@ def train(
     resume: Path | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     report: bool = True,
+    max_train_s: float | None = None,
 ) -> dict[str, Any]:
-    """Run a whole job; returns the summary (also written to RUN_DIR/summary.json)."""
+    """Run a whole job; returns the summary (also written to RUN_DIR/summary.json). With
+    max_train_s the run stops cleanly (as on Ctrl-C) that long after its first optimizer step."""
     from services.common.logging import configure_logging
 
     cfg = resolve_config(config, overrides, mode=mode, resume=resume)
@@ -376,7 +410,7 @@ def train(
     port = cfg.serve.grpc_port if cfg.serve.grpc_port and _port_free(cfg.serve.grpc_port) else _free_port()
     cfg = wire(cfg, port)
     write_resolved_config(cfg, run_dir)
-    run = MeshRun(cfg, run_dir.resolve(), mode)
+    run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s)
     try:
         run.deploy()
         loop = asyncio.new_event_loop()
@@ -400,7 +434,10 @@ def train(
         run.shutdown()
     from meshrl.tensorboard import write_tensorboard
 
-    write_tensorboard(run_dir)
+    try:
+        write_tensorboard(run_dir)
+    except ImportError as exc:  # torch.utils.tensorboard needs the tensorboard package
+        log.warning("tensorboard_skipped", error=str(exc), hint="pip install tensorboard")
     if report:
         from meshrl.report import write_report
 

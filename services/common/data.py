@@ -146,9 +146,24 @@ ADDITION_SOURCE = "meshrl/addition"
 COPY_SOURCE = "meshrl/copy"
 
 
-def synthetic_records(name: str, num: int, *, digits: int, seed: int, split: str) -> RecordList:
-    """Prompts with verifiable answers. `addition`: "23+45=" -> "68". `copy`: "copy 3141:" -> "3141".
+def tail_length(rng: random.Random, digits: int, alpha: float, max_digits: int) -> int:
+    """A heavy-tailed length: Pareto(alpha) scaled so the minimum is `digits`, capped at `max_digits`
+    (P(len > x) = (digits / x)^alpha for digits <= x < max_digits)."""
+    u = 1.0 - rng.random()  # (0, 1]
+    return min(max_digits, int(digits * u ** (-1.0 / alpha)))
+
+
+def synthetic_records(
+    name: str, num: int, *, digits: int, seed: int, split: str, length_tail_alpha: float | None = None,
+    max_digits: int | None = None,
+) -> RecordList:
+    """Prompts with verifiable answers. `addition`: "23+45=" -> "68". `copy`: "copy 3141:" -> "3141";
+    with `length_tail_alpha` the copy strings have heavy-tailed lengths (`tail_length`, capped at
+    `max_digits`, default 8 * digits), so the responses do too.
     Train and val use disjoint seeds (split is folded into the seed)."""
+    if length_tail_alpha is not None and name != "copy":
+        raise ConfigError(f"length_tail_alpha applies to the copy task only, not {name!r}")
+    cap = max_digits if max_digits is not None else 8 * digits
     rng = random.Random(f"{name}:{split}:{seed}")
     lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
     records = []
@@ -162,7 +177,8 @@ def synthetic_records(name: str, num: int, *, digits: int, seed: int, split: str
                 )
             )
         elif name == "copy":
-            s = "".join(rng.choice("0123456789") for _ in range(digits))
+            length = digits if length_tail_alpha is None else tail_length(rng, digits, length_tail_alpha, cap)
+            s = "".join(rng.choice("0123456789") for _ in range(length))
             records.append(
                 PromptRecord(
                     prompt_id=f"{split}:{i}", text=f"copy {s}:", data_source=COPY_SOURCE,
@@ -181,7 +197,8 @@ def train_dataset(data_cfg: Any) -> RecordList:
     syn = data_cfg.synthetic
     if syn is None:
         raise ConfigError("no prompt data: set data.train_files or data.synthetic")
-    return synthetic_records(syn.name, syn.num_train, digits=syn.digits, seed=syn.seed, split="train")
+    return synthetic_records(syn.name, syn.num_train, digits=syn.digits, seed=syn.seed, split="train",
+                             length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits)
 
 
 def val_dataset(data_cfg: Any) -> RecordList | None:
@@ -191,4 +208,5 @@ def val_dataset(data_cfg: Any) -> RecordList | None:
     syn = data_cfg.synthetic
     if data_cfg.train_files or syn is None or syn.num_val <= 0:
         return None
-    return synthetic_records(syn.name, syn.num_val, digits=syn.digits, seed=syn.seed, split="val")
+    return synthetic_records(syn.name, syn.num_val, digits=syn.digits, seed=syn.seed, split="val",
+                             length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits)

@@ -55,6 +55,11 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         intermediate_size=384, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
     ),
+    # ~25M parameters: enough work per token for a GPU benchmark (scripts/gpu/bench_e2e.sh).
+    "qwen3_small": dict(
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        intermediate_size=1536, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+    ),
     "qwen3_moe": dict(
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         intermediate_size=256, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
@@ -62,15 +67,18 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Sizes that are not a transformers model_type of their own.
+MODEL_TYPE: dict[str, str] = {"qwen3_small": "qwen3"}
+
 
 def tiny_config(arch: str, vocab_size: int, **overrides: Any) -> Any:
-    """A transformers config for a tiny model of architecture `arch` (qwen3, qwen3_moe)."""
+    """A transformers config for a tiny model of architecture `arch` (qwen3, qwen3_small, qwen3_moe)."""
     from transformers import AutoConfig
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny architecture {arch!r}; use one of {sorted(TINY_CONFIGS)}")
     kwargs = {**TINY_CONFIGS[arch], **overrides, "vocab_size": vocab_size}
-    return AutoConfig.for_model(arch, **kwargs)
+    return AutoConfig.for_model(MODEL_TYPE.get(arch, arch), **kwargs)
 
 
 def build_tiny_model(arch: str = "qwen3", tokenizer: Any = None, *, seed: int = 0, **overrides: Any) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import ConfigModel
 
@@ -22,6 +22,20 @@ class SyntheticTaskConfig(ConfigModel):
     """Digits per operand (addition) or string length (copy)."""
     seed: int = 0
     """Seed of the generator."""
+    length_tail_alpha: float | None = Field(default=None, gt=0)
+    """`copy` only: heavy-tailed string lengths, Pareto with this shape (P(len > x) = (digits / x)^alpha,
+    len >= digits, capped at `max_digits`); null: every string has `digits`."""
+    max_digits: int | None = Field(default=None, ge=1)
+    """Longest string with `length_tail_alpha`; null: 8 * digits."""
+
+    @model_validator(mode="after")
+    def _check_tail(self) -> SyntheticTaskConfig:
+        if self.length_tail_alpha is not None and self.name != "copy":
+            raise ValueError("data.synthetic.length_tail_alpha applies to the copy task only; set data.synthetic.name=copy "
+                             "or length_tail_alpha=null")
+        if self.max_digits is not None and self.max_digits < self.digits:
+            raise ValueError(f"data.synthetic.max_digits={self.max_digits} is below digits={self.digits}; raise it")
+        return self
 
 
 class DataConfig(ConfigModel):
