@@ -79,6 +79,8 @@ async def _cycle(c: CoordinatorClient, batch: int, seconds: float) -> dict[str, 
             grant = await c.lease(f"bench-r{k}", batch)
             if grant.leases:
                 await c.submit(f"bench-r{k}", [_group(lease) for lease in grant.leases])
+            elif grant.limit != coordinator_pb2.LEASE_LIMIT_NONE:
+                raise RuntimeError(f"the bench's run stopped granting leases ({grant.limit}): the numbers would be wrong")
             else:
                 await asyncio.sleep(0.001)
 
@@ -140,7 +142,10 @@ def _bench_overrides(run_dir: str, port: int) -> dict[str, Any]:
         "coordinator.port": port, "actor_rollout_ref.actor.ppo_mini_batch_size": 1024,
         "async_training.staleness_threshold": 1000, "async_training.trigger_parameter_sync_step": 1,
         "rollout.total_rollout_steps": 100_000_000, "actor_rollout_ref.rollout.n": N_RESPONSES,
-        "data.synthetic.num_train": 1000, "coordinator.ledger_path": f"{run_dir}/ledger.sqlite",
+        # 1000 prompts x 1,000,000 epochs: the data never runs out within a measurement (with the
+        # default 10 epochs it did after 10,000 groups, and the rest of the window counted as idle).
+        "data.synthetic.num_train": 1000, "rollout.total_epochs": 1_000_000,
+        "coordinator.ledger_path": f"{run_dir}/ledger.sqlite",
     }
 
 
