@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -183,6 +184,9 @@ class MeshRun:
         from services.rollout.deployment import build_app as rollout_app
         from services.trainer.deployment import build_app as trainer_app
 
+        # Serve's per-application INFO lines ("Application 'x' is ready") would scroll the
+        # progress display away; failures still come through as warnings and errors.
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
         # Logical CPUs for a local Ray: Serve replicas and rank actors reserve CPU shares to be
         # placed, not to be fast; 8 lets the five services fit on a 2-core laptop.
         init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
@@ -210,7 +214,11 @@ class MeshRun:
             serve.delete("rollout")  # replicas return their leases on the way out
         except Exception as exc:  # noqa: BLE001 -- best effort on the way down
             log.warning("rollout_delete_failed", error=str(exc))
-        serve.shutdown()
+        if self.cfg.serve.ray_address:
+            serve.shutdown()  # a cluster we joined: take our applications down, leave Ray up
+        # A local Ray we started goes down whole (every replica with it; the ledger is durable at
+        # each transaction). serve.shutdown() first would kill the controller under this
+        # driver's router, and the raylet prints "actor is dead" errors for its pending calls.
         ray.shutdown()
 
     # ---- watching ------------------------------------------------------------------------------
