@@ -115,7 +115,7 @@ def _deployment_entry(app_name: str, app: Any, cfg: MeshConfig) -> dict[str, Any
     opts: dict[str, Any] = schema.model_dump(mode="json", exclude_unset=True)
     if app_name == "coordinator" and "ray_actor_options" not in opts:
         # The coordinator's builder does not read serve.coordinator: spell it out here.
-        opts["ray_actor_options"] = _actor_options(cfg.serve.coordinator)
+        opts["ray_actor_options"] = cfg.serve.coordinator.ray_actor_options()
     if "logging_config" in opts:
         # A deployment-level logging config hides the global one: keep its access-log choice only.
         opts["logging_config"] = {**_logging_config(), "enable_access_log": opts["logging_config"]["enable_access_log"]}
@@ -123,17 +123,6 @@ def _deployment_entry(app_name: str, app: Any, cfg: MeshConfig) -> dict[str, Any
         opts.pop("num_replicas", None)
     ordered = {k: opts[k] for k in _OPTION_ORDER if k in opts}
     return ordered | {k: v for k, v in opts.items() if k not in ordered}
-
-
-def _actor_options(app: Any) -> dict[str, Any]:
-    actor: dict[str, Any] = {"num_cpus": app.num_cpus}
-    if app.num_gpus:
-        actor["num_gpus"] = app.num_gpus
-    if app.resources:
-        actor["resources"] = dict(app.resources)
-    if app.runtime_env:
-        actor["runtime_env"] = dict(app.runtime_env)
-    return actor
 
 
 def build_application(import_path: str, args: dict[str, Any]) -> Any:

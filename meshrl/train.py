@@ -32,6 +32,7 @@ from typing import Any
 
 from services.common.config import MeshConfig, derive, load_config, write_resolved_config
 from services.common.logging import get_logger
+from services.common.serve_util import free_port, port_is_free
 
 log = get_logger(__name__)
 
@@ -90,43 +91,12 @@ def wire(cfg: MeshConfig, grpc_port: int) -> MeshConfig:
     data["serve"]["grpc_port"] = grpc_port
     ps, given = data["param_server"], cfg.param_server
     if given.port and given.host in ("127.0.0.1", "localhost") and not given.advertise_address \
-            and ("port" not in given.model_fields_set or not _port_free(given.port)):
+            and ("port" not in given.model_fields_set or not port_is_free(given.port)):
         # A loopback param server on the default port (or a held one) gets a free port, so that two
         # local runs never meet on 50071 (before SO_REUSEPORT was turned off they silently shared
         # it and fetched each other's weights; now the second would fail to bind).
-        ps["port"] = _free_port()
+        ps["port"] = free_port()
     return MeshConfig.model_validate(data)
-
-
-def _free_port() -> int:
-    """A port free on every interface, outside the kernel's ephemeral range and Ray's worker ports
-    (10002-19999): Ray's processes, started after this pick, take ephemeral ports and could grab it
-    before Serve binds it (seen on a 32-core host: the proxy failed to bind its gRPC port)."""
-    import random
-    import socket
-
-    for _ in range(200):
-        port = random.randint(20000, 32000)
-        if _port_free(port):
-            return port
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def _port_free(port: int) -> bool:
-    """Nothing is bound to PORT on any IPv4 or IPv6 address (Serve's proxy binds [::])."""
-    import socket
-
-    for family, host in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
-        try:
-            with socket.socket(family) as s:
-                s.bind((host, port))
-        except OSError as exc:
-            if family == socket.AF_INET6 and exc.errno in (97, 99):  # no IPv6 on this host
-                continue
-            return False
-    return True
 
 
 @dataclass
@@ -191,8 +161,8 @@ class MeshRun:
         # placed, not to be fast; 8 lets the five services fit on a 2-core laptop.
         init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
                  log_to_driver=False)
-        start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if _port_free(self.cfg.serve.http_port)
-                    else _free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
+        start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
+                    else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
                 "session": uuid.uuid4().hex}
@@ -415,7 +385,7 @@ def train(
     os.environ["MESHRL_LOG_DIR"] = str((run_dir / "logs").resolve())
     configure_logging("driver", json=False, level=os.environ.get("MESHRL_LOG_LEVEL", "WARNING"))
     cfg = ensure_model(cfg)
-    port = cfg.serve.grpc_port if cfg.serve.grpc_port and _port_free(cfg.serve.grpc_port) else _free_port()
+    port = cfg.serve.grpc_port if cfg.serve.grpc_port and port_is_free(cfg.serve.grpc_port) else free_port()
     cfg = wire(cfg, port)
     write_resolved_config(cfg, run_dir)
     run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s)

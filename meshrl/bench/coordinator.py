@@ -20,6 +20,7 @@ from typing import Any
 
 from meshrl.v1 import common_pb2, coordinator_pb2
 from services.common.config import load_config
+from services.common.serve_util import free_port
 from services.coordinator.client import CoordinatorClient
 
 N_RESPONSES = 4
@@ -161,7 +162,7 @@ def _plain(seconds: float) -> dict[str, Any]:
 
     from services.common.serve_util import repo_root
 
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as d:
         overrides = [f"{k}={v}" for k, v in _bench_overrides(d, port).items()]
         env = {**os.environ, "PYTHONPATH": str(repo_root()), "MESHRL_LOG_LEVEL": "WARNING"}
@@ -181,7 +182,7 @@ def _serve(seconds: float) -> dict[str, Any]:
     from services.common.serve_util import init_ray, start_serve
     from services.coordinator.deployment import build_app
 
-    port, http = _free_port(), _free_port()
+    port, http = free_port(), free_port()
     init_ray(num_cpus=4)
     start_serve(port, http_port=http)
     try:
@@ -193,14 +194,6 @@ def _serve(seconds: float) -> dict[str, Any]:
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_benchmark(seconds: float = 5.0, serve: bool = True) -> dict[str, Any]:

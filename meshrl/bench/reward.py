@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrl.v1 import reward_pb2 as pb
+from services.common.serve_util import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "reward_server" / "server.py"
@@ -46,12 +46,6 @@ def make_items(n: int, seed: int = 0) -> list[pb.ScoreItem]:
         items.append(pb.ScoreItem(item_id=f"q{i}", data_source=DS, response_text=text, ground_truth=str(a + b),
                                   response_token_ids=list(range(len(text) // 4))))
     return items
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def bench_direct(items: list[pb.ScoreItem], seconds: float) -> tuple[dict[str, Any], dict[str, float]]:
@@ -122,7 +116,7 @@ def _endpoint_override(address: str) -> str:
 def _start_example() -> tuple[subprocess.Popen[str], str] | None:
     if not EXAMPLE.is_file():
         return None
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--port", str(port)], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
@@ -184,10 +178,10 @@ def _serve_cases(
     from services.reward.deployment import build_app
 
     out: dict[str, Any] = {}
-    grpc_port = _free_port()
+    grpc_port = free_port()
     init_ray()
     try:
-        start_serve(grpc_port, http_port=_free_port())
+        start_serve(grpc_port, http_port=free_port())
         apps: dict[str, list[str]] = {"serve_grpc": []}
         if external is not None:
             apps["serve_grpc_to_external"] = [_endpoint_override(external)]

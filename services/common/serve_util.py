@@ -79,6 +79,37 @@ def repo_root() -> Path:
     return Path(services.__file__).resolve().parent.parent
 
 
+def free_port() -> int:
+    """A port free on every interface, outside the kernel's ephemeral range and Ray's worker ports
+    (10002-19999): Ray's processes, started after this pick, take ephemeral ports and could grab it
+    before Serve binds it (seen on a 32-core host: the proxy failed to bind its gRPC port)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        if port_is_free(port):
+            return port
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing is bound to PORT on any IPv4 or IPv6 address (Serve's proxy binds [::])."""
+    import socket
+
+    for family, host in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                s.bind((host, port))
+        except OSError as exc:
+            if family == socket.AF_INET6 and exc.errno in (97, 99):  # no IPv6 on this host
+                continue
+            return False
+    return True
+
+
 def init_ray(
     address: str | None = None, *, num_cpus: int | None = None, namespace: str = "meshrl", log_to_driver: bool = True
 ) -> None:

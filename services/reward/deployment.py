@@ -157,13 +157,7 @@ class RewardDeployment:
 
 def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
     """Serve deployment options from a `serve.<app>` section."""
-    actor: dict[str, Any] = {"num_cpus": app.num_cpus}
-    if app.num_gpus:
-        actor["num_gpus"] = app.num_gpus
-    if app.resources:
-        actor["resources"] = dict(app.resources)
-    if app.runtime_env:
-        actor["runtime_env"] = dict(app.runtime_env)
+    actor = app.ray_actor_options()
     opts: dict[str, Any] = {
         "ray_actor_options": actor,
         "max_ongoing_requests": app.max_ongoing_requests,

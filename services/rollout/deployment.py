@@ -140,13 +140,7 @@ def in_flight_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
 
 def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
     """serve.deployment(...) options from serve.rollout."""
-    actor: dict[str, Any] = {"num_cpus": app.num_cpus}
-    if app.num_gpus:
-        actor["num_gpus"] = app.num_gpus
-    if app.resources:
-        actor["resources"] = dict(app.resources)
-    if app.runtime_env:
-        actor["runtime_env"] = dict(app.runtime_env)
+    actor = app.ray_actor_options()
     opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": app.max_ongoing_requests}
     if app.autoscaling is None:
         opts["num_replicas"] = app.num_replicas

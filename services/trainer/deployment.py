@@ -67,13 +67,7 @@ class TrainerDeployment:
 def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
     """Serve options of the trainer replica from `serve.trainer` (always one replica: the rank
     actors take the training devices, the replica only drives them)."""
-    actor: dict[str, Any] = {"num_cpus": app.num_cpus}
-    if app.num_gpus:
-        actor["num_gpus"] = app.num_gpus
-    if app.resources:
-        actor["resources"] = dict(app.resources)
-    if app.runtime_env:
-        actor["runtime_env"] = dict(app.runtime_env)
+    actor = app.ray_actor_options()
     return {"ray_actor_options": actor, "max_ongoing_requests": app.max_ongoing_requests, "num_replicas": 1}
 
 

@@ -109,14 +109,8 @@ def test_coordinator_serve_cli_process(tmp_path: Path) -> None:
         proc.wait(timeout=30)
 
 
-@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="needs the openssl CLI for a test certificate")
-def test_tls_and_token_on_the_plain_server(tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )
+def test_tls_and_token_on_the_plain_server(tmp_path: Path, tls_cert: tuple[Path, Path]) -> None:
+    cert, key = tls_cert
     cfg = load_config(None, [*OVERRIDES, "coordinator.host=localhost", f"coordinator.tls_cert_file={cert}",
                              f"coordinator.tls_key_file={key}", "coordinator.token=t0k"])
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -222,14 +220,8 @@ def test_token_is_sent_and_a_wrong_one_is_named(monkeypatch: pytest.MonkeyPatch)
     asyncio.run(go())
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make a test certificate")
-def test_tls_with_a_private_ca(tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )
+def test_tls_with_a_private_ca(tls_cert: tuple[Path, Path]) -> None:
+    cert, key = tls_cert
 
     async def go() -> None:
         server, port = await example.start_server("127.0.0.1", 0, tls_cert=str(cert), tls_key=str(key))

@@ -42,6 +42,17 @@ class AppDeployConfig(ConfigModel):
     runtime_env: dict[str, Any] = {}
     """Ray runtime_env for the replica."""
 
+    def ray_actor_options(self) -> dict[str, Any]:
+        """Serve's `ray_actor_options` for one replica of this app (unset parts left out)."""
+        actor: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.num_gpus:
+            actor["num_gpus"] = self.num_gpus
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        if self.runtime_env:
+            actor["runtime_env"] = dict(self.runtime_env)
+        return actor
+
 
 class ServeConfig(ConfigModel):
     """Ray Serve options for the mesh."""
