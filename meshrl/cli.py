@@ -212,7 +212,8 @@ def _train(args: argparse.Namespace) -> int:
                         resume=resume, on_progress=view.update, report=not args.no_report)
     print(json.dumps({k: summary[k] for k in ("run_dir", "mode", "steps", "wall_s", "reward_first_10pct",
                                                "reward_last_10pct", "max_staleness_seen", "audit")}, indent=2))
-    print(f"report: {Path(summary['run_dir']) / 'report.html'}")
+    if not args.no_report:
+        print(f"report: {Path(summary['run_dir']) / 'report.html'}")
     return 0 if summary["audit"]["balanced"] else 4
 
 

@@ -138,6 +138,8 @@ class MeshRun:
         self.derived = derive(cfg)
         self._val_versions: set[int] = set()
         self._stop_requested = False
+        self._stop_sent_at: float | None = None
+        self._stop_reported = 0.0
         self.interrupts = 0
         self._rollout_prev: dict[str, dict[str, Any]] = {}
 
@@ -263,8 +265,10 @@ class MeshRun:
                 if self._stop_requested:
                     await client.stop()
                     self._stop_requested = False
+                    self._stop_sent_at = time.monotonic()
                 await asyncio.sleep(1.0)
                 progress = await self.poll(client)
+                self._report_slow_stop(progress)
                 self._check_time_limit(progress)
                 # Every test_freq versions: at the first poll past each multiple (a poll can
                 # miss the exact version while the trainer runs ahead), with the version then live.
@@ -276,6 +280,18 @@ class MeshRun:
                 await self._maybe_validate(progress.policy_version)
             self.final_status = await client.status()
             return progress
+
+    def _report_slow_stop(self, progress: Progress) -> None:
+        """After a stop, say every 30 s what the run still waits for (the trainer's last step
+        and checkpoint, rollouts returning leases) instead of going quiet."""
+        if self._stop_sent_at is None:
+            return
+        waited = time.monotonic() - self._stop_sent_at
+        if waited - self._stop_reported >= 30.0:
+            self._stop_reported = waited
+            log.warning("stop_in_progress", waited_s=round(waited), trainer_state=progress.trainer_state,
+                        step=progress.step, in_flight=progress.in_flight, queued=progress.queued,
+                        hint="the trainer finishes its step and checkpoints; Ctrl-C again aborts")
 
     def _check_time_limit(self, progress: Progress) -> None:
         """With max_train_s: a clean stop once that many seconds passed since the first step was seen."""
@@ -358,6 +374,39 @@ def _rewards(run_dir: Path) -> list[float]:
     return out
 
 
+def _watch(run: MeshRun, on_progress: Callable[[Progress], None]) -> Progress:
+    """Run the watch loop until the trainer finishes. Ctrl-C asks for a clean stop; a second one
+    aborts. SIGINT is handled by the event loop (a callback between steps), never as a
+    KeyboardInterrupt raised wherever the main thread happens to be: one raised inside a gRPC or
+    Serve-handle callback left the future it was completing unresolved, and the watch then waited
+    on it forever after the first Ctrl-C."""
+    import signal
+    import threading
+
+    loop = asyncio.new_event_loop()
+    watch = loop.create_task(run.watch(on_progress))
+
+    def on_sigint() -> None:
+        run.interrupts += 1
+        if run.interrupts > 1:
+            watch.cancel()
+            return
+        log.warning("stopping", hint="press Ctrl-C again to abort without a clean stop")
+        run.request_stop()
+
+    handled = threading.current_thread() is threading.main_thread()
+    if handled:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        return loop.run_until_complete(watch)
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+    finally:
+        if handled:
+            loop.remove_signal_handler(signal.SIGINT)
+        loop.close()
+
+
 def new_run_dir(cfg: MeshConfig, mode: str) -> Path:
     return Path("runs") / f"{cfg.trainer.experiment_name}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -391,23 +440,8 @@ def train(
     run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s)
     try:
         run.deploy()
-        loop = asyncio.new_event_loop()
-        try:
-            watch = loop.create_task(run.watch(on_progress or (lambda p: None)))
-            while True:
-                try:
-                    progress = loop.run_until_complete(asyncio.shield(watch))
-                    break
-                except KeyboardInterrupt:
-                    # Ctrl-C: ask the run to stop cleanly (the trainer checkpoints, rollouts drain).
-                    run.interrupts += 1
-                    if run.interrupts > 1:
-                        raise
-                    log.warning("stopping", hint="press Ctrl-C again to abort without a clean stop")
-                    run.request_stop()
-            summary = run.summarize(progress)
-        finally:
-            loop.close()
+        progress = _watch(run, on_progress or (lambda p: None))
+        summary = run.summarize(progress)
     finally:
         run.shutdown()
     from meshrl.tensorboard import write_tensorboard

@@ -72,8 +72,11 @@ class FakeCoordinator:
     """Hand-written coordinator for unit tests: hands out `prompts` as leases, records submits,
     and lets a test push versions to WatchVersions."""
 
-    def __init__(self, prompts: list[common_pb2.Prompt], sampling: common_pb2.SamplingParams) -> None:
+    def __init__(self, prompts: list[common_pb2.Prompt], sampling: common_pb2.SamplingParams,
+                 current: common_pb2.WeightsRef | None = None) -> None:
         self.prompts = list(prompts)
+        self.current = current or common_pb2.WeightsRef(policy_version=0)
+        self.watch_delay_s = 0.0
         self.sampling = sampling
         self.submitted: list[common_pb2.TrajectoryGroup] = []
         self.returned: list[str] = []
@@ -119,7 +122,8 @@ class FakeCoordinator:
         self._versions.put_nowait(coordinator_pb2.WatchVersionsResponse(weights=ref))
 
     async def watch_versions(self, replica_id: str) -> AsyncIterator[coordinator_pb2.WatchVersionsResponse]:
-        yield coordinator_pb2.WatchVersionsResponse(weights=common_pb2.WeightsRef(policy_version=0))
+        await asyncio.sleep(self.watch_delay_s)
+        yield coordinator_pb2.WatchVersionsResponse(weights=self.current)
         while True:
             yield await self._versions.get()
 

@@ -154,6 +154,10 @@ class RolloutWorker:
         self._latest_ref: common_pb2.WeightsRef | None = None
         self._weights_failed = False
         self._weights_retry: asyncio.Task[None] | None = None
+        # No lease before the first WatchVersions message is handled: a replica that starts on a
+        # live run (a resume, a scale-up, a restart) holds the base model until then, and groups
+        # generated with it would be trained at any staleness.
+        self._synced = False
 
     @property
     def replica_id(self) -> str:
@@ -242,7 +246,7 @@ class RolloutWorker:
         assert self.coordinator is not None
         backoff = self.s.idle_poll_s
         while not self._draining and not self._stopping:
-            if self._weights_failed:
+            if self._weights_failed or not self._synced:
                 await self._wait_change(5.0)
                 continue
             free = self.s.concurrent_groups - len(self._groups)
@@ -475,6 +479,7 @@ class RolloutWorker:
                     if msg.weights.policy_version > self.engine.version:
                         self._latest_ref = msg.weights
                         await self._load_latest()
+                    self._synced = True
                     # A commit resets the coordinator's staleness budget (and pause/resume changes
                     # what may be leased): wake the lease loop instead of letting it sleep out its
                     # backoff.
@@ -549,5 +554,6 @@ class RolloutWorker:
             "paused": self.engine.paused,
             "draining": self._draining,
             "weights_failed": self._weights_failed,
+            "weights_synced": self._synced,
             **dataclasses.asdict(self.counters),
         }

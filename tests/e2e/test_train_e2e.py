@@ -40,6 +40,14 @@ def _rewards(run_dir: Path) -> list[float]:
     return [r["critic/rewards/mean"] for r in recs]
 
 
+def _log_tails(run_dir: Path, lines: int = 15) -> str:
+    parts = []
+    for path in sorted((run_dir / "logs").glob("*.jsonl")):
+        tail = path.read_text().splitlines()[-lines:]
+        parts.append(f"[{path.name}]\n" + "\n".join(line[:400] for line in tail))
+    return "\n".join(parts)
+
+
 def test_example_learns_within_bound_and_balances_the_books(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     steps = 60
@@ -91,7 +99,13 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(tmp_path: Path) -> None:
         time.sleep(0.5)
     assert proc.poll() is None, f"train exited early:\n{proc.communicate()[0][-4000:]}"
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
-    out, _ = proc.communicate(timeout=300)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"no clean stop within 300 s of Ctrl-C.\n--- output:\n{out[-4000:]}\n--- service logs:\n"
+                    f"{_log_tails(run_dir)}")
     assert proc.returncode == 0, out[-4000:]
     first = json.loads((run_dir / "summary.json").read_text())
     assert first["steps"] < steps, "the run finished before the interrupt"
@@ -102,6 +116,10 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(tmp_path: Path) -> None:
     assert second["steps"] == steps
     assert second["audit"]["balanced"], second["audit"]
     assert second["audit"]["issued"] == 32 * steps
+    # The resumed rollouts load the run's weights before leasing (a replica on the base model once
+    # made a group of staleness 11). The resume republishes the checkpoint as a new version, so
+    # groups queued before the stop may count one version more than the usual bound of 1.
+    assert second["max_staleness_seen"] <= 2, second["staleness_histogram"]
     # Every prompt of the run was trained on exactly once over both halves: the ledger has one
     # consumed group per prompt sequence number.
     import sqlite3

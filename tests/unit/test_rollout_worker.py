@@ -272,3 +272,30 @@ def test_failed_weight_update_stops_leasing_and_retries_until_loaded(tok: Any) -
     assert flaky.calls == 3 and seen["status"]["weight_update_failures"] == 2
     assert not seen["status"]["weights_failed"]
     assert coord.submitted[-1].min_policy_version == 1
+
+
+def test_a_replica_joining_a_live_run_loads_the_current_weights_before_leasing(tok: Any) -> None:
+    """A resumed run, a scale-up or a restarted replica starts on the base model while the run is
+    at version 7: not one group may be generated with the base weights (it would be trained at
+    staleness 7), even when the version stream answers late."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=1)
+    store = InMemoryWeightStore()
+    ref = store.publish(7, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    coord = FakeCoordinator(_prompts(6), sampling, current=ref)
+    coord.watch_delay_s = 0.3  # leases would be granted long before the first version message
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        worker, engine = _worker(tok, coord, store)
+        await engine.start()
+        worker.start()
+        await asyncio.sleep(0.15)
+        seen["leased_before_sync"] = len(coord.active) + len(coord.submitted)
+        seen["synced_early"] = worker.status()["weights_synced"]
+        await wait_for(lambda: len(coord.submitted) == 6, what="all groups")
+        await worker.stop()
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert seen["leased_before_sync"] == 0 and not seen["synced_early"]
+    assert {g.min_policy_version for g in coord.submitted} == {7}
