@@ -110,6 +110,9 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+SERVE_ENV_DEFAULTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+
+
 def init_ray(
     address: str | None = None, *, num_cpus: int | None = None, namespace: str = "meshrl", log_to_driver: bool = True
 ) -> None:
@@ -119,6 +122,12 @@ def init_ray(
 
     if ray.is_initialized():
         return
+    if address is None:
+        # Serve gives a new proxy 5 s to come up and then kills it; on a loaded 2-core machine a
+        # fresh worker takes longer than that, and serve.start() then fails with "ProxyActor died
+        # ... killed by ray.kill". A local Ray's processes inherit this environment.
+        for key, value in SERVE_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
     root = str(repo_root())
     pythonpath = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
     os.environ["PYTHONPATH"] = pythonpath  # a local Ray's raylet and workers inherit it
