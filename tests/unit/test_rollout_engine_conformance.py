@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -192,6 +193,42 @@ def test_pause_load_resume_tags_tokens_with_versions(engine: Any, model: Any, to
             await engine.resume()
 
         loop.run(restore())
+
+
+def test_cancelled_callers_leave_the_engine_serving(engine: Any, tok: Any, loop: LoopThread) -> None:
+    """A group task cancelled at any point of generate() (a drain, a lost lease, a replica going
+    down) must not take the engine with it: cancel callers while their requests are being added,
+    queued and decoded, then the engine still answers a full request."""
+
+    async def scenario() -> tuple[list[Any], bool]:
+        busy = asyncio.create_task(
+            engine.generate(GenerationRequest("busy", _prompt(tok), SamplingSpec(max_tokens=120, seed=2)))
+        )
+        await asyncio.sleep(0.05)
+        for i in range(12):
+            t = asyncio.create_task(
+                engine.generate(GenerationRequest(f"cancel-{i}", _prompt(tok, f"{i}+{i}="),
+                                                  SamplingSpec(n=2, max_tokens=60, seed=i)))
+            )
+            # Cancelled at different points of its life: while its request is being added (the
+            # first await), queued, or decoding.
+            await asyncio.sleep(0)
+            if i % 3:
+                await asyncio.sleep(0.004 * i)
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await asyncio.wait_for(busy, 120)
+        # Nothing of the cancelled requests is left behind: abort_all has nothing to wait for.
+        assert await asyncio.wait_for(engine.abort_all(), 30) == {}
+        after = await asyncio.wait_for(
+            engine.generate(GenerationRequest("after", _prompt(tok), SamplingSpec(n=2, max_tokens=16, seed=3))), 120
+        )
+        return after, (await engine.health()).healthy
+
+    outs, healthy = loop.run(scenario())
+    assert healthy
+    assert len(outs) == 2 and all(len(o.token_ids) > 0 for o in outs)
 
 
 def test_health_and_stats(engine: Any, loop: LoopThread) -> None:

@@ -196,10 +196,11 @@ class TransformersEngine(RolloutEngine):
                 gen.manual_seed(seed)
             req.seqs.append(_Seq(req, SampleOutput(index=i), prompt, gen))
         self._requests[request.request_id] = req
-        await self._command("add", req)
         try:
+            await self._command("add", req)
             return await asyncio.shield(req.future)
         except asyncio.CancelledError:
+            # Also when cancelled while the add was queued: the abort follows it in the queue.
             await self._command("abort", request.request_id)
             raise
         finally:
@@ -315,6 +316,11 @@ class TransformersEngine(RolloutEngine):
                 name, arg, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
+            if not fut.set_running_or_notify_cancel():
+                # The awaiting task was cancelled (an aborted group, a drain). The command still
+                # applies, answering no one: a cancelled generate() queues its abort behind its add.
+                fut = concurrent.futures.Future()
+                fut.set_running_or_notify_cancel()
             try:
                 result = self._do(name, arg, fut)
             except Exception as exc:  # noqa: BLE001 - handed back to the awaiting caller
@@ -376,7 +382,8 @@ class TransformersEngine(RolloutEngine):
                 _, _, fut = self._commands.get_nowait()
             except queue.Empty:
                 break
-            fut.set_exception(Unavailable("transformers engine stopped"))
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(Unavailable("transformers engine stopped"))
         for f in self._wait_futures:
             f.set_result(None)
         self._wait_futures.clear()
