@@ -41,6 +41,7 @@ from meshrl.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+from services.common.serve_util import SERVE_ENV_DEFAULTS
 from services.coordinator.client import CoordinatorClient
 from tests.integration.conftest import free_port
 
@@ -59,6 +60,9 @@ def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", MESHRL_LOG_LEVEL="INFO",
                RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=_TOKEN)
+    # As `meshrl train` does for a local Ray: Serve's proxy gets more than 5 s to start on 2 busy cores.
+    for key, value in SERVE_ENV_DEFAULTS.items():
+        env.setdefault(key, value)
     for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
         env.pop(key, None)
     return env
