@@ -37,17 +37,23 @@ async def run_validation(
     sampling = val_sampling(cfg)
     sem = asyncio.Semaphore(concurrency)
 
+    used: list[int] = []
+
     async def one(i: int) -> list[common_pb2.Response]:
         req = rollout_pb2.GenerateRequest(request_id=f"val-v{version}-{i}", sampling=sampling, score=True)
         prompt_to_proto(i, val[i], req.prompt)
         async with sem:
             resp = await handle.Generate.remote(req)
+        used.extend((int(resp.group.min_policy_version), int(resp.group.max_policy_version)))
         return list(resp.group.responses)
 
     responses = [r for rs in await asyncio.gather(*[one(i) for i in range(len(val))]) for r in rs]
+    # policy_version: the version that triggered this validation; the rollout may already hold a
+    # newer one while it answers (the trainer does not wait), so the versions used are recorded too.
     record: dict[str, Any] = {
         "policy_version": version, "time": time.time(), "time_s": round(time.time() - started, 3),
         "val/score": sum(r.reward for r in responses) / max(1, len(responses)), "val/samples": len(responses),
+        "val/weights_version_min": min(used, default=version), "val/weights_version_max": max(used, default=version),
     }
     metric_names = {k for r in responses for k in r.reward_metrics}
     for k in sorted(metric_names):

@@ -75,6 +75,11 @@ def test_example_learns_within_bound_and_balances_the_books(tmp_path: Path) -> N
                 "metrics/rollout.jsonl", "report.html", "plots/reward_by_step.png", "plots/staleness_histogram.png",
                 "hf_export/config.json", "summary.json"):
         assert (run_dir / rel).exists(), rel
+    # Validation at v0 (val_before_train), every 20 versions, and at the end, each saying which
+    # weights actually answered.
+    vals = [json.loads(line) for line in (run_dir / "metrics" / "validation.jsonl").read_text().splitlines()]
+    assert len(vals) >= 4, vals
+    assert all(0 <= v["val/weights_version_min"] <= v["val/weights_version_max"] for v in vals)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run_dir / "checkpoints").iterdir())
     assert {p.name.split(".")[0] for p in (run_dir / "logs").glob("*.jsonl")} >= {
