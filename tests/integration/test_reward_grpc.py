@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +20,7 @@ from meshrl.v1 import reward_pb2 as pb
 from meshrl.v1 import reward_pb2_grpc
 from services.common.config import MeshConfig, load_config
 from services.common.errors import InvalidArgument, Unauthenticated, Unavailable
+from services.common.serve_util import free_port
 from services.reward.client import LocalScorer, RewardClient
 from services.reward.server import RewardServer
 
@@ -30,12 +30,6 @@ _spec = importlib.util.spec_from_file_location("example_reward_server", EXAMPLE)
 assert _spec is not None and _spec.loader is not None
 example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def endpoint_cfg(address: str, *extra: str, data_sources: str = "[openai/gsm8k]") -> MeshConfig:

@@ -5,7 +5,6 @@ healthy, and on shutdown returns its leases so nothing waits for lease expiry.""
 from __future__ import annotations
 
 import gc
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,12 +20,6 @@ from services.coordinator.server import CoordinatorServer
 from tests.rollout_helpers import LoopThread, length_scorer
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture()
