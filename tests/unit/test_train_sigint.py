@@ -5,6 +5,7 @@ callbacks that complete futures (gRPC, Serve handles, other threads) are never c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -32,14 +33,23 @@ class _Run:
     async def watch(self, on_progress: Callable[[Progress], None]) -> Progress:
         loop = asyncio.get_running_loop()
         while True:
-            fut = loop.create_future()
+            fut: asyncio.Future[int] = loop.create_future()
             # A reply completed from another thread, many times a second.
-            threading.Timer(0.001, lambda f=fut: loop.call_soon_threadsafe(f.set_result, 1)).start()
-            self.replies += await asyncio.wait_for(fut, timeout=5)
+            threading.Timer(0.001, _reply, (loop, fut)).start()
+            self.replies += await fut
             on_progress(Progress(step=self.replies))
             if (self.stop_requested_at is not None and self.finish_after_stop_s is not None
                     and time.monotonic() - self.stop_requested_at >= self.finish_after_stop_s):
                 return Progress(step=self.replies, trainer_state="finished")
+
+
+def _reply(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[int]) -> None:
+    def deliver() -> None:
+        if not fut.done():  # cancelled by the abort
+            fut.set_result(1)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed after an abort
+        loop.call_soon_threadsafe(deliver)
 
 
 def _sigint_after(*delays: float) -> None:
