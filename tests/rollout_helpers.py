@@ -70,7 +70,10 @@ async def length_scorer(items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.Sc
 
 class FakeCoordinator:
     """Hand-written coordinator for unit tests: hands out `prompts` as leases, records submits,
-    and lets a test push versions to WatchVersions."""
+    and lets a test push versions to WatchVersions. Stricter than the real one: a lease returned
+    after it was submitted or returned, or submitted after it was returned, fails the call with
+    an AssertionError (the worker must release each lease once). `submit_gate` (when set) holds
+    every SubmitGroups call until the test sets it; `submit_error` makes them fail."""
 
     def __init__(self, prompts: list[common_pb2.Prompt], sampling: common_pb2.SamplingParams,
                  current: common_pb2.WeightsRef | None = None) -> None:
@@ -83,6 +86,9 @@ class FakeCoordinator:
         self.renewed: list[str] = []
         self.lost: set[str] = set()
         self.active: dict[str, common_pb2.Prompt] = {}
+        self.submit_gate: asyncio.Event | None = None
+        self.submit_error: BaseException | None = None
+        self.submits_started = 0
         self._ids = itertools.count()
         self._versions: asyncio.Queue[coordinator_pb2.WatchVersionsResponse] = asyncio.Queue()
 
@@ -103,6 +109,9 @@ class FakeCoordinator:
         return coordinator_pb2.RenewLeasesResponse(renewed=[i for i in lease_ids if i not in self.lost], lost=lost)
 
     async def return_leases(self, replica_id: str, lease_ids: Sequence[str]) -> int:
+        done = {g.lease_id for g in self.submitted} | set(self.returned)
+        twice = [lid for lid in lease_ids if lid in done]
+        assert not twice, f"leases {twice} returned after they were submitted or returned"
         for lid in lease_ids:
             self.prompts.append(self.active.pop(lid))
         self.returned.extend(lease_ids)
@@ -111,6 +120,13 @@ class FakeCoordinator:
     async def submit(
         self, replica_id: str, groups: Sequence[common_pb2.TrajectoryGroup]
     ) -> coordinator_pb2.SubmitGroupsResponse:
+        self.submits_started += 1
+        if self.submit_gate is not None:
+            await self.submit_gate.wait()
+        if self.submit_error is not None:
+            raise self.submit_error
+        back = [g.lease_id for g in groups if g.lease_id in self.returned]
+        assert not back, f"leases {back} submitted after they were returned"
         statuses = []
         for g in groups:
             self.active.pop(g.lease_id, None)

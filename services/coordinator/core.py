@@ -225,6 +225,8 @@ class CoordinatorCore:
         self._leases: dict[str, LeaseRow] = {}
         # (deadline, prompt seq, lease id): ties break on seq so expiry order is reproducible
         self._deadlines: list[tuple[float, int, str]] = []
+        # lease id -> seq of leases that expired or were returned: a late answer is still taken
+        # while the prompt waits for re-issue (see submit)
         self._expired: dict[str, int] = {}
         self._refused: set[str] = set()
         self._submitted: set[str] = set()
@@ -379,13 +381,16 @@ class CoordinatorCore:
 
     def return_leases(self, replica_id: str, lease_ids: list[str], now: float) -> int:
         """Give active leases back unanswered; their prompts go to the head of the retry queue
-        order (FIFO among retries). Unknown or finished lease ids are ignored (idempotent)."""
+        order (FIFO among retries). Unknown or finished lease ids are ignored (idempotent), so a
+        return that arrives after the lease's submit changes nothing. A returned lease is then
+        treated like an expired one: a submit that arrives after the return is answered by submit."""
         self._replica_seen[replica_id] = now
         rows = [self._leases.pop(i) for i in dict.fromkeys(lease_ids) if i in self._leases]
         if not rows:
             return 0
         for r in rows:
             self._retry[r.seq] = None
+            self._expired[r.lease_id] = r.seq
         self._s.totals.leases_returned += len(rows)
         self._give_back(len(rows))
         with self.ledger.transaction():
@@ -420,8 +425,9 @@ class CoordinatorCore:
     def submit(self, replica_id: str, groups: list[GroupIn], now: float) -> list[SubmitStatus]:
         """Record finished groups; idempotent by lease id. All-or-nothing validation: an unknown
         lease id or a group that does not match its lease fails the call before anything changes.
-        A group for an expired lease is accepted when its prompt was not re-issued yet; once
-        refused (EXPIRED), that lease stays refused, so a retried request gets the same answer."""
+        A group for an expired or returned lease (a return and a submit that crossed) is accepted
+        when its prompt was not re-issued yet; once refused (EXPIRED), that lease stays refused, so
+        a retried request gets the same answer."""
         self.expire(now)
         self._replica_seen[replica_id] = now
         seen: set[str] = set()
@@ -459,7 +465,7 @@ class CoordinatorCore:
                 continue
             if g.lease_id in self._leases:
                 del self._leases[g.lease_id]
-            else:  # expired: accept only if the prompt still waits for re-issue
+            else:  # expired or returned: accept only if the prompt still waits for re-issue
                 seq = self._expired[g.lease_id]
                 if seq not in self._retry:
                     statuses.append(SubmitStatus.EXPIRED)
@@ -470,7 +476,7 @@ class CoordinatorCore:
                 del self._expired[g.lease_id]
                 late_seqs.append(seq)
                 self._s.totals.late_accepted += 1
-                # it left the budget when it expired; it is outstanding work again
+                # it left the budget when it expired or was returned; it is outstanding work again
                 self._s.budget_used += 1
             row = GroupRow(
                 group_id=self._next_group_id, lease_id=g.lease_id, seq=g.seq, state=GroupState.QUEUED,

@@ -29,7 +29,7 @@ class LeaseState(IntEnum):
     SUBMITTED = 1
     EXPIRED = 2
     RETURNED = 3
-    REFUSED = 4  # expired, its prompt re-issued, and a late answer was refused: final
+    REFUSED = 4  # expired or returned, its prompt re-issued, and a late answer was refused: final
 
 
 class GroupState(IntEnum):
@@ -77,6 +77,7 @@ class LedgerSnapshot:
     state: dict[str, Any] | None
     active_leases: list[LeaseRow]
     expired_leases: dict[str, int]
+    """Expired or returned leases (lease id -> seq): a late answer may still be accepted."""
     refused_lease_ids: set[str]
     submitted_lease_ids: set[str]
     retry: list[tuple[int, int]]
@@ -210,7 +211,10 @@ class Ledger:
             for r in self._db.execute("SELECT * FROM leases WHERE state = ?", (int(LeaseState.ACTIVE),))
         ]
         expired = {
-            r[0]: r[1] for r in self._db.execute("SELECT lease_id, seq FROM leases WHERE state = ?", (int(LeaseState.EXPIRED),))
+            r[0]: r[1]
+            for r in self._db.execute(
+                "SELECT lease_id, seq FROM leases WHERE state IN (?, ?)", (int(LeaseState.EXPIRED), int(LeaseState.RETURNED))
+            )
         }
         refused = {
             r[0] for r in self._db.execute("SELECT lease_id FROM leases WHERE state = ?", (int(LeaseState.REFUSED),))

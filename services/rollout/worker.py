@@ -17,7 +17,8 @@ Weight updates, by async_training.partial_rollout / partial_rollout_mode:
 Every token carries the version that produced it; no sample is dropped by an update.
 
 Shutdown: drain(finish_in_flight) stops leasing, returns the leases of groups the engine has not
-started (and with finish_in_flight=False all others too), and waits for the rest to submit.
+started (and with finish_in_flight=False all others still generating), and waits for the rest to
+submit. A lease is released once: submitted, or returned (by drain, or by its task on a failure).
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ class _Group:
     """Engine request ids running for this group (the first one and any continuations)."""
     cancel_reason: str | None = None
     """Set when the worker itself aborts the group (lease lost, drain): no resubmit, no submit."""
+    committed: bool = False
+    """The group task owns the lease from here on: set, with no await after the last cancel check,
+    when the group goes on to Score and SubmitGroups, or when the task gives the lease back after a
+    failure. drain never returns a committed group's lease, so each lease is either submitted or
+    returned, once (a failed submit returns it)."""
 
 
 @dataclass
@@ -201,13 +207,18 @@ class RolloutWorker:
 
     async def drain(self, finish_in_flight: bool = True) -> tuple[int, int]:
         """Stop leasing; return the leases of groups not started by the engine (all groups when
-        finish_in_flight is False); wait for the others to submit. Returns (returned, finished)."""
+        finish_in_flight is False); wait for the others to submit. Returns (returned, finished).
+        A group already scoring or submitting (committed) is never returned: it is waited for."""
         self._draining = True
         self._notify()
         to_return = [
             g for g in self._groups.values()
-            if not finish_in_flight or not any(self.engine.request_started(r) for r in g.live)
+            if not g.committed and (not finish_in_flight or not any(self.engine.request_started(r) for r in g.live))
         ]
+        # Mark them all before the first await: a group that got past its cancel check while an
+        # earlier one was being aborted would be submitted by its task and returned here too.
+        for g in to_return:
+            g.cancel_reason = "drain"
         for g in to_return:
             await self._abort_group(g, "drain")
         for g in to_return:
@@ -295,7 +306,9 @@ class RolloutWorker:
                 # data.truncation=error): stop this replica so the operator sees it.
                 self._run_error = exc
                 self._draining = True
-            await self._give_back(g)
+            if g.cancel_reason != "drain":  # a drained group's lease is drain's to return
+                g.committed = True
+                await self._give_back(g)
         finally:
             if self._groups.pop(g.lease.lease_id, None) is not None and not self._groups:
                 self.counters.busy_s += time.monotonic() - self._busy_since
@@ -360,8 +373,10 @@ class RolloutWorker:
         t0 = time.monotonic()
         outs = await self._generate_tracked(GenerationRequest(rid, ids, spec), group_state)
         outs = await self._continue_aborted(rid, ids, spec, outs, group_state)
-        if group_state is not None and group_state.cancel_reason is not None:
-            return None
+        if group_state is not None:
+            if group_state.cancel_reason is not None:
+                return None
+            group_state.committed = True  # no await since the check: drain can no longer return it
         gen_s = time.monotonic() - t0
         self.counters.tokens_generated += sum(len(o) for o in outs)
         group = convert.group(

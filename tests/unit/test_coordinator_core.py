@@ -125,6 +125,39 @@ def test_return_leases_requeues_prompts_first(tmp_path: Path) -> None:
     assert again.seq == leases[1].seq
 
 
+def test_a_return_and_a_submit_that_cross_lose_and_duplicate_nothing(tmp_path: Path) -> None:
+    """A replica's ReturnLeases and SubmitGroups for one lease can cross (a drain racing a batched
+    submit). In either order the prompt is trained once: a return after the submit is ignored; a
+    submit after the return is a late answer, judged per group like one for an expired lease
+    (accepted while the prompt waits for re-issue, EXPIRED once it was re-issued), also after a
+    restart, and never fails the other groups of its call."""
+    core = make_core(tmp_path / "l.db", staleness=1.0)
+    a, b, c, d, e = core.lease("r", 5, 0.0).leases
+    assert core.submit("r", [group_for(a.lease_id, a.seq, 0)], 1.0) == [SubmitStatus.ACCEPTED]
+    assert core.return_leases("r", [a.lease_id], 1.0) == 0
+    assert core.return_leases("r", [b.lease_id, d.lease_id, e.lease_id], 2.0) == 3
+    statuses = core.submit("r", [group_for(c.lease_id, c.seq, 0), group_for(b.lease_id, b.seq, 0)], 3.0)
+    assert statuses == [SubmitStatus.ACCEPTED, SubmitStatus.ACCEPTED]
+    (d2, e2) = core.lease("r2", 2, 4.0).leases  # b's prompt no longer waits: only d's and e's
+    assert (d2.seq, e2.seq) == (d.seq, e.seq)
+    assert core.submit("r", [group_for(d.lease_id, d.seq, 0)], 5.0) == [SubmitStatus.EXPIRED]
+    assert core.return_leases("r2", [e2.lease_id], 5.0) == 1
+    core.ledger.close()
+    core = make_core(tmp_path / "l.db", staleness=1.0)
+    assert core.submit("r", [group_for(d.lease_id, d.seq, 0)], 6.0) == [SubmitStatus.EXPIRED]
+    # e's prompt waits for re-issue again (e2 was returned): either late answer may take it, once
+    assert core.submit("r", [group_for(e.lease_id, e.seq, 0)], 6.0) == [SubmitStatus.ACCEPTED]
+    assert core.submit("r2", [group_for(e2.lease_id, e2.seq, 0)], 6.0) == [SubmitStatus.EXPIRED]
+    assert core.submit("r2", [group_for(d2.lease_id, d2.seq, 0)], 6.0) == [SubmitStatus.ACCEPTED]
+    assert core.submit("r", [group_for(b.lease_id, b.seq, 0)], 7.0) == [SubmitStatus.DUPLICATE]
+    seqs = [g.seq for g in core.fetch("t", 1, 10, 7.0).groups]
+    assert sorted(seqs) == sorted(x.seq for x in (a, b, c, d, e))
+    status = core.status(7.0)
+    assert status.in_flight == status.queued == status.retry_pending == 0
+    assert status.totals.late_accepted == 2
+    assert core.audit()["balanced"]
+
+
 def test_max_staleness_versions_regenerates_instead_of_dropping(tmp_path: Path) -> None:
     core = make_core(tmp_path / "l.db", mini_batch=2, staleness=1.0, trigger=1, eta=1)
     old = core.lease("r", 2, 0.0).leases

@@ -1,6 +1,7 @@
 """Property-based: random interleavings of lease, expire, submit (with duplicates and late
-answers), return, fetch, filter, commit, checkpoint, trainer resume and coordinator restart never
-lose or duplicate a prompt and never grant a lease beyond the staleness budget."""
+answers), return (crossing submits of the same lease either way), fetch, filter, commit,
+checkpoint, trainer resume and coordinator restart never lose or duplicate a prompt and never
+grant a lease beyond the staleness budget."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.outstanding: dict[str, int] = {}  # lease_id -> seq, granted and not yet answered by us
         self.answered: dict[str, int] = {}  # lease ids we already submitted (for duplicates)
+        self.returned: dict[str, int] = {}  # lease ids we returned and have not submitted since
         self.trained: dict[int, int] = {}  # seq -> times delivered and not rolled back
         self.delivered_at: dict[str, tuple[int, int]] = {}  # lease_id -> (seq, step)
         self.step = 0
@@ -79,7 +81,31 @@ class CoordinatorMachine(RuleBasedStateMachine):
         keys = list(self.outstanding)
         i = keys[data.draw(st.integers(0, len(keys) - 1))]
         self.core.return_leases("r", [i], self.now)
-        del self.outstanding[i]
+        self.returned[i] = self.outstanding.pop(i)
+
+    @precondition(lambda self: self.returned)
+    @rule(data=st.data())
+    def submit_after_return(self, data: st.DataObject) -> None:
+        """A submit that crossed the ReturnLeases of its own lease (a drain racing a submit)."""
+        keys = list(self.returned)
+        i = keys[data.draw(st.integers(0, len(keys) - 1))]
+        seq = self.returned.pop(i)
+        (status,) = self.core.submit("r", [group_for(i, seq, self.version)], self.now)
+        assert status in (SubmitStatus.ACCEPTED, SubmitStatus.EXPIRED)
+        self.answered[i] = seq
+
+    @precondition(lambda self: self.answered)
+    @rule(data=st.data())
+    def return_after_submit(self, data: st.DataObject) -> None:
+        keys = list(self.answered)
+        i = keys[data.draw(st.integers(0, len(keys) - 1))]
+        def books() -> tuple[object, ...]:
+            s = self.core.status(self.now)
+            return s.in_flight, s.queued, s.retry_pending, s.budget_used, s.totals
+
+        before = books()
+        assert self.core.return_leases("r", [i], self.now) == 0
+        assert books() == before
 
     @rule(n=st.integers(1, 5), filter_one=st.booleans())
     def fetch(self, n: int, filter_one: bool) -> None:

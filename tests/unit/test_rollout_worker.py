@@ -5,8 +5,10 @@ real scorer: the loop, updates without partial rollout, lost leases, drain. Part
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import grpc
 import pytest
 
 from meshrl.v1 import common_pb2
@@ -119,6 +121,111 @@ def test_lost_lease_aborts_its_group_and_drain_returns_unstarted(tok: Any) -> No
     assert len(coord.returned) == 2
     assert len(coord.submitted) == 1
     assert all(r.finish_reason != common_pb2.FINISH_REASON_ABORT for r in coord.submitted[0].responses)
+
+
+def _stop_while_submitting(tok: Any, coord: FakeCoordinator) -> tuple[RolloutWorker, tuple[int, int]]:
+    """Run one group until its SubmitGroups call is in flight, call stop() (finish_in_flight=False),
+    and let the submit go on only once drain has picked the leases it returns."""
+
+    async def scenario() -> tuple[RolloutWorker, tuple[int, int]]:
+        coord.submit_gate = asyncio.Event()
+        worker, engine = _worker(tok, coord, InMemoryWeightStore(), concurrent_groups=1)
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: coord.submits_started == 1, what="a submit in flight")
+        assert worker.groups_in_flight == 1 and not worker._groups["L0"].live, "no engine request left"
+        stopping = asyncio.create_task(worker.stop())
+        # drain chooses what to return before its first await; draining is set just before that.
+        await wait_for(lambda: worker.draining, what="drain under way")
+        coord.submit_gate.set()
+        result = await asyncio.wait_for(stopping, 30)
+        await engine.close()
+        return worker, result
+
+    return asyncio.run(scenario())
+
+
+def test_stop_during_an_in_flight_submit_submits_the_lease_once_and_returns_nothing(tok: Any) -> None:
+    """Was a flake (KeyError in FakeCoordinator.return_leases at stop): a group waiting on its
+    batched SubmitGroups call has no engine request left, so drain(finish_in_flight=False) took it
+    for an unstarted group and returned its lease while the submit went through."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=1)
+    coord = FakeCoordinator(_prompts(1), sampling)
+    worker, (returned, finished) = _stop_while_submitting(tok, coord)
+    assert [g.lease_id for g in coord.submitted] == ["L0"]
+    assert coord.returned == []
+    assert (returned, finished) == (0, 1)
+    assert worker.counters.groups_submitted == 1 and worker.counters.leases_returned == 0
+
+
+def test_a_submit_failing_during_stop_returns_its_lease_once(tok: Any) -> None:
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=1)
+    coord = FakeCoordinator(_prompts(1), sampling)
+    coord.submit_error = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, details="bad group")
+    worker, (returned, finished) = _stop_while_submitting(tok, coord)
+    assert coord.submitted == []
+    assert coord.returned == ["L0"], "returned by the failed group's task, not by drain as well"
+    assert (returned, finished) == (0, 0)
+    assert worker.counters.groups_failed == 1 and worker.counters.leases_returned == 1
+
+
+class _GatedEngine:
+    """Hand-written fake engine: a request runs until the test releases it or it is aborted;
+    `on_abort` runs inside abort() (the real engines await there too)."""
+
+    name = "gated"
+    version = 0
+    paused = False
+
+    def __init__(self) -> None:
+        self.release: dict[str, asyncio.Event] = {}
+        self.aborted: set[str] = set()
+        self.on_abort: Callable[[str], Awaitable[None]] | None = None
+
+    def request_started(self, request_id: str) -> bool:
+        return True
+
+    async def generate(self, request: Any) -> list[Any]:
+        from services.rollout.engines import SampleOutput
+
+        await self.release.setdefault(request.request_id, asyncio.Event()).wait()
+        finish = Finish.ABORT if request.request_id in self.aborted else Finish.LENGTH
+        return [SampleOutput(i, [5, 6], [-1.0, -1.0], [0, 0], finish, "ab") for i in range(request.sampling.n)]
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+        if self.on_abort is not None:
+            await self.on_abort(request_id)
+        self.release.setdefault(request_id, asyncio.Event()).set()
+
+
+def test_a_group_finishing_while_drain_aborts_another_is_returned_not_submitted(tok: Any) -> None:
+    """drain(finish_in_flight=False) picks two generating groups; while it awaits the engine's
+    abort of the first, the second one's generation ends. The second must see the drain (no
+    submit) and have its lease returned by drain, once."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=1)
+    coord = FakeCoordinator(_prompts(2), sampling)
+
+    async def scenario() -> tuple[int, int]:
+        engine = _GatedEngine()
+        worker = RolloutWorker(engine, tok, coord, length_scorer, None,  # type: ignore[arg-type]
+                               WorkerSettings(replica_id="r0", idle_poll_s=0.05, concurrent_groups=2))
+        worker.start()
+        await wait_for(lambda: set(engine.release) == {"r0/L0", "r0/L1"}, what="two groups generating")
+        second = worker._groups["L1"]
+
+        async def finish_the_second(request_id: str) -> None:
+            if request_id == "r0/L0":
+                engine.release["r0/L1"].set()
+                await wait_for(lambda: second.task is not None and second.task.done(), what="the second group's task")
+
+        engine.on_abort = finish_the_second
+        return await asyncio.wait_for(worker.stop(), 30)
+
+    returned, finished = asyncio.run(scenario())
+    assert coord.submitted == []
+    assert sorted(coord.returned) == ["L0", "L1"]
+    assert (returned, finished) == (2, 0)
 
 
 def test_abort_outputs_are_continued_not_lost(tok: Any) -> None:
