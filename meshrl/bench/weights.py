@@ -281,7 +281,7 @@ def _collective_worker(role: str, backend: str, address: str, total: int, bucket
         if role == "sender":
             pub = CollectivePublisher(backend, address, receivers=1, group="bench", timeout_s=600)
             for v in range(1, rounds + 2):
-                barrier.wait()
+                await asyncio.to_thread(barrier.wait)  # the event loop keeps running (background RPCs)
                 t0 = time.perf_counter()
                 ref = await pub.publish(v, weights or [])
                 sync()
@@ -291,7 +291,7 @@ def _collective_worker(role: str, backend: str, address: str, total: int, bucket
         else:
             fetcher = CollectiveFetcher(backend, address, consumer_id="bench-rank-1", group="bench", timeout_s=600)
             for v in range(1, rounds + 2):
-                barrier.wait()
+                await asyncio.to_thread(barrier.wait)  # the event loop keeps running (background RPCs)
                 t0 = time.perf_counter()
                 got = await _drain(fetcher.fetch(common_pb2.WeightsRef(policy_version=v)))
                 sync()
@@ -308,9 +308,15 @@ def _collective_worker(role: str, backend: str, address: str, total: int, bucket
     out.put(results)
 
 
-def bench_collective(backend: str, total: int, bucket: int, rounds: int) -> dict[str, Any]:
+def run_collective_pair(backend: str, total: int, bucket: int, rounds: int, worker: Callable[..., None] | None = None,
+                        extra: tuple[Any, ...] = ()) -> dict[str, Any]:
+    """A sender and a receiver process (`worker(role, backend, address, total, bucket, rounds,
+    barrier, out, raw_port, *extra)`, default `_collective_worker`) against a param server in this
+    process; returns what each put on `out`, by role."""
     from services.param_server.config import ParamServerConfig
     from services.param_server.server import ParamServerServer
+
+    target = worker or _collective_worker
 
     async def main() -> dict[str, Any]:
         server = ParamServerServer(ParamServerConfig(port=0, retain_versions=1))
@@ -322,8 +328,8 @@ def bench_collective(backend: str, total: int, bucket: int, rounds: int) -> dict
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             raw_port = s.getsockname()[1]
-        procs = [ctx.Process(target=_collective_worker, args=(role, backend, server.address, total, bucket, rounds,
-                                                             barrier, out, raw_port), daemon=True)
+        procs = [ctx.Process(target=target, args=(role, backend, server.address, total, bucket, rounds,
+                                                  barrier, out, raw_port, *extra), daemon=True)
                  for role in ("sender", "receiver")]
         for p in procs:
             p.start()
@@ -345,7 +351,11 @@ def bench_collective(backend: str, total: int, bucket: int, rounds: int) -> dict
             await server.stop()
         return got
 
-    got = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def bench_collective(backend: str, total: int, bucket: int, rounds: int) -> dict[str, Any]:
+    got = run_collective_pair(backend, total, bucket, rounds)
     per_round = [{"broadcast": max(a, b)} for a, b in zip(got["sender"]["transport"], got["receiver"]["transport"], strict=True)]
     result: dict[str, Any] = {"where": "two processes" + (", GPU 0 -> GPU 1" if backend == "nccl" else ", CPU"),
                               **_summary(total, per_round)}

@@ -169,7 +169,16 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_into(out: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta]) -> None:
-    """Copy a bucket's tensors into `out` (uint8, any device) at their offsets."""
+    """Copy a bucket's tensors into `out` (uint8, any device) at their offsets: one concatenation
+    when they all live on `out`'s device and tile it back to back (as plan_bucket lays them out),
+    else a copy per tensor."""
+    pairs = sorted(zip(named, metas, strict=True), key=lambda p: p[1].offset)
+    if len(pairs) > 1 and all(t.device == out.device for (_, t), _ in pairs) and all(
+        a[1].offset + a[1].nbytes == b[1].offset for a, b in itertools.pairwise(pairs)
+    ):
+        start, end = pairs[0][1].offset, pairs[-1][1].offset + pairs[-1][1].nbytes
+        torch.cat([as_bytes(t) for (_, t), _ in pairs], out=out[start:end])
+        return
     for (_, t), m in zip(named, metas, strict=True):
         if m.nbytes:
             out[m.offset : m.offset + m.nbytes].copy_(as_bytes(t), non_blocking=True)
@@ -209,17 +218,23 @@ def _splitmix64(seed: int, count: int) -> list[int]:
 
 _MIX_A = _splitmix64(0x6D657368726C0001, FINGERPRINT_COLUMNS + 1)
 _MIX_B = _splitmix64(0x6D657368726C0002, FINGERPRINT_COLUMNS + 1)
+_MIX_A_NP = np.array(_MIX_A[:FINGERPRINT_COLUMNS], dtype=np.uint64)
+_MIX_B_NP = np.array(_MIX_B[:FINGERPRINT_COLUMNS], dtype=np.uint64)
 
 
-def digest_columns(columns: Sequence[int], nbytes: int) -> str:
-    """The hex fingerprint from K column sums (any ints; taken mod 2^64) and the byte length."""
-    assert len(columns) == FINGERPRINT_COLUMNS
-    a = nbytes * _MIX_A[-1]
-    b = nbytes * _MIX_B[-1]
-    for c, s in enumerate(columns):
-        s &= _MASK64
-        a += s * _MIX_A[c]
-        b += s * _MIX_B[c]
+def digest_columns(columns: Sequence[int] | np.ndarray | torch.Tensor, nbytes: int) -> str:
+    """The hex fingerprint from K column sums (any ints; taken mod 2^64) and the byte length.
+    Vectorized: uint64 products and sums wrap mod 2^64, as the definition does."""
+    if isinstance(columns, torch.Tensor):
+        cols = columns.numpy().view(np.uint64) if columns.dtype == torch.int64 else columns.numpy().astype(np.uint64)
+    elif isinstance(columns, np.ndarray):
+        cols = columns.view(np.uint64) if columns.dtype in (np.int64, np.uint64) else columns.astype(np.uint64)
+    else:
+        cols = np.array([c & _MASK64 for c in columns], dtype=np.uint64)
+    assert cols.shape == (FINGERPRINT_COLUMNS,)
+    with np.errstate(over="ignore"):
+        a = int((cols * _MIX_A_NP).sum(dtype=np.uint64)) + nbytes * _MIX_A[-1]
+        b = int((cols * _MIX_B_NP).sum(dtype=np.uint64)) + nbytes * _MIX_B[-1]
     return f"{a & _MASK64:016x}{b & _MASK64:016x}"
 
 
@@ -269,7 +284,7 @@ class Fingerprinter:
             self._cols[: len(tail)] += tail
 
     def hexdigest(self) -> str:
-        return digest_columns([int(x) for x in self._cols], self.nbytes)
+        return digest_columns(self._cols, self.nbytes)
 
 
 def fingerprint_bytes(data: object, nbytes: int | None = None) -> str:
@@ -285,12 +300,17 @@ def fingerprint_tensor(buffer: torch.Tensor, nbytes: int) -> str:
     must be zero). On an accelerator this is one reduction kernel plus a 4 KiB copy."""
     if buffer.device.type == "cpu":
         return fingerprint_bytes(buffer.numpy(), nbytes)
-    return digest_columns(_device_columns(buffer, nbytes).tolist(), nbytes)
+    return digest_columns(_device_columns(buffer, nbytes).cpu(), nbytes)
 
 
 def fingerprint_columns_async(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The K column sums of `buffer[:nbytes]` as an int64 device tensor, enqueued on the current
-    stream without a host sync (finish with `digest_columns(result.tolist(), nbytes)`)."""
+    stream without a host sync (finish with `digest_columns(result.tolist(), nbytes)`). On CPU it
+    is computed at once (numpy: ~3x faster there than torch's reduction)."""
+    if buffer.device.type == "cpu":
+        fp = Fingerprinter(nbytes)
+        fp.update(0, buffer[:nbytes].numpy())
+        return torch.from_numpy(fp._cols.view(np.int64).copy())
     return _device_columns(buffer, nbytes)
 
 

@@ -134,6 +134,10 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
                         if results.empty():
                             raise AssertionError(f"a worker died: {[p.exitcode for p in procs]}; results {got}") from None
                     await asyncio.sleep(0.1)
+            # the sender registers each version's manifest in the background and waits for the
+            # last registration when it closes: read the versions once it has exited
+            while any(p.is_alive() for p in procs) and time.monotonic() < end:
+                await asyncio.sleep(0.1)
             got["versions"] = [s.policy_version for s in server.servicer.store.versions()]
             return got
         finally:

@@ -151,3 +151,43 @@ def test_verify_bucket_reports_what_differs() -> None:
         verify_bucket(meta, fingerprint="ab" * 16, nbytes=9)
     with pytest.raises(DataLoss, match="fingerprint"):
         verify_bucket(meta, fingerprint="cd" * 16, nbytes=10)
+
+
+def _digest_by_definition(columns: list[int], nbytes: int) -> str:
+    from services.param_server.layout import _MASK64, _MIX_A, _MIX_B
+
+    a, b = nbytes * _MIX_A[-1], nbytes * _MIX_B[-1]
+    for c, s in enumerate(columns):
+        a += (s & _MASK64) * _MIX_A[c]
+        b += (s & _MASK64) * _MIX_B[c]
+    return f"{a & _MASK64:016x}{b & _MASK64:016x}"
+
+
+def test_vectorized_digest_matches_the_big_integer_definition_for_every_input_kind() -> None:
+    import numpy as np
+
+    from services.param_server.layout import FINGERPRINT_COLUMNS, digest_columns
+
+    rng = np.random.default_rng(3)
+    for nbytes in (0, 7, 2**40 + 3):
+        cols = [int(x) for x in rng.integers(-(2**63), 2**63 - 1, FINGERPRINT_COLUMNS, dtype=np.int64)]
+        want = _digest_by_definition(cols, nbytes)
+        assert digest_columns(cols, nbytes) == want
+        assert digest_columns(torch.tensor(cols, dtype=torch.int64), nbytes) == want
+        assert digest_columns(np.array(cols, dtype=np.int64), nbytes) == want
+        assert digest_columns(np.array(cols, dtype=np.int64).view(np.uint64), nbytes) == want
+
+
+def test_pack_into_concatenates_a_back_to_back_bucket_and_copies_a_mixed_one() -> None:
+    g = torch.Generator().manual_seed(5)
+    named = [("a", torch.randn(3, 5, generator=g)), ("b", torch.randn(7, generator=g).bfloat16()),
+             ("c", torch.tensor([True, False, True])), ("d", torch.randn(4, 4, generator=g).t())]
+    metas, nbytes = plan_bucket(0, named)
+    fast = torch.full((nbytes + 5,), 0xAB, dtype=torch.uint8)
+    pack_into(fast, named, metas)  # one torch.cat: the tensors tile [0, nbytes) back to back
+    slow = torch.full((nbytes + 5,), 0xAB, dtype=torch.uint8)
+    for (_, t), m in zip(named, metas, strict=True):  # the definition: each tensor at its offset
+        slow[m.offset : m.offset + m.nbytes] = t.contiguous().reshape(-1).view(torch.uint8)
+    assert torch.equal(fast, slow)  # the bytes past the bucket are untouched
+    for (name, t), (uname, u) in zip(named, unpack(fast, metas), strict=True):
+        assert name == uname and torch.equal(t, u)

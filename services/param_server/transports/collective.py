@@ -16,18 +16,29 @@ receiver of a group takes part in every version: one that skips a version stalls
 until its deadline (then the group re-forms).
 
 Steps. A version goes out as steps t = 0, 1, ...; each step is one CTRL all-reduce (sum of
-int64[8]: the sender's header + the receivers' NACK of step t-2), then for a DATA step the bucket's
-metadata and bytes (broadcasts) into slot t % 3 of three device buffers:
+int64[8 + K]: the sender's header and, for a DATA step, the K fingerprint columns of its bucket,
+computed on the device; plus the receivers' NACK of step t-2), then for a DATA step one broadcast
+of slot t % 3 of three device buffers: the bucket's bytes followed by its metadata (a serialized
+Manifest). The host never waits for the device except to read a CTRL header, and each side posts
+ahead of the wire:
 
-    sender   pack b(t+1) into its slot while b(t) is on the wire ─┐  (slots = 3 buckets of memory)
-    receiver verify b(t-1) on a side stream while b(t) arrives ───┤  nack(t-2) rides in CTRL(t)
-             the consumer loads b(t-2) (verified) meanwhile ──────┘
+    sender    posts CTRL(t) and DATA(t) together; reads CTRL(t) (done once DATA(t-1) is off the
+              wire) while DATA(t) is on it; packs b(t+1) into the slot CTRL(t) just freed, posts
+              CTRL(t+1) and DATA(t+1)
+    receiver  reads CTRL(t) (a copy to pinned memory queued behind it), posts DATA(t); checks
+              b(t-1) (its columns, summed on a side stream as soon as it landed, against the
+              sender's from CTRL(t-1)); posts CTRL(t+1) with nack(t-1); the consumer loads b(t-1)
 
-A bucket that fails its fingerprint on any receiver is NACKed and sent again from its slot (up to
-max_attempts, then ABORT and DataLoss everywhere). FLUSH steps drain the last acks; DONE carries
-the manifest checksum, which receivers compare with the manifest they assembled. Every wait polls
-against the deadline: a stuck peer gives DeadlineExceeded, the group is aborted and re-formed (a
-new generation) at the next version.
+so between two buckets the wire idles for one small all-reduce and the receiver's read of the next
+header. A bucket that fails its fingerprint on any receiver is NACKed and sent again from its slot
+(up to max_attempts, then ABORT and DataLoss everywhere). FLUSH steps drain the last acks; DONE
+carries the manifest checksum, which receivers compare with the manifest they assembled. Every wait
+polls against the deadline: a stuck peer gives DeadlineExceeded, the group is aborted and re-formed
+(a new generation) at the next version.
+
+The sender registers the manifest at the param server in the background (the RPC takes ~4 ms):
+`publish` returns when the broadcast is done, and the next publish and `close` wait for the
+registration (its error surfaces there). scripts/gpu/weights_trace.py shows where the time goes.
 """
 
 from __future__ import annotations
@@ -51,22 +62,23 @@ from services.common.logging import get_logger
 from .. import convert
 from ..client import ParamServerClient
 from ..layout import (
+    FINGERPRINT_COLUMNS,
     BucketMeta,
     TensorMeta,
     build_manifest,
     digest_columns,
     fingerprint_columns_async,
-    fingerprint_tensor,
     pack_into,
     round_up,
     unpack,
 )
-from .base import Bucket, Buckets, Deadline, ManifestBuilder, plan_buckets
+from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, plan_buckets
 
 log = get_logger(__name__)
 
 SLOTS = 3
-LAG = SLOTS - 1
+LAG = SLOTS - 1  # CTRL(t) carries the receivers' verdict on step t - LAG
+CTRL_WORDS = 8  # kind, bucket index, padded bytes, metadata bytes, nacks, version, checksum (2 words)
 DATA, FLUSH, DONE, ABORT = 1, 2, 3, 4
 _KIND_OF = {"nccl": "cuda", "hccl": "npu", "gloo": "cpu"}
 
@@ -81,7 +93,7 @@ def device_kind(backend: str) -> str:
 
 
 class _Device:
-    """Streams and syncs for one device kind; on CPU everything is synchronous."""
+    """Streams, events and host copies for one device kind; on CPU everything is synchronous."""
 
     def __init__(self, backend: str) -> None:
         self.kind = device_kind(backend)
@@ -97,6 +109,7 @@ class _Device:
         self.device = torch.device(self.kind, self.mod.current_device())
         self.comm_stream = self.mod.Stream(device=self.device)
         self.verify_stream = self.mod.Stream(device=self.device)
+        self.host_stream = self.mod.Stream(device=self.device)  # small reads of finished results only
 
     @property
     def accelerator(self) -> bool:
@@ -106,16 +119,61 @@ class _Device:
         """Context for launching collectives (they then wait only for what this stream waits for)."""
         return self.mod.stream(self.comm_stream) if self.accelerator else contextlib.nullcontext()
 
+    def verify(self) -> contextlib.AbstractContextManager[Any]:
+        return self.mod.stream(self.verify_stream) if self.accelerator else contextlib.nullcontext()
+
     def after_default(self) -> None:
         """Order the comm stream after everything queued so far on the default stream (buffer reuse)."""
         if self.accelerator:
             self.comm_stream.wait_stream(self.mod.current_stream(self.device))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of `t`, which must be complete (a finished collective's output), read on a stream
+        of its own so that it never waits for work queued behind it."""
         if not self.accelerator:
             return t
-        with self.mod.stream(self.verify_stream):
+        with self.mod.stream(self.host_stream):
             return t.to("cpu")
+
+    def read_later(self, t: torch.Tensor, work: Any) -> tuple[torch.Tensor, Any]:
+        """Queue a copy of `t`, the output of the collective `work`, to host memory for when the
+        work finishes; returns (host tensor, event). Read it after `work` completed and the event
+        synchronized (on CPU: the tensor itself, no event)."""
+        if not self.accelerator:
+            return t, None
+        with self.mod.stream(self.host_stream):
+            work.wait()  # the host stream (not the host) waits for the collective
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            event = self.mod.Event()
+            event.record()
+        t.record_stream(self.host_stream)
+        return host, event
+
+    def from_host(self, values: list[int]) -> torch.Tensor:
+        """int64 values on the device, copied asynchronously on the current stream."""
+        host = torch.tensor(values, dtype=torch.int64)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.accelerator else host
+
+    def bytes_to_device(self, data: bytes) -> torch.Tensor:
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return host.pin_memory().to(self.device, non_blocking=True) if self.accelerator else host
+
+    def pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """Start copying `t` into host memory on the current stream (read it after an event)."""
+        if not self.accelerator:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def record(self) -> Any:
+        """An event after the current stream's work so far (None on CPU: already done)."""
+        if not self.accelerator:
+            return None
+        event = self.mod.Event()
+        event.record()
+        return event
 
     def synchronize(self) -> None:
         if self.accelerator:
@@ -261,9 +319,26 @@ class _CollectiveBase:
 class _SendRecord:
     index: int
     slot: int
+    nbytes: int
     padded: int
-    meta_bytes: bytes
+    meta_len: int  # the bucket's metadata (a serialized Manifest) follows its bytes in the slot
+    metas: list[TensorMeta]
+    columns: torch.Tensor  # the fingerprint columns of the slot's bytes, on the device
+    columns_host: torch.Tensor  # ... copied to host memory once `columns_ready`
+    columns_ready: Any
     attempts: int = 1
+
+
+@dataclass
+class _Step:
+    t: int
+    kind: int
+    rec: _SendRecord | None
+    ctrl: torch.Tensor  # keeps the device tensor alive until read
+    work: Any
+    header: torch.Tensor  # CTRL's header words, in host memory once `read` fired
+    read: Any
+    manifest: Any = None
 
 
 class CollectivePublisher(_CollectiveBase):
@@ -292,6 +367,8 @@ class CollectivePublisher(_CollectiveBase):
         self.max_attempts = max_attempts
         self.announce = announce
         self._store: Any = None
+        self._registering: asyncio.Task[Any] | None = None
+        self._meta_cache: dict[tuple[TensorMeta, ...], bytes] = {}
         self.resent_buckets = 0
         self._corrupt_hook = corrupt_hook  # tests: damage a packed slot after its fingerprint is taken
 
@@ -320,8 +397,15 @@ class CollectivePublisher(_CollectiveBase):
             self.group = await self._build_group(self._store, 0, resp.world_size, resp.generation, deadline)
         return self.group
 
+    async def _registered(self) -> None:
+        """Wait for the previous version's manifest registration (its error surfaces here)."""
+        task, self._registering = self._registering, None
+        if task is not None:
+            await task
+
     async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         deadline = Deadline(self.timeout_s, f"{self.backend} broadcast of version {version} (group {self.group_name!r})")
+        await self._registered()
         announced = common_pb2.WeightsRef(policy_version=version, param_server_address=self.address)
         if self.announce is not None:
             await self.announce(announced)
@@ -332,7 +416,7 @@ class CollectivePublisher(_CollectiveBase):
             self.drop_group()
             self._store = None
             raise
-        await self.client.register(manifest, timeout_s=max(deadline.remaining(), 1.0))
+        self._registering = asyncio.create_task(self.client.register(manifest, timeout_s=max(self.timeout_s, 1.0)))
         log.info("weights_published", transport=self.backend, policy_version=version, total_bytes=manifest.total_bytes,
                  buckets=len(manifest.buckets), resent=self.resent_buckets)
         if self.announce is not None:
@@ -340,93 +424,158 @@ class CollectivePublisher(_CollectiveBase):
         return common_pb2.WeightsRef(policy_version=version, param_server_address=self.address,
                                      manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes)
 
-    def _pack(self, slot: int, planned: Any, builder: ManifestBuilder, version: int) -> _SendRecord:
+    async def close(self) -> None:
+        try:
+            await self._registered()
+        finally:
+            await super().close()
+
+    def _pack(self, slot: int, planned: Any, version: int) -> _SendRecord:
+        """Queue the copies of a bucket's tensors into a slot, its fingerprint columns and their
+        copy to host memory on the current stream, and its metadata to the device; nothing here
+        waits for the device."""
+        meta = self._meta_bytes(version, planned)
         padded = round_up(planned.nbytes, 8)
-        buf = self.slots.get(slot, padded)
+        buf = self.slots.get(slot, padded + len(meta))
         if padded > planned.nbytes:
-            buf[planned.nbytes :].zero_()
+            buf[planned.nbytes : padded].zero_()
         pack_into(buf, planned.named, planned.metas)
-        fingerprint = fingerprint_tensor(buf, planned.nbytes)
-        meta = builder.add(planned, fingerprint)
+        buf[padded:].copy_(self.dev.bytes_to_device(meta))
+        columns = fingerprint_columns_async(buf, planned.nbytes)
         if self._corrupt_hook is not None:
             self._corrupt_hook(planned.index, buf)
-        msg = pb.Manifest(policy_version=version, buckets=[convert.bucket_to_proto(meta)])
-        msg.tensors.extend(convert.manifest_to_proto(build_manifest(version, planned.metas, [meta])).tensors)
-        return _SendRecord(planned.index, slot, padded, msg.SerializeToString())
+        return _SendRecord(planned.index, slot, planned.nbytes, padded, len(meta), list(planned.metas), columns,
+                           self.dev.pinned_copy(columns), self.dev.record())
+
+    def _meta_bytes(self, version: int, planned: Any) -> bytes:
+        """The bucket's metadata as a serialized Manifest. Its tensors part is the same for every
+        version of a model (cached); concatenated serializations parse as one merged message."""
+        key = tuple(planned.metas)
+        tensors = self._meta_cache.get(key)
+        if tensors is None:
+            msg = pb.Manifest()
+            msg.tensors.extend(convert.manifest_to_proto(build_manifest(0, planned.metas, [])).tensors)
+            tensors = msg.SerializeToString()
+            if len(self._meta_cache) > 4096:
+                self._meta_cache.clear()
+            self._meta_cache[key] = tensors
+        head = pb.Manifest(policy_version=version,
+                           buckets=[convert.bucket_to_proto(BucketMeta(planned.index, planned.nbytes, ""))])
+        return head.SerializeToString() + tensors
+
+    def _ctrl(self, header: list[int], columns: torch.Tensor | None) -> torch.Tensor:
+        ctrl = torch.zeros(CTRL_WORDS + FINGERPRINT_COLUMNS, dtype=torch.int64, device=self.dev.device)
+        ctrl[:CTRL_WORDS].copy_(self.dev.from_host(header))
+        if columns is not None:
+            ctrl[CTRL_WORDS:].copy_(columns)
+        return ctrl
 
     async def _send(self, group: _Group, version: int, planned_iter: AsyncIterator[Any], deadline: Deadline) -> Any:
+        """Step t's CTRL, metadata and bytes are posted together, one step ahead of the host: the
+        host reads CTRL(t) (done once DATA(t-1) is off the wire) while DATA(t) is on it, then
+        decides and posts step t+1 from what CTRL(t) said."""
         dev = self.dev
         builder = ManifestBuilder(version)
-        sent: dict[int, _SendRecord] = {}  # data step -> record
+        sent: dict[int, _SendRecord] = {}  # data step -> record, while its slot may be resent
         nacked: set[int] = set()
         unacked: set[int] = set()
-        exhausted = False
         works: dict[int, list[Any]] = {}  # data step -> its broadcasts
-        t = 0
-        while True:
+        state = {"exhausted": False}
+
+        async def post(t: int) -> _Step:
+            """Decide step t from what is known after CTRL(t-1) and post it."""
             slot = t % SLOTS
-            prev = sent.get(t - SLOTS)
+            prev = sent.pop(t - SLOTS, None)
             kind, rec = FLUSH, None
             if prev is not None and (t - SLOTS) in nacked:
                 prev.attempts += 1
                 self.resent_buckets += 1
-                kind, rec = (ABORT, None) if prev.attempts > self.max_attempts else (DATA, prev)
+                kind, rec = (ABORT, prev) if prev.attempts > self.max_attempts else (DATA, prev)
                 log.warning("bucket_nacked_resending", policy_version=version, bucket=prev.index, attempt=prev.attempts)
-            elif not exhausted:
+            elif not state["exhausted"]:
                 planned = await anext(planned_iter, None)
                 if planned is None:
-                    exhausted = True
+                    state["exhausted"] = True
                 else:
                     for w in works.pop(t - SLOTS, []):  # the slot's last send must be off the wire
                         await group.wait(w, deadline, "sending a bucket")
-                    kind, rec = DATA, self._pack(slot, planned, builder, version)
-            if kind == FLUSH and exhausted and not unacked:
+                    kind, rec = DATA, self._pack(slot, planned, version)
+            if kind == FLUSH and state["exhausted"] and not unacked:
                 kind = DONE
-            header = [kind, rec.index if rec else 0, rec.padded if rec else 0, len(rec.meta_bytes) if rec else 0,
+            header = [kind, rec.index if rec else 0, rec.padded if rec else 0, rec.meta_len if rec else 0,
                       0, version, 0, 0]
             manifest = None
             if kind == DONE:
+                await digest_ready(wait=True)
                 manifest = builder.build([self.backend])
                 header[6], header[7] = _checksum_words(manifest.checksum)
+            ctrl = self._ctrl(header, rec.columns if kind == DATA and rec is not None else None)
             dev.after_default()
-            with dev.comm():
-                ctrl = torch.tensor(header, dtype=torch.int64).to(dev.device)
-            await group.wait(group.allreduce_sum(ctrl), deadline, f"step {t} control exchange")
-            nack_count = int(dev.to_host(ctrl)[4])
+            work = group.allreduce_sum(ctrl)
+            step = _Step(t, kind, rec, ctrl, work, *dev.read_later(ctrl[:CTRL_WORDS], work), manifest)
+            if kind == DATA:
+                assert rec is not None
+                works.pop(t - SLOTS, None)
+                works[t] = [group.broadcast(self.slots.get(rec.slot, rec.padded + rec.meta_len))]
+                if rec.attempts == 1:
+                    pending.append(rec)
+                sent[t] = rec
+                unacked.add(t)
+            await digest_ready(wait=False)  # while the bytes are on the wire
+            return step
+
+        pending: list[_SendRecord] = []  # first sends (in bucket order) whose fingerprints the manifest lacks
+
+        async def digest_ready(wait: bool) -> None:
+            while pending and (wait or pending[0].columns_ready is None or pending[0].columns_ready.query()):
+                r = pending.pop(0)
+                await _wait_event(r.columns_ready, group, deadline, "fingerprinting a bucket")
+                builder.add(PlannedBucket(r.index, [], r.metas, r.nbytes), digest_columns(r.columns_host, r.nbytes))
+        step = await post(0)
+        while True:
+            t = step.t
+            await group.wait(step.work, deadline, f"step {t} control exchange")
             if (t - LAG) in unacked:
                 unacked.discard(t - LAG)
-                if nack_count:
+                await _wait_event(step.read, group, deadline, f"step {t} control exchange")
+                if int(step.header[4]):
                     nacked.add(t - LAG)
-            if kind == ABORT:
-                assert prev is not None
-                raise DataLoss(f"version {version}: bucket {prev.index} failed its checksum on a receiver "
-                               f"{prev.attempts - 1} times (param_server.max_fetch_attempts={self.max_attempts})")
-            if kind == DONE:
+            if step.kind == ABORT:
+                assert step.rec is not None
+                raise DataLoss(f"version {version}: bucket {step.rec.index} failed its checksum on a receiver "
+                               f"{step.rec.attempts - 1} times (param_server.max_fetch_attempts={self.max_attempts})")
+            if step.kind == DONE:
                 for step_works in works.values():
                     for w in step_works:
                         await group.wait(w, deadline, "finishing the broadcast")
-                return manifest
-            if kind == DATA:
-                assert rec is not None
-                with dev.comm():
-                    meta = torch.frombuffer(bytearray(rec.meta_bytes), dtype=torch.uint8).to(dev.device)
-                buf = self.slots.get(slot, rec.padded)
-                works[t] = [group.broadcast(meta), group.broadcast(buf)]
-                works.pop(t - SLOTS, None)
-                sent[t] = rec
-                sent.pop(t - SLOTS, None)
-                unacked.add(t)
-            t += 1
+                return step.manifest
+            step = await post(t + 1)
+
+
+async def _wait_event(event: Any, group: _Group, deadline: Deadline, doing: str) -> None:
+    """Poll a device event (None: nothing to wait for) against the deadline."""
+    if event is None:
+        return
+    while not event.query():
+        if deadline.expired():
+            group.abort()
+            raise deadline.stalled(doing, deadline.timeout_s)
+        await asyncio.sleep(0)
 
 
 @dataclass
 class _RecvRecord:
+    t: int
+    index: int
     slot: int
     nbytes: int
-    meta: torch.Tensor
-    meta_work: Any
+    meta_len: int  # the metadata follows the bucket's bytes in the slot
+    expected: torch.Tensor  # the sender's fingerprint columns: CTRL(t)'s tail, on the device
     data_work: Any
-    columns: torch.Tensor | None
+    meta_host: torch.Tensor | None = None
+    columns_host: torch.Tensor | None = None
+    expected_host: torch.Tensor | None = None
+    landed: Any = None  # event: the bucket arrived and its columns reached host memory
 
 
 class CollectiveFetcher(_CollectiveBase):
@@ -482,17 +631,47 @@ class CollectiveFetcher(_CollectiveBase):
             if not done:
                 self.drop_group()  # a broken-off receive leaves the group out of step: re-form it
 
-    def _verify(self, rec: _RecvRecord) -> tuple[bool, pb.Manifest]:
-        meta = pb.Manifest.FromString(self.dev.to_host(rec.meta).numpy().tobytes())
+    def _post_ctrl(self, group: _Group, nack: int) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
+        """Post CTRL and queue the read of its header: (ctrl, work, header in host memory, event)."""
+        with self.dev.comm():  # not behind the consumer's work on the default stream
+            ctrl = torch.zeros(CTRL_WORDS + FINGERPRINT_COLUMNS, dtype=torch.int64, device=self.dev.device)
+            if nack:
+                ctrl[:CTRL_WORDS].copy_(self.dev.from_host([0, 0, 0, 0, nack, 0, 0, 0]))
+        work = group.allreduce_sum(ctrl)
+        return ctrl, work, *self.dev.read_later(ctrl[:CTRL_WORDS], work)
+
+    async def _land(self, group: _Group, rec: _RecvRecord, deadline: Deadline) -> None:
+        """On an accelerator: a side stream waits for the bucket, sums its columns and copies them
+        and the metadata to host memory, then records an event; the host does not wait here."""
+        dev = self.dev
+        buf = self.slots.get(rec.slot, rec.nbytes + rec.meta_len)
+        if self._corrupt_hook is not None or not dev.accelerator:
+            await group.wait(rec.data_work, deadline, f"receiving step {rec.t}")
+            if self._corrupt_hook is not None:
+                self._corrupt_hook(rec.t, rec.index, buf)
+                dev.synchronize()  # the damage lands before the verify stream reads the slot
+        with dev.verify():
+            if dev.accelerator:
+                rec.data_work.wait()
+                rec.expected.record_stream(dev.verify_stream)  # allocated on the comm stream, read here
+            nbytes = rec.nbytes  # padded with zeros by the sender: the columns are the same
+            rec.columns_host = dev.pinned_copy(fingerprint_columns_async(buf, nbytes))
+            rec.meta_host = dev.pinned_copy(buf[rec.nbytes : rec.nbytes + rec.meta_len])
+            rec.expected_host = dev.pinned_copy(rec.expected)
+            rec.landed = dev.record()
+
+    async def _verify(self, group: _Group, rec: _RecvRecord, deadline: Deadline) -> tuple[bool, pb.Manifest]:
+        await _wait_event(rec.landed, group, deadline, f"receiving step {rec.t}")
+        assert rec.meta_host is not None and rec.columns_host is not None and rec.expected_host is not None
+        meta = pb.Manifest.FromString(rec.meta_host.numpy().tobytes())
         if len(meta.buckets) != 1:
             raise DataLoss("malformed bucket metadata in the broadcast")
         bucket = meta.buckets[0]
-        if rec.columns is not None:
-            with self.dev.mod.stream(self.dev.verify_stream):
-                fingerprint = digest_columns(rec.columns.tolist(), bucket.nbytes)
-        else:
-            fingerprint = fingerprint_tensor(self.slots.get(rec.slot, rec.nbytes), bucket.nbytes)
-        return fingerprint == bucket.fingerprint and round_up(bucket.nbytes, 8) == rec.nbytes, meta
+        fingerprint = digest_columns(rec.columns_host, bucket.nbytes)
+        bucket.fingerprint = fingerprint
+        ok = (fingerprint == digest_columns(rec.expected_host, bucket.nbytes) and round_up(bucket.nbytes, 8) == rec.nbytes
+              and bucket.index == rec.index)
+        return ok, meta
 
     async def _receive(self, group: _Group, version: int, deadline: Deadline) -> AsyncIterator[Bucket]:
         dev = self.dev
@@ -500,52 +679,36 @@ class CollectiveFetcher(_CollectiveBase):
         tensors: dict[int, list[TensorMeta]] = {}
         buckets: dict[int, BucketMeta] = {}
         t = 0
+        ctrl, work, header, read = self._post_ctrl(group, 0)
         while True:
-            nack, ready = 0, None
-            rec = records.pop(t - LAG, None)
-            if rec is not None:
-                await group.wait(rec.meta_work, deadline, f"receiving step {t - LAG}")
-                await group.wait(rec.data_work, deadline, f"receiving step {t - LAG}")
-                ok, meta = self._verify(rec)
-                index = meta.buckets[0].index
-                if not ok:
-                    nack = 1
-                    self.nacks_sent += 1
-                    log.warning("bucket_corrupt_nacked", policy_version=version, bucket=index, step=t - LAG)
-                elif index not in buckets:
-                    m = convert.manifest_from_proto(meta)
-                    tensors[index], buckets[index] = list(m.tensors), m.buckets[0]
-                    ready = (rec, m)
-            dev.after_default()
-            with dev.comm():
-                ctrl = torch.tensor([0, 0, 0, 0, nack, 0, 0, 0], dtype=torch.int64).to(dev.device)
-            await group.wait(group.allreduce_sum(ctrl), deadline, f"step {t} control exchange")
-            kind, index, nbytes, meta_len, _, sender_version, csum_a, csum_b = (int(x) for x in dev.to_host(ctrl))
+            await group.wait(work, deadline, f"step {t} control exchange")
+            await _wait_event(read, group, deadline, f"step {t} control exchange")
+            words = header.tolist()
+            kind, index, nbytes, meta_len, _, sender_version, csum_a, csum_b = words[:CTRL_WORDS]
             if sender_version != version:
                 raise FailedPrecondition(f"the group is broadcasting version {sender_version}, expected {version}")
             if kind == ABORT:
                 raise DataLoss(f"version {version}: the sender gave up on a bucket that kept failing its checksum")
             if kind == DATA:
                 slot = t % SLOTS
-                with dev.comm():
-                    meta_buf = torch.empty(meta_len, dtype=torch.uint8, device=dev.device)
-                buf = self.slots.get(slot, nbytes)
-                meta_work = group.broadcast(meta_buf)
-                data_work = group.broadcast(buf)
-                if self._corrupt_hook is not None:
-                    await group.wait(data_work, deadline, "receiving (test hook)")
-                    self._corrupt_hook(t, index, buf)
-                    dev.synchronize()  # the damage lands before the verify stream reads the slot
-                columns = None
-                if dev.accelerator:
-                    with dev.mod.stream(dev.verify_stream):
-                        data_work.wait()
-                        meta_work.wait()
-                        columns = fingerprint_columns_async(buf, nbytes)
-                records[t] = _RecvRecord(slot, nbytes, meta_buf, meta_work, data_work, columns)
-            if ready is not None:
-                r, m = ready
-                yield unpack(self.slots.get(r.slot, r.nbytes), m.tensors)
+                dev.after_default()  # the consumer has finished with the slot's previous bucket
+                rec = _RecvRecord(t, index, slot, nbytes, meta_len, ctrl[CTRL_WORDS:],
+                                  group.broadcast(self.slots.get(slot, nbytes + meta_len)))
+                records[t] = rec
+                await self._land(group, rec, deadline)
+            nack, ready = 0, None
+            done = records.pop(t - 1, None)  # arrived before CTRL(t) completed
+            if done is not None:
+                ok, meta = await self._verify(group, done, deadline)
+                got = meta.buckets[0].index
+                if not ok:
+                    nack = 1
+                    self.nacks_sent += 1
+                    log.warning("bucket_corrupt_nacked", policy_version=version, bucket=got, step=done.t)
+                elif got not in buckets:
+                    m = convert.manifest_from_proto(meta)
+                    tensors[got], buckets[got] = list(m.tensors), m.buckets[0]
+                    ready = (done, m)
             if kind == DONE:
                 manifest = build_manifest(version, [x for i in sorted(tensors) for x in tensors[i]],
                                           [buckets[i] for i in sorted(buckets)])
@@ -554,5 +717,8 @@ class CollectiveFetcher(_CollectiveBase):
                 log.info("weights_received", transport=self.backend, policy_version=version,
                          total_bytes=manifest.total_bytes, buckets=len(buckets))
                 return
+            ctrl, work, header, read = self._post_ctrl(group, nack)  # nack(t-1) rides in CTRL(t+1)
+            if ready is not None:
+                r, m = ready
+                yield unpack(self.slots.get(r.slot, r.nbytes), m.tensors)
             t += 1
-
