@@ -30,7 +30,9 @@ ahead of the wire:
               sender's from CTRL(t-1)); posts CTRL(t+1) with nack(t-1); the consumer loads b(t-1)
 
 so between two buckets the wire idles for one small all-reduce and the receiver's read of the next
-header. A bucket that fails its fingerprint on any receiver is NACKed and sent again from its slot
+header, as long as each side's host work per bucket fits in the bucket's time on the wire (on 2
+H100s the receiver's, ~1 ms of Python per bucket, is the limit at 512 MiB). Pinned host buffers
+are kept per slot and per step ring, never allocated per step. A bucket that fails its fingerprint on any receiver is NACKed and sent again from its slot
 (up to max_attempts, then ABORT and DataLoss everywhere). FLUSH steps drain the last acks; DONE
 carries the manifest checksum, which receivers compare with the manifest they assembled. Every wait
 polls against the deadline: a stuck peer gives DeadlineExceeded, the group is aborted and re-formed
@@ -78,6 +80,7 @@ log = get_logger(__name__)
 
 SLOTS = 3
 LAG = SLOTS - 1  # CTRL(t) carries the receivers' verdict on step t - LAG
+RING = 4  # pinned header buffers, by step: one is rewritten only after its copy completed
 CTRL_WORDS = 8  # kind, bucket index, padded bytes, metadata bytes, nacks, version, checksum (2 words)
 DATA, FLUSH, DONE, ABORT = 1, 2, 3, 4
 _KIND_OF = {"nccl": "cuda", "hccl": "npu", "gloo": "cpu"}
@@ -110,6 +113,7 @@ class _Device:
         self.comm_stream = self.mod.Stream(device=self.device)
         self.verify_stream = self.mod.Stream(device=self.device)
         self.host_stream = self.mod.Stream(device=self.device)  # small reads of finished results only
+        self._pinned: dict[tuple[str, int], torch.Tensor] = {}
 
     @property
     def accelerator(self) -> bool:
@@ -135,7 +139,17 @@ class _Device:
         with self.mod.stream(self.host_stream):
             return t.to("cpu")
 
-    def read_later(self, t: torch.Tensor, work: Any) -> tuple[torch.Tensor, Any]:
+    def pinned(self, key: tuple[str, int], numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A pinned host buffer kept for `key` (grown on demand), instead of a pinned allocation
+        per step. Callers key them by slot or by step modulo RING, so that a buffer is rewritten
+        only after its last copy completed."""
+        buf = self._pinned.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=True)
+            self._pinned[key] = buf
+        return buf[:numel]
+
+    def read_later(self, t: torch.Tensor, work: Any, key: tuple[str, int]) -> tuple[torch.Tensor, Any]:
         """Queue a copy of `t`, the output of the collective `work`, to host memory for when the
         work finishes; returns (host tensor, event). Read it after `work` completed and the event
         synchronized (on CPU: the tensor itself, no event)."""
@@ -143,28 +157,34 @@ class _Device:
             return t, None
         with self.mod.stream(self.host_stream):
             work.wait()  # the host stream (not the host) waits for the collective
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host = self.pinned(key, t.numel(), t.dtype)
             host.copy_(t, non_blocking=True)
             event = self.mod.Event()
             event.record()
         t.record_stream(self.host_stream)
         return host, event
 
-    def from_host(self, values: list[int]) -> torch.Tensor:
-        """int64 values on the device, copied asynchronously on the current stream."""
-        host = torch.tensor(values, dtype=torch.int64)
-        return host.pin_memory().to(self.device, non_blocking=True) if self.accelerator else host
+    def from_host(self, values: list[int], key: tuple[str, int]) -> torch.Tensor:
+        """int64 values as a tensor to copy to the device (non_blocking) on the current stream."""
+        if not self.accelerator:
+            return torch.tensor(values, dtype=torch.int64)
+        host = self.pinned(key, len(values), torch.int64)
+        host.numpy()[:] = values
+        return host
 
-    def bytes_to_device(self, data: bytes) -> torch.Tensor:
-        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return host.pin_memory().to(self.device, non_blocking=True) if self.accelerator else host
+    def bytes_from_host(self, data: bytes, key: tuple[str, int]) -> torch.Tensor:
+        if not self.accelerator:
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        host = self.pinned(key, len(data), torch.uint8)
+        host.numpy()[:] = memoryview(data)
+        return host
 
-    def pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+    def pinned_copy(self, t: torch.Tensor, key: tuple[str, int]) -> torch.Tensor:
         """Start copying `t` into host memory on the current stream (read it after an event)."""
         if not self.accelerator:
             return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
+        host = self.pinned(key, t.numel(), t.dtype)
+        host.copy_(t.reshape(-1), non_blocking=True)
         return host
 
     def record(self) -> Any:
@@ -194,7 +214,10 @@ def _make_backend(backend: str, store: Any, rank: int, size: int, timeout: datet
 
 
 class _Group:
-    """A private process group: broadcast from rank 0 and sum all-reduce, as async waits."""
+    """A private process group: broadcast from rank 0 and sum all-reduce, as async waits. (A
+    second communicator for CTRL, so that it need not queue behind a bucket, was tried on 2 H100s:
+    no faster, since the receiver's host work per bucket is the limit, and the stuck-peer test
+    then hung in NCCL's watchdog; one communicator it is.)"""
 
     def __init__(self, backend: str, store: Any, rank: int, size: int, generation: int, timeout_s: float,
                  dev: _Device) -> None:
@@ -440,12 +463,12 @@ class CollectivePublisher(_CollectiveBase):
         if padded > planned.nbytes:
             buf[planned.nbytes : padded].zero_()
         pack_into(buf, planned.named, planned.metas)
-        buf[padded:].copy_(self.dev.bytes_to_device(meta))
+        buf[padded:].copy_(self.dev.bytes_from_host(meta, ("meta", slot)), non_blocking=True)
         columns = fingerprint_columns_async(buf, planned.nbytes)
         if self._corrupt_hook is not None:
             self._corrupt_hook(planned.index, buf)
         return _SendRecord(planned.index, slot, planned.nbytes, padded, len(meta), list(planned.metas), columns,
-                           self.dev.pinned_copy(columns), self.dev.record())
+                           self.dev.pinned_copy(columns, ("columns", slot)), self.dev.record())
 
     def _meta_bytes(self, version: int, planned: Any) -> bytes:
         """The bucket's metadata as a serialized Manifest. Its tensors part is the same for every
@@ -463,9 +486,9 @@ class CollectivePublisher(_CollectiveBase):
                            buckets=[convert.bucket_to_proto(BucketMeta(planned.index, planned.nbytes, ""))])
         return head.SerializeToString() + tensors
 
-    def _ctrl(self, header: list[int], columns: torch.Tensor | None) -> torch.Tensor:
+    def _ctrl(self, t: int, header: list[int], columns: torch.Tensor | None) -> torch.Tensor:
         ctrl = torch.zeros(CTRL_WORDS + FINGERPRINT_COLUMNS, dtype=torch.int64, device=self.dev.device)
-        ctrl[:CTRL_WORDS].copy_(self.dev.from_host(header))
+        ctrl[:CTRL_WORDS].copy_(self.dev.from_host(header, ("header_out", t % RING)), non_blocking=True)
         if columns is not None:
             ctrl[CTRL_WORDS:].copy_(columns)
         return ctrl
@@ -499,6 +522,8 @@ class CollectivePublisher(_CollectiveBase):
                 else:
                     for w in works.pop(t - SLOTS, []):  # the slot's last send must be off the wire
                         await group.wait(w, deadline, "sending a bucket")
+                    if any(r.slot == slot for r in pending):  # its host copy of the columns is reused
+                        await digest_ready(wait=True)
                     kind, rec = DATA, self._pack(slot, planned, version)
             if kind == FLUSH and state["exhausted"] and not unacked:
                 kind = DONE
@@ -509,10 +534,10 @@ class CollectivePublisher(_CollectiveBase):
                 await digest_ready(wait=True)
                 manifest = builder.build([self.backend])
                 header[6], header[7] = _checksum_words(manifest.checksum)
-            ctrl = self._ctrl(header, rec.columns if kind == DATA and rec is not None else None)
+            ctrl = self._ctrl(t, header, rec.columns if kind == DATA and rec is not None else None)
             dev.after_default()
             work = group.allreduce_sum(ctrl)
-            step = _Step(t, kind, rec, ctrl, work, *dev.read_later(ctrl[:CTRL_WORDS], work), manifest)
+            step = _Step(t, kind, rec, ctrl, work, *dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", t % RING)), manifest)
             if kind == DATA:
                 assert rec is not None
                 works.pop(t - SLOTS, None)
@@ -631,14 +656,15 @@ class CollectiveFetcher(_CollectiveBase):
             if not done:
                 self.drop_group()  # a broken-off receive leaves the group out of step: re-form it
 
-    def _post_ctrl(self, group: _Group, nack: int) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
-        """Post CTRL and queue the read of its header: (ctrl, work, header in host memory, event)."""
+    def _post_ctrl(self, group: _Group, t: int, nack: int) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
+        """Post CTRL(t) and queue the read of its header: (ctrl, work, header in host memory, event)."""
         with self.dev.comm():  # not behind the consumer's work on the default stream
             ctrl = torch.zeros(CTRL_WORDS + FINGERPRINT_COLUMNS, dtype=torch.int64, device=self.dev.device)
             if nack:
-                ctrl[:CTRL_WORDS].copy_(self.dev.from_host([0, 0, 0, 0, nack, 0, 0, 0]))
+                ctrl[:CTRL_WORDS].copy_(self.dev.from_host([0, 0, 0, 0, nack, 0, 0, 0], ("header_out", t % RING)),
+                                        non_blocking=True)
         work = group.allreduce_sum(ctrl)
-        return ctrl, work, *self.dev.read_later(ctrl[:CTRL_WORDS], work)
+        return ctrl, work, *self.dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", t % RING))
 
     async def _land(self, group: _Group, rec: _RecvRecord, deadline: Deadline) -> None:
         """On an accelerator: a side stream waits for the bucket, sums its columns and copies them
@@ -655,9 +681,9 @@ class CollectiveFetcher(_CollectiveBase):
                 rec.data_work.wait()
                 rec.expected.record_stream(dev.verify_stream)  # allocated on the comm stream, read here
             nbytes = rec.nbytes  # padded with zeros by the sender: the columns are the same
-            rec.columns_host = dev.pinned_copy(fingerprint_columns_async(buf, nbytes))
-            rec.meta_host = dev.pinned_copy(buf[rec.nbytes : rec.nbytes + rec.meta_len])
-            rec.expected_host = dev.pinned_copy(rec.expected)
+            rec.columns_host = dev.pinned_copy(fingerprint_columns_async(buf, nbytes), ("columns", rec.slot))
+            rec.meta_host = dev.pinned_copy(buf[rec.nbytes : rec.nbytes + rec.meta_len], ("meta", rec.slot))
+            rec.expected_host = dev.pinned_copy(rec.expected, ("expected", rec.slot))
             rec.landed = dev.record()
 
     async def _verify(self, group: _Group, rec: _RecvRecord, deadline: Deadline) -> tuple[bool, pb.Manifest]:
@@ -679,7 +705,7 @@ class CollectiveFetcher(_CollectiveBase):
         tensors: dict[int, list[TensorMeta]] = {}
         buckets: dict[int, BucketMeta] = {}
         t = 0
-        ctrl, work, header, read = self._post_ctrl(group, 0)
+        ctrl, work, header, read = self._post_ctrl(group, 0, 0)
         while True:
             await group.wait(work, deadline, f"step {t} control exchange")
             await _wait_event(read, group, deadline, f"step {t} control exchange")
@@ -697,7 +723,7 @@ class CollectiveFetcher(_CollectiveBase):
                 records[t] = rec
                 await self._land(group, rec, deadline)
             nack, ready = 0, None
-            done = records.pop(t - 1, None)  # arrived before CTRL(t) completed
+            done = records.pop(t - 1, None)  # arrived before CTRL(t) completed (one stream)
             if done is not None:
                 ok, meta = await self._verify(group, done, deadline)
                 got = meta.buckets[0].index
@@ -717,7 +743,7 @@ class CollectiveFetcher(_CollectiveBase):
                 log.info("weights_received", transport=self.backend, policy_version=version,
                          total_bytes=manifest.total_bytes, buckets=len(buckets))
                 return
-            ctrl, work, header, read = self._post_ctrl(group, nack)  # nack(t-1) rides in CTRL(t+1)
+            ctrl, work, header, read = self._post_ctrl(group, t + 1, nack)  # nack(t-1) rides in CTRL(t+1)
             if ready is not None:
                 r, m = ready
                 yield unpack(self.slots.get(r.slot, r.nbytes), m.tensors)
