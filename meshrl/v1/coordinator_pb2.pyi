@@ -66,8 +66,8 @@ class _SubmitStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SubmitSt
     SUBMIT_STATUS_DUPLICATE: _SubmitStatus.ValueType  # 2
     """This lease was already submitted; nothing changed."""
     SUBMIT_STATUS_EXPIRED: _SubmitStatus.ValueType  # 3
-    """The lease expired and its prompt was re-issued to another replica; the group was dropped so
-    that the prompt is trained on once.
+    """The lease expired or was returned (ReturnLeases), and its prompt was re-issued to another
+    replica; the group was dropped so that the prompt is trained on once.
     """
 
 class SubmitStatus(_SubmitStatus, metaclass=_SubmitStatusEnumTypeWrapper):
@@ -79,8 +79,8 @@ SUBMIT_STATUS_ACCEPTED: SubmitStatus.ValueType  # 1
 SUBMIT_STATUS_DUPLICATE: SubmitStatus.ValueType  # 2
 """This lease was already submitted; nothing changed."""
 SUBMIT_STATUS_EXPIRED: SubmitStatus.ValueType  # 3
-"""The lease expired and its prompt was re-issued to another replica; the group was dropped so
-that the prompt is trained on once.
+"""The lease expired or was returned (ReturnLeases), and its prompt was re-issued to another
+replica; the group was dropped so that the prompt is trained on once.
 """
 Global___SubmitStatus: _TypeAlias = SubmitStatus  # noqa: Y015
 
