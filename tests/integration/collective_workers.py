@@ -29,7 +29,7 @@ def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]
 
 
 def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float,
-           notify: Any = None) -> None:
+           notify: Any = None, receivers: int = 1) -> None:
     """Publish each (version, mode): mode "ok", "hang" or "announce" (tell the receiver through
     `notify` first, as the trainer's CommitVersion tells rollouts through the coordinator)."""
     import services.common.config  # noqa: F401
@@ -41,7 +41,7 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
         async def announce(ref: Any) -> None:
             notify.put(ref.SerializeToString())
 
-        pub = CollectivePublisher(backend, address, receivers=1, group="test", timeout_s=timeout_s)
+        pub = CollectivePublisher(backend, address, receivers=receivers, group="test", timeout_s=timeout_s)
         for version, mode in plan:
             pub.announce = announce if mode == "announce" else None
             try:
@@ -57,7 +57,8 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
     asyncio.run(main())
 
 
-def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any, notify: Any = None) -> None:
+def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any, notify: Any = None,
+             consumer_id: str = "rollout-0", role: str = "recv") -> None:
     """Fetch each (version, mode, timeout_s): mode "ok", "corrupt" (damage bucket 1 once) or
     "announced" (wait for the sender's announcement and fetch the ref it carries)."""
     import services.common.config  # noqa: F401
@@ -76,7 +77,7 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
         if backend == "nccl":
             torch.cuda.set_device(1 if torch.cuda.device_count() > 1 else 0)
             device = "cuda"
-        fetcher = CollectiveFetcher(backend, address, consumer_id="rollout-0", group="test", corrupt_hook=damage)
+        fetcher = CollectiveFetcher(backend, address, consumer_id=consumer_id, group="test", corrupt_hook=damage)
         for version, mode, timeout_s in plan:
             fetcher.timeout_s = timeout_s
             state["corrupt"] = mode == "corrupt"
@@ -93,16 +94,18 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                 same = set(got) == set(want) and all(
                     got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items()
                 )
-                results.put(("recv", version, "identical" if same else "DIFFERENT", fetcher.nacks_sent))
+                results.put((role, version, "identical" if same else "DIFFERENT", fetcher.nacks_sent))
             except Exception as exc:
-                results.put(("recv", version, f"{type(exc).__name__}: {exc}", fetcher.nacks_sent))
+                results.put((role, version, f"{type(exc).__name__}: {exc}", fetcher.nacks_sent))
         await fetcher.close()
 
     asyncio.run(main())
 
 
-def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: float = 240.0) -> dict:
-    """Run a sender and a receiver process against a param server in this process; returns
+def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: float = 240.0,
+             more_receivers: tuple[list, ...] = ()) -> dict:
+    """Run a sender and a receiver process (and one more per plan in `more_receivers`, whose
+    results are keyed "recv1", "recv2", ...) against a param server in this process; returns
     {(role, version): (outcome, count), "versions": [...]}."""
     import services.common.config  # noqa: F401
     from services.param_server.config import ParamServerConfig
@@ -114,15 +117,20 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
         ctx = mp.get_context("spawn")
         results, notify = ctx.Queue(), ctx.Queue()
         procs = [
-            ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, 8.0, notify), daemon=True),
+            ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, 8.0, notify,
+                                             1 + len(more_receivers)), daemon=True),
             ctx.Process(target=receiver, args=(server.address, backend, receiver_plan, results, notify), daemon=True),
+        ] + [
+            ctx.Process(target=receiver, args=(server.address, backend, plan, results, None, f"rollout-{i}", f"recv{i}"),
+                        daemon=True)
+            for i, plan in enumerate(more_receivers, start=1)
         ]
         for p in procs:
             p.start()
         got: dict = {}
         end = time.monotonic() + deadline_s
         try:
-            while len(got) < len(sender_plan) + len(receiver_plan):
+            while len(got) < len(sender_plan) + len(receiver_plan) + sum(len(p) for p in more_receivers):
                 try:
                     role, version, outcome, count = results.get_nowait()
                     got[(role, version)] = (outcome, count)

@@ -33,6 +33,23 @@ def test_gloo_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
     assert got["versions"] == [4, 5]  # 3 never completed; retention keeps the newest 2
 
 
+def test_gloo_two_receivers_get_every_version_and_one_receivers_nack_resends_to_both() -> None:
+    got = run_pair(
+        "gloo",
+        sender_plan=[(1, "ok"), (2, "ok"), (3, "ok")],
+        receiver_plan=[(1, "ok", 60.0), (2, "corrupt", 60.0), (3, "ok", 60.0)],
+        more_receivers=([(1, "ok", 60.0), (2, "ok", 60.0), (3, "ok", 60.0)],),
+    )
+    for version in (1, 2, 3):
+        assert got[("recv", version)][0] == "identical", got
+        assert got[("recv1", version)][0] == "identical", got
+    # the damaged receiver NACKed once (the nacks of all receivers are summed); the sender sent the
+    # bucket again to the group, and the other receiver, which had it right, kept its first copy
+    assert got[("recv", 2)][1] == 1 and got[("recv1", 2)][1] == 0, got
+    assert got[("sent", 2)][1] == 1 and got[("sent", 3)][1] == 1, got  # resent_buckets is cumulative
+    assert got["versions"] == [2, 3]
+
+
 def test_hccl_fails_fast_without_torch_npu() -> None:
     pytest.importorskip("torch")
     try:
