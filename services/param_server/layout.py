@@ -387,7 +387,7 @@ def validate_manifest(m: Manifest) -> None:
         names.add(t.name)
         if not 0 <= t.bucket_index < len(m.buckets):
             raise InvalidArgument("manifest.tensors.bucket_index", f"{t.name}: bucket {t.bucket_index} does not exist")
-        itemsize = torch.empty((), dtype=t.dtype).element_size()
+        itemsize = t.dtype.itemsize
         numel = 1
         for s in t.shape:
             numel *= s
