@@ -19,6 +19,12 @@ from .coord_helpers import group_for, make_core
 PARAMS = {"mini_batch": 3, "staleness": 0.5, "trigger": 2, "total": 30, "lease_timeout_s": 5.0, "eta": 2, "dataset_size": 7}
 
 
+
+def _pick(data: st.DataObject, leases: dict[str, int]) -> str:
+    """A lease id by position in insertion order (ids are random, positions are reproducible)."""
+    keys = list(leases)
+    return keys[data.draw(st.integers(0, len(keys) - 1))]
+
 class CoordinatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -68,8 +74,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.answered)
     @rule(data=st.data())
     def duplicate(self, data: st.DataObject) -> None:
-        keys = list(self.answered)
-        i = keys[data.draw(st.integers(0, len(keys) - 1))]
+        i = _pick(data, self.answered)
         before = self.core.queued
         statuses = self.core.submit("r", [group_for(i, self.answered[i], 0)], self.now)
         assert statuses in ([SubmitStatus.DUPLICATE], [SubmitStatus.EXPIRED])
@@ -78,8 +83,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.outstanding)
     @rule(data=st.data())
     def give_back(self, data: st.DataObject) -> None:
-        keys = list(self.outstanding)
-        i = keys[data.draw(st.integers(0, len(keys) - 1))]
+        i = _pick(data, self.outstanding)
         self.core.return_leases("r", [i], self.now)
         self.returned[i] = self.outstanding.pop(i)
 
@@ -87,8 +91,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def submit_after_return(self, data: st.DataObject) -> None:
         """A submit that crossed the ReturnLeases of its own lease (a drain racing a submit)."""
-        keys = list(self.returned)
-        i = keys[data.draw(st.integers(0, len(keys) - 1))]
+        i = _pick(data, self.returned)
         seq = self.returned.pop(i)
         (status,) = self.core.submit("r", [group_for(i, seq, self.version)], self.now)
         assert status in (SubmitStatus.ACCEPTED, SubmitStatus.EXPIRED)
@@ -97,8 +100,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.answered)
     @rule(data=st.data())
     def return_after_submit(self, data: st.DataObject) -> None:
-        keys = list(self.answered)
-        i = keys[data.draw(st.integers(0, len(keys) - 1))]
+        i = _pick(data, self.answered)
         def books() -> tuple[object, ...]:
             s = self.core.status(self.now)
             return s.in_flight, s.queued, s.retry_pending, s.budget_used, s.totals
