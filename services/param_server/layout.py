@@ -286,6 +286,10 @@ class Fingerprinter:
     def hexdigest(self) -> str:
         return digest_columns(self._cols, self.nbytes)
 
+    def columns(self) -> torch.Tensor:
+        """The K column sums as an int64 tensor (what `fingerprint_columns_async` returns)."""
+        return torch.from_numpy(self._cols.view(np.int64).copy())
+
 
 def fingerprint_bytes(data: object, nbytes: int | None = None) -> str:
     """Fingerprint of one contiguous host buffer."""
@@ -310,7 +314,7 @@ def fingerprint_columns_async(buffer: torch.Tensor, nbytes: int) -> torch.Tensor
     if buffer.device.type == "cpu":
         fp = Fingerprinter(nbytes)
         fp.update(0, buffer[:nbytes].numpy())
-        return torch.from_numpy(fp._cols.view(np.int64).copy())
+        return fp.columns()
     return _device_columns(buffer, nbytes)
 
 

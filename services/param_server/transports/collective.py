@@ -131,14 +131,6 @@ class _Device:
         if self.accelerator:
             self.comm_stream.wait_stream(self.mod.current_stream(self.device))
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of `t`, which must be complete (a finished collective's output), read on a stream
-        of its own so that it never waits for work queued behind it."""
-        if not self.accelerator:
-            return t
-        with self.mod.stream(self.host_stream):
-            return t.to("cpu")
-
     def pinned(self, key: tuple[str, int], numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A pinned host buffer kept for `key` (grown on demand), instead of a pinned allocation
         per step. Callers key them by slot or by step modulo RING, so that a buffer is rewritten
@@ -268,6 +260,16 @@ class _Group:
         except RuntimeError as exc:  # a peer failed or left mid-collective
             self.abort()
             raise Unavailable(f"{deadline.what}: {doing} failed ({exc}); the group re-forms at the next version") from exc
+
+    async def wait_event(self, event: Any, deadline: Deadline, doing: str) -> None:
+        """Poll a device event (None: nothing to wait for) against the deadline."""
+        if event is None:
+            return
+        while not event.query():
+            if deadline.expired():
+                self.abort()
+                raise deadline.stalled(doing, deadline.timeout_s)
+            await asyncio.sleep(0)
 
     def abort(self) -> None:
         self.broken = True
@@ -502,8 +504,15 @@ class CollectivePublisher(_CollectiveBase):
         sent: dict[int, _SendRecord] = {}  # data step -> record, while its slot may be resent
         nacked: set[int] = set()
         unacked: set[int] = set()
-        works: dict[int, list[Any]] = {}  # data step -> its broadcasts
+        works: dict[int, Any] = {}  # data step -> its broadcast
         state = {"exhausted": False}
+        pending: list[_SendRecord] = []  # first sends (in bucket order) whose fingerprints the manifest lacks
+
+        async def digest_ready(wait: bool) -> None:
+            while pending and (wait or pending[0].columns_ready is None or pending[0].columns_ready.query()):
+                r = pending.pop(0)
+                await group.wait_event(r.columns_ready, deadline, "fingerprinting a bucket")
+                builder.add(PlannedBucket(r.index, [], r.metas, r.nbytes), digest_columns(r.columns_host, r.nbytes))
 
         async def post(t: int) -> _Step:
             """Decide step t from what is known after CTRL(t-1) and post it."""
@@ -520,8 +529,8 @@ class CollectivePublisher(_CollectiveBase):
                 if planned is None:
                     state["exhausted"] = True
                 else:
-                    for w in works.pop(t - SLOTS, []):  # the slot's last send must be off the wire
-                        await group.wait(w, deadline, "sending a bucket")
+                    if (t - SLOTS) in works:  # the slot's last send must be off the wire
+                        await group.wait(works.pop(t - SLOTS), deadline, "sending a bucket")
                     if any(r.slot == slot for r in pending):  # its host copy of the columns is reused
                         await digest_ready(wait=True)
                     kind, rec = DATA, self._pack(slot, planned, version)
@@ -541,7 +550,7 @@ class CollectivePublisher(_CollectiveBase):
             if kind == DATA:
                 assert rec is not None
                 works.pop(t - SLOTS, None)
-                works[t] = [group.broadcast(self.slots.get(rec.slot, rec.padded + rec.meta_len))]
+                works[t] = group.broadcast(self.slots.get(rec.slot, rec.padded + rec.meta_len))
                 if rec.attempts == 1:
                     pending.append(rec)
                 sent[t] = rec
@@ -549,20 +558,13 @@ class CollectivePublisher(_CollectiveBase):
             await digest_ready(wait=False)  # while the bytes are on the wire
             return step
 
-        pending: list[_SendRecord] = []  # first sends (in bucket order) whose fingerprints the manifest lacks
-
-        async def digest_ready(wait: bool) -> None:
-            while pending and (wait or pending[0].columns_ready is None or pending[0].columns_ready.query()):
-                r = pending.pop(0)
-                await _wait_event(r.columns_ready, group, deadline, "fingerprinting a bucket")
-                builder.add(PlannedBucket(r.index, [], r.metas, r.nbytes), digest_columns(r.columns_host, r.nbytes))
         step = await post(0)
         while True:
             t = step.t
             await group.wait(step.work, deadline, f"step {t} control exchange")
             if (t - LAG) in unacked:
                 unacked.discard(t - LAG)
-                await _wait_event(step.read, group, deadline, f"step {t} control exchange")
+                await group.wait_event(step.read, deadline, f"step {t} control exchange")
                 if int(step.header[4]):
                     nacked.add(t - LAG)
             if step.kind == ABORT:
@@ -570,22 +572,10 @@ class CollectivePublisher(_CollectiveBase):
                 raise DataLoss(f"version {version}: bucket {step.rec.index} failed its checksum on a receiver "
                                f"{step.rec.attempts - 1} times (param_server.max_fetch_attempts={self.max_attempts})")
             if step.kind == DONE:
-                for step_works in works.values():
-                    for w in step_works:
-                        await group.wait(w, deadline, "finishing the broadcast")
+                for w in works.values():
+                    await group.wait(w, deadline, "finishing the broadcast")
                 return step.manifest
             step = await post(t + 1)
-
-
-async def _wait_event(event: Any, group: _Group, deadline: Deadline, doing: str) -> None:
-    """Poll a device event (None: nothing to wait for) against the deadline."""
-    if event is None:
-        return
-    while not event.query():
-        if deadline.expired():
-            group.abort()
-            raise deadline.stalled(doing, deadline.timeout_s)
-        await asyncio.sleep(0)
 
 
 @dataclass
@@ -687,7 +677,7 @@ class CollectiveFetcher(_CollectiveBase):
             rec.landed = dev.record()
 
     async def _verify(self, group: _Group, rec: _RecvRecord, deadline: Deadline) -> tuple[bool, pb.Manifest]:
-        await _wait_event(rec.landed, group, deadline, f"receiving step {rec.t}")
+        await group.wait_event(rec.landed, deadline, f"receiving step {rec.t}")
         assert rec.meta_host is not None and rec.columns_host is not None and rec.expected_host is not None
         meta = pb.Manifest.FromString(rec.meta_host.numpy().tobytes())
         if len(meta.buckets) != 1:
@@ -708,7 +698,7 @@ class CollectiveFetcher(_CollectiveBase):
         ctrl, work, header, read = self._post_ctrl(group, 0, 0)
         while True:
             await group.wait(work, deadline, f"step {t} control exchange")
-            await _wait_event(read, group, deadline, f"step {t} control exchange")
+            await group.wait_event(read, deadline, f"step {t} control exchange")
             words = header.tolist()
             kind, index, nbytes, meta_len, _, sender_version, csum_a, csum_b = words[:CTRL_WORDS]
             if sender_version != version:
