@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import services.common.config  # noqa: F401  (config tree first)
-from tests.integration.collective_workers import run_pair
+from tests.integration.collective_workers import check_nacks_and_abort, check_steady_group_version_mismatch, run_pair
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,3 +32,11 @@ def test_nccl_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
     # announce first (the trainer's CommitVersion), then broadcast; publish returns that same ref
     assert got[("recv", 5)][0] == "identical" and got[("sent", 5)][0] == "announced ref", got
     assert got["versions"] == [4, 5], got
+
+
+def test_nccl_nacks_mid_stream_and_on_the_last_bucket_and_gives_up_after_max_attempts() -> None:
+    check_nacks_and_abort("nccl", deadline_s=420.0)
+
+
+def test_nccl_a_receiver_on_another_version_fails_both_sides_at_the_first_step() -> None:
+    check_steady_group_version_mismatch("nccl", deadline_s=420.0)

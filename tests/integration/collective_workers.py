@@ -23,6 +23,17 @@ def make_buckets(seed: int, device: str = "cpu") -> list[list[tuple[str, torch.T
     return [[(n, t.to(device)) for n, t in b] for b in buckets]
 
 
+def make_many_buckets(seed: int, device: str = "cpu", count: int = 10) -> list[list[tuple[str, torch.Tensor]]]:
+    """More buckets than either side has slots, of different sizes (each receive is posted from
+    the size the previous step announced)."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(f"model.layers.{i}.weight", torch.randn(50 + 37 * i, 11, generator=g).to(device))] for i in range(count)]
+
+
+def buckets_for(version: int, mode: str, device: str = "cpu") -> list[list[tuple[str, torch.Tensor]]]:
+    return make_many_buckets(version, device) if mode.startswith("many") else make_buckets(version, device)
+
+
 def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
     time.sleep(hang_s)  # the trainer stalls before the first bucket (a stuck peer)
     yield from make_buckets(seed)
@@ -30,8 +41,9 @@ def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]
 
 def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float,
            notify: Any = None, receivers: int = 1) -> None:
-    """Publish each (version, mode): mode "ok", "hang" or "announce" (tell the receiver through
-    `notify` first, as the trainer's CommitVersion tells rollouts through the coordinator)."""
+    """Publish each (version, mode): mode "ok", "many" (make_many_buckets), "hang" or "announce"
+    (tell the receiver through `notify` first, as the trainer's CommitVersion tells rollouts
+    through the coordinator)."""
     import services.common.config  # noqa: F401
     from services.param_server.transports.collective import CollectivePublisher
 
@@ -46,7 +58,7 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
             pub.announce = announce if mode == "announce" else None
             try:
                 device = "cuda" if backend == "nccl" else "cpu"
-                buckets = _hanging(version, timeout_s + 2) if mode == "hang" else make_buckets(version, device)
+                buckets = _hanging(version, timeout_s + 2) if mode == "hang" else buckets_for(version, mode, device)
                 ref = await pub.publish(version, buckets)
                 outcome = "announced ref" if mode == "announce" and not ref.manifest_checksum else ref.manifest_checksum
                 results.put(("sent", version, outcome, pub.resent_buckets))
@@ -59,17 +71,20 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
 
 def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any, notify: Any = None,
              consumer_id: str = "rollout-0", role: str = "recv") -> None:
-    """Fetch each (version, mode, timeout_s): mode "ok", "corrupt" (damage bucket 1 once) or
-    "announced" (wait for the sender's announcement and fetch the ref it carries)."""
+    """Fetch each (version, mode, timeout_s): mode "ok", "corrupt" (damage bucket 1 once),
+    "corrupt_last" (bucket 2, the last, once), "corrupt_always" (bucket 1, every time it comes),
+    "many" / "many_corrupt" (the sender's make_many_buckets; bucket 5 damaged once) or "announced"
+    (wait for the sender's announcement and fetch the ref it carries)."""
     import services.common.config  # noqa: F401
     from meshrl.v1 import common_pb2
     from services.param_server.transports.collective import CollectiveFetcher
 
-    state = {"corrupt": False}
+    state: dict[str, Any] = {"bucket": None, "always": False}
 
     def damage(step: int, bucket: int, buf: torch.Tensor) -> None:
-        if state["corrupt"] and bucket == 1:
-            state["corrupt"] = False
+        if bucket == state["bucket"]:
+            if not state["always"]:
+                state["bucket"] = None
             buf[17] ^= 0xFF
 
     async def main() -> None:
@@ -80,7 +95,8 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
         fetcher = CollectiveFetcher(backend, address, consumer_id=consumer_id, group="test", corrupt_hook=damage)
         for version, mode, timeout_s in plan:
             fetcher.timeout_s = timeout_s
-            state["corrupt"] = mode == "corrupt"
+            state["bucket"] = {"corrupt": 1, "corrupt_last": 2, "corrupt_always": 1, "many_corrupt": 5}.get(mode)
+            state["always"] = mode == "corrupt_always"
             try:
                 ref = common_pb2.WeightsRef(policy_version=version)
                 if mode == "announced":
@@ -90,7 +106,7 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                     for name, t in bucket:
                         assert t.device.type == device
                         got[name] = t.cpu().clone()
-                want = {n: t for b in make_buckets(version) for n, t in b}
+                want = {n: t for b in buckets_for(version, mode) for n, t in b}
                 same = set(got) == set(want) and all(
                     got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items()
                 )
@@ -133,7 +149,10 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
             while len(got) < len(sender_plan) + len(receiver_plan) + sum(len(p) for p in more_receivers):
                 try:
                     role, version, outcome, count = results.get_nowait()
-                    got[(role, version)] = (outcome, count)
+                    key: tuple = (role, version)
+                    while key in got:  # the same version fetched again: ("recv", v, "again")
+                        key = (*key, "again")
+                    got[key] = (outcome, count)
                 except queue.Empty:
                     if time.monotonic() > end:
                         raise AssertionError(f"collective test timed out; results so far: {got}") from None
@@ -156,3 +175,43 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
             await server.stop()
 
     return asyncio.run(main())
+
+
+def check_nacks_and_abort(backend: str, deadline_s: float = 240.0) -> None:
+    """A NACK mid-stream (ten buckets of different sizes: more than either side's slots), a NACK
+    of the last bucket (its verdict comes at once, no DATA follows it), a bucket damaged every
+    time (sent max_attempts = 3 times, then DataLoss on both sides), then the group re-forms."""
+    got = run_pair(
+        backend,
+        sender_plan=[(1, "many"), (2, "ok"), (3, "ok"), (4, "many")],
+        receiver_plan=[(1, "many_corrupt", 120.0), (2, "corrupt_last", 120.0), (3, "corrupt_always", 120.0),
+                       (4, "many", 120.0)],
+        deadline_s=deadline_s,
+    )
+    # counts are cumulative: the receiver's NACKs, the sender's resent buckets
+    assert got[("recv", 1)] == ("identical", 1) and got[("sent", 1)][1] == 1, got
+    assert got[("recv", 2)] == ("identical", 2) and got[("sent", 2)][1] == 2, got
+    assert got[("recv", 3)][0].startswith("DataLoss") and got[("recv", 3)][1] == 5, got
+    assert got[("sent", 3)][0].startswith("DataLoss") and "3 times" in got[("sent", 3)][0], got
+    assert got[("sent", 3)][1] == 4, got
+    assert got[("recv", 4)] == ("identical", 5) and len(got[("sent", 4)][0]) == 64, got
+    assert got["versions"] == [2, 4], got
+
+
+def check_steady_group_version_mismatch(backend: str, deadline_s: float = 240.0) -> None:
+    """Once a version went through, the next starts on the same group without waiting at the
+    rendezvous: a receiver that asks for another version than the one broadcast is caught in the
+    first control step, on both sides at once (not by a deadline), and the group re-forms."""
+    t0 = time.monotonic()
+    got = run_pair(
+        backend,
+        sender_plan=[(1, "ok"), (2, "ok"), (3, "ok"), (4, "ok")],
+        receiver_plan=[(1, "ok", 120.0), (2, "ok", 120.0), (4, "ok", 120.0), (4, "ok", 120.0)],
+        deadline_s=deadline_s,
+    )
+    assert got[("recv", 1)][0] == "identical" and got[("recv", 2)][0] == "identical", got
+    assert got[("sent", 3)][0].startswith("FailedPrecondition") and "asked for" in got[("sent", 3)][0], got
+    assert got[("recv", 4)][0].startswith("FailedPrecondition"), got
+    assert got[("recv", 4, "again")][0] == "identical" and len(got[("sent", 4)][0]) == 64, got
+    assert got["versions"] == [2, 4], got
+    assert time.monotonic() - t0 < 100, "the mismatch waited for a deadline"

@@ -9,7 +9,7 @@ import pytest
 import services.common.config  # noqa: F401  (config tree first)
 from services.common.errors import MissingDependency
 
-from .collective_workers import run_pair
+from .collective_workers import check_nacks_and_abort, check_steady_group_version_mismatch, run_pair
 
 
 def test_gloo_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
@@ -48,6 +48,14 @@ def test_gloo_two_receivers_get_every_version_and_one_receivers_nack_resends_to_
     assert got[("recv", 2)][1] == 1 and got[("recv1", 2)][1] == 0, got
     assert got[("sent", 2)][1] == 1 and got[("sent", 3)][1] == 1, got  # resent_buckets is cumulative
     assert got["versions"] == [2, 3]
+
+
+def test_gloo_nacks_mid_stream_and_on_the_last_bucket_and_gives_up_after_max_attempts() -> None:
+    check_nacks_and_abort("gloo")
+
+
+def test_gloo_a_receiver_on_another_version_fails_both_sides_at_the_first_step() -> None:
+    check_steady_group_version_mismatch("gloo")
 
 
 def test_hccl_fails_fast_without_torch_npu() -> None:

@@ -15,32 +15,44 @@ re-commit (and a retried publish of the same version re-announces harmlessly). W
 receiver of a group takes part in every version: one that skips a version stalls the sender
 until its deadline (then the group re-forms).
 
+Steady groups. Once a version went through, both sides start the next one on the same group at
+once, their rendezvous RPCs in the background (they keep the param server's board current; a new
+generation or an error there sends the next version through the rendezvous again). CTRL(0) checks
+that every receiver asked for the version the sender broadcasts (sums of v and v^2), so a
+receiver on another version fails the version on every side at the first step, not at a deadline.
+
 Steps. A version goes out as steps t = 0, 1, ...; each step is one CTRL all-reduce (sum of
-int64[8 + K]: the sender's header and, for a DATA step, the K fingerprint columns of its bucket,
-computed on the device; plus the receivers' NACK of step t-2), then for a DATA step one broadcast
-of slot t % 3 of three device buffers: the bucket's bytes followed by its metadata (a serialized
-Manifest). The host never waits for the device except to read a CTRL header, and each side posts
-ahead of the wire:
+int64[14 + K]: the sender's header, which also announces the next step's kind and size, and for a
+DATA step the K fingerprint columns of its bucket, computed on the device; plus the receivers'
+verdicts) then, for a DATA step, one broadcast of a slot: the bucket's bytes followed by its
+metadata (a serialized Manifest). The host never waits for the device except to read a CTRL
+header, and both sides post a step ahead of the wire, so that between two buckets the wire idles
+only for one small all-reduce:
 
-    sender    posts CTRL(t) and DATA(t) together; reads CTRL(t) (done once DATA(t-1) is off the
-              wire) while DATA(t) is on it; packs b(t+1) into the slot CTRL(t) just freed, posts
-              CTRL(t+1) and DATA(t+1)
-    receiver  reads CTRL(t) (a copy to pinned memory queued behind it), posts DATA(t); checks
-              b(t-1) (its columns, summed on a side stream as soon as it landed, against the
-              sender's from CTRL(t-1)); posts CTRL(t+1) with nack(t-1); the consumer loads b(t-1)
+    sender    posts CTRL(t) and DATA(t) together, then packs b(t+1) (announced in CTRL(t)) into a
+              free slot while DATA(t) is on the wire; reads CTRL(t) (done once DATA(t-1) is off
+              the wire) and posts CTRL(t+1) and DATA(t+1), deciding (and announcing) step t+2
+    receiver  reads CTRL(t) while DATA(t) is on the wire (its receive was posted from CTRL(t-1)'s
+              announcement) and at once posts CTRL(t+1) and DATA(t+1); CTRL(t+1) carries the
+              verdict on b(t-1), computed on the device (a side stream sums b(t-1)'s columns as
+              soon as it landed and compares them with the sender's from CTRL(t-1); the comm
+              stream waits for that, the host does not); then the host queues the check of b(t)
+              and hands b(t-1), checked on the host too, to the consumer
 
-so between two buckets the wire idles for one small all-reduce and the receiver's read of the next
-header, as long as each side's host work per bucket fits in the bucket's time on the wire (on 2
-H100s the receiver's, ~1 ms of Python per bucket, is the limit at 512 MiB). Pinned host buffers
-are kept per slot and per step ring, never allocated per step. A bucket that fails its fingerprint on any receiver is NACKed and sent again from its slot
-(up to max_attempts, then ABORT and DataLoss everywhere). FLUSH steps drain the last acks; DONE
-carries the manifest checksum, which receivers compare with the manifest they assembled. Every wait
-polls against the deadline: a stuck peer gives DeadlineExceeded, the group is aborted and re-formed
-(a new generation) at the next version.
+A receiver's verdict on bucket t rides in CTRL(t+2), or in CTRL(t+1) when CTRL(t) announced no
+DATA (the last bucket: it is checked at once, so the end costs two control steps; both sides
+build the manifest's checksum meanwhile). The sender keeps a bucket in its slot until every
+receiver acked it (4 slots: three in flight, one being packed; the receiver has 3) and sends a
+NACKed one again (up to max_attempts, then ABORT and DataLoss everywhere). DONE comes once every bucket is acked and carries the manifest checksum, which
+receivers compare with the manifest they assembled. Pinned host buffers are kept per slot and per
+step ring, never allocated per step. Every wait polls against the deadline: a stuck peer gives
+DeadlineExceeded, the group is aborted and re-formed (a new generation) at the next version.
 
-The sender registers the manifest at the param server in the background (the RPC takes ~4 ms):
-`publish` returns when the broadcast is done, and the next publish and `close` wait for the
-registration (its error surfaces there). scripts/gpu/weights_trace.py shows where the time goes.
+The sender plans its first two buckets and packs the first while its rendezvous RPC runs. It
+returns its slots to the device allocator after each version (the trainer's steps use them). It
+registers the manifest at the param server in the background (the RPC takes ~4 ms): `publish`
+returns when the broadcast is done, and the next publish and `close` wait for the registration
+(its error surfaces there). scripts/gpu/weights_trace.py shows where the time goes.
 """
 
 from __future__ import annotations
@@ -58,7 +70,15 @@ import torch
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.device import collective_backend, import_torch_npu
-from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
+from services.common.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    MissingDependency,
+    Unavailable,
+)
 from services.common.logging import get_logger
 
 from .. import convert
@@ -78,10 +98,16 @@ from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, pla
 
 log = get_logger(__name__)
 
-SLOTS = 3
-LAG = SLOTS - 1  # CTRL(t) carries the receivers' verdict on step t - LAG
+SEND_SLOTS = 4  # the sender keeps a bucket until every receiver acked it (up to 3 in flight) + 1 to pack
+RECV_SLOTS = 3  # the receiver: one being consumed, one on the wire, one posted ahead
 RING = 4  # pinned header buffers, by step: one is rewritten only after its copy completed
-CTRL_WORDS = 8  # kind, bucket index, padded bytes, metadata bytes, nacks, version, checksum (2 words)
+# CTRL words: this step's kind, bucket index, padded bytes, metadata bytes; the receivers' verdict on
+# step t-2 (W_NACK); version; the manifest checksum (DONE, 2 words); the next step's kind and slot
+# bytes; the receivers' verdict on step t-1 (W_NACK_NOW: only when step t was announced as no DATA);
+# a spare word; in CTRL(0), the sum of the versions the receivers asked for and of their squares
+# (all equal to the sender's exactly when both sums are n*v and n*v^2)
+CTRL_WORDS = 14
+W_NACK, W_NEXT_KIND, W_NEXT_SIZE, W_NACK_NOW, W_JOIN, W_JOIN_SQ = 4, 8, 9, 10, 12, 13
 DATA, FLUSH, DONE, ABORT = 1, 2, 3, 4
 _KIND_OF = {"nccl": "cuda", "hccl": "npu", "gloo": "cpu"}
 
@@ -290,11 +316,11 @@ def _checksum_words(checksum: str) -> tuple[int, int]:
 
 
 class _Slots:
-    """Three device byte buffers, grown on demand."""
+    """A few device byte buffers, grown on demand."""
 
-    def __init__(self, dev: _Device) -> None:
+    def __init__(self, dev: _Device, count: int) -> None:
         self.dev = dev
-        self.bufs: list[torch.Tensor | None] = [None] * SLOTS
+        self.bufs: list[torch.Tensor | None] = [None] * count
 
     def get(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self.bufs[slot]
@@ -304,9 +330,14 @@ class _Slots:
             self.bufs[slot] = buf
         return buf[:nbytes]
 
+    def release(self) -> None:
+        """Hand the buffers back to the device allocator (once nothing on any stream uses them)."""
+        self.bufs = [None] * len(self.bufs)
+
 
 class _CollectiveBase:
-    def __init__(self, backend: str, address: str, *, group: str, timeout_s: float, member_id: str) -> None:
+    def __init__(self, backend: str, address: str, *, group: str, timeout_s: float, member_id: str,
+                 slots: int) -> None:
         self.backend = backend
         self.dev = _Device(backend)
         self.address = address
@@ -315,7 +346,11 @@ class _CollectiveBase:
         self.member_id = member_id
         self.client = ParamServerClient(address)
         self.group: _Group | None = None
-        self.slots = _Slots(self.dev)
+        self.slots = _Slots(self.dev, slots)
+        # The group finished the last version: the next one starts on it at once, its rendezvous
+        # RPC in the background (_check_in_later); the param server's wait would add ~2 ms.
+        self._steady = False
+        self._checking: asyncio.Task[None] | None = None
 
     def _pg_timeout_s(self) -> float:
         return self.timeout_s + 60.0
@@ -331,12 +366,54 @@ class _CollectiveBase:
             raise deadline.stalled(f"forming the {self.backend} group {self.group_name!r}", deadline.timeout_s) from None
 
     def drop_group(self) -> None:
+        self._steady = False
+        if self._checking is not None:  # the check-in of a version that failed is moot
+            self._checking.cancel()
         if self.group is not None:
             self.group.abort()
         self.group = None
 
+    def _steady_group(self) -> _Group | None:
+        """The group to start the next version on without waiting at the rendezvous, if any."""
+        if self._steady and self.group is not None and not self.group.broken:
+            return self.group
+        self._steady = False
+        return None
+
+    async def _check_in_later(self, request: pb.RendezvousRequest, group: _Group) -> None:
+        """A steady group's rendezvous for this version, in the background: it keeps the param
+        server's board current (who is at which version); a new generation or an error there makes
+        the next version wait at the rendezvous and re-form the group."""
+        try:
+            resp = await self.client.rendezvous(request, timeout_s=max(self.timeout_s, 1.0))
+            if resp.generation != group.generation:
+                self._steady = False
+        except (MeshError, OSError) as exc:  # the broadcast checks its peers; this decides the next start
+            log.warning("rendezvous_check_in_failed", group=self.group_name, policy_version=request.policy_version,
+                        error=str(exc))
+            self._steady = False
+
+    async def _checked_in(self) -> None:
+        task, self._checking = self._checking, None
+        if task is not None:
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this caller was cancelled, not the check-in
+
+    def _check_join(self, words: list[int], receivers: int, version: int) -> None:
+        """CTRL(0): every receiver asked for the sender's version (else all sides fail at once)."""
+        if words[W_JOIN] != receivers * version or words[W_JOIN_SQ] != receivers * version * version:
+            raise FailedPrecondition(
+                f"group {self.group_name!r}: the sender broadcasts version {words[5]} but not every one of its "
+                f"{receivers} receivers asked for version {version} (a receiver skipped or repeated a version; "
+                "the group re-forms at the next version)"
+            )
+
     async def close(self) -> None:
         self.drop_group()
+        await self._checked_in()
         await self.client.close()
 
 
@@ -363,7 +440,32 @@ class _Step:
     work: Any
     header: torch.Tensor  # CTRL's header words, in host memory once `read` fired
     read: Any
+    nxt: _Next
     manifest: Any = None
+
+
+@dataclass
+class _Next:
+    """What step t+1 will send, decided when step t is posted, so that CTRL(t) tells the receivers
+    the size of DATA(t+1) and they post its receive while DATA(t) is on the wire: a bucket (`rec`:
+    packed right after step t was posted, or NACKed and sent again) or nothing (a control step)."""
+
+    rec: _SendRecord | None = None
+    resend: bool = False
+    planned: Any = None  # a new bucket, until packed into `slot`
+    slot: int = -1
+    meta: bytes = b""
+
+    @property
+    def data(self) -> bool:
+        return self.rec is not None or self.planned is not None
+
+    def size(self) -> int:
+        if self.rec is not None:
+            return self.rec.padded + self.rec.meta_len
+        if self.planned is not None:
+            return round_up(self.planned.nbytes, 8) + len(self.meta)
+        return 0
 
 
 class CollectivePublisher(_CollectiveBase):
@@ -384,7 +486,8 @@ class CollectivePublisher(_CollectiveBase):
         member_id: str = "",
         corrupt_hook: Callable[[int, torch.Tensor], None] | None = None,
     ) -> None:
-        super().__init__(backend, address, group=group, timeout_s=timeout_s, member_id=member_id or f"sender-{uuid.uuid4().hex[:8]}")
+        super().__init__(backend, address, group=group, timeout_s=timeout_s,
+                         member_id=member_id or f"sender-{uuid.uuid4().hex[:8]}", slots=SEND_SLOTS)
         if receivers < 1:
             raise InvalidArgument("param_server.collective_receivers", f"must be >= 1, got {receivers}")
         self.receivers = receivers
@@ -411,36 +514,54 @@ class CollectivePublisher(_CollectiveBase):
                 dist.TCPStore, self.master_address, 0, self.receivers + 1, True,
                 datetime.timedelta(seconds=self._pg_timeout_s()), False,
             )
-        req = pb.RendezvousRequest(
-            group=self.group_name, role="sender", member_id=self.member_id, world_size=self.receivers + 1,
-            master_address=self.master_address, master_port=self._store.port, backend=self.backend,
-            policy_version=version,
-        )
+        req = self._rendezvous_request(version)
         resp = await self.client.rendezvous(req, timeout_s=max(deadline.check("rendezvous"), 0.001))
         if self.group is None or self.group.generation != resp.generation:
             self.drop_group()
             self.group = await self._build_group(self._store, 0, resp.world_size, resp.generation, deadline)
         return self.group
 
-    async def _registered(self) -> None:
-        """Wait for the previous version's manifest registration (its error surfaces here)."""
+    def _rendezvous_request(self, version: int) -> pb.RendezvousRequest:
+        return pb.RendezvousRequest(
+            group=self.group_name, role="sender", member_id=self.member_id, world_size=self.receivers + 1,
+            master_address=self.master_address, master_port=self._store.port, backend=self.backend,
+            policy_version=version,
+        )
+
+    async def settle(self) -> None:
+        """Wait for what the last publish left running: its rendezvous check-in and its manifest
+        registration (whose error surfaces here)."""
+        await self._checked_in()
         task, self._registering = self._registering, None
         if task is not None:
             await task
 
     async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
+        await self.settle()
         deadline = Deadline(self.timeout_s, f"{self.backend} broadcast of version {version} (group {self.group_name!r})")
-        await self._registered()
         announced = common_pb2.WeightsRef(policy_version=version, param_server_address=self.address)
         if self.announce is not None:
             await self.announce(announced)
-        group = await self._ensure_group(version, deadline)
+        steady = self._steady_group()
+        group: asyncio.Future[_Group]
+        if steady is not None:
+            group = asyncio.get_running_loop().create_future()
+            group.set_result(steady)
+            self._checking = asyncio.create_task(self._check_in_later(self._rendezvous_request(version), steady))
+        else:  # the rendezvous RPC runs while the first buckets are planned and packed
+            group = asyncio.ensure_future(self._ensure_group(version, deadline))
         try:
             manifest = await self._send(group, version, plan_buckets(buckets).__aiter__(), deadline)
         except BaseException:
+            group.cancel()
+            with contextlib.suppress(BaseException):
+                await group
             self.drop_group()
             self._store = None
             raise
+        self._steady = True
+        if self.dev.accelerator:  # every broadcast is done: the trainer's next steps may use the
+            self.slots.release()  # slots' memory (the caching allocator hands it back at the next publish)
         self._registering = asyncio.create_task(self.client.register(manifest, timeout_s=max(self.timeout_s, 1.0)))
         log.info("weights_published", transport=self.backend, policy_version=version, total_bytes=manifest.total_bytes,
                  buckets=len(manifest.buckets), resent=self.resent_buckets)
@@ -451,15 +572,14 @@ class CollectivePublisher(_CollectiveBase):
 
     async def close(self) -> None:
         try:
-            await self._registered()
+            await self.settle()
         finally:
             await super().close()
 
-    def _pack(self, slot: int, planned: Any, version: int) -> _SendRecord:
+    def _pack(self, slot: int, planned: Any, meta: bytes) -> _SendRecord:
         """Queue the copies of a bucket's tensors into a slot, its fingerprint columns and their
         copy to host memory on the current stream, and its metadata to the device; nothing here
         waits for the device."""
-        meta = self._meta_bytes(version, planned)
         padded = round_up(planned.nbytes, 8)
         buf = self.slots.get(slot, padded + len(meta))
         if padded > planned.nbytes:
@@ -495,87 +615,131 @@ class CollectivePublisher(_CollectiveBase):
             ctrl[CTRL_WORDS:].copy_(columns)
         return ctrl
 
-    async def _send(self, group: _Group, version: int, planned_iter: AsyncIterator[Any], deadline: Deadline) -> Any:
-        """Step t's CTRL, metadata and bytes are posted together, one step ahead of the host: the
-        host reads CTRL(t) (done once DATA(t-1) is off the wire) while DATA(t) is on it, then
-        decides and posts step t+1 from what CTRL(t) said."""
+    async def _send(self, group_ready: asyncio.Future[_Group], version: int, planned_iter: AsyncIterator[Any],
+                    deadline: Deadline) -> Any:
+        """Step t's CTRL and bytes are posted together, one step ahead of the host: the host reads
+        CTRL(t) (done once DATA(t-1) is off the wire) while DATA(t) is on it, then posts step t+1
+        (announced in CTRL(t), packed while DATA(t) was on the wire), deciding step t+2 (announced
+        in CTRL(t+1)) and packing it. A bucket keeps its slot until every receiver acked it; a
+        NACKed one is sent again from its slot."""
         dev = self.dev
         builder = ManifestBuilder(version)
-        sent: dict[int, _SendRecord] = {}  # data step -> record, while its slot may be resent
-        nacked: set[int] = set()
-        unacked: set[int] = set()
-        works: dict[int, Any] = {}  # data step -> its broadcast
+        held: dict[int, _SendRecord | None] = {}  # slot -> its bucket until acked (None: reserved for the next)
+        resend: list[_SendRecord] = []  # NACKed, to send again
+        failed: list[_SendRecord] = []  # NACKed max_attempts times: the next control step is ABORT
+        verdicts: dict[tuple[int, int], _SendRecord] = {}  # (step, CTRL word) -> the bucket whose verdict it carries
+        works: dict[int, Any] = {}  # slot -> its last broadcast
         state = {"exhausted": False}
         pending: list[_SendRecord] = []  # first sends (in bucket order) whose fingerprints the manifest lacks
+        groups: list[_Group] = []
+        built: list[Any] = []  # the manifest, built once the last fingerprint is in (before DONE)
 
         async def digest_ready(wait: bool) -> None:
             while pending and (wait or pending[0].columns_ready is None or pending[0].columns_ready.query()):
                 r = pending.pop(0)
-                await group.wait_event(r.columns_ready, deadline, "fingerprinting a bucket")
+                await groups[0].wait_event(r.columns_ready, deadline, "fingerprinting a bucket")  # posted: grouped
                 builder.add(PlannedBucket(r.index, [], r.metas, r.nbytes), digest_columns(r.columns_host, r.nbytes))
 
-        async def post(t: int) -> _Step:
-            """Decide step t from what is known after CTRL(t-1) and post it."""
-            slot = t % SLOTS
-            prev = sent.pop(t - SLOTS, None)
-            kind, rec = FLUSH, None
-            if prev is not None and (t - SLOTS) in nacked:
-                prev.attempts += 1
+        async def decide() -> _Next:
+            """The step after the one being posted: a resend first, else the next bucket if a slot
+            is free, else a control step."""
+            if failed:
+                return _Next()
+            if resend:
+                return _Next(rec=resend.pop(0), resend=True)
+            free = [s for s in range(SEND_SLOTS) if s not in held]
+            if state["exhausted"] or not free:
+                return _Next()
+            planned = await anext(planned_iter, None)
+            if planned is None:
+                state["exhausted"] = True
+                return _Next()
+            held[free[0]] = None
+            return _Next(planned=planned, slot=free[0], meta=self._meta_bytes(version, planned))
+
+        async def pack(nxt: _Next) -> None:
+            if nxt.planned is None:
+                return
+            if nxt.slot in works:  # the slot's last send must be off the wire (it was acked: it is)
+                await groups[0].wait(works.pop(nxt.slot), deadline, "sending a bucket")
+            if any(r.slot == nxt.slot for r in pending):  # its host copy of the columns is reused
+                await digest_ready(wait=True)
+            nxt.rec = held[nxt.slot] = self._pack(nxt.slot, nxt.planned, nxt.meta)
+            nxt.planned = None
+
+        async def post(t: int, cur: _Next) -> _Step:
+            nxt = await decide()
+            rec = cur.rec
+            if cur.resend:
+                assert rec is not None
+                rec.attempts += 1
                 self.resent_buckets += 1
-                kind, rec = (ABORT, prev) if prev.attempts > self.max_attempts else (DATA, prev)
-                log.warning("bucket_nacked_resending", policy_version=version, bucket=prev.index, attempt=prev.attempts)
-            elif not state["exhausted"]:
-                planned = await anext(planned_iter, None)
-                if planned is None:
-                    state["exhausted"] = True
-                else:
-                    if (t - SLOTS) in works:  # the slot's last send must be off the wire
-                        await group.wait(works.pop(t - SLOTS), deadline, "sending a bucket")
-                    if any(r.slot == slot for r in pending):  # its host copy of the columns is reused
-                        await digest_ready(wait=True)
-                    kind, rec = DATA, self._pack(slot, planned, version)
-            if kind == FLUSH and state["exhausted"] and not unacked:
+                log.warning("bucket_nacked_resending", policy_version=version, bucket=rec.index, attempt=rec.attempts)
+            if rec is not None:
+                kind = DATA
+            elif failed:
+                kind = ABORT
+            elif state["exhausted"] and not held and not resend:
                 kind = DONE
+            else:
+                kind = FLUSH
             header = [kind, rec.index if rec else 0, rec.padded if rec else 0, rec.meta_len if rec else 0,
-                      0, version, 0, 0]
+                      0, version, 0, 0, DATA if nxt.data else 0, nxt.size()] + [0] * (CTRL_WORDS - 10)
             manifest = None
             if kind == DONE:
-                await digest_ready(wait=True)
-                manifest = builder.build([self.backend])
+                if not built:
+                    await digest_ready(wait=True)
+                    built.append(builder.build([self.backend]))
+                manifest = built[0]
                 header[6], header[7] = _checksum_words(manifest.checksum)
-            ctrl = self._ctrl(t, header, rec.columns if kind == DATA and rec is not None else None)
+            ctrl = self._ctrl(t, header, rec.columns if rec is not None else None)
+            if not groups:  # the first step was packed while the rendezvous ran
+                groups.append(await group_ready)
+            group = groups[0]
             dev.after_default()
             work = group.allreduce_sum(ctrl)
-            step = _Step(t, kind, rec, ctrl, work, *dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", t % RING)), manifest)
-            if kind == DATA:
-                assert rec is not None
-                works.pop(t - SLOTS, None)
-                works[t] = group.broadcast(self.slots.get(rec.slot, rec.padded + rec.meta_len))
+            step = _Step(t, kind, rec, ctrl, work, *dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", t % RING)),
+                         nxt, manifest)
+            if rec is not None:
+                works[rec.slot] = group.broadcast(self.slots.get(rec.slot, rec.padded + rec.meta_len))
                 if rec.attempts == 1:
                     pending.append(rec)
-                sent[t] = rec
-                unacked.add(t)
-            await digest_ready(wait=False)  # while the bytes are on the wire
+                # the receivers report on a bucket two steps later, or at once when no DATA follows
+                verdicts[(t + 2, W_NACK) if nxt.data else (t + 1, W_NACK_NOW)] = rec
+            await pack(nxt)  # while DATA(t) is on the wire
+            await digest_ready(wait=False)
+            if state["exhausted"] and not pending and not built:  # while the last steps are on the wire
+                built.append(builder.build([self.backend]))
             return step
 
-        step = await post(0)
+        await asyncio.sleep(0)  # the rendezvous RPC starts before the first bucket is gathered and packed
+        first = await decide()
+        await pack(first)
+        step = await post(0, first)
+        group = groups[0]
         while True:
             t = step.t
             await group.wait(step.work, deadline, f"step {t} control exchange")
-            if (t - LAG) in unacked:
-                unacked.discard(t - LAG)
+            due = [(w, verdicts.pop((t, w))) for w in (W_NACK, W_NACK_NOW) if (t, w) in verdicts]
+            if due or t == 0:
                 await group.wait_event(step.read, deadline, f"step {t} control exchange")
-                if int(step.header[4]):
-                    nacked.add(t - LAG)
+            if t == 0:
+                self._check_join(step.header.tolist(), self.receivers, version)
+            for w, rec in due:
+                if not int(step.header[w]):
+                    del held[rec.slot]  # every receiver has it: the slot is free
+                elif rec.attempts >= self.max_attempts:
+                    failed.append(rec)
+                else:
+                    resend.append(rec)
             if step.kind == ABORT:
-                assert step.rec is not None
-                raise DataLoss(f"version {version}: bucket {step.rec.index} failed its checksum on a receiver "
-                               f"{step.rec.attempts - 1} times (param_server.max_fetch_attempts={self.max_attempts})")
+                raise DataLoss(f"version {version}: bucket {failed[0].index} failed its checksum on a receiver "
+                               f"{failed[0].attempts} times (param_server.max_fetch_attempts={self.max_attempts})")
             if step.kind == DONE:
                 for w in works.values():
                     await group.wait(w, deadline, "finishing the broadcast")
                 return step.manifest
-            step = await post(t + 1)
+            step = await post(t + 1, step.nxt)
 
 
 @dataclass
@@ -587,10 +751,11 @@ class _RecvRecord:
     meta_len: int  # the metadata follows the bucket's bytes in the slot
     expected: torch.Tensor  # the sender's fingerprint columns: CTRL(t)'s tail, on the device
     data_work: Any
+    bad: torch.Tensor | None = None  # int64[1] on the device: 1 if the columns differ from `expected`
     meta_host: torch.Tensor | None = None
     columns_host: torch.Tensor | None = None
-    expected_host: torch.Tensor | None = None
-    landed: Any = None  # event: the bucket arrived and its columns reached host memory
+    bad_host: torch.Tensor | None = None
+    landed: Any = None  # event: the bucket arrived, was checked, and its columns reached host memory
 
 
 class CollectiveFetcher(_CollectiveBase):
@@ -609,7 +774,7 @@ class CollectiveFetcher(_CollectiveBase):
     ) -> None:
         if not consumer_id:
             raise InvalidArgument("consumer_id", "required (a stable id of this rank)")
-        super().__init__(backend, address, group=group, timeout_s=timeout_s, member_id=consumer_id)
+        super().__init__(backend, address, group=group, timeout_s=timeout_s, member_id=consumer_id, slots=RECV_SLOTS)
         self._corrupt_hook = corrupt_hook  # tests: damage received bytes (step, bucket, buffer)
         self.nacks_sent = 0
 
@@ -617,12 +782,19 @@ class CollectiveFetcher(_CollectiveBase):
     def transport(self) -> str:
         return self.backend
 
+    def _rendezvous_request(self, version: int) -> pb.RendezvousRequest:
+        return pb.RendezvousRequest(group=self.group_name, role="receiver", member_id=self.member_id,
+                                    backend=self.backend, policy_version=version)
+
     async def _ensure_group(self, version: int, deadline: Deadline) -> _Group:
         import torch.distributed as dist
 
-        req = pb.RendezvousRequest(group=self.group_name, role="receiver", member_id=self.member_id,
-                                   backend=self.backend, policy_version=version)
-        resp = await self.client.rendezvous(req, timeout_s=max(deadline.check("rendezvous"), 0.001))
+        req = self._rendezvous_request(version)
+        try:
+            resp = await self.client.rendezvous(req, timeout_s=max(deadline.check("rendezvous"), 0.001))
+        except DeadlineExceeded as exc:  # the sender never came to this version
+            raise deadline.stalled(f"waiting at the param server's rendezvous for the sender of version {version}",
+                                   deadline.timeout_s) from exc
         if self.group is not None and (self.group.broken or self.group.generation != resp.generation):
             self.drop_group()
         if self.group is None:
@@ -635,30 +807,51 @@ class CollectiveFetcher(_CollectiveBase):
 
     async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Bucket]:
         version = ref.policy_version
+        await self._checked_in()
         deadline = Deadline(self.timeout_s, f"{self.backend} receive of version {version} (group {self.group_name!r})")
-        group = await self._ensure_group(version, deadline)
+        group = self._steady_group()
+        if group is not None:
+            self._checking = asyncio.create_task(self._check_in_later(self._rendezvous_request(version), group))
+        else:
+            group = await self._ensure_group(version, deadline)
         done = False
         try:
             async for bucket in self._receive(group, version, deadline):
                 yield bucket
             done = True
+            self._steady = True
         finally:
             if not done:
                 self.drop_group()  # a broken-off receive leaves the group out of step: re-form it
 
-    def _post_ctrl(self, group: _Group, t: int, nack: int) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
-        """Post CTRL(t) and queue the read of its header: (ctrl, work, header in host memory, event)."""
-        with self.dev.comm():  # not behind the consumer's work on the default stream
-            ctrl = torch.zeros(CTRL_WORDS + FINGERPRINT_COLUMNS, dtype=torch.int64, device=self.dev.device)
-            if nack:
-                ctrl[:CTRL_WORDS].copy_(self.dev.from_host([0, 0, 0, 0, nack, 0, 0, 0], ("header_out", t % RING)),
-                                        non_blocking=True)
+    def _post_ctrl(self, group: _Group, t: int, nack: _RecvRecord | None,
+                   nack_now: _RecvRecord | None, version: int = 0) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
+        """Post CTRL(t) carrying the device-side verdicts on buckets `nack` (step t-2) and
+        `nack_now` (step t-1; the comm stream waits for their checks, the host does not), or in
+        CTRL(0) the version asked for, and queue the read of its header: (ctrl, work, header in
+        host memory, event)."""
+        dev = self.dev
+        with dev.comm():  # not behind the consumer's work on the default stream
+            ctrl = torch.zeros(CTRL_WORDS + FINGERPRINT_COLUMNS, dtype=torch.int64, device=dev.device)
+            if version:
+                words = [0] * CTRL_WORDS
+                words[W_JOIN], words[W_JOIN_SQ] = version, version * version
+                ctrl[:CTRL_WORDS].copy_(dev.from_host(words, ("header_out", t % RING)), non_blocking=True)
+            for word, rec in ((W_NACK, nack), (W_NACK_NOW, nack_now)):
+                if rec is not None:
+                    assert rec.bad is not None
+                    if dev.accelerator:
+                        dev.comm_stream.wait_event(rec.landed)
+                        rec.bad.record_stream(dev.comm_stream)
+                    ctrl[word : word + 1].copy_(rec.bad)
         work = group.allreduce_sum(ctrl)
-        return ctrl, work, *self.dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", t % RING))
+        return ctrl, work, *dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", t % RING))
 
     async def _land(self, group: _Group, rec: _RecvRecord, deadline: Deadline) -> None:
-        """On an accelerator: a side stream waits for the bucket, sums its columns and copies them
-        and the metadata to host memory, then records an event; the host does not wait here."""
+        """Queue the check of a bucket on a side stream: it waits for the bucket, sums its columns,
+        compares them with the sender's (`rec.bad`, read by the next CTRL on the device) and copies
+        columns, verdict and metadata to host memory, then records an event; the host does not wait
+        here (on CPU it all happens at once)."""
         dev = self.dev
         buf = self.slots.get(rec.slot, rec.nbytes + rec.meta_len)
         if self._corrupt_hook is not None or not dev.accelerator:
@@ -670,71 +863,102 @@ class CollectiveFetcher(_CollectiveBase):
             if dev.accelerator:
                 rec.data_work.wait()
                 rec.expected.record_stream(dev.verify_stream)  # allocated on the comm stream, read here
-            nbytes = rec.nbytes  # padded with zeros by the sender: the columns are the same
-            rec.columns_host = dev.pinned_copy(fingerprint_columns_async(buf, nbytes), ("columns", rec.slot))
+            columns = fingerprint_columns_async(buf, rec.nbytes)  # zero padding: the same columns
+            rec.bad = (columns != rec.expected).any().to(torch.int64).reshape(1)
+            rec.columns_host = dev.pinned_copy(columns, ("columns", rec.slot))
+            rec.bad_host = dev.pinned_copy(rec.bad, ("bad", rec.slot))
             rec.meta_host = dev.pinned_copy(buf[rec.nbytes : rec.nbytes + rec.meta_len], ("meta", rec.slot))
-            rec.expected_host = dev.pinned_copy(rec.expected, ("expected", rec.slot))
             rec.landed = dev.record()
 
     async def _verify(self, group: _Group, rec: _RecvRecord, deadline: Deadline) -> tuple[bool, pb.Manifest]:
+        """(whether the bucket arrived intact, its metadata with the fingerprint filled in)."""
         await group.wait_event(rec.landed, deadline, f"receiving step {rec.t}")
-        assert rec.meta_host is not None and rec.columns_host is not None and rec.expected_host is not None
+        assert rec.meta_host is not None and rec.columns_host is not None and rec.bad_host is not None
+        if int(rec.bad_host[0]):
+            return False, pb.Manifest()
         meta = pb.Manifest.FromString(rec.meta_host.numpy().tobytes())
-        if len(meta.buckets) != 1:
-            raise DataLoss("malformed bucket metadata in the broadcast")
-        bucket = meta.buckets[0]
-        fingerprint = digest_columns(rec.columns_host, bucket.nbytes)
-        bucket.fingerprint = fingerprint
-        ok = (fingerprint == digest_columns(rec.expected_host, bucket.nbytes) and round_up(bucket.nbytes, 8) == rec.nbytes
-              and bucket.index == rec.index)
-        return ok, meta
+        if len(meta.buckets) != 1 or meta.buckets[0].index != rec.index or round_up(meta.buckets[0].nbytes, 8) != rec.nbytes:
+            # the bytes match the sender's fingerprint, so the sender's own header disagrees with them
+            raise DataLoss(f"step {rec.t}: the bucket's metadata disagrees with its control header "
+                           "(the peers disagree on the protocol)")
+        meta.buckets[0].fingerprint = digest_columns(rec.columns_host, meta.buckets[0].nbytes)
+        return True, meta
 
     async def _receive(self, group: _Group, version: int, deadline: Deadline) -> AsyncIterator[Bucket]:
+        """Reads CTRL(t) while DATA(t) is on the wire (its receive was posted when CTRL(t-1) said
+        how big it is) and at once posts CTRL(t+1), carrying the device-side verdict on bucket t-1,
+        and DATA(t+1); then queues the check of bucket t and hands bucket t-1 to the consumer. When
+        CTRL(t) says no DATA follows, bucket t is checked first and its verdict rides in CTRL(t+1)
+        too."""
         dev = self.dev
-        records: dict[int, _RecvRecord] = {}
+        unreported: dict[int, _RecvRecord] = {}  # data steps whose verdict no CTRL carried yet
+        ahead: dict[int, tuple[Any, int]] = {}  # step -> (its DATA receive, posted before CTRL(step) was read; bytes)
         tensors: dict[int, list[TensorMeta]] = {}
         buckets: dict[int, BucketMeta] = {}
+        assembled: dict[int, Any] = {}  # {bucket count: manifest}, built while waiting for DONE
+
+        def manifest() -> Any:
+            if len(buckets) not in assembled:
+                assembled.clear()
+                assembled[len(buckets)] = build_manifest(version, [x for i in sorted(tensors) for x in tensors[i]],
+                                                         [buckets[i] for i in sorted(buckets)])
+            return assembled[len(buckets)]
+
         t = 0
-        ctrl, work, header, read = self._post_ctrl(group, 0, 0)
+        ctrl, work, header, read = self._post_ctrl(group, 0, None, None, version)
         while True:
             await group.wait(work, deadline, f"step {t} control exchange")
             await group.wait_event(read, deadline, f"step {t} control exchange")
             words = header.tolist()
-            kind, index, nbytes, meta_len, _, sender_version, csum_a, csum_b = words[:CTRL_WORDS]
+            kind, index, nbytes, meta_len, _, sender_version, csum_a, csum_b, next_kind, next_size = words[:10]
             if sender_version != version:
                 raise FailedPrecondition(f"the group is broadcasting version {sender_version}, expected {version}")
+            if t == 0:
+                self._check_join(words, group.size - 1, version)
             if kind == ABORT:
                 raise DataLoss(f"version {version}: the sender gave up on a bucket that kept failing its checksum")
+            rec = None
             if kind == DATA:
-                slot = t % SLOTS
-                dev.after_default()  # the consumer has finished with the slot's previous bucket
-                rec = _RecvRecord(t, index, slot, nbytes, meta_len, ctrl[CTRL_WORDS:],
-                                  group.broadcast(self.slots.get(slot, nbytes + meta_len)))
-                records[t] = rec
+                slot = t % RECV_SLOTS
+                posted = ahead.pop(t, None)
+                if posted is None:
+                    dev.after_default()  # the consumer has finished with the slot's previous bucket
+                    posted = group.broadcast(self.slots.get(slot, nbytes + meta_len)), nbytes + meta_len
+                if posted[1] != nbytes + meta_len:
+                    raise DataLoss(f"version {version}: step {t} was announced as {posted[1]} bytes and "
+                                   f"carries {nbytes + meta_len} (the peers disagree on the protocol)")
+                rec = unreported[t] = _RecvRecord(t, index, slot, nbytes, meta_len, ctrl[CTRL_WORDS:], posted[0])
+            report = [unreported.pop(t - 1, None), None]  # the verdicts CTRL(t+1) carries
+            if rec is not None and next_kind != DATA:
                 await self._land(group, rec, deadline)
-            nack, ready = 0, None
-            done = records.pop(t - 1, None)  # arrived before CTRL(t) completed (one stream)
-            if done is not None:
-                ok, meta = await self._verify(group, done, deadline)
-                got = meta.buckets[0].index
-                if not ok:
-                    nack = 1
-                    self.nacks_sent += 1
-                    log.warning("bucket_corrupt_nacked", policy_version=version, bucket=got, step=done.t)
-                elif got not in buckets:
-                    m = convert.manifest_from_proto(meta)
-                    tensors[got], buckets[got] = list(m.tensors), m.buckets[0]
-                    ready = (done, m)
+                report[1] = unreported.pop(t)
             if kind == DONE:
-                manifest = build_manifest(version, [x for i in sorted(tensors) for x in tensors[i]],
-                                          [buckets[i] for i in sorted(buckets)])
-                if _checksum_words(manifest.checksum) != (csum_a, csum_b):
+                if unreported or report[0] is not None:
+                    raise DataLoss(f"version {version}: the sender finished before this receiver reported on "
+                                   f"steps {sorted(unreported) or [t - 1]} (the peers disagree on the protocol)")
+                got = manifest()
+                if _checksum_words(got.checksum) != (csum_a, csum_b):
                     raise DataLoss(f"version {version}: the received buckets do not add up to the sender's manifest")
                 log.info("weights_received", transport=self.backend, policy_version=version,
-                         total_bytes=manifest.total_bytes, buckets=len(buckets))
+                         total_bytes=got.total_bytes, buckets=len(buckets))
                 return
-            ctrl, work, header, read = self._post_ctrl(group, t + 1, nack)  # nack(t-1) rides in CTRL(t+1)
-            if ready is not None:
-                r, m = ready
-                yield unpack(self.slots.get(r.slot, r.nbytes), m.tensors)
+            ctrl, work, header, read = self._post_ctrl(group, t + 1, report[0], report[1])
+            if next_kind == DATA:
+                dev.after_default()  # the consumer has finished with the slot's previous bucket
+                ahead[t + 1] = group.broadcast(self.slots.get((t + 1) % RECV_SLOTS, next_size)), next_size
+            if rec is not None and report[1] is None:
+                await self._land(group, rec, deadline)
+            for done in report:
+                if done is None:
+                    continue
+                ok, meta = await self._verify(group, done, deadline)
+                if not ok:
+                    self.nacks_sent += 1
+                    log.warning("bucket_corrupt_nacked", policy_version=version, bucket=done.index, step=done.t)
+                elif done.index not in buckets:
+                    m = convert.manifest_from_proto(meta)
+                    tensors[done.index], buckets[done.index] = list(m.tensors), m.buckets[0]
+                    yield unpack(self.slots.get(done.slot, done.nbytes), m.tensors)
+            if kind != DATA and next_kind != DATA and not unreported and buckets:
+                manifest()  # no DATA in flight: what DONE will be checked against, while CTRL(t+1) runs
             t += 1
