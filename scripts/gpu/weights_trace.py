@@ -66,8 +66,8 @@ def _patch() -> None:
 
     c._Group.wait = wait  # type: ignore[method-assign]
     for cls, names in ((c._Group, ("broadcast", "allreduce_sum")), (c._Device, ("to_host",)),
-                       (c.CollectivePublisher, ("_pack", "_ensure_group")),
-                       (c.CollectiveFetcher, ("_verify", "_ensure_group"))):
+                       (c.CollectivePublisher, ("_pack", "_ensure_group", "_steady_group")),
+                       (c.CollectiveFetcher, ("_verify", "_ensure_group", "_steady_group"))):
         for n in names:
             if hasattr(cls, n):
                 setattr(cls, n, _timed(f"{cls.__name__}.{n}", getattr(cls, n)))
@@ -91,8 +91,8 @@ def _worker(role: str, backend: str, address: str, total: int, bucket: int, roun
     per_round: list[dict[str, Any]] = []
     # spans of each steady round: split by the publish/fetch walls recorded in order
     results["host_spans_all_rounds"] = _summ(SPANS)
-    starts = [a for name, a, _ in SPANS if name.endswith("._ensure_group")]
-    if starts:  # each round begins at the rendezvous: the last steady round alone
+    starts = [a for name, a, _ in SPANS if name.endswith("._steady_group")]
+    if starts:  # each round begins by choosing its group: the last steady round alone
         last = [(n, a, b) for n, a, b in SPANS if a >= starts[-1]]
         results["host_spans_last_round"] = _summ(last)
         results["last_round_host_ms"] = round((max(b for _, _, b in last) - starts[-1]) * 1e3, 3)

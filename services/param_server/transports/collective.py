@@ -350,6 +350,7 @@ class _CollectiveBase:
         # The group finished the last version: the next one starts on it at once, its rendezvous
         # RPC in the background (_check_in_later); the param server's wait would add ~2 ms.
         self._steady = False
+        self._rejoin = False  # a background check-in saw a new generation or failed
         self._checking: asyncio.Task[None] | None = None
 
     def _pg_timeout_s(self) -> float:
@@ -375,9 +376,9 @@ class _CollectiveBase:
 
     def _steady_group(self) -> _Group | None:
         """The group to start the next version on without waiting at the rendezvous, if any."""
-        if self._steady and self.group is not None and not self.group.broken:
+        if self._steady and not self._rejoin and self.group is not None and not self.group.broken:
             return self.group
-        self._steady = False
+        self._steady = self._rejoin = False
         return None
 
     async def _check_in_later(self, request: pb.RendezvousRequest, group: _Group) -> None:
@@ -387,11 +388,11 @@ class _CollectiveBase:
         try:
             resp = await self.client.rendezvous(request, timeout_s=max(self.timeout_s, 1.0))
             if resp.generation != group.generation:
-                self._steady = False
+                self._rejoin = True
         except (MeshError, OSError) as exc:  # the broadcast checks its peers; this decides the next start
             log.warning("rendezvous_check_in_failed", group=self.group_name, policy_version=request.policy_version,
                         error=str(exc))
-            self._steady = False
+            self._rejoin = True
 
     async def _checked_in(self) -> None:
         task, self._checking = self._checking, None

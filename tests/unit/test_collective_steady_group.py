@@ -1,0 +1,72 @@
+"""When a collective transport starts a version on its group without waiting at the rendezvous
+(a steady group), and when the background check-in sends the next version back through it."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import services.common.config  # noqa: F401  (config tree first)
+from services.common.errors import DeadlineExceeded
+from services.param_server.transports.collective import CollectiveFetcher
+
+
+class _Board:
+    """The param server's rendezvous answer (fake: the real one is in the integration tests)."""
+
+    def __init__(self, generation: int | None, hang: bool = False) -> None:
+        self.generation = generation
+        self.hang = hang
+        self.requests: list[Any] = []
+
+    async def rendezvous(self, request: Any, *, timeout_s: float) -> Any:
+        self.requests.append(request)
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.generation is None:
+            raise DeadlineExceeded("rendezvous: the sender did not reach this version")
+        return SimpleNamespace(generation=self.generation)
+
+
+def _fetcher(board: _Board) -> tuple[CollectiveFetcher, Any]:
+    f = CollectiveFetcher("gloo", "127.0.0.1:1", consumer_id="rollout-0", group="g")
+    f.client = board  # type: ignore[assignment]
+    group = SimpleNamespace(generation=3, broken=False, abort=lambda: None)
+    f.group = group  # type: ignore[assignment]
+    return f, group
+
+
+@pytest.mark.parametrize("answer", [3, 4, None], ids=["same generation", "new generation", "check-in failed"])
+def test_a_background_check_in_decides_whether_the_next_version_waits_at_the_rendezvous(answer: int | None) -> None:
+    async def main() -> None:
+        f, group = _fetcher(_Board(answer))
+        assert f._steady_group() is None  # no version went through yet: the rendezvous forms the group
+        f._steady = True  # a version went through
+        assert f._steady_group() is group
+        # the next version starts on the group; its check-in runs alongside, and the version
+        # finishes (steady again) before or after the check-in answers
+        task = asyncio.create_task(f._check_in_later(f._rendezvous_request(7), group))
+        f._steady = True
+        await task
+        assert f.client.requests[0].policy_version == 7  # type: ignore[attr-defined]
+        assert f._steady_group() is (group if answer == 3 else None)
+        assert f._steady_group() is (group if answer == 3 else None)  # and it stays decided
+
+    asyncio.run(main())
+
+
+def test_a_failed_version_cancels_its_check_in_and_drops_the_group() -> None:
+    async def main() -> None:
+        f, group = _fetcher(_Board(3, hang=True))
+        f._steady = True
+        assert f._steady_group() is group
+        f._checking = asyncio.create_task(f._check_in_later(f._rendezvous_request(8), group))
+        await asyncio.sleep(0)
+        f.drop_group()  # the version failed: its check-in is moot
+        await asyncio.wait_for(f._checked_in(), timeout=5)  # returns at once, no error
+        assert f.group is None and f._steady_group() is None
+
+    asyncio.run(main())
