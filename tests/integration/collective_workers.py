@@ -41,9 +41,9 @@ def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]
 
 def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float,
            notify: Any = None, receivers: int = 1) -> None:
-    """Publish each (version, mode): mode "ok", "many" (make_many_buckets), "hang" or "announce"
-    (tell the receiver through `notify` first, as the trainer's CommitVersion tells rollouts
-    through the coordinator)."""
+    """Publish each (version, mode): mode "ok", "many" (make_many_buckets), "split" (the first
+    bucket travels as two), "hang" or "announce" (tell the receiver through `notify` first, as the
+    trainer's CommitVersion tells rollouts through the coordinator)."""
     import services.common.config  # noqa: F401
     from services.param_server.transports.collective import CollectivePublisher
 
@@ -56,6 +56,7 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
         pub = CollectivePublisher(backend, address, receivers=receivers, group="test", timeout_s=timeout_s)
         for version, mode in plan:
             pub.announce = announce if mode == "announce" else None
+            pub.wire_bucket_bytes = 2000 if mode == "split" else 512 << 20  # "split": 4 wire buckets, not 3
             try:
                 device = "cuda" if backend == "nccl" else "cpu"
                 buckets = _hanging(version, timeout_s + 2) if mode == "hang" else buckets_for(version, mode, device)

@@ -191,3 +191,19 @@ def test_pack_into_concatenates_a_back_to_back_bucket_and_copies_a_mixed_one() -
     assert torch.equal(fast, slow)  # the bytes past the bucket are untouched
     for (name, t), (uname, u) in zip(named, unpack(fast, metas), strict=True):
         assert name == uname and torch.equal(t, u)
+
+
+def test_split_buckets_keeps_tensor_order_and_puts_a_larger_tensor_alone() -> None:
+    import asyncio
+
+    from services.param_server.transports.base import split_buckets
+
+    def t(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.uint8)
+
+    buckets = [[("a", t(300)), ("b", t(300)), ("c", t(500)), ("d", t(1500)), ("e", t(10))], [], [("f", t(2))]]
+
+    async def run() -> list[list[tuple[str, int]]]:
+        return [[(n, x.numel()) for n, x in b] async for b in split_buckets(buckets, 1000)]
+
+    assert asyncio.run(run()) == [[("a", 300), ("b", 300)], [("c", 500)], [("d", 1500)], [("e", 10)], [("f", 2)]]

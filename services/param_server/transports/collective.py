@@ -48,6 +48,12 @@ receivers compare with the manifest they assembled. Pinned host buffers are kept
 step ring, never allocated per step. Every wait polls against the deadline: a stuck peer gives
 DeadlineExceeded, the group is aborted and re-formed (a new generation) at the next version.
 
+Wire buckets. Whatever size the trainer gathers buckets in (update_weights_bucket_megabytes,
+2048 by default), they travel as runs of their tensors of at most WIRE_BUCKET_BYTES (512 MiB; a
+larger tensor alone): with bigger buckets the first one's pack and the last one's check, which
+nothing overlaps, cost ~1.5 ms per GiB (0.76 of a raw broadcast at 2048 MiB, 0.70 at 4096, against
+0.85 split; BENCHMARKS.md), and the slots would take 4x the bucket size on the trainer.
+
 The sender plans its first two buckets and packs the first while its rendezvous RPC runs. It
 returns its slots to the device allocator after each version (the trainer's steps use them). It
 registers the manifest at the param server in the background (the RPC takes ~4 ms): `publish`
@@ -94,10 +100,11 @@ from ..layout import (
     round_up,
     unpack,
 )
-from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, plan_buckets
+from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, plan_buckets, split_buckets
 
 log = get_logger(__name__)
 
+WIRE_BUCKET_BYTES = 512 << 20  # buckets travel in runs of tensors of at most this (a larger tensor alone)
 SEND_SLOTS = 4  # the sender keeps a bucket until every receiver acked it (up to 3 in flight) + 1 to pack
 RECV_SLOTS = 3  # the receiver: one being consumed, one on the wire, one posted ahead
 RING = 4  # pinned header buffers, by step: one is rewritten only after its copy completed
@@ -486,6 +493,7 @@ class CollectivePublisher(_CollectiveBase):
         announce: Callable[[common_pb2.WeightsRef], Awaitable[None]] | None = None,
         member_id: str = "",
         corrupt_hook: Callable[[int, torch.Tensor], None] | None = None,
+        wire_bucket_bytes: int = WIRE_BUCKET_BYTES,
     ) -> None:
         super().__init__(backend, address, group=group, timeout_s=timeout_s,
                          member_id=member_id or f"sender-{uuid.uuid4().hex[:8]}", slots=SEND_SLOTS)
@@ -500,6 +508,7 @@ class CollectivePublisher(_CollectiveBase):
         self._meta_cache: dict[tuple[TensorMeta, ...], bytes] = {}
         self.resent_buckets = 0
         self._corrupt_hook = corrupt_hook  # tests: damage a packed slot after its fingerprint is taken
+        self.wire_bucket_bytes = wire_bucket_bytes
 
     @property
     def transport(self) -> str:
@@ -552,7 +561,8 @@ class CollectivePublisher(_CollectiveBase):
         else:  # the rendezvous RPC runs while the first buckets are planned and packed
             group = asyncio.ensure_future(self._ensure_group(version, deadline))
         try:
-            manifest = await self._send(group, version, plan_buckets(buckets).__aiter__(), deadline)
+            planned = plan_buckets(split_buckets(buckets, self.wire_bucket_bytes)).__aiter__()
+            manifest = await self._send(group, version, planned, deadline)
         except BaseException:
             group.cancel()
             with contextlib.suppress(BaseException):
