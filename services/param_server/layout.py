@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -140,6 +140,23 @@ class Manifest:
 
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def group_by_bytes(named: Iterable[tuple[str, torch.Tensor]],
+                   max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of (name, tensor) of at most `max_bytes` each, a larger tensor alone;
+    lazy: a run is yielded before the next tensor is asked for."""
+    run: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        n = tensor_nbytes(t)
+        if run and size + n > max_bytes:
+            yield run
+            run, size = [], 0
+        run.append((name, t))
+        size += n
+    if run:
+        yield run
 
 
 def plan_bucket(index: int, named: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:

@@ -27,6 +27,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from services.common.errors import DataLoss, NotFound
+from services.param_server.layout import group_by_bytes
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -43,19 +44,7 @@ class WeightFetcher(Protocol):
 
 def split_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
     """Group tensors into buckets of at most bucket_bytes (a larger tensor travels alone)."""
-    buckets: list[Bucket] = []
-    cur: Bucket = []
-    size = 0
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if cur and size + n > bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append((name, t))
-        size += n
-    if cur:
-        buckets.append(cur)
-    return buckets
+    return list(group_by_bytes(named, bucket_bytes))
 
 
 def model_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

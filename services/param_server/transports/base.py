@@ -24,7 +24,7 @@ import torch
 from meshrl.v1 import common_pb2
 from services.common.errors import DeadlineExceeded
 
-from ..layout import BucketMeta, Manifest, TensorMeta, build_manifest, plan_bucket, tensor_nbytes
+from ..layout import BucketMeta, Manifest, TensorMeta, build_manifest, group_by_bytes, plan_bucket
 
 Bucket = list[tuple[str, torch.Tensor]]
 Buckets = Iterable[Bucket] | AsyncIterable[Bucket]
@@ -93,16 +93,7 @@ async def split_buckets(buckets: Buckets, max_bytes: int) -> AsyncIterator[Bucke
     """Each bucket as runs of its tensors (in order) of at most `max_bytes`, a larger tensor alone:
     a transport's own unit on the wire, whatever size the trainer gathers buckets in."""
     async for bucket in _iterate(buckets):
-        run: Bucket = []
-        size = 0
-        for name, t in bucket:
-            n = tensor_nbytes(t)
-            if run and size + n > max_bytes:
-                yield run
-                run, size = [], 0
-            run.append((name, t))
-            size += n
-        if run:
+        for run in group_by_bytes(bucket, max_bytes):
             yield run
 
 

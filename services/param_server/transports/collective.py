@@ -648,7 +648,7 @@ class CollectivePublisher(_CollectiveBase):
         async def digest_ready(wait: bool) -> None:
             while pending and (wait or pending[0].columns_ready is None or pending[0].columns_ready.query()):
                 r = pending.pop(0)
-                await groups[0].wait_event(r.columns_ready, deadline, "fingerprinting a bucket")  # posted: grouped
+                await groups[0].wait_event(r.columns_ready, deadline, "fingerprinting a bucket")  # sent: a group exists
                 builder.add(PlannedBucket(r.index, [], r.metas, r.nbytes), digest_columns(r.columns_host, r.nbytes))
 
         async def decide() -> _Next:

@@ -35,6 +35,7 @@ from services.common.device import DeviceInfo, collective_backend, import_torch_
 from services.common.device import memory_stats as device_memory_stats
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
+from services.param_server.layout import group_by_bytes
 
 from . import attention, hf_model, ulysses
 from .base import EngineSpec, ForwardOutput, LossFn, LossScale, SequenceBatch, StepResult, TrainEngine, register_engine
@@ -402,22 +403,15 @@ class FSDPEngine(TrainEngine):
     def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full CPU tensors by HF name (tied weights once, as save_pretrained writes them)."""
         self._load_actor(with_optimizer=False)
-        try:
-            bucket: list[tuple[str, torch.Tensor]] = []
-            size = 0
+
+        def gathered() -> Iterator[tuple[str, torch.Tensor]]:
             for name, param in self.model.named_parameters():
-                full = param.full_tensor() if isinstance(param, DTensor) else param
-                if self.rank != 0:
-                    continue
-                tensor = full.detach().to("cpu", copy=True)
-                nbytes = tensor.numel() * tensor.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.append((name, tensor))
-                size += nbytes
-            if bucket:
-                yield bucket
+                full = param.full_tensor() if isinstance(param, DTensor) else param  # every rank takes part
+                if self.rank == 0:
+                    yield name, full.detach().to("cpu", copy=True)
+
+        try:
+            yield from group_by_bytes(gathered(), bucket_bytes)
         finally:
             if self._param_offload:
                 self._move(self.model, "cpu")
