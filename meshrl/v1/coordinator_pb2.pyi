@@ -326,6 +326,7 @@ class FetchBatchRequest(_message.Message):
     NUM_GROUPS_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     FILTERED_LEASE_IDS_FIELD_NUMBER: _builtins.int
+    TRAIN_VERSION_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     step: _builtins.int
     """Trainer local step the groups are for (monotonic; several calls may share one step)."""
@@ -333,6 +334,12 @@ class FetchBatchRequest(_message.Message):
     """Groups wanted (1..65536)."""
     timeout_ms: _builtins.int
     """How long to wait for num_groups to be queued; on timeout, whatever is queued is returned."""
+    train_version: _builtins.int
+    """Policy version the trainer will train these groups at: the current version, or the next one
+    when the trainer fetches ahead while it trains and publishes (then the groups count against
+    the staleness budget until that version is committed, as if still queued). Staleness and
+    max_staleness_versions are measured against it. Unset: the current version.
+    """
     @_builtins.property
     def filtered_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Lease ids of delivered groups the trainer dropped without training (DAPO dynamic sampling)."""
@@ -345,12 +352,15 @@ class FetchBatchRequest(_message.Message):
         num_groups: _builtins.int = ...,
         timeout_ms: _builtins.int = ...,
         filtered_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
+        train_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_train_version", b"_train_version", "train_version", b"train_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["filtered_lease_ids", b"filtered_lease_ids", "num_groups", b"num_groups", "step", b"step", "timeout_ms", b"timeout_ms", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_train_version", b"_train_version", "filtered_lease_ids", b"filtered_lease_ids", "num_groups", b"num_groups", "step", b"step", "timeout_ms", b"timeout_ms", "train_version", b"train_version", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__train_version: _TypeAlias = _typing.Literal["train_version"]  # noqa: Y015
+    _WhichOneofArgType__train_version: _TypeAlias = _typing.Literal["_train_version", b"_train_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__train_version) -> _WhichOneofReturnType__train_version | None: ...
 
 Global___FetchBatchRequest: _TypeAlias = FetchBatchRequest  # noqa: Y015
 

@@ -89,10 +89,11 @@ class CoordinatorClient:
         *,
         timeout_ms: int = 10_000,
         filtered_lease_ids: Sequence[str] = (),
+        train_version: int | None = None,
     ) -> coordinator_pb2.FetchBatchResponse:
         req = coordinator_pb2.FetchBatchRequest(
             trainer_id=trainer_id, step=step, num_groups=num_groups, timeout_ms=timeout_ms,
-            filtered_lease_ids=list(filtered_lease_ids),
+            filtered_lease_ids=list(filtered_lease_ids), train_version=train_version,
         )
         return await self.stub.FetchBatch(req, **self._kw(timeout_s=self.timeout_s + timeout_ms / 1000.0))
 

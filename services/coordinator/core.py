@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -139,6 +139,11 @@ class _Delivered:
     qpos: int
     payload: bytes | None
 
+    @property
+    def train_version(self) -> int:
+        """The version the trainer fetched it to be trained at."""
+        return self.min_version + self.staleness
+
 
 @dataclass
 class Totals:
@@ -233,6 +238,9 @@ class CoordinatorCore:
         self._retry: OrderedDict[int, None] = OrderedDict()
         self._queue: OrderedDict[int, _Queued] = OrderedDict()
         self._delivered: dict[str, _Delivered] = {}
+        # Delivered groups fetched ahead (train_version above the current version) by train
+        # version: they count against the budget like queued ones until that version's commit.
+        self._ahead: Counter[int] = Counter()
         self._next_group_id = 1
         self._replica_seen: dict[str, float] = {}
         snap = ledger.load()
@@ -273,6 +281,8 @@ class CoordinatorCore:
             self._delivered[g.lease_id] = _Delivered(
                 g.group_id, g.lease_id, g.seq, g.min_version, g.step, g.staleness, g.qpos, g.payload
             )
+            if self._delivered[g.lease_id].train_version > state.policy_version:
+                self._ahead[self._delivered[g.lease_id].train_version] += 1
         self._next_group_id = snap.max_group_id + 1
 
     # ---- derived numbers -------------------------------------------------------------------
@@ -296,7 +306,14 @@ class CoordinatorCore:
         return len(self._queue)
 
     def _floor(self) -> int:
-        return self.in_flight + self.queued
+        return self.in_flight + self.queued + sum(self._ahead.values())
+
+    def _forget(self, d: _Delivered) -> None:
+        """`d` leaves the delivered set (filtered, re-queued or checkpointed)."""
+        if self._ahead.get(d.train_version, 0) > 0:
+            self._ahead[d.train_version] -= 1
+            if not self._ahead[d.train_version]:
+                del self._ahead[d.train_version]
 
     def _give_back(self, n: int) -> None:
         self._s.budget_used = max(self._floor(), self._s.budget_used - n)
@@ -507,17 +524,30 @@ class CoordinatorCore:
 
     # ---- trainer side ----------------------------------------------------------------------
 
-    def fetch(self, trainer_id: str, step: int, max_groups: int, now: float, filtered: list[str] | None = None) -> Batch:
+    def fetch(
+        self, trainer_id: str, step: int, max_groups: int, now: float, filtered: list[str] | None = None,
+        train_version: int | None = None,
+    ) -> Batch:
         """Deliver up to max_groups queued groups in order. Groups staler than
         max_staleness_versions are re-queued as prompts (counted `regenerated`). `filtered` names
-        previously delivered groups the trainer dropped untrained (DAPO dynamic sampling)."""
+        previously delivered groups the trainer dropped untrained (DAPO dynamic sampling).
+
+        `train_version`: the version the trainer will train these groups at (default: the current
+        one). A trainer that fetches while it still trains and publishes asks for the next
+        version; staleness is measured against it, and until that version is committed the groups
+        count against the budget as if still queued, so fetching ahead lets no rollout run further
+        ahead than fetching after the commit would."""
         if max_groups < 1:
             raise InvalidArgument("num_groups", "must be >= 1")
+        current = self._s.policy_version
+        version = self.check_train_version(train_version)
         self.expire(now)
-        filtered_rows = [self._delivered.pop(i) for i in dict.fromkeys(filtered or []) if i in self._delivered]
         unknown = [i for i in (filtered or []) if i not in self._submitted]
         if unknown:
             raise NotFound(f"filtered_lease_ids: {unknown[0]!r} was never submitted")
+        filtered_rows = [self._delivered.pop(i) for i in dict.fromkeys(filtered or []) if i in self._delivered]
+        for f in filtered_rows:
+            self._forget(f)
         self._s.trainer_step = max(self._s.trainer_step, step)
         delivered: list[DeliveredGroup] = []
         delivered_rows: list[_Delivered] = []
@@ -525,7 +555,7 @@ class CoordinatorCore:
         eta = self.settings.max_staleness_versions
         while self._queue and len(delivered) < max_groups and not self._s.paused:
             _, q = self._queue.popitem(last=False)
-            staleness = self._s.policy_version - q.min_version
+            staleness = version - q.min_version
             if eta is not None and staleness > eta:
                 stale.append(q)
                 continue
@@ -536,6 +566,8 @@ class CoordinatorCore:
             )
         for d in delivered_rows:
             self._delivered[d.lease_id] = d
+            if version > current:
+                self._ahead[version] += 1
             self._s.histogram[d.staleness] = self._s.histogram.get(d.staleness, 0) + 1
         for f in filtered_rows:
             self._s.histogram[f.staleness] -= 1
@@ -563,6 +595,19 @@ class CoordinatorCore:
             regenerated=len(stale),
         )
 
+    def check_train_version(self, train_version: int | None) -> int:
+        """FetchBatch's train_version, or the current version when unset."""
+        current = self._s.policy_version
+        if train_version is None:
+            return current
+        if not current <= train_version <= current + 1:
+            raise FailedPrecondition(
+                f"train_version {train_version}: a trainer fetches for the current version ({current}) or the "
+                f"next ({current + 1}) only; commit version {train_version - 1} before fetching groups to train "
+                f"at {train_version}"
+            )
+        return train_version
+
     def commit_version(self, version: int, weights: dict[str, Any]) -> tuple[int, int]:
         """Make `version` current (must be current + 1; re-committing the current version with the
         same weights is a no-op) and reset the budget to in_flight + queued."""
@@ -573,7 +618,11 @@ class CoordinatorCore:
             raise FailedPrecondition(f"weights.policy_version must be {cur + 1} (current is {cur}), got {version}")
         self._s.policy_version = version
         self._s.weights = dict(weights)
-        self._s.budget_used = self._floor()
+        # Groups fetched ahead to train at this version stay counted, as they would have been
+        # still queued had the trainer fetched after this commit.
+        self._s.budget_used = self.in_flight + self.queued + sum(n for v, n in self._ahead.items() if v >= version)
+        for v in [v for v in self._ahead if v <= version]:
+            del self._ahead[v]
         with self.ledger.transaction():
             self._persist()
         return version, self._s.budget_used
@@ -583,7 +632,7 @@ class CoordinatorCore:
         if step < self._s.last_checkpoint_step:
             raise FailedPrecondition(f"step {step} is older than the last checkpoint step {self._s.last_checkpoint_step}")
         for lease_id in [k for k, d in self._delivered.items() if d.step <= step]:
-            del self._delivered[lease_id]
+            self._forget(self._delivered.pop(lease_id))
         self._s.last_checkpoint_step = step
         self._s.last_checkpoint_path = path
         self._s.checkpoint_requested = False
@@ -608,7 +657,7 @@ class CoordinatorCore:
             moves.append((d.group_id, qpos))
         self._s.min_qpos = min(self._s.min_qpos, base)
         for d in back:
-            del self._delivered[d.lease_id]
+            self._forget(self._delivered.pop(d.lease_id))
             self._s.histogram[d.staleness] -= 1
         for d in without:
             self._retry[d.seq] = None

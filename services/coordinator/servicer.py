@@ -135,6 +135,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         convert.require_id(request.trainer_id, "trainer_id")
         convert.check_count(request.num_groups, "num_groups", 1, MAX_FETCH_GROUPS)
         convert.check_count(request.timeout_ms, "timeout_ms", 0, MAX_FETCH_TIMEOUT_MS)
+        train_version = request.train_version if request.HasField("train_version") else None
+        self.core.check_train_version(train_version)
         deadline = time.monotonic() + request.timeout_ms / 1000.0
         core = self.core
         while (
@@ -145,7 +147,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         ):
             await self._wait_change(deadline - time.monotonic())
         batch = core.fetch(
-            request.trainer_id, request.step, request.num_groups, self.clock(), list(request.filtered_lease_ids)
+            request.trainer_id, request.step, request.num_groups, self.clock(), list(request.filtered_lease_ids),
+            train_version,
         )
         if batch.regenerated or request.filtered_lease_ids:
             self._notify()  # budget given back: rollouts may lease again

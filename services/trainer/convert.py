@@ -48,21 +48,21 @@ def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: 
             for k in metric_names:
                 metrics[k].append(float(r.reward_metrics.get(k, r.reward)))
     length = max((len(p) + len(t) for p, t, _ in rows), default=1)
-    n = len(rows)
-    ids = torch.full((n, length), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((n, length), dtype=torch.long)
-    resp = torch.zeros((n, length), dtype=torch.float32)
-    rollout_lp = torch.zeros((n, length), dtype=torch.float32)
-    resp_len = []
-    for i, (prompt, tokens, logprobs) in enumerate(rows):
+    # One tensor per field from nested lists: a row-by-row fill costs ~20x more for many short rows.
+    ids_rows, attn_rows, resp_rows, lp_rows, resp_len = [], [], [], [], []
+    for prompt, tokens, logprobs in rows:
         p, t = len(prompt), len(tokens)
-        ids[i, :p] = torch.tensor(prompt, dtype=torch.long)
-        if t:
-            ids[i, p : p + t] = torch.tensor(tokens, dtype=torch.long)
-            rollout_lp[i, p : p + t] = torch.tensor(logprobs, dtype=torch.float32)
-        attn[i, : p + t] = 1
-        resp[i, p : p + t] = 1.0
+        rest = length - p - t
+        ids_rows.append(prompt + tokens + [pad_token_id] * rest)
+        attn_rows.append([1] * (p + t) + [0] * rest)
+        resp_rows.append([0.0] * p + [1.0] * t + [0.0] * rest)
+        lp_rows.append([0.0] * p + logprobs + [0.0] * rest)
         resp_len.append(t)
+    shape = (len(rows), length)
+    ids = torch.tensor(ids_rows, dtype=torch.long).reshape(shape)
+    attn = torch.tensor(attn_rows, dtype=torch.long).reshape(shape)
+    resp = torch.tensor(resp_rows, dtype=torch.float32).reshape(shape)
+    rollout_lp = torch.tensor(lp_rows, dtype=torch.float32).reshape(shape)
     seq = {
         "group_index": torch.tensor(group_index, dtype=torch.long),
         "reward": torch.tensor(rewards, dtype=torch.float32),

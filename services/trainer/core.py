@@ -12,6 +12,16 @@ One local step s (FetchBatch's `step`):
        │          ──▶ every trigger_parameter_sync_step steps: export ─▶ publish ─▶ CommitVersion(v+1)
        └───────── ──▶ every save_freq steps (or when asked): checkpoint ─▶ ReportCheckpoint(s)
 
+Overlap (`overlap=True`, the service default): while the group trains step s, the loop waits for
+the previous version's publish to commit, then fetches step s+1's groups with FetchBatch's
+`train_version` set to the version they will be trained at (the coordinator measures staleness
+against it and counts them against the budget until that version is committed, so the rollout runs
+no further ahead than without the overlap). After step s the group's export of v+1 is ordered
+before any later group call, and the publish and CommitVersion(v+1) run while step s+1 trains.
+Checkpoints, operator requests and the end of the run wait for the publish in flight; nothing a
+step fetches is trained twice or dropped (a checkpoint at s leaves step s+1's groups delivered
+after it, so a resume re-queues them).
+
 Start: resume from the newest checkpoint (trainer.resume_mode), ResumeTrainer(step) so the
 coordinator re-queues groups delivered after it, then publish the restored weights as the next
 version (the coordinator may have moved past the checkpoint's version before the crash).
@@ -55,7 +65,7 @@ class CoordinatorLike(Protocol):
 
     async def fetch_batch(
         self, trainer_id: str, step: int, num_groups: int, *, timeout_ms: int = 10_000,
-        filtered_lease_ids: Sequence[str] = (),
+        filtered_lease_ids: Sequence[str] = (), train_version: int | None = None,
     ) -> coordinator_pb2.FetchBatchResponse: ...
 
     async def commit_version(
@@ -117,6 +127,9 @@ class LoopSettings:
     coordinator_wait_s: float = 600.0
     """How long ResumeTrainer is retried while the coordinator is not up yet (unreachable, or its
     Serve application not deployed yet); 0: fail at once."""
+    overlap: bool = False
+    """Fetch the next step's groups and publish the last version while the group trains (see the
+    module docstring); False: every step fetches, trains and publishes in turn."""
 
 
 @dataclass
@@ -160,6 +173,10 @@ class TrainerLoop:
         self.last_metrics: dict[str, float] = {}
         self._since_publish = 0
         self._ckpt_waiters: list[asyncio.Future[tuple[int, str]]] = []
+        self.weights_version = 0
+        """Version of the group's weights: policy_version, or the version being published."""
+        self._publishing: asyncio.Task[float] | None = None
+        self._prefetch: tuple[int, asyncio.Task[tuple[coordinator_pb2.FetchBatchResponse, float]]] | None = None
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -176,6 +193,7 @@ class TrainerLoop:
         except BaseException as exc:
             self.state = "failed"
             self.error = f"{type(exc).__name__}: {exc}"
+            await self._cancel_background()
             for fut in self._ckpt_waiters:
                 if not fut.done():
                     fut.set_exception(FailedPrecondition(f"trainer stopped before checkpointing: {self.error}"))
@@ -222,7 +240,7 @@ class TrainerLoop:
             self.last_checkpoint_step, self.last_checkpoint_path = state.step, str(path)
             log.info("trainer_resumed_from_checkpoint", path=str(path), step=self.step)
         resp = await self._resume_trainer()
-        self.policy_version = resp.policy_version
+        self.policy_version = self.weights_version = resp.policy_version
         log.info("trainer_started", step=self.step, policy_version=self.policy_version, requeued=resp.requeued)
         if path is not None or resp.policy_version > 0:
             await self._publish()  # rollouts move to the weights training continues from
@@ -248,6 +266,7 @@ class TrainerLoop:
                 delay = min(delay * 2, 10.0)
 
     async def _finish(self) -> None:
+        await self._settle_publish()
         if self._since_publish > 0:
             await self._publish()
         if self.step > 0 and self.last_checkpoint_step != self.step:
@@ -265,6 +284,7 @@ class TrainerLoop:
         t0 = self.clock()
         got = await self._collect(self.step + 1)
         if got.stop:
+            await self._settle_publish()
             if self.last_checkpoint_step != self.step:
                 await self._checkpoint()
             self._serve_checkpoint_waiters()
@@ -295,14 +315,24 @@ class TrainerLoop:
             batch.tensors["ref_logprobs"] = ref
             timing["timing_s/ref"] = self.clock() - t
         t = self.clock()
-        results = await self._update(batch)
-        timing["timing_s/update_actor"] = self.clock() - t
+        if self.s.overlap:
+            results, blocked = await self._update_overlapped(batch, got)
+            timing["timing_s/update_actor"] = self.clock() - t - blocked
+        else:
+            results = await self._update(batch)
+            timing["timing_s/update_actor"] = self.clock() - t
+            blocked = 0.0
         self.step += 1
         self._since_publish += 1
         if self._since_publish >= self.s.trigger_parameter_sync_step:
             t = self.clock()
-            await self._publish()
-            timing["timing_s/publish"] = self.clock() - t
+            if self.s.overlap:
+                await self._begin_publish()
+            else:
+                await self._publish()
+            timing["timing_s/publish"] = self.clock() - t + blocked
+        elif blocked:
+            timing["timing_s/publish"] = blocked
         if self.s.save_freq > 0 and self.step % self.s.save_freq == 0:
             t = self.clock()
             await self._checkpoint()
@@ -311,22 +341,66 @@ class TrainerLoop:
         self._record(batch, got, results, {**correction, **timing}, wait_s=got.wait_s, train_s=end - t1, step_s=end - t0)
         return not got.exhausted
 
+    async def _update_overlapped(self, batch: SequenceBatch, got: _Collected) -> tuple[list[StepResult], float]:
+        """`_update` while the version in flight commits and then the next step's groups are
+        fetched. Returns the results and the seconds the loop still waited on the publish once
+        training had ended."""
+        train = asyncio.ensure_future(self._update(batch))
+        ended: list[float] = []
+        train.add_done_callback(lambda _: ended.append(self.clock()))
+        try:
+            await self._settle_publish()
+            settled = self.clock()
+            publishes = self._since_publish + 1 >= self.s.trigger_parameter_sync_step
+            next_step = self.step + 2
+            last = self.s.total_steps > 0 and next_step > self.s.total_steps
+            if not (got.exhausted or last or self._ckpt_waiters):
+                version = self.weights_version + (1 if publishes else 0)
+                task = asyncio.ensure_future(self._fetch(next_step, self.s.groups_per_step, version))
+                self._prefetch = (next_step, task)
+            results = await train
+        except BaseException:
+            train.cancel()
+            raise
+        return results, max(0.0, settled - ended[0]) if ended else 0.0
+
+    async def _fetch(
+        self, step: int, need: int, train_version: int | None
+    ) -> tuple[coordinator_pb2.FetchBatchResponse, float]:
+        """One FetchBatch (sending the filtered groups not reported yet); returns it and its wait."""
+        t = self.clock()
+        filtered, self.pending_filtered = self.pending_filtered, []
+        resp = await self.coordinator.fetch_batch(
+            self.s.trainer_id, step, need, timeout_ms=self.s.fetch_timeout_ms, filtered_lease_ids=filtered,
+            **({"train_version": train_version} if train_version is not None else {}),
+        )
+        return resp, self.clock() - t
+
     async def _collect(self, step: int) -> _Collected:
         """Fetch until `groups_per_step` groups are kept (fewer only at the end of the data)."""
         out = _Collected()
         need = self.s.groups_per_step
         productive = 0
+        prefetched = None
+        if self._prefetch is not None:
+            pstep, task = self._prefetch
+            self._prefetch = None
+            assert pstep == step, f"groups fetched ahead for step {pstep}, but step {step} is next"
+            prefetched = task
         while len(out.groups) < need:
             if self._ckpt_waiters:
                 await self._checkpoint()
-            t = self.clock()
-            resp = await self.coordinator.fetch_batch(
-                self.s.trainer_id, step, need - len(out.groups), timeout_ms=self.s.fetch_timeout_ms,
-                filtered_lease_ids=self.pending_filtered,
-            )
-            out.wait_s += self.clock() - t
+            if prefetched is not None:
+                t = self.clock()
+                resp, _ = await prefetched
+                prefetched = None
+                out.wait_s += self.clock() - t
+            else:
+                resp, waited = await self._fetch(
+                    step, need - len(out.groups), self.weights_version if self.s.overlap else None
+                )
+                out.wait_s += waited
             out.fetches += 1
-            self.pending_filtered = []
             groups, staleness = list(resp.groups), list(resp.staleness)
             if groups:
                 productive += 1
@@ -387,19 +461,48 @@ class TrainerLoop:
     # ---- weights and checkpoints -------------------------------------------------------------
 
     async def _publish(self) -> None:
+        await self._begin_publish()
+        await self._settle_publish()
+
+    async def _begin_publish(self) -> None:
+        """Export the group's weights as version policy_version + 1 and publish and commit them in
+        the background (`_settle_publish` waits). The export is ordered before any later group
+        call, so training may go on meanwhile."""
+        await self._settle_publish()
         version = self.policy_version + 1
+        buckets = self.group.export_weights(self.s.bucket_bytes)
+        self.weights_version = version
+        self._since_publish = 0
+        self._publishing = asyncio.ensure_future(self._publish_and_commit(version, buckets))
+        if not self.s.bypass_mode:
+            await self.group.snapshot_proximal()
+
+    async def _publish_and_commit(self, version: int, buckets: Any) -> float:
         t = self.clock()
-        ref = await self.publisher.publish(version, self.group.export_weights(self.s.bucket_bytes))
+        ref = await self.publisher.publish(version, buckets)
         if ref.policy_version != version:
             raise FailedPrecondition(f"publisher returned version {ref.policy_version} for {version}")
         resp = await self.coordinator.commit_version(self.s.trainer_id, ref)
         self.policy_version = resp.policy_version
-        self._since_publish = 0
-        if not self.s.bypass_mode:
-            await self.group.snapshot_proximal()
-        log.info("weights_published", policy_version=version, bytes=ref.total_bytes, seconds=round(self.clock() - t, 3))
+        seconds = self.clock() - t
+        log.info("weights_published", policy_version=version, bytes=ref.total_bytes, seconds=round(seconds, 3))
+        return seconds
+
+    async def _settle_publish(self) -> None:
+        """Wait for the publish in flight, if any (its failure fails the loop)."""
+        task, self._publishing = self._publishing, None
+        if task is not None:
+            await task
+
+    async def _cancel_background(self) -> None:
+        tasks = [t for t in (self._publishing, self._prefetch[1] if self._prefetch else None) if t is not None]
+        self._publishing, self._prefetch = None, None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _checkpoint(self) -> None:
+        await self._settle_publish()
         step = self.step
         root = self.s.checkpoint_dir
         tmp = checkpoints.begin(root, step)
@@ -439,7 +542,7 @@ class TrainerLoop:
         st = got.staleness
         m.update({
             "training/step": float(self.step),
-            "training/policy_version": float(self.policy_version),
+            "training/policy_version": float(self.weights_version),
             "training/optimizer_steps": float(self.group.step),
             "training/groups": float(len(got.groups)),
             "training/sequences": float(batch.num_seqs),
@@ -469,6 +572,6 @@ class TrainerLoop:
             record = {k: (v if math.isfinite(v) else None) for k, v in m.items()}
             with self.s.metrics_path.open("a") as f:
                 f.write(json.dumps({"step": self.step, "time": time.time(), **record}) + "\n")
-        log.info("train_step", step=self.step, policy_version=self.policy_version,
+        log.info("train_step", step=self.step, policy_version=self.weights_version,
                  grad_norm=round(m["actor/grad_norm"], 4), reward=round(m["critic/rewards/mean"], 4),
                  idle_ratio=round(m["perf/idle_ratio"], 3))

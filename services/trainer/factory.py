@@ -128,6 +128,7 @@ def loop_settings(cfg: MeshConfig, run_dir: str | os.PathLike[str], size: int | 
         seed=cfg.trainer.seed,
         hf_export_dir=Path(run_dir) / ts.hf_export_dir if ts.hf_export_dir else None,
         coordinator_wait_s=ts.coordinator_wait_s,
+        overlap=ts.overlap,
     )
 
 

@@ -46,7 +46,10 @@ class TrainGroup(Protocol):
 
     async def snapshot_proximal(self) -> None: ...
 
-    def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]: ...
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]:
+        """The weights as they are at this call: the export is ordered before any group call made
+        after it returns, so training may go on while the buckets are consumed."""
+        ...
 
     async def save_checkpoint(self, path: Path) -> None: ...
 
@@ -78,6 +81,7 @@ class LocalTrainGroup:
     def __init__(self, engine: TrainEngine, actor: ActorConfig) -> None:
         self.engine = engine
         self.actor = actor
+        self._export: asyncio.Future[list[Bucket]] | None = None
 
     @property
     def world_size(self) -> int:
@@ -91,6 +95,7 @@ class LocalTrainGroup:
         self, batch: SequenceBatch, *, temperature: float, reference: bool = False, proximal: bool = False,
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        await self._exported()
         if proximal:
             out = await asyncio.to_thread(self.engine.compute_proximal_logprobs, batch, temperature=temperature)
         else:
@@ -100,28 +105,42 @@ class LocalTrainGroup:
         return out.logprobs, out.entropy
 
     async def train(self, batch: SequenceBatch, loss_fn: LossFn, *, temperature: float) -> StepResult:
+        await self._exported()
         micro = micro_batches_for(self.actor, batch)
         return await asyncio.to_thread(self.engine.train_step, micro, loss_fn, temperature=temperature)
 
     async def snapshot_proximal(self) -> None:
+        await self._exported()
         await asyncio.to_thread(self.engine.snapshot_proximal)
 
-    async def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]:
-        it = iter(self.engine.export_weights(bucket_bytes))
-        done = object()
-        while True:
-            bucket = await asyncio.to_thread(next, it, done)
-            if bucket is done:
-                return
-            yield bucket  # type: ignore[misc]
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]:
+        # The whole export is taken now, in a thread, and every later engine call waits for it:
+        # host memory for one copy of the weights (this group is for tests and one-rank runs).
+        export = asyncio.get_running_loop().run_in_executor(None, lambda: list(self.engine.export_weights(bucket_bytes)))
+        self._export = export
+
+        async def buckets() -> AsyncIterator[Bucket]:
+            for bucket in await export:
+                yield bucket
+
+        return buckets()
+
+    async def _exported(self) -> None:
+        """Wait for an export in progress (its error is the consumer's to report)."""
+        if self._export is not None:
+            await asyncio.wait([self._export])
+            self._export = None
 
     async def save_checkpoint(self, path: Path) -> None:
+        await self._exported()
         await asyncio.to_thread(self.engine.save_checkpoint, path)
 
     async def load_checkpoint(self, path: Path) -> None:
+        await self._exported()
         await asyncio.to_thread(self.engine.load_checkpoint, path)
 
     async def save_hf(self, path: Path) -> None:
+        await self._exported()
         await asyncio.to_thread(self.engine.save_hf, path)
 
     async def close(self) -> None:

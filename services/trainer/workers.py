@@ -193,9 +193,13 @@ class RayTrainGroup:
     async def snapshot_proximal(self) -> None:
         await asyncio.gather(*[w.snapshot_proximal.remote() for w in self.workers])
 
-    async def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]:
+    def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]:
+        # Submitted now: a rank runs its calls in order, so a train call made after this one
+        # returns cannot change the weights being exported.
         streams = [w.export_weights.options(num_returns="streaming").remote(bucket_bytes) for w in self.workers]
+        return self._drain_export(streams)
 
+    async def _drain_export(self, streams: list[Any]) -> AsyncIterator[Bucket]:
         async def drain(stream: Any) -> None:
             async for ref in stream:
                 await ref

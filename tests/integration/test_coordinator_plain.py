@@ -55,6 +55,31 @@ def test_oversized_message_is_resource_exhausted(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_fetch_batch_train_version_over_grpc(tmp_path: Path) -> None:
+    """FetchBatch.train_version: staleness against the version named, refused at once (no wait)
+    outside current..current+1, with nothing taken."""
+    cfg = load_config(None, OVERRIDES)
+
+    async def main() -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        try:
+            async with CoordinatorClient(server.address) as c:
+                grant = await c.lease("r", 2)
+                await c.submit("r", [_group(lease) for lease in grant.leases])
+                t = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.fetch_batch("t", 1, 3, timeout_ms=5000, train_version=2)
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "train_version 2" in e.value.details()
+                assert time.monotonic() - t < 2.0 and (await c.status()).totals.queued == 2
+                batch = await c.fetch_batch("t", 1, 2, timeout_ms=1000, train_version=1)
+                assert list(batch.staleness) == [1, 1] and batch.policy_version == 0
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
 def test_restart_on_same_ledger_over_grpc(tmp_path: Path) -> None:
     cfg = load_config(None, OVERRIDES)
 

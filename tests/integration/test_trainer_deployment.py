@@ -170,3 +170,31 @@ def test_trainer_trains_publishes_checkpoints_and_resumes(serve_grpc_port: int, 
     assert all(x["training/groups"] == 2 and x["training/sequences"] == 8 for x in lines)
     assert all("actor/pg_loss" in x and "perf/throughput_tokens_per_s" in x for x in lines)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["global_step_2", "global_step_4"]
+
+
+def test_ray_group_exports_the_weights_at_the_call_while_training_goes_on(serve_grpc_port: int) -> None:
+    """The overlapped trainer loop trains step s+1 while version s is still being read: an
+    export asked for before a train call must hold the weights from before that step."""
+    import torch
+
+    from services.trainer.workers import RayTrainGroup
+    from tests.unit.fsdp_helpers import fixed_batch, make_spec, nll_loss
+
+    async def weights(stream: Any) -> dict[str, torch.Tensor]:
+        return {name: t for bucket in [b async for b in stream] for name, t in bucket}
+
+    async def scenario() -> None:
+        group = await RayTrainGroup.create(make_spec(optim={"lr": 1e-2}), 1, backend="fsdp", num_cpus=0.01)
+        try:
+            before = await weights(group.export_weights(1 << 30))
+            pending = group.export_weights(1 << 10)  # many buckets, none read yet
+            await group.train(fixed_batch(), nll_loss, temperature=1.0)
+            exported = await weights(pending)
+            after = await weights(group.export_weights(1 << 30))
+        finally:
+            await group.close()
+        assert exported.keys() == before.keys()
+        assert all(torch.equal(exported[k], before[k]) for k in before)
+        assert not all(torch.equal(after[k], before[k]) for k in before)
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=300))

@@ -306,3 +306,78 @@ def test_refused_late_answer_stays_refused(tmp_path: Path) -> None:
     again = make_core(tmp_path / "l.db", lease_timeout_s=10.0, staleness=1.0)
     assert again.submit("dead", [group_for(a.lease_id, a.seq, 0)], 15.0) == [SubmitStatus.EXPIRED]
     assert again.audit()["balanced"]
+
+
+def _fill(core, n: int, version: int, now: float = 0.0) -> list:  # type: ignore[no-untyped-def]
+    leases = core.lease("r", n, now).leases
+    core.submit("r", [group_for(lease.lease_id, lease.seq, version) for lease in leases], now)
+    return leases
+
+
+def test_fetching_ahead_leaves_budget_and_staleness_as_fetching_after_the_commit(tmp_path: Path) -> None:
+    """A trainer that fetches step 2's groups (train_version=1) while version 1 is still being
+    published gets the staleness they will be trained at, and the rollouts get the budget they would
+    have had if it had fetched after the commit."""
+    outcomes = []
+    for ahead in (False, True):
+        core = make_core(tmp_path / f"{ahead}.db", mini_batch=4, staleness=1.0, trigger=1)  # max_required = 8
+        _fill(core, 8, 0)
+        assert [g.staleness for g in core.fetch("t", 1, 4, 1.0, train_version=0).groups] == [0] * 4
+        if ahead:
+            second = core.fetch("t", 2, 4, 1.0, train_version=1)
+            budget = core.commit_version(1, {})[1]
+        else:
+            budget = core.commit_version(1, {})[1]
+            second = core.fetch("t", 2, 4, 1.0)
+        granted = len(core.lease("r", 100, 2.0).leases)
+        outcomes.append(([g.staleness for g in second.groups], budget, granted))
+        assert core.audit()["balanced"]
+    assert outcomes[0] == outcomes[1] == ([1, 1, 1, 1], 4, 4)
+
+
+def test_train_version_must_be_current_or_next(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=1.0)
+    _fill(core, 2, 0)
+    for bad in (2, -1):
+        with pytest.raises(FailedPrecondition, match=f"train_version {bad}.*current version \\(0\\)"):
+            core.fetch("t", 1, 2, 1.0, train_version=bad)
+    core.commit_version(1, {})
+    with pytest.raises(FailedPrecondition, match="train_version 0"):
+        core.check_train_version(0)
+    assert core.queued == 2 and core.audit()["balanced"]  # a refused fetch took nothing
+
+
+def test_max_staleness_is_measured_at_the_train_version(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=2.0, trigger=1, eta=1)
+    _fill(core, 2, 0)
+    core.commit_version(1, {})
+    # Trained at version 1 they would be 1 stale (allowed); fetched to train at 2 they are too stale.
+    batch = core.fetch("t", 1, 2, 1.0, train_version=2)
+    assert batch.groups == [] and batch.regenerated == 2
+    assert core.audit()["balanced"]
+
+
+def test_groups_fetched_ahead_survive_a_coordinator_restart_in_the_budget(tmp_path: Path) -> None:
+    db = tmp_path / "l.db"
+    core = make_core(db, mini_batch=4, staleness=1.0, trigger=1)
+    _fill(core, 8, 0)
+    core.fetch("t", 1, 4, 1.0)
+    core.fetch("t", 2, 4, 1.0, train_version=1)
+    core.ledger.close()
+    again = make_core(db, mini_batch=4, staleness=1.0, trigger=1)
+    assert again.commit_version(1, {})[1] == 4  # the 4 groups fetched ahead still count
+    assert len(again.lease("r", 100, 2.0).leases) == 4
+
+
+def test_filtered_or_requeued_groups_fetched_ahead_leave_the_budget(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=3.0, trigger=1)
+    _fill(core, 6, 0)
+    core.fetch("t", 1, 2, 1.0)
+    core.report_checkpoint(1, 0, "/ckpt/1")
+    ahead = core.fetch("t", 2, 2, 1.0, train_version=1)
+    # The trainer drops one group fetched ahead (DAPO) and then restarts from step 1: the other
+    # goes back to the queue. Neither is counted as fetched ahead any more.
+    core.fetch("t", 2, 1, 1.0, train_version=1, filtered=[ahead.groups[0].lease_id])
+    assert core.resume_trainer(1) == 2
+    assert core.commit_version(1, {})[1] == core.in_flight + core.queued
+    assert core.audit()["balanced"]

@@ -50,13 +50,14 @@ def _export(group: LocalTrainGroup) -> dict[str, torch.Tensor]:
     return {k: v for b in group.engine.export_weights(1 << 30) for k, v in b}
 
 
-def test_trains_publishes_every_trigger_steps_and_checkpoints_at_the_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_trains_publishes_every_trigger_steps_and_checkpoints_at_the_end(tmp_path: Path, overlap: bool) -> None:
     coord = FakeCoordinator()
     _fill(coord, 6)
     group = _group()
     pub = InProcessPublisher(retain_versions=5)
     algo, loss = fake_algorithm()
-    loop = TrainerLoop(_settings(tmp_path, trigger_parameter_sync_step=2), group, coord, pub, algo)
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap, trigger_parameter_sync_step=2), group, coord, pub, algo)
     _run(loop)
     assert loop.state == "finished" and loop.step == 3 and group.step == 3
     assert coord.resumes == [0]
@@ -79,12 +80,65 @@ def test_trains_publishes_every_trigger_steps_and_checkpoints_at_the_end(tmp_pat
     assert lines[0]["training/groups"] == 2 and lines[0]["training/sequences"] == 8
 
 
-def test_resume_continues_from_the_newest_checkpoint_and_republishes(tmp_path: Path) -> None:
+class _SnapshotBeforeTrain(LocalTrainGroup):
+    """Records the weights each train call starts from (= the weights after the previous step)."""
+
+    def __init__(self, inner: LocalTrainGroup) -> None:
+        super().__init__(inner.engine, inner.actor)
+        self.before: list[dict[str, torch.Tensor]] = []
+
+    async def train(self, batch: SequenceBatch, loss_fn: Any, *, temperature: float) -> Any:
+        await self._exported()
+        self.before.append(_export(self))
+        return await super().train(batch, loss_fn, temperature=temperature)
+
+
+class _SlowPublisher(InProcessPublisher):
+    """Starts reading a version's buckets only after a while, as a busy transport would."""
+
+    async def publish(self, version: int, buckets: Any) -> Any:
+        await asyncio.sleep(0.3)
+        return await super().publish(version, buckets)
+
+
+@pytest.mark.parametrize("trigger", [1, 2])
+def test_overlap_publishes_each_version_as_trained_and_fetches_for_the_version_it_trains_at(
+    tmp_path: Path, trigger: int
+) -> None:
+    """With overlap the next step trains while version v is published, and its groups were fetched
+    while the previous step trained: version v must still be the weights right after its step, and
+    every fetch names the version its groups are trained at."""
+    coord = FakeCoordinator()
+    _fill(coord, 8)
+    group = _SnapshotBeforeTrain(_group())
+    pub = _SlowPublisher(retain_versions=10)
+    loop = TrainerLoop(
+        _settings(tmp_path, overlap=True, trigger_parameter_sync_step=trigger), group, coord, pub, fake_algorithm()[0],
+    )
+    _run(loop)
+    assert loop.step == 4 and [c.policy_version for c in coord.commits] == list(range(1, 4 // trigger + 1))
+    # version v = the weights after step v * trigger = what step v * trigger + 1 started from
+    for v in range(1, 4 // trigger):
+        published = pub.get(v).weights
+        after = group.before[v * trigger]
+        assert all(torch.equal(published[k], after[k]) for k in after), v
+        assert not all(torch.equal(published[k], group.before[v * trigger - 1][k]) for k in after)
+    # step s trains at version (s - 1) // trigger; its groups were asked for at that version
+    # (every step but the first was fetched while the step before it trained)
+    asked = {f["step"]: f["train_version"] for f in coord.fetches}
+    assert asked == {s: (s - 1) // trigger for s in range(1, 5)}
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["training/policy_version"] for x in lines] == [s // trigger for s in range(1, 5)]
+    assert all(x["staleness/max"] == (x["step"] - 1) // trigger for x in lines)  # groups were made at v0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_resume_continues_from_the_newest_checkpoint_and_republishes(tmp_path: Path, overlap: bool) -> None:
     coord = FakeCoordinator(finite=False)
     _fill(coord, 6)
     first = _group()
     loop = TrainerLoop(
-        _settings(tmp_path, save_freq=1, total_steps=2, trigger_parameter_sync_step=1), first, coord,
+        _settings(tmp_path, overlap=overlap, save_freq=1, total_steps=2, trigger_parameter_sync_step=1), first, coord,
         InProcessPublisher(), fake_algorithm()[0],
     )
     _run(loop)
@@ -98,7 +152,7 @@ def test_resume_continues_from_the_newest_checkpoint_and_republishes(tmp_path: P
     second = _group()
     pub = InProcessPublisher()
     loop2 = TrainerLoop(
-        _settings(tmp_path, save_freq=1, total_steps=3, trigger_parameter_sync_step=1), second, coord, pub,
+        _settings(tmp_path, overlap=overlap, save_freq=1, total_steps=3, trigger_parameter_sync_step=1), second, coord, pub,
         fake_algorithm()[0],
     )
     _run(loop2)
@@ -110,7 +164,8 @@ def test_resume_continues_from_the_newest_checkpoint_and_republishes(tmp_path: P
     assert coord.policy_version == 5
 
 
-def test_dynamic_sampling_drops_flat_groups_reports_them_and_refills(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dynamic_sampling_drops_flat_groups_reports_them_and_refills(tmp_path: Path, overlap: bool) -> None:
     coord = FakeCoordinator()
     coord.queue.extend([
         make_group("flat0", [1.0, 1.0, 1.0, 1.0]),
@@ -121,7 +176,7 @@ def test_dynamic_sampling_drops_flat_groups_reports_them_and_refills(tmp_path: P
         make_group("ok3", [0.0, 1.0, 1.0, 0.0], seed=5),
     ])
     algo, _ = fake_algorithm(filter_groups=True)
-    loop = TrainerLoop(_settings(tmp_path, total_steps=2), _group(), coord, InProcessPublisher(), algo)
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap, total_steps=2), _group(), coord, InProcessPublisher(), algo)
     _run(loop)
     assert [f["num_groups"] for f in coord.fetches] == [2, 1, 1, 2]
     assert [f["filtered"] for f in coord.fetches] == [[], ["flat0"], ["flat1"], []]  # reported on the next fetch
@@ -140,11 +195,12 @@ def test_dynamic_sampling_gives_up_after_max_num_gen_batches(tmp_path: Path) -> 
     assert loop.state == "failed"
 
 
-def test_stop_request_checkpoints_without_training_the_partial_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_request_checkpoints_without_training_the_partial_batch(tmp_path: Path, overlap: bool) -> None:
     coord = FakeCoordinator(finite=False)
     _fill(coord, 2)
     group = _group()
-    loop = TrainerLoop(_settings(tmp_path), group, coord, InProcessPublisher(), fake_algorithm()[0])
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap), group, coord, InProcessPublisher(), fake_algorithm()[0])
 
     async def scenario() -> None:
         task = asyncio.create_task(loop.run())
@@ -160,10 +216,11 @@ def test_stop_request_checkpoints_without_training_the_partial_batch(tmp_path: P
     assert "late" not in coord.delivered  # never handed out after stop
 
 
-def test_checkpoint_requests_from_coordinator_and_rpc(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_checkpoint_requests_from_coordinator_and_rpc(tmp_path: Path, overlap: bool) -> None:
     coord = FakeCoordinator(finite=False)
     _fill(coord, 2)
-    loop = TrainerLoop(_settings(tmp_path), _group(), coord, InProcessPublisher(), fake_algorithm()[0])
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap), _group(), coord, InProcessPublisher(), fake_algorithm()[0])
     servicer = TrainerServicer(loop, trainer_id="t0", engine="fsdp", token="secret")
 
     async def scenario() -> None:
@@ -201,13 +258,14 @@ def test_save_checkpoint_rpc_needs_the_token(tmp_path: Path) -> None:
         asyncio.run(servicer.SaveCheckpoint(None, LocalContext()))
 
 
-def test_decoupled_mode_uses_window_start_parameters_and_reference(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decoupled_mode_uses_window_start_parameters_and_reference(tmp_path: Path, overlap: bool) -> None:
     coord = FakeCoordinator()
     _fill(coord, 4)
     group = _group(with_ref=True)
     algo, loss = fake_algorithm()
     loop = TrainerLoop(
-        _settings(tmp_path, bypass_mode=False, use_kl_loss=True, trigger_parameter_sync_step=2),
+        _settings(tmp_path, overlap=overlap, bypass_mode=False, use_kl_loss=True, trigger_parameter_sync_step=2),
         group, coord, InProcessPublisher(), algo,
     )
     _run(loop)
@@ -234,10 +292,11 @@ def _batch_of(loop: TrainerLoop, seen: dict[str, torch.Tensor]) -> SequenceBatch
     return batch
 
 
-def test_exhausted_data_trains_the_last_partial_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_exhausted_data_trains_the_last_partial_batch(tmp_path: Path, overlap: bool) -> None:
     coord = FakeCoordinator()
     _fill(coord, 3)
-    loop = TrainerLoop(_settings(tmp_path), _group(), coord, InProcessPublisher(), fake_algorithm()[0])
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap), _group(), coord, InProcessPublisher(), fake_algorithm()[0])
     _run(loop)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["training/groups"] for x in lines] == [2, 1]

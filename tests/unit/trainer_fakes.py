@@ -53,16 +53,20 @@ class FakeCoordinator:
 
     async def fetch_batch(
         self, trainer_id: str, step: int, num_groups: int, *, timeout_ms: int = 10_000,
-        filtered_lease_ids: Sequence[str] = (),
+        filtered_lease_ids: Sequence[str] = (), train_version: int | None = None,
     ) -> coordinator_pb2.FetchBatchResponse:
-        self.fetches.append({"step": step, "num_groups": num_groups, "filtered": list(filtered_lease_ids)})
+        self.fetches.append({"step": step, "num_groups": num_groups, "filtered": list(filtered_lease_ids),
+                             "train_version": train_version})
+        version = self.policy_version if train_version is None else train_version
+        if not self.policy_version <= version <= self.policy_version + 1:
+            raise FailedPrecondition(f"train_version {version} with version {self.policy_version} committed")
         if not self.queue:
             await asyncio.sleep(0.01)  # a real FetchBatch waits for groups; never spin the event loop
         resp = coordinator_pb2.FetchBatchResponse(policy_version=self.policy_version)
         while self.queue and len(resp.groups) < num_groups and not self.stop_requested:
             g = self.queue.popleft()
             resp.groups.append(g)
-            resp.staleness.append(self.policy_version - g.min_policy_version)
+            resp.staleness.append(version - g.min_policy_version)
             self.delivered[g.lease_id] = step
         resp.exhausted = self.finite and not self.queue
         resp.checkpoint_requested = self.checkpoint_requested
