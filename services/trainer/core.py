@@ -12,11 +12,11 @@ One local step s (FetchBatch's `step`):
        │          ──▶ every trigger_parameter_sync_step steps: export ─▶ publish ─▶ CommitVersion(v+1)
        └───────── ──▶ every save_freq steps (or when asked): checkpoint ─▶ ReportCheckpoint(s)
 
-Overlap (`overlap=True`, the service default): while the group trains step s, the loop waits for
-the previous version's publish to commit, then fetches step s+1's groups with FetchBatch's
-`train_version` set to the version they will be trained at (the coordinator measures staleness
-against it and counts them against the budget until that version is committed, so the rollout runs
-no further ahead than without the overlap). After step s the group's export of v+1 is ordered
+Overlap (`overlap=True`; off by default, on in the built-in example): while the group trains
+step s, the loop waits for the previous version's publish to commit, then fetches step s+1's
+groups with FetchBatch's `train_version` set to the version they will be trained at (the
+coordinator measures staleness against it and counts them against the budget until that version
+is committed, so the rollout runs no further ahead than without the overlap). After step s the group's export of v+1 is ordered
 before any later group call, and the publish and CommitVersion(v+1) run while step s+1 trains.
 Checkpoints, operator requests and the end of the run wait for the publish in flight; nothing a
 step fetches is trained twice or dropped (a checkpoint at s leaves step s+1's groups delivered
