@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import uuid
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -238,9 +238,9 @@ class CoordinatorCore:
         self._retry: OrderedDict[int, None] = OrderedDict()
         self._queue: OrderedDict[int, _Queued] = OrderedDict()
         self._delivered: dict[str, _Delivered] = {}
-        # Delivered groups fetched ahead (train_version above the current version) by train
-        # version: they count against the budget like queued ones until that version's commit.
-        self._ahead: Counter[int] = Counter()
+        # Delivered groups fetched ahead (to train at the next version): they count against the
+        # budget like queued ones until that version is committed.
+        self._ahead = 0
         self._next_group_id = 1
         self._replica_seen: dict[str, float] = {}
         snap = ledger.load()
@@ -281,8 +281,7 @@ class CoordinatorCore:
             self._delivered[g.lease_id] = _Delivered(
                 g.group_id, g.lease_id, g.seq, g.min_version, g.step, g.staleness, g.qpos, g.payload
             )
-            if self._delivered[g.lease_id].train_version > state.policy_version:
-                self._ahead[self._delivered[g.lease_id].train_version] += 1
+            self._ahead += int(self._delivered[g.lease_id].train_version > state.policy_version)
         self._next_group_id = snap.max_group_id + 1
 
     # ---- derived numbers -------------------------------------------------------------------
@@ -306,14 +305,11 @@ class CoordinatorCore:
         return len(self._queue)
 
     def _floor(self) -> int:
-        return self.in_flight + self.queued + sum(self._ahead.values())
+        return self.in_flight + self.queued + self._ahead
 
     def _forget(self, d: _Delivered) -> None:
         """`d` leaves the delivered set (filtered, re-queued or checkpointed)."""
-        if self._ahead.get(d.train_version, 0) > 0:
-            self._ahead[d.train_version] -= 1
-            if not self._ahead[d.train_version]:
-                del self._ahead[d.train_version]
+        self._ahead -= int(d.train_version > self._s.policy_version)
 
     def _give_back(self, n: int) -> None:
         self._s.budget_used = max(self._floor(), self._s.budget_used - n)
@@ -564,10 +560,10 @@ class CoordinatorCore:
             delivered_rows.append(
                 _Delivered(q.group_id, q.lease_id, q.seq, q.min_version, step, staleness, q.qpos, q.payload if keep else None)
             )
+        if version > current:
+            self._ahead += len(delivered_rows)
         for d in delivered_rows:
             self._delivered[d.lease_id] = d
-            if version > current:
-                self._ahead[version] += 1
             self._s.histogram[d.staleness] = self._s.histogram.get(d.staleness, 0) + 1
         for f in filtered_rows:
             self._s.histogram[f.staleness] -= 1
@@ -610,7 +606,8 @@ class CoordinatorCore:
 
     def commit_version(self, version: int, weights: dict[str, Any]) -> tuple[int, int]:
         """Make `version` current (must be current + 1; re-committing the current version with the
-        same weights is a no-op) and reset the budget to in_flight + queued."""
+        same weights is a no-op) and reset the budget to in_flight + queued (+ groups fetched ahead
+        to train at it)."""
         cur = self._s.policy_version
         if version == cur and weights == self._s.weights:
             return cur, self._s.budget_used
@@ -619,10 +616,9 @@ class CoordinatorCore:
         self._s.policy_version = version
         self._s.weights = dict(weights)
         # Groups fetched ahead to train at this version stay counted, as they would have been
-        # still queued had the trainer fetched after this commit.
-        self._s.budget_used = self.in_flight + self.queued + sum(n for v, n in self._ahead.items() if v >= version)
-        for v in [v for v in self._ahead if v <= version]:
-            del self._ahead[v]
+        # still queued had the trainer fetched after this commit; from now on they are current.
+        self._s.budget_used = self._floor()
+        self._ahead = 0
         with self.ledger.transaction():
             self._persist()
         return version, self._s.budget_used

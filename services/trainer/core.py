@@ -372,7 +372,7 @@ class TrainerLoop:
         filtered, self.pending_filtered = self.pending_filtered, []
         resp = await self.coordinator.fetch_batch(
             self.s.trainer_id, step, need, timeout_ms=self.s.fetch_timeout_ms, filtered_lease_ids=filtered,
-            **({"train_version": train_version} if train_version is not None else {}),
+            train_version=train_version,
         )
         return resp, self.clock() - t
 

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.config import load_config, max_required_samples, required_samples
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from services.coordinator.core import LeaseLimit, SubmitStatus
+from services.coordinator.core import CoordinatorCore, LeaseLimit, SubmitStatus
 
 from .coord_helpers import group_for, make_core
 
@@ -308,10 +308,9 @@ def test_refused_late_answer_stays_refused(tmp_path: Path) -> None:
     assert again.audit()["balanced"]
 
 
-def _fill(core, n: int, version: int, now: float = 0.0) -> list:  # type: ignore[no-untyped-def]
+def _fill(core: CoordinatorCore, n: int, version: int, now: float = 0.0) -> None:
     leases = core.lease("r", n, now).leases
     core.submit("r", [group_for(lease.lease_id, lease.seq, version) for lease in leases], now)
-    return leases
 
 
 def test_fetching_ahead_leaves_budget_and_staleness_as_fetching_after_the_commit(tmp_path: Path) -> None:
