@@ -181,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="combine earlier results (cases merged, ratios recomputed) instead of running")
     pe.add_argument("--gpu-csv", default=None, help="with --merge: nvidia-smi CSV for per-case GPU utilization")
+    pe.add_argument("--label", default="", help="name this invocation's cases MODE[LABEL] (e.g. fully_async[nccl]), "
+                    "so that --merge keeps apart cases that differ only in their overrides")
     pro = bsub.add_parser("rollout", help="tokens/s on a long-tailed mix: engines vs model.generate / bare vLLM")
     pro.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pro.add_argument("--engines", default="transformers,vllm", help="comma list; vllm needs .venv-vllm")
@@ -465,6 +467,11 @@ def _bench(args: argparse.Namespace) -> int:
                 out_dir=args.run_root, config=args.config,
                 extra_targets=[float(t) for t in args.targets.split(",") if t.strip()], max_train_s=args.max_train_s,
             )
+            if args.label:
+                from meshrl.bench.e2e import ratios
+
+                result["cases"] = {f"{name}[{args.label}]": case for name, case in result["cases"].items()}
+                result["ratios"] = ratios(result["cases"])
     elif args.bench_command == "rollout":
         from meshrl.bench.rollout import run_benchmark as run_rollout
 

@@ -80,6 +80,8 @@ class FakeCoordinator:
         self.prompts = list(prompts)
         self.current = current or common_pb2.WeightsRef(policy_version=0)
         self.watch_delay_s = 0.0
+        self.lease_version = 0
+        """The policy_version leases are granted at (the real coordinator's current version)."""
         self.sampling = sampling
         self.submitted: list[common_pb2.TrajectoryGroup] = []
         self.returned: list[str] = []
@@ -98,7 +100,7 @@ class FakeCoordinator:
             p = self.prompts.pop(0)
             lid = f"L{next(self._ids)}"
             self.active[lid] = p
-            resp.leases.add(lease_id=lid, prompt=p, deadline_unix_s=time.time() + 60)
+            resp.leases.add(lease_id=lid, prompt=p, deadline_unix_s=time.time() + 60, policy_version=self.lease_version)
         if not resp.leases:
             resp.limit = coordinator_pb2.LEASE_LIMIT_EXHAUSTED
         return resp

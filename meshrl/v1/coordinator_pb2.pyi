@@ -443,18 +443,25 @@ class CommitVersionResponse(_message.Message):
 
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     BUDGET_USED_FIELD_NUMBER: _builtins.int
+    STOPPING_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     budget_used: _builtins.int
     """Budget after the reset: in-flight + queued prompts."""
+    stopping: _builtins.bool
+    """The run is stopping: the rollouts have left WatchVersions (the message that told them so
+    carried the versions committed before it), so none of them will load this version. A
+    collective sender (nccl/hccl) skips its broadcast instead of waiting for receivers.
+    """
     def __init__(
         self,
         *,
         policy_version: _builtins.int = ...,
         budget_used: _builtins.int = ...,
+        stopping: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_used", b"budget_used", "policy_version", b"policy_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_used", b"budget_used", "policy_version", b"policy_version", "stopping", b"stopping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

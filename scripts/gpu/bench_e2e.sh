@@ -21,6 +21,9 @@
 # Knobs (env): MESHRL_E2E_DEVICE (cuda|cpu: cpu is the local smoke form), MESHRL_E2E_ARCH,
 # MESHRL_E2E_SFT_STEPS, MESHRL_E2E_SFT_ARGS, MESHRL_E2E_MAX_TRAIN_S, MESHRL_E2E_PLAIN_S (0: skip),
 # MESHRL_E2E_MODES, MESHRL_E2E_OVERRIDES (extra dotted overrides, space separated), MESHRL_E2E_TARGET(S).
+# A MODES entry MODE@NAME runs MODE with the overrides in MESHRL_E2E_VARIANT_NAME added, as case
+# MODE[NAME], e.g. MESHRL_E2E_MODES="fully_async fully_async@nccl"
+#   MESHRL_E2E_VARIANT_nccl="actor_rollout_ref.rollout.checkpoint_engine.backend=nccl param_server.collective_receivers=1"
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 START=$(date +%s)
@@ -134,15 +137,27 @@ OVR=("actor_rollout_ref.model.path=$CKPT" "trainer.device=$DEVICE" "rollout_work
 [ "$DEVICE" = cuda ] && OVR+=("serve.rollout.num_gpus=1")
 # shellcheck disable=SC2206
 [ -n "${MESHRL_E2E_OVERRIDES:-}" ] && OVR+=(${MESHRL_E2E_OVERRIDES})
-bench() {  # bench NAME CAP_S ARGS...
+EXTRA=()
+bench() {  # bench NAME CAP_S ARGS...  (with the overrides in EXTRA)
   local name=$1 cap=$2
   shift 2
-  capped "e2e_$name" "$cap" "$PY" -m meshrl.cli bench e2e --config "$CONFIG" "${OVR[@]}" --run-root "$W/runs" \
-    --target-reward "$TARGET" --targets "$TARGETS" --window "$WINDOW" --out "$L/e2e_$name.json" "$@"
+  capped "e2e_$name" "$cap" "$PY" -m meshrl.cli bench e2e --config "$CONFIG" "${OVR[@]}" "${EXTRA[@]}" \
+    --run-root "$W/runs/$name" --target-reward "$TARGET" --targets "$TARGETS" --window "$WINDOW" \
+    --out "$L/e2e_$name.json" "$@"
 }
-for mode in $MODES; do
-  bench "$mode" $((MAX_TRAIN_S + 110)) --modes "$mode" --no-baseline --max-train-s "$MAX_TRAIN_S"
+for entry in $MODES; do
+  mode=${entry%%@*}
+  EXTRA=()
+  label=()
+  if [ "$mode" != "$entry" ]; then
+    variant=MESHRL_E2E_VARIANT_${entry#*@}
+    # shellcheck disable=SC2206
+    EXTRA=(${!variant:-})
+    label=(--label "${entry#*@}")
+  fi
+  bench "${entry/@/_}" $((MAX_TRAIN_S + 110)) --modes "$mode" --no-baseline --max-train-s "$MAX_TRAIN_S" "${label[@]}"
 done
+EXTRA=()
 if [ "$PLAIN_S" -gt 0 ]; then
   bench plain $((PLAIN_S + 60)) --modes "" --max-train-s "$PLAIN_S"
 fi

@@ -172,6 +172,9 @@ class _State:
     paused: bool = False
     stopping: bool = False
     stop_session: str = ""
+    stop_version: int = 0
+    """policy_version at the Stop: the last version rollouts are told of (WatchVersions)."""
+    stop_weights: dict[str, Any] = field(default_factory=dict)
     checkpoint_requested: bool = False
     trainer_step: int = 0
     last_checkpoint_step: int = -1
@@ -263,6 +266,7 @@ class CoordinatorCore:
             # The Stop ended an earlier session (Ctrl-C, `meshrl stop`); this one continues the run.
             state.stopping = False
             state.stop_session = ""
+            state.stop_version, state.stop_weights = 0, {}
             with ledger.transaction():
                 ledger.save_state(state.to_json())
         self._s = state
@@ -691,6 +695,8 @@ class CoordinatorCore:
             self._persist()
 
     def stop(self) -> None:
+        if not self._s.stopping:
+            self._s.stop_version, self._s.stop_weights = self._s.policy_version, dict(self._s.weights)
         self._s.stopping = True
         self._s.stop_session = self.settings.session
         with self.ledger.transaction():
@@ -707,6 +713,14 @@ class CoordinatorCore:
     @property
     def weights(self) -> dict[str, Any]:
         return dict(self._s.weights)
+
+    def announced(self) -> tuple[int, dict[str, Any]]:
+        """The version rollouts are told of, and its weights: the newest, or once the run is
+        stopping the one current at the Stop (a version committed later reaches no rollout:
+        CommitVersionResponse.stopping)."""
+        if self._s.stopping:
+            return self._s.stop_version, dict(self._s.stop_weights)
+        return self._s.policy_version, dict(self._s.weights)
 
     # ---- inspection ------------------------------------------------------------------------
 

@@ -107,13 +107,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._notify()
         return convert.submit_response(statuses, self.core.queued)
 
-    async def _watch(self) -> AsyncIterator[tuple[int, bool, bool]]:
+    async def _watch(self) -> AsyncIterator[tuple[int, dict[str, Any], bool, bool]]:
         last: tuple[int, bool, bool] | None = None
         while True:
-            state = (self.core.policy_version, self.core.paused, self.core.stopping)
+            version, weights = self.core.announced()
+            state = (version, self.core.paused, self.core.stopping)
             if state != last:
                 last = state
-                yield state
+                yield version, weights, state[1], state[2]
                 if state[2]:
                     return
             await self._wait_change(30.0)
@@ -123,9 +124,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.WatchVersionsRequest, context: Any
     ) -> AsyncIterator[coordinator_pb2.WatchVersionsResponse]:
         convert.require_id(request.replica_id, "replica_id")
-        async for version, paused, stopping in self._watch():
+        async for version, weights, paused, stopping in self._watch():
             yield coordinator_pb2.WatchVersionsResponse(
-                weights=convert.weights_from_dict(self.core.weights, version), paused=paused, stopping=stopping
+                weights=convert.weights_from_dict(weights, version), paused=paused, stopping=stopping
             )
 
     # ---- trainer side --------------------------------------------------------------------------
@@ -162,7 +163,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         version, budget = self.core.commit_version(request.weights.policy_version, convert.weights_to_dict(request.weights))
         log.info("version_committed", policy_version=version, budget_used=budget)
         self._notify()
-        return coordinator_pb2.CommitVersionResponse(policy_version=version, budget_used=budget)
+        return coordinator_pb2.CommitVersionResponse(
+            policy_version=version, budget_used=budget, stopping=self.core.stopping
+        )
 
     @rpc_method()
     async def ReportCheckpoint(

@@ -291,6 +291,8 @@ class RolloutWorker:
 
     async def _run_group(self, g: _Group, sampling: common_pb2.SamplingParams) -> None:
         try:
+            if not await self._weights_for(g):
+                return
             n = sampling.n or 1
             spec = convert.sampling_spec(sampling, seed_offset=g.lease.prompt.prompt_seq * n)
             group = await self.generate_group(g.lease.prompt, spec, request_id=g.request_id, lease_id=g.lease.lease_id,
@@ -313,6 +315,23 @@ class RolloutWorker:
             if self._groups.pop(g.lease.lease_id, None) is not None and not self._groups:
                 self.counters.busy_s += time.monotonic() - self._busy_since
             self._notify()
+
+    async def _weights_for(self, g: _Group) -> bool:
+        """A group leased at version v starts on weights of version v or newer: the coordinator
+        granted its lease out of v's staleness budget. Leases can arrive before this replica has
+        heard of v or finished loading it; the group waits for the load (the lease is renewed
+        meanwhile). False when the group will not run: drained (drain returns the lease), or the
+        load failed (the lease is given back now, so another replica takes the prompt)."""
+        want = g.lease.policy_version
+        while self.fetcher is not None and self.engine.version < want:
+            if g.cancel_reason is not None:
+                return False
+            if self._weights_failed or self._stopping:
+                g.committed = True
+                await self._give_back(g)
+                return False
+            await self._wait_change(1.0)
+        return g.cancel_reason is None
 
     async def _give_back(self, g: _Group) -> None:
         """Return a failed group's lease now, so its prompt is re-issued without waiting for expiry."""

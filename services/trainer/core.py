@@ -36,7 +36,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,7 +52,7 @@ from . import checkpoints
 from .convert import filter_values, groups_to_batch
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
-from .publisher import WeightPublisher
+from .publisher import RankZeroPublisher, WeightPublisher
 
 log = get_logger(__name__)
 
@@ -152,7 +152,7 @@ class TrainerLoop:
         settings: LoopSettings,
         group: TrainGroup,
         coordinator: CoordinatorLike,
-        publisher: WeightPublisher,
+        publisher: WeightPublisher | RankZeroPublisher,
         algorithm: Algorithm,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -470,16 +470,20 @@ class TrainerLoop:
         call, so training may go on meanwhile."""
         await self._settle_publish()
         version = self.policy_version + 1
-        buckets = self.group.export_weights(self.s.bucket_bytes)
+        published: Awaitable[common_pb2.WeightsRef]
+        if isinstance(self.publisher, RankZeroPublisher):
+            published = self.group.publish_weights(version, self.s.bucket_bytes)
+        else:
+            published = self.publisher.publish(version, self.group.export_weights(self.s.bucket_bytes))
         self.weights_version = version
         self._since_publish = 0
-        self._publishing = asyncio.ensure_future(self._publish_and_commit(version, buckets))
+        self._publishing = asyncio.ensure_future(self._publish_and_commit(version, published))
         if not self.s.bypass_mode:
             await self.group.snapshot_proximal()
 
-    async def _publish_and_commit(self, version: int, buckets: Any) -> float:
+    async def _publish_and_commit(self, version: int, published: Awaitable[common_pb2.WeightsRef]) -> float:
         t = self.clock()
-        ref = await self.publisher.publish(version, buckets)
+        ref = await published
         if ref.policy_version != version:
             raise FailedPrecondition(f"publisher returned version {ref.policy_version} for {version}")
         resp = await self.coordinator.commit_version(self.s.trainer_id, ref)

@@ -3,6 +3,7 @@ step count fixed up front), the loop settings, the RL algorithm, the coordinator
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from services.common.errors import MissingDependency
 from .core import Algorithm, LoopSettings, TrainerLoop
 from .engines.base import EngineSpec
 from .group import TrainGroup
-from .publisher import WeightPublisher
+from .publisher import RankZeroPublisher, WeightPublisher
 
 if TYPE_CHECKING:
     from services.coordinator.client import CoordinatorClient
@@ -210,27 +211,54 @@ class TrainerParts:
     servicer: TrainerServicer
     group: TrainGroup
     coordinator: CoordinatorClient
-    publisher: WeightPublisher
+    publisher: WeightPublisher | RankZeroPublisher
 
     async def close(self) -> None:
         await self.group.close()
         await self.coordinator.close()
 
 
-def _publisher(cfg: MeshConfig, run_dir: str | os.PathLike[str], client: CoordinatorClient) -> WeightPublisher:
+COLLECTIVE_BACKENDS = ("nccl", "hccl", "gloo")
+
+
+def _publisher(
+    cfg: MeshConfig, run_dir: str | os.PathLike[str], client: CoordinatorClient
+) -> WeightPublisher | RankZeroPublisher:
     """`trainer_service.publisher`: `param_server` publishes through the param server with the
-    rollout group's transport (actor_rollout_ref.rollout.checkpoint_engine.backend); collective
-    transports announce the version through CommitVersion before broadcasting."""
+    rollout group's transport (actor_rollout_ref.rollout.checkpoint_engine.backend). The
+    collective transports send from rank 0 (they need its device) and announce the version
+    through CommitVersion before broadcasting."""
     from .publisher import build_publisher
 
     ts = cfg.trainer_service
     if ts.publisher != "param_server":
         return build_publisher(ts.publisher, retain_versions=cfg.param_server.retain_versions)
+    if cfg.actor_rollout_ref.rollout.checkpoint_engine.backend in COLLECTIVE_BACKENDS:
+        return RankZeroPublisher(functools.partial(collective_sender, cfg, str(run_dir)))
     from services.param_server.config import data_address
     from services.param_server.transports import make_publisher
 
-    async def announce(ref: Any) -> None:
-        await client.commit_version(ts.trainer_id, ref)
+    async def announce(ref: Any) -> bool:
+        return not (await client.commit_version(ts.trainer_id, ref)).stopping
+
+    return make_publisher(cfg, address=data_address(cfg.param_server), run_dir=run_dir, announce=announce)
+
+
+def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
+    """Rank 0's collective publisher, announcing each version through a coordinator client of its
+    own. Called on rank 0's publishing event loop (RankZeroPublisher)."""
+    from services.coordinator.client import CoordinatorClient
+    from services.param_server.config import data_address
+    from services.param_server.transports import make_publisher
+
+    ts = cfg.trainer_service
+    client = CoordinatorClient(
+        coordinator_address(cfg), token=coordinator_token(cfg), application=ts.coordinator_application,
+        timeout_s=ts.coordinator_timeout_s,
+    )
+
+    async def announce(ref: Any) -> bool:
+        return not (await client.commit_version(ts.trainer_id, ref)).stopping
 
     return make_publisher(cfg, address=data_address(cfg.param_server), run_dir=run_dir, announce=announce)
 
@@ -268,6 +296,12 @@ async def build_trainer(
     group = await RayTrainGroup.create(
         spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus
     )
+    if isinstance(pub, RankZeroPublisher):
+        try:
+            await group.start_sender(pub.make)
+        except BaseException:
+            await group.close()
+            raise
     loop = TrainerLoop(settings, group, client, pub, algorithm)
     servicer = TrainerServicer(
         loop, trainer_id=ts.trainer_id, engine=cfg.actor_rollout_ref.actor.strategy, token=coordinator_token(cfg)

@@ -9,17 +9,18 @@ results back in batch order. `LocalTrainGroup` is one in-process engine (tests, 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from meshrl.v1 import common_pb2
 from services.common.config.actor_rollout_ref import ActorConfig
 
 from .engines.base import LossFn, SequenceBatch, StepResult, TrainEngine
 from .engines.batching import micro_batches_for, shard_for_dp
-from .publisher import Bucket
+from .publisher import Bucket, WeightPublisher
 
 
 class TrainGroup(Protocol):
@@ -49,6 +50,15 @@ class TrainGroup(Protocol):
     def export_weights(self, bucket_bytes: int) -> AsyncIterator[Bucket]:
         """The weights as they are at this call: the export is ordered before any group call made
         after it returns, so training may go on while the buckets are consumed."""
+        ...
+
+    async def start_sender(self, make: Callable[[], WeightPublisher]) -> None:
+        """Build the publisher `make` returns where rank 0 runs (see RankZeroPublisher)."""
+        ...
+
+    def publish_weights(self, version: int, bucket_bytes: int) -> Awaitable[common_pb2.WeightsRef]:
+        """Publish the weights as they are at this call through rank 0's sender (ordered as
+        export_weights is); the awaitable gives the publisher's ref."""
         ...
 
     async def save_checkpoint(self, path: Path) -> None: ...
@@ -82,6 +92,7 @@ class LocalTrainGroup:
         self.engine = engine
         self.actor = actor
         self._export: asyncio.Future[list[Bucket]] | None = None
+        self._sender: WeightPublisher | None = None
 
     @property
     def world_size(self) -> int:
@@ -125,6 +136,13 @@ class LocalTrainGroup:
 
         return buckets()
 
+    async def start_sender(self, make: Callable[[], WeightPublisher]) -> None:
+        self._sender = make()
+
+    def publish_weights(self, version: int, bucket_bytes: int) -> Awaitable[common_pb2.WeightsRef]:
+        assert self._sender is not None, "start_sender was not called"
+        return self._sender.publish(version, self.export_weights(bucket_bytes))
+
     async def _exported(self) -> None:
         """Wait for an export in progress (its error is the consumer's to report)."""
         if self._export is not None:
@@ -144,4 +162,7 @@ class LocalTrainGroup:
         await asyncio.to_thread(self.engine.save_hf, path)
 
     async def close(self) -> None:
+        close = getattr(self._sender, "close", None)
+        if close is not None:
+            await close()
         self.engine.close()

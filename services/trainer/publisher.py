@@ -111,6 +111,16 @@ class InProcessPublisher:
         return list(self._versions)
 
 
+@dataclass(frozen=True)
+class RankZeroPublisher:
+    """The publisher is built and run on rank 0 of the training group, not where the loop runs:
+    the collective transports (nccl / hccl, and gloo, their CPU twin) broadcast from the rank's
+    own device. `make` (picklable) builds the real publisher there (TrainGroup.start_sender); the
+    loop then publishes with TrainGroup.publish_weights."""
+
+    make: Callable[[], WeightPublisher]
+
+
 _PUBLISHERS: dict[str, str] = {"in_process": "services.trainer.publisher:InProcessPublisher"}
 
 

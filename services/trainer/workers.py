@@ -8,15 +8,20 @@ TrainGroup that drives them.
     the ranks of one Ulysses group the same share; results come back from SP rank 0 of each group.
 
 Weights leave through rank 0 as a Ray streaming generator (bucket by bucket) while the other ranks
-run the same export to take part in the all-gathers.
+run the same export to take part in the all-gathers. With a collective transport (nccl / hccl /
+gloo) rank 0 is the sender itself (`start_sender`, `publish_weights`): the broadcast needs the
+rank's device, and the weights do not cross to the trainer's Serve replica at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +30,78 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from meshrl.v1 import common_pb2
 from services.common.device import ray_resource
 from services.common.logging import configure_logging, get_logger
 
 from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult, TrainEngine, get_engine_cls
 from .engines.batching import micro_batches_for
 from .group import scatter_rows, shards
-from .publisher import Bucket
+from .publisher import Bucket, WeightPublisher
 
 log = get_logger(__name__)
+
+WEIGHTS_GROUP = "weights"  # the rank actor's concurrency group for waiting on a broadcast
+
+
+class RankSender:
+    """Rank 0's weight publisher on an event loop of its own (a thread of the rank actor), so a
+    broadcast goes on while the rank trains. `publish` is called from the rank's call thread with
+    the export's iterator: it starts the publish, hands the buckets over as the export makes them
+    (host copies, so training may change the weights right after) and returns once the export is
+    done; `result` blocks until that version's publish finished."""
+
+    def __init__(self, make: Callable[[], WeightPublisher]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rank0-weights", daemon=True)
+        self._thread.start()
+
+        async def build() -> WeightPublisher:  # on its loop: the publisher's gRPC channels live there
+            return make()
+
+        self.publisher = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
+        self._lock = threading.Lock()
+        self._results: dict[int, concurrent.futures.Future[common_pb2.WeightsRef]] = {}
+
+    def _future(self, version: int) -> concurrent.futures.Future[common_pb2.WeightsRef]:
+        with self._lock:
+            return self._results.setdefault(version, concurrent.futures.Future())
+
+    def publish(self, version: int, buckets: Iterator[Bucket]) -> None:
+        queue: asyncio.Queue[Bucket | BaseException | None] = asyncio.Queue()
+
+        async def stream() -> AsyncIterator[Bucket]:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):  # the export failed: never publish part of a version
+                    raise item
+                yield item
+
+        done = self._future(version)
+        running = asyncio.run_coroutine_threadsafe(self.publisher.publish(version, stream()), self.loop)
+        running.add_done_callback(lambda f: done.set_exception(e) if (e := f.exception()) else done.set_result(f.result()))
+        end: BaseException | None = None
+        try:
+            for bucket in buckets:
+                self.loop.call_soon_threadsafe(queue.put_nowait, bucket)
+        except BaseException as exc:
+            end = exc
+            raise
+        finally:
+            self.loop.call_soon_threadsafe(queue.put_nowait, end)
+
+    def result(self, version: int) -> common_pb2.WeightsRef:
+        ref = self._future(version).result()
+        with self._lock:
+            self._results.pop(version, None)
+        return ref
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        close = getattr(self.publisher, "close", None)
+        try:
+            if close is not None:
+                asyncio.run_coroutine_threadsafe(close(), self.loop).result(timeout_s)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 class TrainWorker:
@@ -44,6 +112,7 @@ class TrainWorker:
         self.world_size = world_size
         self.engine: TrainEngine | None = None
         self.spec: EngineSpec | None = None
+        self.sender: RankSender | None = None
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port (asked of rank 0 for MASTER_ADDR/PORT)."""
@@ -87,6 +156,27 @@ class TrainWorker:
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         yield from self._engine().export_weights(bucket_bytes)
 
+    def start_sender(self, make: Callable[[], WeightPublisher]) -> None:
+        """Rank 0: become the weight sender (`make` builds the publisher, e.g. the collective one)."""
+        assert self.rank == 0, "only rank 0 sends weights"
+        self.sender = RankSender(make)
+
+    def publish_weights(self, version: int, bucket_bytes: int) -> None:
+        """Every rank exports (the all-gathers); rank 0 hands the buckets to its sender. Returns
+        once the export is done: the broadcast goes on while later calls run."""
+        buckets = self._engine().export_weights(bucket_bytes)
+        if self.sender is None:
+            for _ in buckets:
+                pass
+            return
+        self.sender.publish(version, buckets)
+
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def published(self, version: int) -> bytes:
+        """Rank 0: blocks until version's publish finished; its WeightsRef, serialized."""
+        assert self.sender is not None, "start_sender was not called"
+        return self.sender.result(version).SerializeToString()
+
     def save_checkpoint(self, path: str) -> None:
         self._engine().save_checkpoint(Path(path))
 
@@ -98,6 +188,12 @@ class TrainWorker:
 
     def step(self) -> int:
         return self._engine().step
+
+    def stop_sender(self) -> None:
+        """Rank 0: settle and close the sender (its last manifest registration)."""
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
 
     def close(self) -> None:
         if self.engine is not None:
@@ -130,7 +226,7 @@ class RayTrainGroup:
             options["num_gpus"] = 1
         elif resource is not None:
             options["resources"] = {resource: 1}
-        actor_cls: Any = ray.remote(TrainWorker)
+        actor_cls: Any = ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(TrainWorker)  # type: ignore[call-overload]
         workers: list[Any] = [
             actor_cls.options(
                 **options,
@@ -214,6 +310,20 @@ class RayTrainGroup:
                 if not task.done():
                     task.cancel()
 
+    async def start_sender(self, make: Callable[[], WeightPublisher]) -> None:
+        await self.workers[0].start_sender.remote(make)
+
+    def publish_weights(self, version: int, bucket_bytes: int) -> Awaitable[common_pb2.WeightsRef]:
+        # Submitted now, as export_weights: the export is ordered before any later call.
+        exports = [w.publish_weights.remote(version, bucket_bytes) for w in self.workers]
+        result = self.workers[0].published.remote(version)
+
+        async def published() -> common_pb2.WeightsRef:
+            await asyncio.gather(*exports)
+            return common_pb2.WeightsRef.FromString(await result)
+
+        return published()
+
     async def save_checkpoint(self, path: Path) -> None:
         await asyncio.gather(*[w.save_checkpoint.remote(str(path)) for w in self.workers])
 
@@ -225,6 +335,8 @@ class RayTrainGroup:
         await asyncio.gather(*[w.save_hf.remote(str(path)) for w in self.workers])
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):  # best effort: the actors are killed next anyway
+            await asyncio.wait_for(self.workers[0].stop_sender.remote(), timeout=30.0)
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.pg)

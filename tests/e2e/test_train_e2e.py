@@ -89,10 +89,14 @@ def test_example_learns_within_bound_and_balances_the_books(tmp_path: Path) -> N
     AutoModelForCausalLM.from_pretrained(run_dir / "hf_export")
 
 
-def test_ctrl_c_then_resume_trains_every_prompt_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["grpc", "gloo"])
+def test_ctrl_c_then_resume_trains_every_prompt_once(tmp_path: Path, backend: str) -> None:
+    """gloo: the collective transport (rank 0 broadcasts): a version the trainer publishes after
+    the stop reaches no rollout, and the stop must not wait for receivers that left."""
     run_dir = tmp_path / "run"
     steps = 24
-    overrides = [f"rollout.total_rollout_steps={32 * steps}", "trainer.save_freq=4", "trainer.test_freq=-1"]
+    overrides = [f"rollout.total_rollout_steps={32 * steps}", "trainer.save_freq=4", "trainer.test_freq=-1",
+                 f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}", "param_server.collective_receivers=1"]
     cmd = [sys.executable, "-m", "meshrl.cli", "train", *overrides, "--run-dir", str(run_dir), "--no-report"]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -80,6 +80,30 @@ def test_fetch_batch_train_version_over_grpc(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_version_committed_after_stop_is_marked_as_reaching_no_rollout(tmp_path: Path) -> None:
+    """CommitVersion says `stopping` exactly when the rollouts have already been told to leave
+    WatchVersions: a collective sender then skips a broadcast no one would join. The last watch
+    message carries the versions committed before the stop."""
+    cfg = load_config(None, OVERRIDES)
+
+    async def main() -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        try:
+            async with CoordinatorClient(server.address) as c:
+                before = await c.commit_version("t0", common_pb2.WeightsRef(policy_version=1))
+                await c.stop()
+                after = await c.commit_version("t0", common_pb2.WeightsRef(policy_version=2))
+                seen = [m async for m in c.watch_versions("r0")]  # a watcher (re)connecting now
+        finally:
+            await server.stop()
+        assert (before.policy_version, before.stopping) == (1, False)
+        assert (after.policy_version, after.stopping) == (2, True)
+        assert [(m.weights.policy_version, m.stopping) for m in seen] == [(1, True)]
+
+    asyncio.run(main())
+
+
 def test_restart_on_same_ledger_over_grpc(tmp_path: Path) -> None:
     cfg = load_config(None, OVERRIDES)
 

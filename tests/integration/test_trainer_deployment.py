@@ -198,3 +198,64 @@ def test_ray_group_exports_the_weights_at_the_call_while_training_goes_on(serve_
         assert not all(torch.equal(after[k], before[k]) for k in before)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=300))
+
+
+class _SlowPidPublisher:
+    """Built on rank 0: reads the buckets slowly (training goes on meanwhile) and answers with
+    their digest and the pid of the process it ran in."""
+
+    def __init__(self, per_bucket_s: float) -> None:
+        self.per_bucket_s = per_bucket_s
+
+    async def publish(self, version: int, buckets: Any) -> common_pb2.WeightsRef:
+        import hashlib
+        import os
+
+        from services.trainer.publisher import iter_buckets, tensor_digest
+
+        h = hashlib.sha256()
+        async for bucket in iter_buckets(buckets):
+            await asyncio.sleep(self.per_bucket_s)
+            for name, tensor in bucket:
+                tensor_digest(h, name, tensor)
+        return common_pb2.WeightsRef(policy_version=version, manifest_checksum=h.hexdigest(),
+                                     param_server_address=f"pid:{os.getpid()}")
+
+
+def test_rank_zero_sender_publishes_the_weights_at_the_call_from_the_rank(serve_grpc_port: int) -> None:
+    """The collective transports send from rank 0 (RankZeroPublisher): the publisher runs in the
+    rank's process, and a publish asked for before a train call carries the weights from before
+    that step while the step runs."""
+    import functools
+    import hashlib
+    import os
+
+    from services.trainer.publisher import tensor_digest
+    from services.trainer.workers import RayTrainGroup
+    from tests.unit.fsdp_helpers import fixed_batch, make_spec, nll_loss
+
+    async def digest(stream: Any) -> str:
+        h = hashlib.sha256()
+        async for bucket in stream:
+            for name, tensor in bucket:
+                tensor_digest(h, name, tensor)
+        return h.hexdigest()
+
+    async def scenario() -> None:
+        group = await RayTrainGroup.create(make_spec(optim={"lr": 1e-2}), 1, backend="fsdp", num_cpus=0.01)
+        try:
+            await group.start_sender(functools.partial(_SlowPidPublisher, 0.01))
+            before = await digest(group.export_weights(1 << 30))
+            first = asyncio.ensure_future(group.publish_weights(1, 1 << 10))  # many buckets
+            await group.train(fixed_batch(), nll_loss, temperature=1.0)
+            ref1 = await first
+            after = await digest(group.export_weights(1 << 30))
+            ref2 = await group.publish_weights(2, 1 << 30)
+        finally:
+            await group.close()
+        assert before != after
+        assert (ref1.policy_version, ref1.manifest_checksum) == (1, before)
+        assert (ref2.policy_version, ref2.manifest_checksum) == (2, after)
+        assert ref1.param_server_address.startswith("pid:") and ref1.param_server_address != f"pid:{os.getpid()}"
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=300))

@@ -70,3 +70,32 @@ def test_a_failed_version_cancels_its_check_in_and_drops_the_group() -> None:
         assert f.group is None and f._steady_group() is None
 
     asyncio.run(main())
+
+
+def test_a_version_no_rollout_will_load_is_not_broadcast() -> None:
+    """`announce` answers False once the run is stopping (CommitVersionResponse.stopping): the
+    sender reads the export to its end and returns the announced ref without forming a group or
+    waiting for receivers (which would hold the trainer's stop for the whole deadline)."""
+    import torch
+
+    from services.param_server.transports.collective import CollectivePublisher
+
+    read: list[int] = []
+    board = _Board(generation=None, hang=True)
+
+    def buckets() -> Any:
+        for i in range(3):
+            read.append(i)
+            yield [(f"w{i}", torch.ones(4))]
+
+    async def announce(ref: Any) -> bool:
+        return False
+
+    async def main() -> Any:
+        pub = CollectivePublisher("gloo", "127.0.0.1:1", receivers=1, group="g", timeout_s=30, announce=announce)
+        pub.client = board  # type: ignore[assignment]
+        return await asyncio.wait_for(pub.publish(7, buckets()), timeout=10)
+
+    ref = asyncio.run(main())
+    assert ref.policy_version == 7 and read == [0, 1, 2]
+    assert board.requests == [] and not ref.manifest_checksum

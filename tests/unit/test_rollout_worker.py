@@ -406,3 +406,66 @@ def test_a_replica_joining_a_live_run_loads_the_current_weights_before_leasing(t
     asyncio.run(scenario())
     assert seen["leased_before_sync"] == 0 and not seen["synced_early"]
     assert {g.min_policy_version for g in coord.submitted} == {7}
+
+
+def test_a_group_leased_at_a_version_not_yet_loaded_waits_for_those_weights(tok: Any) -> None:
+    """The coordinator committed version 1 and grants leases at it before this replica heard of
+    the version: the groups wait for the load instead of generating on version 0 (they would be
+    one version staler than the budget that granted them allows). A drain during the wait returns
+    the leases; a load that fails gives them back."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=1)
+    store = InMemoryWeightStore()
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    seen: dict[str, Any] = {}
+
+    async def loads_late() -> None:
+        coord = FakeCoordinator(_prompts(4), sampling)
+        coord.lease_version = 1
+        worker, engine = _worker(tok, coord, store, concurrent_groups=2)
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.active) == 2, what="two leases")
+        await asyncio.sleep(0.3)
+        seen["generated_before_load"] = engine.stats()["tokens_generated"]
+        coord.push_version(ref)
+        await wait_for(lambda: len(coord.submitted) == 4, what="all groups")
+        seen["late"] = [g.min_policy_version for g in coord.submitted]
+        await worker.stop()
+        await engine.close()
+
+    async def drained_while_waiting() -> None:
+        coord = FakeCoordinator(_prompts(4), sampling)
+        coord.lease_version = 1
+        worker, engine = _worker(tok, coord, store, concurrent_groups=2)
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.active) == 2, what="two leases")
+        seen["drain"] = await worker.drain()
+        seen["drain_returned"] = sorted(coord.returned)
+        await worker.stop()
+        await engine.close()
+
+    async def load_fails() -> None:
+        coord = FakeCoordinator(_prompts(2), sampling)
+        coord.lease_version = 1
+        flaky = _FlakyStore(store, failures=100)
+        model = build_tiny_model("qwen3", tok, seed=0)
+        engine = TransformersEngine(model, tok, max_num_seqs=4)
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=5.0, renew_interval_s=0.2, concurrent_groups=2)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, flaky, settings)  # type: ignore[arg-type]
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.active) == 2, what="two leases")
+        coord.push_version(ref)
+        await wait_for(lambda: len(coord.returned) == 2, what="leases given back")
+        seen["failed_submitted"] = len(coord.submitted)
+        await worker.stop()
+        await engine.close()
+
+    asyncio.run(loads_late())
+    asyncio.run(drained_while_waiting())
+    asyncio.run(load_fails())
+    assert seen["generated_before_load"] == 0
+    assert seen["late"] == [1, 1, 1, 1]
+    assert seen["drain"] == (2, 0) and seen["drain_returned"] == ["L0", "L1"]
+    assert seen["failed_submitted"] == 0

@@ -18,7 +18,7 @@ from services.trainer import checkpoints
 from services.trainer.core import LoopSettings, TrainerLoop
 from services.trainer.engines.base import SequenceBatch
 from services.trainer.group import LocalTrainGroup
-from services.trainer.publisher import InProcessPublisher
+from services.trainer.publisher import InProcessPublisher, RankZeroPublisher
 from services.trainer.servicer import TrainerServicer
 from tests.unit.fsdp_helpers import build, make_spec
 from tests.unit.trainer_fakes import FakeCoordinator, fake_algorithm, make_group
@@ -101,19 +101,26 @@ class _SlowPublisher(InProcessPublisher):
         return await super().publish(version, buckets)
 
 
+@pytest.mark.parametrize("rank_zero", [False, True])
 @pytest.mark.parametrize("trigger", [1, 2])
 def test_overlap_publishes_each_version_as_trained_and_fetches_for_the_version_it_trains_at(
-    tmp_path: Path, trigger: int
+    tmp_path: Path, trigger: int, rank_zero: bool
 ) -> None:
     """With overlap the next step trains while version v is published, and its groups were fetched
     while the previous step trained: version v must still be the weights right after its step, and
-    every fetch names the version its groups are trained at."""
+    every fetch names the version its groups are trained at. rank_zero: the publisher runs where
+    the group's rank 0 does (RankZeroPublisher, as the collective transports)."""
     coord = FakeCoordinator()
     _fill(coord, 8)
     group = _SnapshotBeforeTrain(_group())
     pub = _SlowPublisher(retain_versions=10)
+    publisher: Any = pub
+    if rank_zero:
+        asyncio.run(group.start_sender(lambda: pub))
+        publisher = RankZeroPublisher(lambda: pub)
     loop = TrainerLoop(
-        _settings(tmp_path, overlap=True, trigger_parameter_sync_step=trigger), group, coord, pub, fake_algorithm()[0],
+        _settings(tmp_path, overlap=True, trigger_parameter_sync_step=trigger), group, coord, publisher,
+        fake_algorithm()[0],
     )
     _run(loop)
     assert loop.step == 4 and [c.policy_version for c in coord.commits] == list(range(1, 4 // trigger + 1))

@@ -61,12 +61,12 @@ def make_publisher(
     address: str,
     backend: str | None = None,
     run_dir: str | os.PathLike[str] | None = None,
-    announce: Callable[[common_pb2.WeightsRef], Awaitable[None]] | None = None,
+    announce: Callable[[common_pb2.WeightsRef], Awaitable[bool | None]] | None = None,
     directory: Any = None,
 ) -> WeightPublisher:
     """The trainer's publisher for a consumer group. `address`: the param server's data plane.
     `announce` (collective backends): called with the version's ref before the broadcast starts,
-    so receivers learn of it (e.g. the trainer's CommitVersion); `directory` (object_store): where
+    so receivers learn of it (e.g. the trainer's CommitVersion; False: none will come, skip it); `directory` (object_store): where
     refs are registered (default: the Serve app's deployment handle)."""
     name = _backend(cfg, backend)
     mod = _module(name)

@@ -80,7 +80,8 @@ class PlannedBucket:
     nbytes: int
 
 
-async def _iterate(buckets: Buckets) -> AsyncIterator[Bucket]:
+async def iterate(buckets: Buckets) -> AsyncIterator[Bucket]:
+    """Plain and async bucket iterables alike."""
     if isinstance(buckets, AsyncIterable):
         async for bucket in buckets:
             yield bucket
@@ -92,7 +93,7 @@ async def _iterate(buckets: Buckets) -> AsyncIterator[Bucket]:
 async def split_buckets(buckets: Buckets, max_bytes: int) -> AsyncIterator[Bucket]:
     """Each bucket as runs of its tensors (in order) of at most `max_bytes`, a larger tensor alone:
     a transport's own unit on the wire, whatever size the trainer gathers buckets in."""
-    async for bucket in _iterate(buckets):
+    async for bucket in iterate(buckets):
         for run in group_by_bytes(bucket, max_bytes):
             yield run
 
@@ -101,7 +102,7 @@ async def plan_buckets(buckets: Buckets) -> AsyncIterator[PlannedBucket]:
     """Lay out buckets as they come (lazily: export_weights gathers as it goes; a plain or an
     async iterable). Empty input buckets are skipped."""
     index = 0
-    async for named in _iterate(buckets):
+    async for named in iterate(buckets):
         if not named:
             continue
         metas, nbytes = plan_bucket(index, named)

@@ -10,7 +10,9 @@ from the coordinator, after the trainer commits it. So the sender first announce
 (`announce(ref)`, wired to the trainer's CommitVersion), then waits at the param server's
 rendezvous until every receiver checked in for that version, then broadcasts; `publish` then
 returns the very ref it announced, so the trainer's usual CommitVersion afterwards is a no-op
-re-commit (and a retried publish of the same version re-announces harmlessly). Without
+re-commit (and a retried publish of the same version re-announces harmlessly). `announce`
+returning False means no receiver will come (the run is stopping: the rollouts have left the
+version stream); the sender then skips the broadcast rather than wait out its deadline. Without
 `announce`, receivers must be told of the version some other way (tests, benchmarks). Every
 receiver of a group takes part in every version: one that skips a version stalls the sender
 until its deadline (then the group re-forms).
@@ -100,7 +102,7 @@ from ..layout import (
     round_up,
     unpack,
 )
-from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, plan_buckets, split_buckets
+from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, iterate, plan_buckets, split_buckets
 
 log = get_logger(__name__)
 
@@ -490,7 +492,7 @@ class CollectivePublisher(_CollectiveBase):
         master_address: str = "127.0.0.1",
         timeout_s: float = 300.0,
         max_attempts: int = 3,
-        announce: Callable[[common_pb2.WeightsRef], Awaitable[None]] | None = None,
+        announce: Callable[[common_pb2.WeightsRef], Awaitable[bool | None]] | None = None,
         member_id: str = "",
         corrupt_hook: Callable[[int, torch.Tensor], None] | None = None,
         wire_bucket_bytes: int = WIRE_BUCKET_BYTES,
@@ -550,8 +552,12 @@ class CollectivePublisher(_CollectiveBase):
         await self.settle()
         deadline = Deadline(self.timeout_s, f"{self.backend} broadcast of version {version} (group {self.group_name!r})")
         announced = common_pb2.WeightsRef(policy_version=version, param_server_address=self.address)
-        if self.announce is not None:
-            await self.announce(announced)
+        if self.announce is not None and await self.announce(announced) is False:
+            async for _ in iterate(buckets):  # the export runs to its end on every rank
+                pass
+            log.warning("broadcast_skipped", transport=self.backend, policy_version=version,
+                        reason="the run is stopping: no rollout will load this version")
+            return announced
         steady = self._steady_group()
         group: asyncio.Future[_Group]
         if steady is not None:
