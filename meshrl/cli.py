@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="SFT learning rate (default: the example's)")
     p.add_argument("--batch-size", type=int, default=None, help="SFT batch size (default: the example's)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear learning-rate warm-up steps")
-    p.add_argument("--stop-loss", type=float, default=None, help="stop once the mean loss of the last 50 steps is below this")
+    p.add_argument("--stop-loss", type=float, default=None, help="stop once the mean loss of the last 50 steps is below this (default 0.45)")
     p.add_argument("--device", default="cpu", help="device to train on (cpu, cuda); not part of the cache key")
 
     p = sub.add_parser("plan", help="print the derived run quantities and resource layout; starts nothing")
@@ -249,8 +249,8 @@ def _pretrain(args: argparse.Namespace) -> int:
     from meshrl.pretrain import PretrainSpec, ensure_pretrained
 
     spec = PretrainSpec(task=args.task, digits=args.digits, length_tail_alpha=args.length_tail_alpha,
-                        max_digits=args.max_digits, warmup_steps=args.warmup_steps, stop_loss=args.stop_loss)
-    for name in ("steps", "arch", "lr", "batch_size"):
+                        max_digits=args.max_digits, warmup_steps=args.warmup_steps)
+    for name in ("steps", "arch", "lr", "batch_size", "stop_loss"):
         if getattr(args, name) is not None:
             spec = replace(spec, **{name: getattr(args, name)})
     print(ensure_pretrained(spec, device=args.device))
