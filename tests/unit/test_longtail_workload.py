@@ -66,17 +66,19 @@ def test_config_fields_reach_the_dataset_and_bad_values_name_the_field() -> None
         synthetic_records("addition", 3, digits=2, seed=0, split="train", length_tail_alpha=1.5)
 
 
-def test_pretrain_key_of_the_example_is_stable_and_the_tail_gets_its_own() -> None:
+def test_pretrain_key_names_the_warm_start_and_the_tail_gets_its_own() -> None:
     base = PretrainSpec()
-    # The key the built-in example's cache has always had (fields added later are left out while unset).
-    assert base.key() == PretrainSpec(length_tail_alpha=None, max_digits=None, warmup_steps=None, stop_loss=None).key()
+    # The example trains to a loss now: a checkpoint cached by the old fixed 500 steps is not reused.
+    old500 = PretrainSpec(steps=500, stop_loss=None)
+    assert base.key() != old500.key() and base.stop_loss is not None
     import hashlib
     import json
     from dataclasses import asdict
 
+    # Fields added later are left out while unset, so checkpoints made before them keep their names.
     later = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss")
-    old = {k: v for k, v in asdict(base).items() if k not in later}
-    assert base.key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
+    old = {k: v for k, v in asdict(old500).items() if k not in later}
+    assert old500.key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
     tail = PretrainSpec(task="copy", digits=4, length_tail_alpha=1.5, max_digits=64)
     assert tail.key() != PretrainSpec(task="copy", digits=4).key()
     assert "copy4tail" in checkpoint_path(tail).name
