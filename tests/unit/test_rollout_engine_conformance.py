@@ -264,7 +264,14 @@ def test_partial_rollout_through_the_worker(engine: Any, model: Any, tok: Any, l
         ))
         worker.start()
         await wait_for(lambda: worker.groups_in_flight == 1, what="group in flight")
-        await asyncio.sleep(0.3)
+        # Push the update once the samples are being decoded (a fixed sleep was longer than a
+        # whole 150-token sample of vLLM on a fast CPU: nothing spanned the update).
+        def decoding() -> bool:
+            live = [r for g in worker._groups.values() for r in g.live]
+            return bool(live) and all(engine.request_started(r) for r in live)
+
+        await wait_for(decoding, what="decoding under way")
+        await asyncio.sleep(0.02)
         coord.push_version(ref)
         await wait_for(lambda: len(coord.submitted) == 1, timeout_s=180, what="the group")
         await worker.stop()
