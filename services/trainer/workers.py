@@ -16,6 +16,7 @@ rank's device, and the weights do not cross to the trainer's Serve replica at al
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import os
@@ -165,9 +166,8 @@ class TrainWorker:
         """Every rank exports (the all-gathers); rank 0 hands the buckets to its sender. Returns
         once the export is done: the broadcast goes on while later calls run."""
         buckets = self._engine().export_weights(bucket_bytes)
-        if self.sender is None:
-            for _ in buckets:
-                pass
+        if self.sender is None:  # the all-gathers only: run the export to its end, keep nothing
+            collections.deque(buckets, maxlen=0)
             return
         self.sender.publish(version, buckets)
 

@@ -90,6 +90,15 @@ async def iterate(buckets: Buckets) -> AsyncIterator[Bucket]:
             yield bucket
 
 
+async def drain(buckets: Buckets) -> int:
+    """Read buckets to the end without keeping them (an export every rank must finish even when
+    nothing is sent); returns how many there were."""
+    count = 0
+    async for _ in iterate(buckets):
+        count += 1
+    return count
+
+
 async def split_buckets(buckets: Buckets, max_bytes: int) -> AsyncIterator[Bucket]:
     """Each bucket as runs of its tensors (in order) of at most `max_bytes`, a larger tensor alone:
     a transport's own unit on the wire, whatever size the trainer gathers buckets in."""

@@ -102,7 +102,7 @@ from ..layout import (
     round_up,
     unpack,
 )
-from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, iterate, plan_buckets, split_buckets
+from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, drain, plan_buckets, split_buckets
 
 log = get_logger(__name__)
 
@@ -553,9 +553,8 @@ class CollectivePublisher(_CollectiveBase):
         deadline = Deadline(self.timeout_s, f"{self.backend} broadcast of version {version} (group {self.group_name!r})")
         announced = common_pb2.WeightsRef(policy_version=version, param_server_address=self.address)
         if self.announce is not None and await self.announce(announced) is False:
-            async for _ in iterate(buckets):  # the export runs to its end on every rank
-                pass
-            log.warning("broadcast_skipped", transport=self.backend, policy_version=version,
+            drained = await drain(buckets)  # the export runs to its end on every rank
+            log.warning("broadcast_skipped", transport=self.backend, policy_version=version, buckets=drained,
                         reason="the run is stopping: no rollout will load this version")
             return announced
         steady = self._steady_group()
