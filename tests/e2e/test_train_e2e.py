@@ -147,15 +147,22 @@ def test_sync_mode_is_on_policy(tmp_path: Path, mode: str) -> None:
     assert summary["audit"]["balanced"]
 
 
-def test_weights_broadcast_over_the_collective_transport(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: int) -> None:
     """The trainer broadcasts every version to the rollout over the collective transport (gloo:
     the CPU twin of nccl/hccl), announced through the coordinator, the group steady after the
-    first version: each version is loaded, the books balance, no check-in fails."""
+    first version: each version is loaded, the books balance, no check-in fails. With two ranks
+    (FSDP shards every parameter over both) rank 0 sends and rank 1 only takes part in the
+    export's all-gathers: if it did not, rank 0's export would wait for it and the run would hang
+    (checked: with rank 1's export skipped, `meshrl train` was still running after 150 s)."""
     run_dir = tmp_path / "run"
     steps = 10
+    layout = [f"trainer.n_gpus_per_node={ranks}", "trainer_service.worker_num_cpus=0.5"] if ranks > 1 else []
     summary = _train(run_dir, f"rollout.total_rollout_steps={32 * steps}", "trainer.test_freq=-1",
-                     "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo", "param_server.collective_receivers=1")
-    assert "backend: gloo" in (run_dir / "config.resolved.yaml").read_text()
+                     "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo", "param_server.collective_receivers=1",
+                     *layout, timeout_s=400)  # ~40 s; a rank left out of the export hangs it
+    resolved = (run_dir / "config.resolved.yaml").read_text()
+    assert "backend: gloo" in resolved and f"n_gpus_per_node: {ranks}" in resolved
     assert summary["steps"] == steps and summary["audit"]["balanced"], summary
     assert summary["audit"]["lost"] == 0 and summary["audit"]["duplicated"] == 0, summary
     assert summary["max_staleness_seen"] <= 1, summary
