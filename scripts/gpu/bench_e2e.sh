@@ -19,7 +19,7 @@
 #      per case from nvidia-smi sampled every second), a summary on stdout; every log, per-case
 #      JSON and run directory (metrics, logs; no checkpoints) in $OUT/results.tgz
 # Knobs (env): MESHRL_E2E_DEVICE (cuda|cpu: cpu is the local smoke form), MESHRL_E2E_ARCH,
-# MESHRL_E2E_SFT_STEPS, MESHRL_E2E_SFT_ARGS, MESHRL_E2E_MAX_TRAIN_S, MESHRL_E2E_PLAIN_S (0: skip),
+# MESHRL_E2E_SFT_STEPS, MESHRL_E2E_SFT_ARGS, MESHRL_E2E_MAX_TRAIN_S, MESHRL_E2E_CASE_EXTRA_S, MESHRL_E2E_PLAIN_S (0: skip),
 # MESHRL_E2E_MODES, MESHRL_E2E_OVERRIDES (extra dotted overrides, space separated), MESHRL_E2E_TARGET(S).
 # A MODES entry MODE@NAME runs MODE with the overrides in MESHRL_E2E_VARIANT_NAME added, as case
 # MODE[NAME], e.g. MESHRL_E2E_MODES="fully_async fully_async@nccl"
@@ -39,6 +39,9 @@ SFT_STEPS=${MESHRL_E2E_SFT_STEPS:-1500}
 SFT_ARGS=${MESHRL_E2E_SFT_ARGS:---digits 4 --length-tail-alpha 1.5 --max-digits 64 --batch-size 128 --lr 1e-3 --warmup-steps 100 --stop-loss 0.05}
 MAX_TRAIN_S=${MESHRL_E2E_MAX_TRAIN_S:-110}
 PLAIN_S=${MESHRL_E2E_PLAIN_S:-60}
+# seconds a case may take beyond MAX_TRAIN_S (start-up, stop, Ray shutdown): ~100 s of start-up with
+# four GPUs (two rollout replicas, two ranks, an nccl group), so 110 cut those cases off at exit
+CASE_EXTRA_S=${MESHRL_E2E_CASE_EXTRA_S:-110}
 MODES=${MESHRL_E2E_MODES-fully_async sync}
 TARGET=${MESHRL_E2E_TARGET:-0.9}
 TARGETS=${MESHRL_E2E_TARGETS:-0.6,0.7,0.75,0.8,0.85,0.88,0.92,0.94,0.96,0.97}
@@ -155,7 +158,7 @@ for entry in $MODES; do
     EXTRA=(${!variant:-})
     label=(--label "${entry#*@}")
   fi
-  bench "${entry/@/_}" $((MAX_TRAIN_S + 110)) --modes "$mode" --no-baseline --max-train-s "$MAX_TRAIN_S" "${label[@]}"
+  bench "${entry/@/_}" $((MAX_TRAIN_S + CASE_EXTRA_S)) --modes "$mode" --no-baseline --max-train-s "$MAX_TRAIN_S" "${label[@]}"
 done
 EXTRA=()
 if [ "$PLAIN_S" -gt 0 ]; then

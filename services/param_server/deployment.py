@@ -23,6 +23,7 @@ from services.common.config import MeshConfig
 from services.common.errors import FailedPrecondition
 from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
+from services.common.priority import set_niceness
 from services.common.serve_util import grpc_shim, log_init_errors
 
 from . import convert
@@ -43,6 +44,7 @@ class ParamServerDeployment:
     async def __init__(self, config: dict[str, Any], run_dir: str | None = None, run_id: str = "") -> None:  # type: ignore[misc]
         cfg = MeshConfig.model_validate(config)
         configure_logging("param_server", json=True, run_id=run_id or None)
+        set_niceness(cfg.serve.param_server.nice, key="serve.param_server.nice")
         self.server = ParamServerServer(cfg, run_dir)
         await self.server.start()
         self._servicer = self.server.servicer

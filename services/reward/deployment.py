@@ -33,6 +33,7 @@ from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.errors import MeshError
 from services.common.logging import configure_logging, get_logger
+from services.common.priority import set_niceness
 from services.common.serve_util import SERVICER_FUNCTIONS, grpc_shim, log_init_errors
 
 from .factory import build_pipeline
@@ -87,6 +88,7 @@ class RewardDeployment:
         ctx = serve.get_replica_context()
         replica = getattr(getattr(ctx, "replica_id", None), "unique_id", None)
         configure_logging("reward", json=True, replica=replica)
+        set_niceness(cfg.serve.reward.nice, key="serve.reward.nice")
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
         self._servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request, score_fn=self._score)

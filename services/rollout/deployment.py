@@ -25,6 +25,7 @@ from meshrl.v1 import reward_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
+from services.common.priority import set_niceness
 from services.common.serve_util import log_init_errors
 
 from . import factory
@@ -66,6 +67,7 @@ class RolloutDeployment:
         ctx = serve.get_replica_context()
         replica_id = f"rollout-{ctx.replica_id.unique_id}"
         configure_logging("rollout", replica=replica_id)
+        set_niceness(self.cfg.serve.rollout.nice, key="serve.rollout.nice")
         engine, tok = factory.build_engine(self.cfg)
         self.engine = engine
         w = self.cfg.rollout_worker

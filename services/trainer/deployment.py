@@ -22,6 +22,7 @@ from meshrl.v1 import trainer_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
+from services.common.priority import set_niceness
 from services.common.serve_util import grpc_shim, log_init_errors
 
 from .factory import TrainerParts, build_trainer
@@ -43,6 +44,7 @@ class TrainerDeployment:
     ) -> None:
         cfg = MeshConfig.model_validate(config)
         configure_logging("trainer", json=True, trainer_id=cfg.trainer_service.trainer_id)
+        set_niceness(cfg.serve.trainer.nice, key="serve.trainer.nice")
         extras = extras or {}
         self.parts: TrainerParts = await build_trainer(
             cfg, run_dir, algorithm=extras.get("algorithm"), publisher=extras.get("publisher"),

@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from meshrl.v1 import common_pb2
 from services.common.device import ray_resource
 from services.common.logging import configure_logging, get_logger
+from services.common.priority import set_niceness
 
 from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult, TrainEngine, get_engine_cls
 from .engines.batching import micro_batches_for
@@ -122,12 +123,15 @@ class TrainWorker:
             port = int(s.getsockname()[1])
         return ray.util.get_node_ip_address(), port
 
-    def init_engine(self, spec: EngineSpec, backend: str, master_addr: str, master_port: int) -> dict[str, int]:
+    def init_engine(
+        self, spec: EngineSpec, backend: str, master_addr: str, master_port: int, nice: int | None = None
+    ) -> dict[str, int]:
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )
         configure_logging("trainer", rank=self.rank)
+        set_niceness(nice, key="trainer_service.worker_nice")
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.spec = spec
         self.engine = get_engine_cls(backend, spec.device).build(spec)
@@ -213,7 +217,8 @@ class RayTrainGroup:
 
     @classmethod
     async def create(
-        cls, spec: EngineSpec, world_size: int, *, backend: str, num_cpus: float = 1.0, timeout_s: float = 600.0
+        cls, spec: EngineSpec, world_size: int, *, backend: str, num_cpus: float = 1.0, timeout_s: float = 600.0,
+        nice: int | None = None,
     ) -> RayTrainGroup:
         resource = ray_resource(spec.device)
         bundle: dict[str, float] = {"CPU": num_cpus} if num_cpus > 0 else {}
@@ -237,7 +242,7 @@ class RayTrainGroup:
         try:
             addr, port = await workers[0].address.remote()
             layout = await asyncio.wait_for(
-                asyncio.gather(*[w.init_engine.remote(spec, backend, addr, port) for w in workers]), timeout=timeout_s
+                asyncio.gather(*[w.init_engine.remote(spec, backend, addr, port, nice) for w in workers]), timeout=timeout_s
             )
             step = await workers[0].step.remote()
         except BaseException:

@@ -41,6 +41,11 @@ class AppDeployConfig(ConfigModel):
     """Concurrent requests per replica (streams count)."""
     runtime_env: dict[str, Any] = {}
     """Ray runtime_env for the replica."""
+    nice: int | None = Field(default=None, ge=-20, le=19)
+    """CPU niceness of the replica's process, all its threads (Ray starts workers at 15); null:
+    leave it. On a host whose cores the trainer's ranks share, 19 lets the ranks go first
+    (services/common/priority.py). Lowering it needs root or CAP_SYS_NICE; without, the replica
+    keeps Ray's and logs `niceness_not_permitted`."""
 
     def ray_actor_options(self) -> dict[str, Any]:
         """Serve's `ray_actor_options` for one replica of this app (unset parts left out)."""

@@ -1,0 +1,93 @@
+"""services/common/priority.py: a process's niceness, every thread of it. Each case runs in a
+child process, so that this test process keeps its own priority."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from services.common.config.loader import load_config
+from services.common.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux procfs")
+
+PRELUDE = """
+import json, os, threading
+from services.common.priority import set_niceness
+
+def niceness_of_threads():
+    return sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
+
+started = threading.Event(); release = threading.Event()
+def park():
+    started.set(); release.wait()
+helper = threading.Thread(target=park); helper.start(); started.wait()  # a thread that exists before
+base = os.getpriority(os.PRIO_PROCESS, 0)
+"""
+
+
+def _child(body: str) -> dict:
+    code = PRELUDE + textwrap.dedent(body) + "\nrelease.set(); helper.join()\n"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_raising_niceness_covers_every_thread_and_threads_started_later() -> None:
+    got = _child("""
+        target = min(19, base + 3)
+        kept = set_niceness(target, key="serve.rollout.nice")
+        seen = []
+        later = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0))); later.start(); later.join()
+        print(json.dumps({"target": target, "kept": kept, "threads": niceness_of_threads(), "later": seen[0]}))
+    """)
+    assert got["kept"] == got["target"]
+    assert got["threads"] == [got["target"]]  # the thread that existed before as well
+    assert got["later"] == got["target"]
+
+
+def test_a_lowering_that_is_not_permitted_keeps_the_niceness_and_names_the_key() -> None:
+    got = _child("""
+        real = os.setpriority
+        def guarded(which, who, value):  # what an unprivileged user gets for a lowering
+            if value < os.getpriority(which, who):
+                raise PermissionError(1, "Operation not permitted")
+            real(which, who, value)
+        os.setpriority = guarded
+        raised = min(19, base + 2)
+        set_niceness(raised, key="serve.rollout.nice")
+        kept = set_niceness(raised - 2, key="trainer_service.worker_nice")
+        print(json.dumps({"raised": raised, "kept": kept, "threads": niceness_of_threads()}))
+    """)
+    assert got["kept"] == got["raised"] and got["threads"] == [got["raised"]]
+
+
+def test_the_warning_names_the_key_and_the_fix(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.common import priority
+
+    def refuse(which: int, who: int, value: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(priority.os, "setpriority", refuse)
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    assert priority.set_niceness(0, key="trainer_service.worker_nice") == before
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "niceness_not_permitted" in text and "trainer_service.worker_nice" in text and "CAP_SYS_NICE" in text
+    assert priority.set_niceness(None, key="serve.reward.nice") is None
+
+
+def test_niceness_out_of_range_is_a_config_error_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"serve\.rollout\.nice"):
+        load_config(None, ["serve.rollout.nice=25"])
+    with pytest.raises(ConfigError, match=r"trainer_service\.worker_nice"):
+        load_config(None, ["trainer_service.worker_nice=-21"])
