@@ -40,12 +40,7 @@ def set_niceness(target: int | None, *, key: str) -> int | None:
             os.setpriority(os.PRIO_PROCESS, tid, target)
         except ProcessLookupError:  # the thread ended meanwhile
             continue
-        except PermissionError:
-            for done in _threads():  # undo what was set, so that all threads agree again
-                try:
-                    os.setpriority(os.PRIO_PROCESS, done, before)
-                except (ProcessLookupError, PermissionError):
-                    continue
+        except PermissionError:  # a lowering without privilege: refused for every thread alike
             log.warning(
                 "niceness_not_permitted", key=key, niceness=target, kept=before,
                 fix=f"lowering niceness needs root, CAP_SYS_NICE or `ulimit -e {20 - target}` (RLIMIT_NICE); "
