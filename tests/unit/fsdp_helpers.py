@@ -147,7 +147,10 @@ def _rank_main(rank: int, world: int, port: int, scenarios: dict[str, dict[str, 
             kw = dict(kw)
             steps = kw.pop("steps", 1)
             batch = fixed_batch(num_seqs=kw.pop("num_seqs", 4))
+            load = kw.pop("load", None)
             engine = build(make_spec(**kw))
+            if load is not None:
+                engine.load_checkpoint(Path(load))
             results[name] = run_scenario(engine, batch, steps)
             engine.close()
     except Exception:
@@ -156,7 +159,8 @@ def _rank_main(rank: int, world: int, port: int, scenarios: dict[str, dict[str, 
 
 
 def run_ranks(world: int, scenarios: dict[str, dict[str, Any]], out_dir: Path) -> list[dict[str, Any]]:
-    """Run `scenarios` (name -> make_spec kwargs, plus `steps` and `num_seqs`) on `world` ranks
+    """Run `scenarios` (name -> make_spec kwargs, plus `steps`, `num_seqs` and `load`: a
+    checkpoint to resume from) on `world` ranks
     (gloo on CPU; one CUDA device per rank, nccl, when the scenarios say device="cuda")."""
     import torch.multiprocessing as mp
 

@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 import torch
 
-from tests.unit.fsdp_helpers import GRAD_PROBE_OPTIM, build, fixed_batch, make_spec, run_ranks, run_scenario
+from services.trainer.engines.batching import micro_batches_for
+from tests.unit.fsdp_helpers import (
+    GRAD_PROBE_OPTIM,
+    build,
+    fixed_batch,
+    make_spec,
+    nll_loss,
+    run_ranks,
+    run_scenario,
+)
 
 PROBE = {"optim": GRAD_PROBE_OPTIM, "grad_clip": 1e9}
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -22,9 +31,26 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
+# a checkpoint written by one rank (a plain, unsharded module) resumed by two (sharded)
+RESUME = {"remove_padding": True, "optim": {"lr": 1e-3}}
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks(2, SCENARIOS, tmp_path_factory.mktemp("ranks"))
+def one_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    engine = build(make_spec(**RESUME))
+    assert not engine.sharded  # type: ignore[attr-defined]
+    for _ in range(2):  # AdamW moments and the step count are in the checkpoint
+        engine.train_step(micro_batches_for(engine.spec.actor, fixed_batch()), nll_loss)  # type: ignore[attr-defined]
+    path = tmp_path_factory.mktemp("ckpt") / "one_rank"
+    engine.save_checkpoint(path)
+    engine.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, one_rank_checkpoint: Path) -> list[dict[str, Any]]:
+    scenarios = {**SCENARIOS, "resume_dp2": {**RESUME, "load": str(one_rank_checkpoint)}}
+    return run_ranks(2, scenarios, tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +103,30 @@ def test_scenarios_do_split_the_work(two_ranks: list[dict[str, Any]], tmp_path: 
     uneven = two_ranks[0]["dp2_padded_uneven"]["index"], two_ranks[1]["dp2_padded_uneven"]["index"]
     assert sorted(len(u) for u in uneven) == [1, 2]  # one rank runs a zero-weight dummy micro-batch
     assert two_ranks[0]["sp2_packed"]["index"] == two_ranks[1]["sp2_packed"]["index"] == [0, 1, 2, 3]
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(two_ranks: list[dict[str, Any]], one_rank_checkpoint: Path) -> None:
+    """One rank trains unsharded; its checkpoint loads into two sharded ranks, which then give the
+    logprobs and the AdamW update that the one rank gives after resuming."""
+    engine = build(make_spec(**RESUME))
+    engine.load_checkpoint(one_rank_checkpoint)
+    ref = run_scenario(engine, fixed_batch())
+    engine.close()
+    fresh = build(make_spec(**RESUME))
+    untrained = run_scenario(fresh, fixed_batch())
+    fresh.close()
+    no_moments = build(make_spec(**RESUME))
+    no_moments.load_checkpoint(one_rank_checkpoint)
+    no_moments.optimizer.state.clear()  # type: ignore[attr-defined]
+    without = run_scenario(no_moments, fixed_batch())["delta"]
+    no_moments.close()
+    got = _joined(two_ranks, "resume_dp2", "logprobs", 1)
+    torch.testing.assert_close(got, ref["logprobs"], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(got, untrained["logprobs"], atol=1e-3), "the checkpoint's weights were not loaded"
+    for rank in two_ranks:
+        assert rank["resume_dp2"]["steps"][0]["grad_norm"] == pytest.approx(ref["steps"][0]["grad_norm"], rel=1e-4)
+    delta, want = two_ranks[0]["resume_dp2"]["delta"], ref["delta"]
+    for k in want:  # the update uses the restored AdamW moments...
+        torch.testing.assert_close(delta[k], want[k], atol=1e-6, rtol=1e-3, msg=f"update of {k}")
+    # ...which matter: without them the same step moves the weights differently
+    assert any(not torch.allclose(without[k], want[k], atol=1e-5) for k in want)
