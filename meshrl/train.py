@@ -149,6 +149,7 @@ class MeshRun:
         from ray import serve
         from ray.serve.schema import LoggingConfig
 
+        from services.common.priority import renice_ray_system
         from services.common.serve_util import init_ray, start_serve
         from services.coordinator.deployment import build_app as coordinator_app
         from services.param_server.deployment import build_app as param_server_app
@@ -165,6 +166,8 @@ class MeshRun:
                  log_to_driver=False)
         start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
                     else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
+        if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
+            renice_ray_system(self.cfg.serve.ray_nice, key="serve.ray_nice")
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
                 "session": uuid.uuid4().hex}

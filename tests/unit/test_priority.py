@@ -3,6 +3,7 @@ child process, so that this test process keeps its own priority."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -91,3 +92,53 @@ def test_niceness_out_of_range_is_a_config_error_naming_the_field() -> None:
         load_config(None, ["serve.rollout.nice=25"])
     with pytest.raises(ConfigError, match=r"trainer_service\.worker_nice"):
         load_config(None, ["trainer_service.worker_nice=-21"])
+
+
+def _niceness(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+SLEEPER = "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); time.sleep(60)\n"
+# argv[1] is the process title (part of its command line, which is what renice_ray_system reads)
+RAYLET = """import subprocess, sys, time
+kids = [subprocess.Popen([sys.executable, sys.argv[2], title]) for title in ("ray::ServeController", "ray::IDLE")]
+print(*(k.pid for k in kids), flush=True)
+time.sleep(60)
+"""
+DRIVER = """import subprocess, sys, time
+gcs = subprocess.Popen([sys.executable, sys.argv[1], "gcs_server"])
+raylet = subprocess.Popen([sys.executable, sys.argv[2], "raylet", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+print(gcs.pid, raylet.pid, raylet.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_ray_system_processes_below_the_driver_are_reniced_and_workers_are_not(tmp_path: Path) -> None:
+    """A process tree like a local Ray's: a `gcs_server` child, a `raylet` with a
+    `ray::ServeController` and a worker (`ray::IDLE`) below it. serve.ray_nice moves the daemon and
+    the controller, every thread of them, and leaves the raylet and the worker alone."""
+    from services.common.priority import _descendants, renice_ray_system
+
+    for name, text in (("sleeper.py", SLEEPER), ("raylet.py", RAYLET), ("driver.py", DRIVER)):
+        (tmp_path / name).write_text(text)
+    driver = subprocess.Popen(
+        [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "sleeper.py"), str(tmp_path / "raylet.py")],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert driver.stdout is not None
+        gcs, raylet, controller, worker = (int(x) for x in driver.stdout.readline().split())
+        base = _niceness(worker)
+        target = min(19, base + 4)
+        changed = renice_ray_system(target, key="serve.ray_nice", root=driver.pid)
+        assert sorted(changed) == ["gcs_server", "ray::ServeController"]
+        for pid in (gcs, controller):
+            assert {_niceness(int(t)) for t in os.listdir(f"/proc/{pid}/task")} == {target}, pid
+        assert _niceness(raylet) == base and _niceness(worker) == base
+        assert renice_ray_system(None, key="serve.ray_nice", root=driver.pid) == []
+    finally:
+        for pid in _descendants(driver.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        driver.kill()
+        driver.wait()

@@ -74,6 +74,11 @@ class ServeConfig(ConfigModel):
     """Ray cluster address; null: start a local Ray."""
     num_cpus: int | None = None
     """CPUs given to a local Ray; null: all."""
+    ray_nice: int | None = Field(default=None, ge=-20, le=19)
+    """CPU niceness of a local Ray's own processes (GCS, dashboard, monitors, agents; Ray starts
+    them at 0) and of Serve's controller and proxy (15), set once Serve is up; not the raylet,
+    whose workers would inherit it. Null: leave them. For a laptop whose cores the ranks share
+    (services/common/priority.py); ignored when joining a cluster (`ray_address`)."""
     coordinator: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
     """The coordinator (always one replica)."""
     rollout: AppDeployConfig = AppDeployConfig()
