@@ -39,6 +39,16 @@ def _threads(pid: int | str = "self") -> list[int]:
         return [0] if pid == "self" else []
 
 
+def _renice(pid: int | str, target: int) -> None:
+    """Every thread of process `pid` to niceness `target`. Raises PermissionError for a lowering
+    without privilege, which is refused for the first thread alike, before any is changed."""
+    for tid in _threads(pid):
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+
+
 def _descendants(root: int) -> list[int]:
     """Every process below `root` (from /proc/*/stat; empty without procfs)."""
     children: dict[int, list[int]] = {}
@@ -82,11 +92,7 @@ def renice_ray_system(target: int | None, *, key: str, root: int | None = None) 
         if name is None:
             continue
         try:
-            for tid in _threads(pid):
-                try:
-                    os.setpriority(os.PRIO_PROCESS, tid, target)
-                except ProcessLookupError:  # the thread ended meanwhile
-                    continue
+            _renice(pid, target)
         except PermissionError:
             log.warning(
                 "niceness_not_permitted", key=key, niceness=target, process=name,
@@ -105,17 +111,14 @@ def set_niceness(target: int | None, *, key: str) -> int | None:
     if target is None:
         return None
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    for tid in _threads():
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, target)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-        except PermissionError:  # a lowering without privilege: refused for every thread alike
-            log.warning(
-                "niceness_not_permitted", key=key, niceness=target, kept=before,
-                fix=f"lowering niceness needs root, CAP_SYS_NICE or `ulimit -e {20 - target}` (RLIMIT_NICE); "
-                f"or set {key} to {before} or higher, or null",
-            )
-            return before
+    try:
+        _renice("self", target)
+    except PermissionError:
+        log.warning(
+            "niceness_not_permitted", key=key, niceness=target, kept=before,
+            fix=f"lowering niceness needs root, CAP_SYS_NICE or `ulimit -e {20 - target}` (RLIMIT_NICE); "
+            f"or set {key} to {before} or higher, or null",
+        )
+        return before
     log.info("niceness_set", key=key, niceness=target, was=before)
     return target
