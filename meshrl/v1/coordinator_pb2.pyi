@@ -37,6 +37,8 @@ class _LeaseLimitEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LeaseLimit
     """Every prompt of the run has been issued."""
     LEASE_LIMIT_STOPPING: _LeaseLimit.ValueType  # 5
     """The run is stopping."""
+    LEASE_LIMIT_MESSAGE_SIZE: _LeaseLimit.ValueType  # 6
+    """The reply reached the message size limit; ask again for more."""
 
 class LeaseLimit(_LeaseLimit, metaclass=_LeaseLimitEnumTypeWrapper):
     """Why fewer leases than asked for were granted."""
@@ -52,6 +54,8 @@ LEASE_LIMIT_EXHAUSTED: LeaseLimit.ValueType  # 4
 """Every prompt of the run has been issued."""
 LEASE_LIMIT_STOPPING: LeaseLimit.ValueType  # 5
 """The run is stopping."""
+LEASE_LIMIT_MESSAGE_SIZE: LeaseLimit.ValueType  # 6
+"""The reply reached the message size limit; ask again for more."""
 Global___LeaseLimit: _TypeAlias = LeaseLimit  # noqa: Y015
 
 class _SubmitStatus:
@@ -90,20 +94,29 @@ class LeasePromptsRequest(_message.Message):
 
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     MAX_GROUPS_FIELD_NUMBER: _builtins.int
+    MAX_REPLY_BYTES_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     max_groups: _builtins.int
     """Upper bound on leases granted by this call (1..1024)."""
+    max_reply_bytes: _builtins.int
+    """The largest reply the caller can receive (its channel's receive limit). Leases stop before the
+    reply would be larger than this or the server's own limit (limit LEASE_LIMIT_MESSAGE_SIZE);
+    the rest is granted by the next call. Unset: the server's limit.
+    """
     def __init__(
         self,
         *,
         replica_id: _builtins.str = ...,
         max_groups: _builtins.int = ...,
+        max_reply_bytes: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_reply_bytes", b"_max_reply_bytes", "max_reply_bytes", b"max_reply_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_groups", b"max_groups", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_reply_bytes", b"_max_reply_bytes", "max_groups", b"max_groups", "max_reply_bytes", b"max_reply_bytes", "replica_id", b"replica_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_reply_bytes: _TypeAlias = _typing.Literal["max_reply_bytes"]  # noqa: Y015
+    _WhichOneofArgType__max_reply_bytes: _TypeAlias = _typing.Literal["_max_reply_bytes", b"_max_reply_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_reply_bytes) -> _WhichOneofReturnType__max_reply_bytes | None: ...
 
 Global___LeasePromptsRequest: _TypeAlias = LeasePromptsRequest  # noqa: Y015
 
@@ -327,9 +340,12 @@ class FetchBatchRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     FILTERED_LEASE_IDS_FIELD_NUMBER: _builtins.int
     TRAIN_VERSION_FIELD_NUMBER: _builtins.int
+    MAX_REPLY_BYTES_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     step: _builtins.int
-    """Trainer local step the groups are for (monotonic; several calls may share one step)."""
+    """Trainer local step the groups are for (monotonic; several calls may share one step);
+    at most 2^63 - 1.
+    """
     num_groups: _builtins.int
     """Groups wanted (1..65536)."""
     timeout_ms: _builtins.int
@@ -339,6 +355,12 @@ class FetchBatchRequest(_message.Message):
     when the trainer fetches ahead while it trains and publishes (then the groups count against
     the staleness budget until that version is committed, as if still queued). Staleness and
     max_staleness_versions are measured against it. Unset: the current version.
+    """
+    max_reply_bytes: _builtins.int
+    """The largest reply the caller can receive (its channel's receive limit). Groups stop before the
+    reply would be larger than this or the server's own limit; the rest stays queued, in order,
+    for the next call. A single group larger than the limit fails the call with
+    RESOURCE_EXHAUSTED before anything is delivered. Unset: the server's limit.
     """
     @_builtins.property
     def filtered_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -353,13 +375,19 @@ class FetchBatchRequest(_message.Message):
         timeout_ms: _builtins.int = ...,
         filtered_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
         train_version: _builtins.int | None = ...,
+        max_reply_bytes: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_train_version", b"_train_version", "train_version", b"train_version"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_reply_bytes", b"_max_reply_bytes", "_train_version", b"_train_version", "max_reply_bytes", b"max_reply_bytes", "train_version", b"train_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_train_version", b"_train_version", "filtered_lease_ids", b"filtered_lease_ids", "num_groups", b"num_groups", "step", b"step", "timeout_ms", b"timeout_ms", "train_version", b"train_version", "trainer_id", b"trainer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_reply_bytes", b"_max_reply_bytes", "_train_version", b"_train_version", "filtered_lease_ids", b"filtered_lease_ids", "max_reply_bytes", b"max_reply_bytes", "num_groups", b"num_groups", "step", b"step", "timeout_ms", b"timeout_ms", "train_version", b"train_version", "trainer_id", b"trainer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_reply_bytes: _TypeAlias = _typing.Literal["max_reply_bytes"]  # noqa: Y015
+    _WhichOneofArgType__max_reply_bytes: _TypeAlias = _typing.Literal["_max_reply_bytes", b"_max_reply_bytes"]  # noqa: Y015
     _WhichOneofReturnType__train_version: _TypeAlias = _typing.Literal["train_version"]  # noqa: Y015
     _WhichOneofArgType__train_version: _TypeAlias = _typing.Literal["_train_version", b"_train_version"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_reply_bytes) -> _WhichOneofReturnType__max_reply_bytes | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__train_version) -> _WhichOneofReturnType__train_version | None: ...
 
 Global___FetchBatchRequest: _TypeAlias = FetchBatchRequest  # noqa: Y015
@@ -522,9 +550,11 @@ class ReportCheckpointRequest(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     step: _builtins.int
+    """A step the trainer fetched groups for (<= its FetchBatch step), >= the last reported one."""
     policy_version: _builtins.int
+    """A committed version (0..current)."""
     path: _builtins.str
-    """Where the checkpoint lives (a directory path or URI)."""
+    """Where the checkpoint lives (a directory path or URI; at most 4096 characters)."""
     def __init__(
         self,
         *,
@@ -833,7 +863,7 @@ class SetStalenessRequest(_message.Message):
 
     STALENESS_THRESHOLD_FIELD_NUMBER: _builtins.int
     staleness_threshold: _builtins.float
-    """New async_training.staleness_threshold, >= 0."""
+    """New async_training.staleness_threshold: finite, in [0, 1000]."""
     def __init__(
         self,
         *,

@@ -249,6 +249,16 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {p}: {exc}; set actor_rollout_ref.model.path to a HF checkpoint directory") from None
 
 
+def vocab_size_of(path: str | Path | None) -> int | None:
+    """The vocabulary size in a local checkpoint's config.json (None when there is none): every
+    token id the policy samples is below it."""
+    if path is None or not Path(path, "config.json").is_file():
+        return None
+    cfg = read_hf_config(path)
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if vocab else None
+
+
 def load_arch(name_or_path: str) -> ModelArch:
     """A local checkpoint directory (config.json) or a name from `KNOWN_CONFIGS`."""
     if Path(name_or_path, "config.json").is_file():

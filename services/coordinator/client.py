@@ -30,6 +30,7 @@ class CoordinatorClient:
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
         roots = open(ca_file, "rb").read() if ca_file else None
         self._channel = create_channel(address, max_message_bytes=max_message_bytes, tls=tls or roots is not None,
                                        root_certificates=roots)
@@ -57,7 +58,9 @@ class CoordinatorClient:
     # ---- rollout side ----------------------------------------------------------------------
 
     async def lease(self, replica_id: str, max_groups: int) -> coordinator_pb2.LeasePromptsResponse:
-        req = coordinator_pb2.LeasePromptsRequest(replica_id=replica_id, max_groups=max_groups)
+        req = coordinator_pb2.LeasePromptsRequest(
+            replica_id=replica_id, max_groups=max_groups, max_reply_bytes=self.max_message_bytes
+        )
         return await self.stub.LeasePrompts(req, **self._kw())
 
     async def renew(self, replica_id: str, lease_ids: Sequence[str]) -> coordinator_pb2.RenewLeasesResponse:
@@ -94,6 +97,7 @@ class CoordinatorClient:
         req = coordinator_pb2.FetchBatchRequest(
             trainer_id=trainer_id, step=step, num_groups=num_groups, timeout_ms=timeout_ms,
             filtered_lease_ids=list(filtered_lease_ids), train_version=train_version,
+            max_reply_bytes=self.max_message_bytes,
         )
         return await self.stub.FetchBatch(req, **self._kw(timeout_s=self.timeout_s + timeout_ms / 1000.0))
 

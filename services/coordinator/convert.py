@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 
 from meshrl.v1 import common_pb2, coordinator_pb2
 from services.common.data import PromptRecord
 from services.common.errors import InvalidArgument
 
-from .core import Batch, GroupIn, LeaseGrant, LeaseLimit, Status, SubmitStatus
+from .core import Batch, GrantedLease, GroupIn, LeaseGrant, LeaseLimit, Status, SubmitStatus
 
 _LIMIT = {
     LeaseLimit.NONE: coordinator_pb2.LEASE_LIMIT_NONE,
@@ -18,6 +19,7 @@ _LIMIT = {
     LeaseLimit.PAUSED: coordinator_pb2.LEASE_LIMIT_PAUSED,
     LeaseLimit.EXHAUSTED: coordinator_pb2.LEASE_LIMIT_EXHAUSTED,
     LeaseLimit.STOPPING: coordinator_pb2.LEASE_LIMIT_STOPPING,
+    LeaseLimit.MESSAGE_SIZE: coordinator_pb2.LEASE_LIMIT_MESSAGE_SIZE,
 }
 _SUBMIT = {
     SubmitStatus.ACCEPTED: coordinator_pb2.SUBMIT_STATUS_ACCEPTED,
@@ -26,6 +28,11 @@ _SUBMIT = {
 }
 
 MAX_ID_CHARS = 256
+MAX_PATH_CHARS = 4096
+MAX_ADDRESS_CHARS = 1024
+MAX_CHECKSUM_CHARS = 128
+LEASE_REPLY_OVERHEAD = 64
+"""Bytes of a LeasePromptsResponse besides its leases and sampling params."""
 
 
 def prompt_to_proto(seq: int, record: PromptRecord, out: common_pb2.Prompt) -> None:
@@ -39,6 +46,14 @@ def prompt_to_proto(seq: int, record: PromptRecord, out: common_pb2.Prompt) -> N
     out.ground_truth = record.ground_truth
     if record.extra_info:
         out.extra_info_json = json.dumps(record.extra_info, separators=(",", ":"))
+
+
+def lease_wire_bytes(lease: GrantedLease) -> int:
+    """Bytes one lease takes in a LeasePromptsResponse (its field tag and length included)."""
+    pl = coordinator_pb2.PromptLease(lease_id=lease.lease_id, deadline_unix_s=lease.deadline,
+                                     policy_version=lease.policy_version)
+    prompt_to_proto(lease.seq, lease.prompt, pl.prompt)
+    return pl.ByteSize() + 6
 
 
 def lease_response(grant: LeaseGrant, sampling: common_pb2.SamplingParams) -> coordinator_pb2.LeasePromptsResponse:
@@ -59,16 +74,68 @@ def require_id(value: str, field: str) -> str:
     return value
 
 
+def check_length(value: str, field: str, limit: int) -> str:
+    if len(value) > limit:
+        raise InvalidArgument(field, f"is {len(value)} characters long; the limit is {limit}")
+    return value
+
+
+def reply_limit(server_limit: int, request: coordinator_pb2.LeasePromptsRequest | coordinator_pb2.FetchBatchRequest) -> int:
+    """The largest reply to send: the server's message limit or the caller's, whichever is smaller."""
+    if request.HasField("max_reply_bytes"):
+        return min(server_limit, request.max_reply_bytes)
+    return server_limit
+
+
 def check_count(n: int, field: str, lo: int, hi: int) -> int:
     if not lo <= n <= hi:
         raise InvalidArgument(field, f"must be in [{lo}, {hi}], got {n}")
     return n
 
 
+def _check_token_ids(ids: Sequence[int], field: str, vocab_size: int | None) -> None:
+    if not ids:
+        return
+    lo, hi = min(ids), max(ids)
+    if lo < 0:
+        raise InvalidArgument(field, f"negative token id {lo} at index {list(ids).index(lo)}")
+    if vocab_size is not None and hi >= vocab_size:
+        raise InvalidArgument(
+            field, f"token id {hi} at index {list(ids).index(hi)} is outside the model's vocabulary (size {vocab_size})"
+        )
+
+
+def _check_logprobs(values: Sequence[float], field: str) -> None:
+    # One C-level pass: a sum of float32 values is finite exactly when every value is.
+    if values and not math.isfinite(sum(values)):
+        bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
+        raise InvalidArgument(field, f"non-finite logprob {values[bad]} at index {bad}")
+
+
+def _check_response(rw: str, r: common_pb2.Response, max_tokens: int, vocab_size: int | None) -> None:
+    """Raise InvalidArgument naming the first field of `r` that is wrong."""
+    n = len(r.token_ids)
+    if n > max_tokens:
+        raise InvalidArgument(f"{rw}.token_ids", f"{n} tokens exceed the limit of {max_tokens}")
+    if len(r.logprobs) != n:
+        raise InvalidArgument(f"{rw}.logprobs", f"has {len(r.logprobs)} entries for {n} tokens")
+    if len(r.versions) != n:
+        raise InvalidArgument(f"{rw}.versions", f"has {len(r.versions)} entries for {n} tokens")
+    if not math.isfinite(r.reward):
+        raise InvalidArgument(f"{rw}.reward", f"must be finite, got {r.reward}")
+    _check_token_ids(r.token_ids, f"{rw}.token_ids", vocab_size)
+    _check_logprobs(r.logprobs, f"{rw}.logprobs")
+    if n and min(r.versions) < 0:
+        raise InvalidArgument(f"{rw}.versions", f"negative policy version {min(r.versions)}")
+    raise AssertionError(f"{rw}: the fast check failed but no field is wrong")
+
+
 def groups_from_request(
-    req: coordinator_pb2.SubmitGroupsRequest, *, max_groups: int, max_tokens: int, expected_n: int | None = None
+    req: coordinator_pb2.SubmitGroupsRequest, *, max_groups: int, max_tokens: int, expected_n: int | None = None,
+    vocab_size: int | None = None,
 ) -> list[GroupIn]:
-    """Validate the shape of every submitted group and turn it into core input."""
+    """Validate every submitted group (shape, token ids within the vocabulary, finite logprobs,
+    consistent lengths and versions) and turn it into core input."""
     require_id(req.replica_id, "replica_id")
     check_count(len(req.groups), "groups", 1, max_groups)
     out: list[GroupIn] = []
@@ -77,6 +144,7 @@ def groups_from_request(
         require_id(g.lease_id, f"{where}.lease_id")
         if not g.HasField("prompt"):
             raise InvalidArgument(f"{where}.prompt", "missing (the leased prompt, at least prompt_seq)")
+        _check_token_ids(g.prompt_token_ids, f"{where}.prompt_token_ids", vocab_size)
         if not g.responses:
             raise InvalidArgument(f"{where}.responses", "empty; a group carries rollout.n responses")
         if expected_n is not None and len(g.responses) != expected_n:
@@ -85,20 +153,16 @@ def groups_from_request(
             )
         lo, hi = None, None
         for j, r in enumerate(g.responses):
-            rw = f"{where}.responses[{j}]"
+            # The common case in a few C-level passes; the field-by-field check (which names what is
+            # wrong) runs only for a response that fails it.
             n = len(r.token_ids)
-            if n > max_tokens:
-                raise InvalidArgument(f"{rw}.token_ids", f"{n} tokens exceed the limit of {max_tokens}")
-            if len(r.logprobs) != n:
-                raise InvalidArgument(f"{rw}.logprobs", f"has {len(r.logprobs)} entries for {n} tokens")
-            if len(r.versions) != n:
-                raise InvalidArgument(f"{rw}.versions", f"has {len(r.versions)} entries for {n} tokens")
-            if not math.isfinite(r.reward):
-                raise InvalidArgument(f"{rw}.reward", f"must be finite, got {r.reward}")
+            if n > max_tokens or len(r.logprobs) != n or len(r.versions) != n or not math.isfinite(r.reward):
+                _check_response(f"{where}.responses[{j}]", r, max_tokens, vocab_size)
             if n:
                 vmin, vmax = min(r.versions), max(r.versions)
-                if vmin < 0:
-                    raise InvalidArgument(f"{rw}.versions", f"negative policy version {vmin}")
+                if (vmin < 0 or min(r.token_ids) < 0 or (vocab_size is not None and max(r.token_ids) >= vocab_size)
+                        or not math.isfinite(sum(r.logprobs))):
+                    _check_response(f"{where}.responses[{j}]", r, max_tokens, vocab_size)
                 lo = vmin if lo is None else min(lo, vmin)
                 hi = vmax if hi is None else max(hi, vmax)
         if lo is None or hi is None:
@@ -132,6 +196,11 @@ def batch_response(batch: Batch) -> coordinator_pb2.FetchBatchResponse:
 
 
 def weights_to_dict(ref: common_pb2.WeightsRef) -> dict[str, object]:
+    """The WeightsRef of CommitVersion, checked: it is stored and streamed to every rollout."""
+    check_length(ref.param_server_address, "weights.param_server_address", MAX_ADDRESS_CHARS)
+    check_length(ref.manifest_checksum, "weights.manifest_checksum", MAX_CHECKSUM_CHARS)
+    if ref.total_bytes >= 1 << 63:
+        raise InvalidArgument("weights.total_bytes", f"must be below 2^63, got {ref.total_bytes}")
     return {
         "policy_version": ref.policy_version,
         "param_server_address": ref.param_server_address,

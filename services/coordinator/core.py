@@ -23,18 +23,42 @@ Staleness budget (verl's rule, counted in prompts):
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import math
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from services.common.config.async_training import MAX_STALENESS_THRESHOLD
 from services.common.config.root import max_required_samples
 from services.common.data import PromptRecord, PromptStream
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
 from .ledger import GroupRow, GroupState, LeaseRow, LeaseState, Ledger, RetryReason
+
+INT64_MAX = (1 << 63) - 1
+"""The ledger (SQLite) stores integers as int64: larger request values are refused up front."""
+FETCH_REPLY_OVERHEAD = 128
+"""Bytes of a FetchBatchResponse besides its groups (scalars, the staleness field's header)."""
+FETCH_GROUP_OVERHEAD = 16
+"""Bytes per delivered group besides its payload: its field tag and length, its staleness entry."""
+
+
+def check_int64(value: int, field: str) -> int:
+    """A request integer the ledger stores: within [0, 2^63 - 1]."""
+    if not 0 <= value <= INT64_MAX:
+        raise InvalidArgument(field, f"must be in [0, 2^63 - 1], got {value}")
+    return value
+
+
+def check_staleness_threshold(value: float, field: str = "staleness_threshold") -> float:
+    if not (math.isfinite(value) and 0 <= value <= MAX_STALENESS_THRESHOLD):
+        raise InvalidArgument(field, f"must be a finite number in [0, {MAX_STALENESS_THRESHOLD:g}], got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -65,6 +89,7 @@ class LeaseLimit(Enum):
     PAUSED = "paused"
     EXHAUSTED = "exhausted"
     STOPPING = "stopping"
+    MESSAGE_SIZE = "message_size"
 
 
 class SubmitStatus(Enum):
@@ -184,6 +209,14 @@ class _State:
     totals: Totals = field(default_factory=Totals)
     histogram: dict[int, int] = field(default_factory=dict)
 
+    def copy(self) -> _State:
+        """An independent copy: methods change a copy and make it current only once the ledger has
+        it, so a failed write leaves memory as it was."""
+        return dataclasses.replace(
+            self, fingerprint=dict(self.fingerprint), weights=dict(self.weights), stop_weights=dict(self.stop_weights),
+            totals=dataclasses.replace(self.totals), histogram=dict(self.histogram),
+        )
+
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["totals"] = dict(self.totals.__dict__)
@@ -262,11 +295,19 @@ class CoordinatorCore:
                 f"ledger {ledger.path} belongs to a run with {state.fingerprint}, but this config gives "
                 f"{settings.fingerprint()}; use the same data and batch settings, or a new coordinator.ledger_path"
             )
+        repaired = False
         if state.stopping and state.stop_session != settings.session:
             # The Stop ended an earlier session (Ctrl-C, `meshrl stop`); this one continues the run.
             state.stopping = False
             state.stop_session = ""
             state.stop_version, state.stop_weights = 0, {}
+            repaired = True
+        if not (math.isfinite(state.staleness_threshold) and 0 <= state.staleness_threshold <= MAX_STALENESS_THRESHOLD):
+            # Written by a coordinator that did not range-check SetStaleness: it would fail every
+            # budget computation from here on, so the config's value applies again.
+            state.staleness_threshold = settings.staleness_threshold
+            repaired = True
+        if repaired:
             with ledger.transaction():
                 ledger.save_state(state.to_json())
         self._s = state
@@ -311,13 +352,6 @@ class CoordinatorCore:
     def _floor(self) -> int:
         return self.in_flight + self.queued + self._ahead
 
-    def _forget(self, d: _Delivered) -> None:
-        """`d` leaves the delivered set (filtered, re-queued or checkpointed)."""
-        self._ahead -= int(d.train_version > self._s.policy_version)
-
-    def _give_back(self, n: int) -> None:
-        self._s.budget_used = max(self._floor(), self._s.budget_used - n)
-
     @property
     def data_exhausted(self) -> bool:
         """Every prompt of the run has been issued and none waits for re-issue."""
@@ -328,63 +362,90 @@ class CoordinatorCore:
         """Nothing is left anywhere: no prompt to issue, none in flight, none queued."""
         return self.data_exhausted and not self._leases and not self._queue
 
-    def _persist(self) -> None:
-        self.ledger.save_state(self._s.to_json())
+    def _save(self, state: _State) -> None:
+        """Persist `state` alone, then make it current."""
+        with self.ledger.transaction():
+            self.ledger.save_state(state.to_json())
+        self._s = state
 
     # ---- rollout side ----------------------------------------------------------------------
 
-    def lease(self, replica_id: str, max_groups: int, now: float) -> LeaseGrant:
-        """Grant up to max_groups leases within the budget. Retried prompts go first."""
+    def lease(
+        self, replica_id: str, max_groups: int, now: float, *, max_reply_bytes: int | None = None,
+        lease_bytes: Callable[[GrantedLease], int] | None = None,
+    ) -> LeaseGrant:
+        """Grant up to max_groups leases within the budget. Retried prompts go first.
+
+        With `max_reply_bytes` (and `lease_bytes`, a lease's size on the wire) grants stop before
+        the reply would pass that size (limit MESSAGE_SIZE): the rest stays for the next call. A
+        prompt larger than the whole reply fails the call before anything changes."""
         if max_groups < 1:
             raise InvalidArgument("max_groups", "must be >= 1")
         self.expire(now)
-        self._replica_seen[replica_id] = now
-        if self._s.stopping:
-            return LeaseGrant([], LeaseLimit.STOPPING, self._s.policy_version)
-        if self._s.paused:
-            return LeaseGrant([], LeaseLimit.PAUSED, self._s.policy_version)
-        room = self.max_required_samples - self._s.budget_used
+        if self._s.stopping or self._s.paused:
+            self._replica_seen[replica_id] = now
+            limit = LeaseLimit.STOPPING if self._s.stopping else LeaseLimit.PAUSED
+            return LeaseGrant([], limit, self._s.policy_version)
+        s = self._s.copy()
+        room = self.max_required_samples - s.budget_used
+        retry = iter(self._retry)
         granted: list[GrantedLease] = []
         rows: list[LeaseRow] = []
         from_retry: list[int] = []
         deadline = now + self.settings.lease_timeout_s
         limit = LeaseLimit.NONE
+        reply_bytes = 0
         while len(granted) < max_groups:
             if room <= 0:
                 limit = LeaseLimit.STALENESS_BUDGET
                 break
-            if self._retry:
-                seq = next(iter(self._retry))
-                del self._retry[seq]
-                from_retry.append(seq)
-            elif self._s.cursor < self.settings.prompts_total:
-                seq = self._s.cursor
-                self._s.cursor += 1
-                self._s.totals.prompts_issued += 1
+            seq = next(retry, None)
+            fresh = seq is None
+            if seq is None:
+                if s.cursor >= self.settings.prompts_total:
+                    limit = LeaseLimit.EXHAUSTED
+                    break
+                seq = s.cursor
+            lease = GrantedLease(uuid.uuid4().hex, seq, self.prompts.get(seq), deadline, s.policy_version)
+            if max_reply_bytes is not None and lease_bytes is not None:
+                size = lease_bytes(lease)
+                if reply_bytes + size > max_reply_bytes:
+                    if not granted:
+                        raise ResourceExhausted(
+                            f"prompt {seq} takes {size} bytes on the wire, more than the reply limit of "
+                            f"{max_reply_bytes} bytes; raise coordinator.max_message_mb (and the rollout's "
+                            "client limit with it) or shorten the prompt"
+                        )
+                    limit = LeaseLimit.MESSAGE_SIZE
+                    break
+                reply_bytes += size
+            if fresh:
+                s.cursor += 1
+                s.totals.prompts_issued += 1
             else:
-                limit = LeaseLimit.EXHAUSTED
-                break
-            lease_id = uuid.uuid4().hex
-            row = LeaseRow(lease_id, seq, replica_id, LeaseState.ACTIVE, now, deadline, self._s.policy_version)
-            rows.append(row)
-            granted.append(GrantedLease(lease_id, seq, self.prompts.get(seq), deadline, self._s.policy_version))
+                from_retry.append(seq)
+            rows.append(LeaseRow(lease.lease_id, seq, replica_id, LeaseState.ACTIVE, now, deadline, s.policy_version))
+            granted.append(lease)
             room -= 1
         if rows:
-            self._s.budget_used += len(rows)
-            self._s.totals.leases_granted += len(rows)
+            s.budget_used += len(rows)
+            s.totals.leases_granted += len(rows)
             with self.ledger.transaction():
                 self.ledger.insert_leases(rows)
                 self.ledger.pop_retry(from_retry)
-                self._persist()
+                self.ledger.save_state(s.to_json())
+            self._s = s
+            for seq in from_retry:
+                del self._retry[seq]
             for row in rows:
                 self._leases[row.lease_id] = row
                 heapq.heappush(self._deadlines, (row.deadline, row.seq, row.lease_id))
+        self._replica_seen[replica_id] = now
         return LeaseGrant(granted, limit, self._s.policy_version)
 
     def renew(self, replica_id: str, lease_ids: list[str], now: float) -> tuple[list[str], list[str], float]:
         """Extend active leases; returns (renewed, lost, new deadline)."""
         self.expire(now)
-        self._replica_seen[replica_id] = now
         deadline = now + self.settings.lease_timeout_s
         renewed = [i for i in lease_ids if i in self._leases]
         lost = [i for i in lease_ids if i not in self._leases]
@@ -394,6 +455,7 @@ class CoordinatorCore:
             for i in renewed:
                 self._leases[i].deadline = deadline
                 heapq.heappush(self._deadlines, (deadline, self._leases[i].seq, i))
+        self._replica_seen[replica_id] = now
         return renewed, lost, deadline
 
     def return_leases(self, replica_id: str, lease_ids: list[str], now: float) -> int:
@@ -401,42 +463,56 @@ class CoordinatorCore:
         order (FIFO among retries). Unknown or finished lease ids are ignored (idempotent), so a
         return that arrives after the lease's submit changes nothing. A returned lease is then
         treated like an expired one: a submit that arrives after the return is answered by submit."""
-        self._replica_seen[replica_id] = now
-        rows = [self._leases.pop(i) for i in dict.fromkeys(lease_ids) if i in self._leases]
+        rows = [self._leases[i] for i in dict.fromkeys(lease_ids) if i in self._leases]
         if not rows:
+            self._replica_seen[replica_id] = now
             return 0
-        for r in rows:
-            self._retry[r.seq] = None
-            self._expired[r.lease_id] = r.seq
-        self._s.totals.leases_returned += len(rows)
-        self._give_back(len(rows))
+        s = self._s.copy()
+        s.totals.leases_returned += len(rows)
+        s.budget_used = max(self._floor() - len(rows), s.budget_used - len(rows))
         with self.ledger.transaction():
             self.ledger.set_lease_state([r.lease_id for r in rows], LeaseState.RETURNED)
             self.ledger.push_retry([r.seq for r in rows], RetryReason.RETURNED)
-            self._persist()
+            self.ledger.save_state(s.to_json())
+        self._s = s
+        self._requeue_leases(rows)
+        self._replica_seen[replica_id] = now
         return len(rows)
+
+    def _requeue_leases(self, rows: list[LeaseRow]) -> None:
+        """Leases that ended unanswered (expired, returned): their prompts wait for re-issue."""
+        for r in rows:
+            del self._leases[r.lease_id]
+            self._retry[r.seq] = None
+            self._expired[r.lease_id] = r.seq
 
     def expire(self, now: float) -> int:
         """Expire leases whose deadline passed; their prompts go to the retry queue."""
+        popped: list[tuple[float, int, str]] = []
         expired: list[LeaseRow] = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, _, lease_id = heapq.heappop(self._deadlines)
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.deadline != deadline:
+            entry = heapq.heappop(self._deadlines)
+            popped.append(entry)
+            lease = self._leases.get(entry[2])
+            if lease is None or lease.deadline != entry[0]:
                 continue  # already finished, or renewed (a newer heap entry exists)
-            del self._leases[lease_id]
             expired.append(lease)
         if not expired:
             return 0
-        for r in expired:
-            self._retry[r.seq] = None
-            self._expired[r.lease_id] = r.seq
-        self._s.totals.leases_expired += len(expired)
-        self._give_back(len(expired))
-        with self.ledger.transaction():
-            self.ledger.set_lease_state([r.lease_id for r in expired], LeaseState.EXPIRED)
-            self.ledger.push_retry([r.seq for r in expired], RetryReason.EXPIRED)
-            self._persist()
+        s = self._s.copy()
+        s.totals.leases_expired += len(expired)
+        s.budget_used = max(self._floor() - len(expired), s.budget_used - len(expired))
+        try:
+            with self.ledger.transaction():
+                self.ledger.set_lease_state([r.lease_id for r in expired], LeaseState.EXPIRED)
+                self.ledger.push_retry([r.seq for r in expired], RetryReason.EXPIRED)
+                self.ledger.save_state(s.to_json())
+        except BaseException:
+            for entry in popped:
+                heapq.heappush(self._deadlines, entry)
+            raise
+        self._s = s
+        self._requeue_leases(expired)
         return len(expired)
 
     def submit(self, replica_id: str, groups: list[GroupIn], now: float) -> list[SubmitStatus]:
@@ -446,7 +522,6 @@ class CoordinatorCore:
         when its prompt was not re-issued yet; once refused (EXPIRED), that lease stays refused, so
         a retried request gets the same answer."""
         self.expire(now)
-        self._replica_seen[replica_id] = now
         seen: set[str] = set()
         for i, g in enumerate(groups):
             where = f"groups[{i}]"
@@ -468,50 +543,57 @@ class CoordinatorCore:
                 )
             if g.min_version < 0 or g.min_version > g.max_version:
                 raise InvalidArgument(f"{where}.responses.versions", "versions must be >= 0")
+        s = self._s.copy()
         statuses: list[SubmitStatus] = []
         accepted: list[GroupRow] = []
-        late_seqs: list[int] = []
+        from_active: list[str] = []
+        late: dict[str, int] = {}
         refused: list[str] = []
+        next_group_id = self._next_group_id
         for g in groups:
             if g.lease_id in self._submitted:
                 statuses.append(SubmitStatus.DUPLICATE)
-                self._s.totals.duplicates += 1
+                s.totals.duplicates += 1
                 continue
             if g.lease_id in self._refused:
                 statuses.append(SubmitStatus.EXPIRED)
                 continue
             if g.lease_id in self._leases:
-                del self._leases[g.lease_id]
+                from_active.append(g.lease_id)
             else:  # expired or returned: accept only if the prompt still waits for re-issue
                 seq = self._expired[g.lease_id]
-                if seq not in self._retry:
+                # (two expired leases of one prompt in one request: the first one takes it)
+                if seq not in self._retry or seq in late.values():
                     statuses.append(SubmitStatus.EXPIRED)
-                    self._s.totals.rejected_expired += 1
+                    s.totals.rejected_expired += 1
                     refused.append(g.lease_id)
                     continue
-                del self._retry[seq]
-                del self._expired[g.lease_id]
-                late_seqs.append(seq)
-                self._s.totals.late_accepted += 1
+                late[g.lease_id] = seq
+                s.totals.late_accepted += 1
                 # it left the budget when it expired or was returned; it is outstanding work again
-                self._s.budget_used += 1
-            row = GroupRow(
-                group_id=self._next_group_id, lease_id=g.lease_id, seq=g.seq, state=GroupState.QUEUED,
+                s.budget_used += 1
+            accepted.append(GroupRow(
+                group_id=next_group_id, lease_id=g.lease_id, seq=g.seq, state=GroupState.QUEUED,
                 min_version=g.min_version, max_version=g.max_version, step=-1, staleness=-1,
-                qpos=self._s.next_qpos, payload=g.payload,
-            )
-            self._next_group_id += 1
-            self._s.next_qpos += 1
-            accepted.append(row)
+                qpos=s.next_qpos, payload=g.payload,
+            ))
+            next_group_id += 1
+            s.next_qpos += 1
             statuses.append(SubmitStatus.ACCEPTED)
-        if accepted or statuses:
-            self._s.totals.submitted += len(accepted)
-            with self.ledger.transaction():
-                self.ledger.insert_groups(accepted)
-                self.ledger.set_lease_state([r.lease_id for r in accepted], LeaseState.SUBMITTED)
-                self.ledger.set_lease_state(refused, LeaseState.REFUSED)
-                self.ledger.pop_retry(late_seqs)
-                self._persist()
+        s.totals.submitted += len(accepted)
+        with self.ledger.transaction():
+            self.ledger.insert_groups(accepted)
+            self.ledger.set_lease_state([r.lease_id for r in accepted], LeaseState.SUBMITTED)
+            self.ledger.set_lease_state(refused, LeaseState.REFUSED)
+            self.ledger.pop_retry(late.values())
+            self.ledger.save_state(s.to_json())
+        self._s = s
+        self._replica_seen[replica_id] = now
+        self._next_group_id = next_group_id
+        for lease_id in from_active:
+            del self._leases[lease_id]
+        for seq in late.values():
+            del self._retry[seq]
         for lease_id in refused:
             del self._expired[lease_id]
             self._refused.add(lease_id)
@@ -526,7 +608,7 @@ class CoordinatorCore:
 
     def fetch(
         self, trainer_id: str, step: int, max_groups: int, now: float, filtered: list[str] | None = None,
-        train_version: int | None = None,
+        train_version: int | None = None, max_reply_bytes: int | None = None,
     ) -> Batch:
         """Deliver up to max_groups queued groups in order. Groups staler than
         max_staleness_versions are re-queued as prompts (counted `regenerated`). `filtered` names
@@ -536,48 +618,64 @@ class CoordinatorCore:
         one). A trainer that fetches while it still trains and publishes asks for the next
         version; staleness is measured against it, and until that version is committed the groups
         count against the budget as if still queued, so fetching ahead lets no rollout run further
-        ahead than fetching after the commit would."""
+        ahead than fetching after the commit would.
+
+        `max_reply_bytes`: delivery stops before the groups' payloads (plus their framing, see
+        `FETCH_REPLY_OVERHEAD`) would pass this size; the rest stays queued for the next call. A
+        group larger than the whole reply fails the call before anything changes."""
         if max_groups < 1:
             raise InvalidArgument("num_groups", "must be >= 1")
+        check_int64(step, "step")
         current = self._s.policy_version
         version = self.check_train_version(train_version)
-        self.expire(now)
         unknown = [i for i in (filtered or []) if i not in self._submitted]
         if unknown:
             raise NotFound(f"filtered_lease_ids: {unknown[0]!r} was never submitted")
-        filtered_rows = [self._delivered.pop(i) for i in dict.fromkeys(filtered or []) if i in self._delivered]
-        for f in filtered_rows:
-            self._forget(f)
-        self._s.trainer_step = max(self._s.trainer_step, step)
+        self.expire(now)
+        s = self._s.copy()
+        filtered_rows = [self._delivered[i] for i in dict.fromkeys(filtered or []) if i in self._delivered]
+        ahead = self._ahead - sum(int(f.train_version > current) for f in filtered_rows)
+        s.trainer_step = max(s.trainer_step, step)
         delivered: list[DeliveredGroup] = []
         delivered_rows: list[_Delivered] = []
         stale: list[_Queued] = []
         eta = self.settings.max_staleness_versions
-        while self._queue and len(delivered) < max_groups and not self._s.paused:
-            _, q = self._queue.popitem(last=False)
+        reply_bytes = FETCH_REPLY_OVERHEAD
+        keep = self.settings.keep_delivered_payloads
+        for q in self._queue.values() if not s.paused else ():
+            if len(delivered) >= max_groups:
+                break
             staleness = version - q.min_version
             if eta is not None and staleness > eta:
                 stale.append(q)
                 continue
+            if max_reply_bytes is not None:
+                size = len(q.payload) + FETCH_GROUP_OVERHEAD
+                if reply_bytes + size > max_reply_bytes:
+                    if not delivered:
+                        raise ResourceExhausted(
+                            f"the group of lease {q.lease_id} takes {size} bytes, more than the reply limit of "
+                            f"{max_reply_bytes} bytes; raise coordinator.max_message_mb (the trainer's client "
+                            "limit follows it) or lower data.max_response_length / rollout.n"
+                        )
+                    break
+                reply_bytes += size
             delivered.append(DeliveredGroup(q.lease_id, q.seq, staleness, q.payload))
-            keep = self.settings.keep_delivered_payloads
             delivered_rows.append(
                 _Delivered(q.group_id, q.lease_id, q.seq, q.min_version, step, staleness, q.qpos, q.payload if keep else None)
             )
         if version > current:
-            self._ahead += len(delivered_rows)
+            ahead += len(delivered_rows)
         for d in delivered_rows:
-            self._delivered[d.lease_id] = d
-            self._s.histogram[d.staleness] = self._s.histogram.get(d.staleness, 0) + 1
+            s.histogram[d.staleness] = s.histogram.get(d.staleness, 0) + 1
         for f in filtered_rows:
-            self._s.histogram[f.staleness] -= 1
-        for q in stale:
-            self._retry[q.seq] = None
-        self._s.totals.consumed += len(delivered_rows) - len(filtered_rows)
-        self._s.totals.filtered += len(filtered_rows)
-        self._s.totals.regenerated += len(stale)
-        self._give_back(len(filtered_rows) + len(stale))
-        if delivered_rows or filtered_rows or stale or step != self._s.trainer_step:
+            s.histogram[f.staleness] -= 1
+        s.totals.consumed += len(delivered_rows) - len(filtered_rows)
+        s.totals.filtered += len(filtered_rows)
+        s.totals.regenerated += len(stale)
+        floor = self.in_flight + self.queued - len(delivered_rows) - len(stale) + ahead
+        s.budget_used = max(floor, s.budget_used - len(filtered_rows) - len(stale))
+        if delivered_rows or filtered_rows or stale or s.trainer_step != self._s.trainer_step:
             with self.ledger.transaction():
                 self.ledger.deliver_groups(
                     (d.group_id, d.step, d.staleness, d.payload is not None) for d in delivered_rows
@@ -585,13 +683,23 @@ class CoordinatorCore:
                 self.ledger.set_group_state([f.group_id for f in filtered_rows], GroupState.FILTERED, drop_payload=True)
                 self.ledger.set_group_state([q.group_id for q in stale], GroupState.REJECTED_STALE, drop_payload=True)
                 self.ledger.push_retry([q.seq for q in stale], RetryReason.STALE)
-                self._persist()
+                self.ledger.save_state(s.to_json())
+        self._s = s
+        self._ahead = ahead
+        for f in filtered_rows:
+            del self._delivered[f.lease_id]
+        for d in delivered_rows:
+            del self._queue[d.group_id]
+            self._delivered[d.lease_id] = d
+        for q in stale:
+            del self._queue[q.group_id]
+            self._retry[q.seq] = None
         return Batch(
             groups=delivered,
-            policy_version=self._s.policy_version,
+            policy_version=s.policy_version,
             exhausted=self.exhausted,
-            checkpoint_requested=self._s.checkpoint_requested,
-            stop_requested=self._s.stopping,
+            checkpoint_requested=s.checkpoint_requested,
+            stop_requested=s.stopping,
             regenerated=len(stale),
         )
 
@@ -617,90 +725,109 @@ class CoordinatorCore:
             return cur, self._s.budget_used
         if version != cur + 1:
             raise FailedPrecondition(f"weights.policy_version must be {cur + 1} (current is {cur}), got {version}")
-        self._s.policy_version = version
-        self._s.weights = dict(weights)
+        s = self._s.copy()
+        s.policy_version = version
+        s.weights = dict(weights)
         # Groups fetched ahead to train at this version stay counted, as they would have been
         # still queued had the trainer fetched after this commit; from now on they are current.
-        self._s.budget_used = self._floor()
+        s.budget_used = self._floor()
+        self._save(s)
         self._ahead = 0
-        with self.ledger.transaction():
-            self._persist()
-        return version, self._s.budget_used
+        return version, s.budget_used
 
     def report_checkpoint(self, step: int, version: int, path: str) -> None:
-        """Groups delivered at or before `step` are now part of a durable checkpoint."""
+        """Groups delivered at or before `step` are now part of a durable checkpoint. `step` is
+        one the trainer fetched for (<= the trainer step), `version` one that was committed."""
+        check_int64(step, "step")
         if step < self._s.last_checkpoint_step:
             raise FailedPrecondition(f"step {step} is older than the last checkpoint step {self._s.last_checkpoint_step}")
-        for lease_id in [k for k, d in self._delivered.items() if d.step <= step]:
-            self._forget(self._delivered.pop(lease_id))
-        self._s.last_checkpoint_step = step
-        self._s.last_checkpoint_path = path
-        self._s.checkpoint_requested = False
+        if step > self._s.trainer_step:
+            raise FailedPrecondition(
+                f"step {step} is past the trainer's step {self._s.trainer_step}: a checkpoint covers only steps "
+                "the trainer fetched groups for"
+            )
+        if not 0 <= version <= self._s.policy_version:
+            raise InvalidArgument(
+                "policy_version", f"{version} is not a committed version (current is {self._s.policy_version})"
+            )
+        s = self._s.copy()
+        s.last_checkpoint_step = step
+        s.last_checkpoint_path = path
+        s.checkpoint_requested = False
+        done = [d for d in self._delivered.values() if d.step <= step]
         with self.ledger.transaction():
             self.ledger.consume_through_step(step)
-            self._persist()
+            self.ledger.save_state(s.to_json())
+        self._s = s
+        for d in done:
+            del self._delivered[d.lease_id]
+            self._ahead -= int(d.train_version > s.policy_version)
 
     def resume_trainer(self, checkpoint_step: int) -> int:
         """A trainer restarted from `checkpoint_step`: groups delivered after it go back to the
         head of the queue in their original order (prompts of groups whose payload was dropped go
         back to the retry queue). Returns how many were returned."""
+        check_int64(checkpoint_step, "checkpoint_step")
         back = sorted((d for d in self._delivered.values() if d.step > checkpoint_step), key=lambda d: d.qpos)
         with_payload = [d for d in back if d.payload is not None]
         without = [d for d in back if d.payload is None]
         moves: list[tuple[int, int]] = []
         head: OrderedDict[int, _Queued] = OrderedDict()
-        base = self._s.min_qpos - len(with_payload)
+        s = self._s.copy()
+        base = s.min_qpos - len(with_payload)
         for i, d in enumerate(with_payload):
             assert d.payload is not None
             qpos = base + i
             head[d.group_id] = _Queued(d.group_id, d.lease_id, d.seq, d.min_version, qpos, d.payload)
             moves.append((d.group_id, qpos))
-        self._s.min_qpos = min(self._s.min_qpos, base)
+        s.min_qpos = min(s.min_qpos, base)
         for d in back:
-            self._forget(self._delivered.pop(d.lease_id))
-            self._s.histogram[d.staleness] -= 1
-        for d in without:
-            self._retry[d.seq] = None
-        self._s.totals.consumed -= len(back)
-        self._s.totals.regenerated += len(without)
-        self._s.budget_used += len(with_payload)  # outstanding work again
-        self._s.trainer_step = checkpoint_step
-        head.update(self._queue)
-        self._queue = head
+            s.histogram[d.staleness] -= 1
+        s.totals.consumed -= len(back)
+        s.totals.regenerated += len(without)
+        s.budget_used += len(with_payload)  # outstanding work again
+        s.trainer_step = checkpoint_step
         with self.ledger.transaction():
             self.ledger.requeue_groups(moves)
             self.ledger.set_group_state([d.group_id for d in without], GroupState.REJECTED_STALE)
             self.ledger.push_retry([d.seq for d in without], RetryReason.TRAINER_RESUME)
-            self._persist()
+            self.ledger.save_state(s.to_json())
+        self._s = s
+        for d in back:
+            del self._delivered[d.lease_id]
+            self._ahead -= int(d.train_version > s.policy_version)
+        for d in without:
+            self._retry[d.seq] = None
+        head.update(self._queue)
+        self._queue = head
         return len(back)
 
     # ---- control ---------------------------------------------------------------------------
 
     def set_paused(self, paused: bool) -> None:
-        self._s.paused = paused
-        with self.ledger.transaction():
-            self._persist()
+        s = self._s.copy()
+        s.paused = paused
+        self._save(s)
 
     def set_staleness(self, threshold: float) -> int:
-        if not threshold >= 0:
-            raise InvalidArgument("staleness_threshold", f"must be >= 0, got {threshold}")
-        self._s.staleness_threshold = float(threshold)
-        with self.ledger.transaction():
-            self._persist()
+        check_staleness_threshold(threshold)
+        s = self._s.copy()
+        s.staleness_threshold = float(threshold)
+        self._save(s)
         return self.max_required_samples
 
     def request_checkpoint(self) -> None:
-        self._s.checkpoint_requested = True
-        with self.ledger.transaction():
-            self._persist()
+        s = self._s.copy()
+        s.checkpoint_requested = True
+        self._save(s)
 
     def stop(self) -> None:
-        if not self._s.stopping:
-            self._s.stop_version, self._s.stop_weights = self._s.policy_version, dict(self._s.weights)
-        self._s.stopping = True
-        self._s.stop_session = self.settings.session
-        with self.ledger.transaction():
-            self._persist()
+        s = self._s.copy()
+        if not s.stopping:
+            s.stop_version, s.stop_weights = s.policy_version, dict(s.weights)
+        s.stopping = True
+        s.stop_session = self.settings.session
+        self._save(s)
 
     @property
     def paused(self) -> bool:

@@ -9,6 +9,8 @@ from pathlib import Path
 from meshrl.v1 import common_pb2
 from services.common.config import MeshConfig, derive
 from services.common.data import PromptStream, train_dataset
+from services.common.grpc_util import MiB
+from services.common.model_arch import vocab_size_of
 
 from .core import CoordinatorCore, CoordinatorSettings
 from .ledger import Ledger
@@ -62,4 +64,6 @@ def build_servicer(
         token=cfg.coordinator.token or os.environ.get("MESHRL_TOKEN") or None,
         max_groups_per_call=cfg.coordinator.max_groups_per_call,
         max_response_tokens=cfg.coordinator.max_response_tokens,
+        max_message_bytes=cfg.coordinator.max_message_mb * MiB,
+        vocab_size=vocab_size_of(cfg.actor_rollout_ref.model.path),
     )

@@ -14,11 +14,11 @@ from typing import Any
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.errors import InvalidArgument
-from services.common.grpc_util import rpc_method
+from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, rpc_method
 from services.common.logging import get_logger
 
 from . import convert
-from .core import CoordinatorCore
+from .core import CoordinatorCore, check_int64
 
 log = get_logger(__name__)
 
@@ -38,6 +38,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         token: str | None = None,
         max_groups_per_call: int = 1024,
         max_response_tokens: int = 1 << 20,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        vocab_size: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.core = core
@@ -45,6 +47,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.token = token
         self.max_groups = max_groups_per_call
         self.max_tokens = max_response_tokens
+        self.max_message_bytes = max_message_bytes
+        self.vocab_size = vocab_size
         self.clock = clock
         self._changed = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
@@ -79,7 +83,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def LeasePrompts(self, request: coordinator_pb2.LeasePromptsRequest, context: Any) -> coordinator_pb2.LeasePromptsResponse:
         convert.require_id(request.replica_id, "replica_id")
         convert.check_count(request.max_groups, "max_groups", 1, self.max_groups)
-        grant = self.core.lease(request.replica_id, request.max_groups, self.clock())
+        limit = convert.reply_limit(self.max_message_bytes, request)
+        grant = self.core.lease(
+            request.replica_id, request.max_groups, self.clock(),
+            max_reply_bytes=limit - convert.LEASE_REPLY_OVERHEAD - self.sampling.ByteSize(),
+            lease_bytes=convert.lease_wire_bytes,
+        )
         return convert.lease_response(grant, self.sampling)
 
     @rpc_method()
@@ -101,7 +110,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     @rpc_method()
     async def SubmitGroups(self, request: coordinator_pb2.SubmitGroupsRequest, context: Any) -> coordinator_pb2.SubmitGroupsResponse:
         groups = convert.groups_from_request(
-            request, max_groups=self.max_groups, max_tokens=self.max_tokens, expected_n=self.sampling.n or None
+            request, max_groups=self.max_groups, max_tokens=self.max_tokens, expected_n=self.sampling.n or None,
+            vocab_size=self.vocab_size,
         )
         statuses = self.core.submit(request.replica_id, groups, self.clock())
         self._notify()
@@ -136,8 +146,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         convert.require_id(request.trainer_id, "trainer_id")
         convert.check_count(request.num_groups, "num_groups", 1, MAX_FETCH_GROUPS)
         convert.check_count(request.timeout_ms, "timeout_ms", 0, MAX_FETCH_TIMEOUT_MS)
+        check_int64(request.step, "step")
         train_version = request.train_version if request.HasField("train_version") else None
         self.core.check_train_version(train_version)
+        limit = convert.reply_limit(self.max_message_bytes, request)
         deadline = time.monotonic() + request.timeout_ms / 1000.0
         core = self.core
         while (
@@ -149,7 +161,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             await self._wait_change(deadline - time.monotonic())
         batch = core.fetch(
             request.trainer_id, request.step, request.num_groups, self.clock(), list(request.filtered_lease_ids),
-            train_version,
+            train_version, max_reply_bytes=limit,
         )
         if batch.regenerated or request.filtered_lease_ids:
             self._notify()  # budget given back: rollouts may lease again
@@ -172,6 +184,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.ReportCheckpointRequest, context: Any
     ) -> coordinator_pb2.ReportCheckpointResponse:
         convert.require_id(request.trainer_id, "trainer_id")
+        convert.check_length(request.path, "path", convert.MAX_PATH_CHARS)
         self.core.report_checkpoint(request.step, request.policy_version, request.path)
         self._notify()
         return coordinator_pb2.ReportCheckpointResponse()

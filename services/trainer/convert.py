@@ -74,6 +74,21 @@ def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: 
     return SequenceBatch(ids, attn, resp, tensors={"rollout_logprobs": rollout_lp}, seq_tensors=seq)
 
 
+def check_batch(batch: SequenceBatch, vocab_size: int | None) -> None:
+    """What the coordinator checks at its edge, checked again before a step: token ids within the
+    vocabulary, finite rollout logprobs. A group that passed a coordinator that could not know
+    the vocabulary (no local config.json) still never reaches the model."""
+    ids = batch.input_ids[batch.attention_mask.bool()]
+    if ids.numel() and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+        raise InvalidArgument(
+            "groups.token_ids", f"token ids span [{int(ids.min())}, {int(ids.max())}], outside the vocabulary [0, {vocab_size})"
+        )
+    lp = batch.tensors["rollout_logprobs"]
+    if not bool(torch.isfinite(lp).all()):
+        row = int((~torch.isfinite(lp)).any(dim=1).nonzero()[0])
+        raise InvalidArgument("groups.responses.logprobs", f"non-finite rollout logprob in batch row {row}")
+
+
 def filter_values(batch: SequenceBatch, metric: str) -> torch.Tensor:
     """Per-sequence values DAPO dynamic sampling compares within a group: the reward metric
     `metric` if the rollout reported it, the scalar reward for `score`/`reward` (or as a fallback)."""

@@ -49,7 +49,7 @@ from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
 
 from . import checkpoints
-from .convert import filter_values, groups_to_batch
+from .convert import check_batch, filter_values, groups_to_batch
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
 from .publisher import RankZeroPublisher, WeightPublisher
@@ -130,6 +130,8 @@ class LoopSettings:
     overlap: bool = False
     """Fetch the next step's groups and publish the last version while the group trains (see the
     module docstring); False: every step fetches, trains and publishes in turn."""
+    vocab_size: int | None = None
+    """The policy's vocabulary size: a token id at or above it fails the step (None: unchecked)."""
 
 
 @dataclass
@@ -294,6 +296,7 @@ class TrainerLoop:
             return False
         t1 = self.clock()
         batch = groups_to_batch(got.groups, self.s.pad_token_id)
+        check_batch(batch, self.s.vocab_size)
         timing: dict[str, float] = {}
         batch.tensors["advantages"] = self.algorithm.compute_advantages(batch).float() * batch.response_mask
         t = self.clock()

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.config import MeshConfig, derive
 from services.common.errors import MissingDependency
+from services.common.grpc_util import MiB
+from services.common.model_arch import vocab_size_of
 
 from .core import Algorithm, LoopSettings, TrainerLoop
 from .engines.base import EngineSpec
@@ -130,6 +132,7 @@ def loop_settings(cfg: MeshConfig, run_dir: str | os.PathLike[str], size: int | 
         hf_export_dir=Path(run_dir) / ts.hf_export_dir if ts.hf_export_dir else None,
         coordinator_wait_s=ts.coordinator_wait_s,
         overlap=ts.overlap,
+        vocab_size=vocab_size_of(arr.model.path),
     )
 
 
@@ -254,7 +257,7 @@ def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
     ts = cfg.trainer_service
     client = CoordinatorClient(
         coordinator_address(cfg), token=coordinator_token(cfg), application=ts.coordinator_application,
-        timeout_s=ts.coordinator_timeout_s,
+        timeout_s=ts.coordinator_timeout_s, max_message_bytes=cfg.coordinator.max_message_mb * MiB,
     )
 
     async def announce(ref: Any) -> bool:
@@ -290,7 +293,7 @@ async def build_trainer(
     settings = loop_settings(cfg, run_dir, size, pad_token_id(cfg))
     client = CoordinatorClient(
         coordinator_address(cfg), token=coordinator_token(cfg), application=ts.coordinator_application,
-        timeout_s=ts.coordinator_timeout_s,
+        timeout_s=ts.coordinator_timeout_s, max_message_bytes=cfg.coordinator.max_message_mb * MiB,
     )
     pub = publisher or _publisher(cfg, run_dir, client)
     group = await RayTrainGroup.create(

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from meshrl.v1 import common_pb2
+from meshrl.v1 import common_pb2, coordinator_pb2
 from services.common.config import load_config
 from services.coordinator.client import CoordinatorClient
 from services.coordinator.server import CoordinatorServer
@@ -174,6 +174,83 @@ def test_tls_and_token_on_the_plain_server(tmp_path: Path, tls_cert: tuple[Path,
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await plain.status()  # plaintext to a TLS port: refused
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_fetch_batch_larger_than_the_message_limit_loses_nothing(tmp_path: Path) -> None:
+    """Groups whose sum passes the 1 MiB limit come in several replies, in order; before, the
+    reply failed RESOURCE_EXHAUSTED after its groups had left the queue. A client with a smaller
+    receive limit gets smaller replies; a group larger than any reply is refused untouched."""
+    cfg = load_config(None, [*OVERRIDES, "coordinator.max_message_mb=1", "rollout.total_rollout_steps=4",
+                             "async_training.staleness_threshold=3.0"])
+
+    async def main() -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        try:
+            async with CoordinatorClient(server.address, max_message_bytes=1 << 20) as c:
+                grant = await c.lease("r", 4)
+                assert len(grant.leases) == 4
+                for lease in grant.leases:  # ~300 KB each: 3 fit a 1 MiB reply, not 4
+                    await c.submit("r", [_group(lease, tokens=25_000)])
+                first = await c.fetch_batch("t", 1, 4, timeout_ms=100)
+                assert len(first.groups) == 3
+                rest = await c.fetch_batch("t", 1, 1, timeout_ms=100)
+                order = [g.prompt.prompt_seq for g in [*first.groups, *rest.groups]]
+                assert order == [lease.prompt.prompt_seq for lease in grant.leases]
+                assert (await c.status()).totals.consumed == 4
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_small_client_limit_gets_smaller_replies_and_oversize_is_refused(tmp_path: Path) -> None:
+    cfg = load_config(None, [*OVERRIDES, "rollout.total_rollout_steps=4", "async_training.staleness_threshold=3.0"])
+
+    async def main() -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        try:
+            async with CoordinatorClient(server.address) as c:
+                grant = await c.lease("r", 4)
+                await c.submit("r", [_group(grant.leases[0], tokens=60_000)])  # ~720 KB
+                await c.submit("r", [_group(lease, tokens=10_000) for lease in grant.leases[1:]])  # ~120 KB each
+            async with CoordinatorClient(server.address, max_message_bytes=400_000) as small:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await small.fetch_batch("t", 1, 4, timeout_ms=100)
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_message_mb" in e.value.details()
+                assert (await small.status()).totals.queued == 4  # untouched
+            async with CoordinatorClient(server.address) as c:
+                assert len((await c.fetch_batch("t", 1, 1, timeout_ms=100)).groups) == 1
+            async with CoordinatorClient(server.address, max_message_bytes=300_000) as small:
+                got = []
+                for _ in range(3):
+                    got += list((await small.fetch_batch("t", 1, 3, timeout_ms=100)).groups)
+                assert len(got) == 3
+                assert (await small.status()).totals.consumed == 4
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_lease_reply_is_sized_to_a_small_client_limit(tmp_path: Path) -> None:
+    cfg = load_config(None, [*OVERRIDES, "rollout.total_rollout_steps=40", "async_training.staleness_threshold=20.0"])
+
+    async def main() -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        try:
+            async with CoordinatorClient(server.address, max_message_bytes=1500) as small:
+                grant = await small.lease("r", 40)
+                assert 0 < len(grant.leases) < 40 and grant.limit == coordinator_pb2.LEASE_LIMIT_MESSAGE_SIZE
+                assert grant.ByteSize() <= 1500
+                st = await small.status()
+                assert st.totals.in_flight == len(grant.leases)
         finally:
             await server.stop()
 

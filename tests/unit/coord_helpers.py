@@ -21,6 +21,7 @@ def make_core(
     eta: int | None = None,
     dataset_size: int = 16,
     session: str = "s1",
+    ledger: Ledger | None = None,
 ) -> CoordinatorCore:
     settings = CoordinatorSettings(
         required_samples=mini_batch,
@@ -32,7 +33,7 @@ def make_core(
         max_staleness_versions=eta,
     )
     stream = PromptStream(synthetic_records("addition", dataset_size, digits=2, seed=0, split="train"), shuffle=True, seed=3)
-    return CoordinatorCore(settings, stream, Ledger(path))
+    return CoordinatorCore(settings, stream, ledger if ledger is not None else Ledger(path))
 
 
 def group_for(lease_id: str, seq: int, version: int, n: int = 2, tokens: int = 3) -> GroupIn:

@@ -182,3 +182,26 @@ def test_loop_settings_follow_the_config(tmp_path: Path) -> None:
     assert (s.groups_per_step, s.trigger_parameter_sync_step, s.temperature, s.bypass_mode) == (3, 2, 0.7, False)
     assert (s.save_freq, s.bucket_bytes, s.trainer_id) == (5, 16 << 20, "tx")
     assert s.checkpoint_dir == tmp_path / "checkpoints" and s.metrics_path == tmp_path / "metrics" / "trainer.jsonl"
+
+
+def test_check_batch_refuses_out_of_vocabulary_ids_and_non_finite_logprobs() -> None:
+    import math
+
+    import pytest
+
+    from meshrl.v1 import common_pb2
+    from services.common.errors import InvalidArgument
+    from services.trainer.convert import check_batch, groups_to_batch
+
+    def group(tokens: list[int], logprobs: list[float]) -> common_pb2.TrajectoryGroup:
+        g = common_pb2.TrajectoryGroup(lease_id="l", prompt_token_ids=[1, 2])
+        g.responses.add(token_ids=tokens, logprobs=logprobs, versions=[0] * len(tokens))
+        return g
+
+    check_batch(groups_to_batch([group([3, 4], [-0.1, -0.2])], pad_token_id=0), vocab_size=10)
+    with pytest.raises(InvalidArgument, match="vocabulary"):
+        check_batch(groups_to_batch([group([3, 12], [-0.1, -0.2])], pad_token_id=0), vocab_size=10)
+    with pytest.raises(InvalidArgument, match="logprob"):
+        check_batch(groups_to_batch([group([3, 4], [-0.1, math.nan])], pad_token_id=0), vocab_size=10)
+    # Padding is not a token: a pad id at or above the vocabulary does not trip the check.
+    check_batch(groups_to_batch([group([3], [-0.1]), group([3, 4], [-0.1, -0.2])], pad_token_id=99), vocab_size=10)

@@ -8,6 +8,10 @@ from pydantic import Field, field_validator
 
 from .base import ConfigModel
 
+MAX_STALENESS_THRESHOLD = 1000.0
+"""Largest async_training.staleness_threshold (config and SetStaleness): a rollout 1000 sync windows
+ahead is far past any useful setting, and the bound keeps the budget arithmetic finite."""
+
 
 class AsyncTrainingConfig(ConfigModel):
     """How far rollout may run ahead of training.
@@ -21,7 +25,7 @@ class AsyncTrainingConfig(ConfigModel):
     mode: Literal["fully_async", "one_step_off", "sync"] = "fully_async"
     """`fully_async`: the staleness budget above. `one_step_off`: a whole batch generated with
     the previous weights. `sync`: lock-step (staleness 0, trigger 1), for A/B comparisons."""
-    staleness_threshold: float = Field(default=0.1, ge=0)
+    staleness_threshold: float = Field(default=0.1, ge=0, le=MAX_STALENESS_THRESHOLD, allow_inf_nan=False)
     """Extra fraction of a sync window that may be generated ahead (s); 0 with trigger 1 is on-policy."""
     trigger_parameter_sync_step: int = Field(default=4, ge=1)
     """Optimizer steps between weight publications (K)."""
