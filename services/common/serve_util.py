@@ -30,7 +30,8 @@ from services.common.grpc_util import LocalContext
 T = TypeVar("T")
 
 SERVICER_FUNCTIONS = [
-    "meshrl.v1.coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server",
+    # The coordinator's registration passes group bytes through (services/coordinator/wire.py).
+    "services.coordinator.wire.add_to_server",
     "meshrl.v1.rollout_pb2_grpc.add_RolloutServiceServicer_to_server",
     "meshrl.v1.reward_pb2_grpc.add_RewardServiceServicer_to_server",
     "meshrl.v1.param_server_pb2_grpc.add_ParamServerServiceServicer_to_server",

@@ -12,6 +12,7 @@ from services.common.data import PromptRecord
 from services.common.errors import InvalidArgument
 
 from .core import Batch, GrantedLease, GroupIn, LeaseGrant, LeaseLimit, Status, SubmitStatus
+from .wire import RawSubmit, SerializedReply, as_raw_submit, fetch_reply
 
 _LIMIT = {
     LeaseLimit.NONE: coordinator_pb2.LEASE_LIMIT_NONE,
@@ -131,15 +132,17 @@ def _check_response(rw: str, r: common_pb2.Response, max_tokens: int, vocab_size
 
 
 def groups_from_request(
-    req: coordinator_pb2.SubmitGroupsRequest, *, max_groups: int, max_tokens: int, expected_n: int | None = None,
-    vocab_size: int | None = None,
+    req: RawSubmit | coordinator_pb2.SubmitGroupsRequest, *, max_groups: int, max_tokens: int,
+    expected_n: int | None = None, vocab_size: int | None = None,
 ) -> list[GroupIn]:
     """Validate every submitted group (shape, token ids within the vocabulary, finite logprobs,
-    consistent lengths and versions) and turn it into core input."""
-    require_id(req.replica_id, "replica_id")
-    check_count(len(req.groups), "groups", 1, max_groups)
+    consistent lengths and versions) and turn it into core input; a group's payload is the bytes
+    it arrived as (see wire.py)."""
+    raw = req if isinstance(req, RawSubmit) else as_raw_submit(req)
+    require_id(raw.replica_id, "replica_id")
+    check_count(len(raw.groups), "groups", 1, max_groups)
     out: list[GroupIn] = []
-    for i, g in enumerate(req.groups):
+    for i, (g, payload) in enumerate(zip(raw.groups, raw.payloads, strict=True)):
         where = f"groups[{i}]"
         require_id(g.lease_id, f"{where}.lease_id")
         if not g.HasField("prompt"):
@@ -173,7 +176,7 @@ def groups_from_request(
                 f"{where}.min_policy_version",
                 f"says [{g.min_policy_version}, {g.max_policy_version}] but the tokens span [{lo}, {hi}]",
             )
-        out.append(GroupIn(g.lease_id, g.prompt.prompt_seq, lo, hi, g.SerializeToString()))
+        out.append(GroupIn(g.lease_id, g.prompt.prompt_seq, lo, hi, payload))
     return out
 
 
@@ -181,8 +184,9 @@ def submit_response(statuses: list[SubmitStatus], queued: int) -> coordinator_pb
     return coordinator_pb2.SubmitGroupsResponse(statuses=[_SUBMIT[s] for s in statuses], queued=queued)
 
 
-def batch_response(batch: Batch) -> coordinator_pb2.FetchBatchResponse:
-    resp = coordinator_pb2.FetchBatchResponse(
+def batch_response(batch: Batch) -> SerializedReply:
+    """The FetchBatchResponse, built around the stored group bytes (see wire.fetch_reply)."""
+    head = coordinator_pb2.FetchBatchResponse(
         policy_version=batch.policy_version,
         exhausted=batch.exhausted,
         checkpoint_requested=batch.checkpoint_requested,
@@ -190,9 +194,7 @@ def batch_response(batch: Batch) -> coordinator_pb2.FetchBatchResponse:
         regenerated=batch.regenerated,
         staleness=[g.staleness for g in batch.groups],
     )
-    for g in batch.groups:
-        resp.groups.add().MergeFromString(g.payload)
-    return resp
+    return fetch_reply(head, [g.payload for g in batch.groups])
 
 
 def weights_to_dict(ref: common_pb2.WeightsRef) -> dict[str, object]:

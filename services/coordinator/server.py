@@ -7,11 +7,12 @@ import os
 import signal
 from pathlib import Path
 
-from meshrl.v1 import coordinator_pb2, coordinator_pb2_grpc
+from meshrl.v1 import coordinator_pb2
 from services.common.config import MeshConfig
 from services.common.grpc_util import MiB, add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
 
+from . import wire
 from .factory import build_servicer
 from .servicer import CoordinatorServicer
 
@@ -27,7 +28,7 @@ class CoordinatorServer:
         self.run_dir = Path(run_dir)
         self.servicer: CoordinatorServicer = build_servicer(cfg, run_dir)
         self.server = create_server(max_message_bytes=cfg.coordinator.max_message_mb * MiB)
-        coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(self.servicer, self.server)
+        wire.add_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
         bind = f"{cfg.coordinator.host}:{cfg.coordinator.port}"
         c = cfg.coordinator

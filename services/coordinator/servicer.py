@@ -17,7 +17,7 @@ from services.common.errors import InvalidArgument
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, rpc_method
 from services.common.logging import get_logger
 
-from . import convert
+from . import convert, wire
 from .core import CoordinatorCore, check_int64
 
 log = get_logger(__name__)
@@ -108,12 +108,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return coordinator_pb2.ReturnLeasesResponse(returned=n)
 
     @rpc_method()
-    async def SubmitGroups(self, request: coordinator_pb2.SubmitGroupsRequest, context: Any) -> coordinator_pb2.SubmitGroupsResponse:
+    async def SubmitGroups(
+        self, request: bytes | coordinator_pb2.SubmitGroupsRequest, context: Any
+    ) -> coordinator_pb2.SubmitGroupsResponse:
+        """`request` arrives as bytes over gRPC (wire.add_to_server) or as a message in-process."""
+        raw = wire.as_raw_submit(request)
         groups = convert.groups_from_request(
-            request, max_groups=self.max_groups, max_tokens=self.max_tokens, expected_n=self.sampling.n or None,
+            raw, max_groups=self.max_groups, max_tokens=self.max_tokens, expected_n=self.sampling.n or None,
             vocab_size=self.vocab_size,
         )
-        statuses = self.core.submit(request.replica_id, groups, self.clock())
+        statuses = self.core.submit(raw.replica_id, groups, self.clock())
         self._notify()
         return convert.submit_response(statuses, self.core.queued)
 
@@ -142,7 +146,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     # ---- trainer side --------------------------------------------------------------------------
 
     @rpc_method()
-    async def FetchBatch(self, request: coordinator_pb2.FetchBatchRequest, context: Any) -> coordinator_pb2.FetchBatchResponse:
+    async def FetchBatch(  # type: ignore[override]
+        self, request: coordinator_pb2.FetchBatchRequest, context: Any
+    ) -> wire.SerializedReply:
+        """The reply is already serialized around the stored group bytes (wire.fetch_reply)."""
         convert.require_id(request.trainer_id, "trainer_id")
         convert.check_count(request.num_groups, "num_groups", 1, MAX_FETCH_GROUPS)
         convert.check_count(request.timeout_ms, "timeout_ms", 0, MAX_FETCH_TIMEOUT_MS)
