@@ -54,7 +54,7 @@ def _timed(name: str, fn: Any) -> Any:
 
 
 def _patch() -> None:
-    from services.param_server.transports import collective as c
+    from services.weights.transports import collective as c
 
     async def wait(self: Any, work: Any, deadline: Any, doing: str, _orig: Any = c._Group.wait) -> None:
         t0 = time.perf_counter()
@@ -101,7 +101,7 @@ def _worker(role: str, backend: str, address: str, total: int, bucket: int, roun
     # one extra round under the profiler
     from torch.profiler import ProfilerActivity, profile
 
-    from services.param_server.transports.collective import CollectiveFetcher, CollectivePublisher
+    from services.weights.transports.collective import CollectiveFetcher, CollectivePublisher
 
     dev = "cuda" if backend == "nccl" else "cpu"
     weights = wb.make_weights(total, bucket, dev) if role == "sender" else None

@@ -25,8 +25,8 @@ from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
 from services.common.serve_util import grpc_shim, log_init_errors
+from services.weights import convert
 
-from . import convert
 from .server import ParamServerServer
 
 log = get_logger(__name__)

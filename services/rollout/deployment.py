@@ -27,10 +27,10 @@ from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
 from services.common.serve_util import log_init_errors
+from services.weights import WeightFetcher
 
 from . import factory
 from .servicer import RolloutServicer
-from .weights import WeightFetcher
 from .worker import Scorer
 
 log = get_logger(__name__)

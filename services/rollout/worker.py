@@ -37,10 +37,10 @@ import grpc
 from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2
 from services.common.coalesce import Coalescer
 from services.common.logging import get_logger
+from services.weights import WeightFetcher
 
 from . import convert
 from .engines.base import Finish, GenerationRequest, PauseMode, RolloutEngine, SampleOutput, SamplingSpec
-from .weights import WeightFetcher
 
 log = get_logger(__name__)
 

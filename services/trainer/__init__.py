@@ -7,7 +7,7 @@
     convert.py      TrajectoryGroups -> SequenceBatch
     group.py        TrainGroup protocol + LocalTrainGroup (one in-process engine)
     workers.py      rank actors in a placement group + RayTrainGroup
-    publisher.py    WeightPublisher protocol + the in-process publisher
+    publisher.py    which publisher (services/weights) the trainer builds; RankZeroPublisher
     checkpoints.py  checkpoint directories (atomic, newest, rotation)
     factory.py      everything built from a MeshConfig
     servicer.py     TrainerService (GetTrainerStatus, SaveCheckpoint)

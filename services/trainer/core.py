@@ -47,12 +47,13 @@ import torch
 from meshrl.v1 import common_pb2, coordinator_pb2
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
+from services.weights import WeightPublisher
 
 from . import checkpoints
 from .convert import filter_values, groups_to_batch
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
-from .publisher import RankZeroPublisher, WeightPublisher
+from .publisher import RankZeroPublisher
 
 log = get_logger(__name__)
 

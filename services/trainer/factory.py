@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.config import MeshConfig, derive
 from services.common.errors import MissingDependency
+from services.weights import WeightPublisher
 
 from .core import Algorithm, LoopSettings, TrainerLoop
 from .engines.base import EngineSpec
 from .group import TrainGroup
-from .publisher import RankZeroPublisher, WeightPublisher
+from .publisher import RankZeroPublisher
 
 if TYPE_CHECKING:
     from services.coordinator.client import CoordinatorClient
@@ -235,21 +236,19 @@ def _publisher(
         return build_publisher(ts.publisher, retain_versions=cfg.param_server.retain_versions)
     if cfg.actor_rollout_ref.rollout.checkpoint_engine.backend in COLLECTIVE_BACKENDS:
         return RankZeroPublisher(functools.partial(collective_sender, cfg, str(run_dir)))
-    from services.param_server.config import data_address
-    from services.param_server.transports import make_publisher
+    from services.weights.transports import make_publisher
 
     async def announce(ref: Any) -> bool:
         return not (await client.commit_version(ts.trainer_id, ref)).stopping
 
-    return make_publisher(cfg, address=data_address(cfg.param_server), run_dir=run_dir, announce=announce)
+    return make_publisher(cfg, run_dir=run_dir, announce=announce)
 
 
 def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
     """Rank 0's collective publisher, announcing each version through a coordinator client of its
     own. Called on rank 0's publishing event loop (RankZeroPublisher)."""
     from services.coordinator.client import CoordinatorClient
-    from services.param_server.config import data_address
-    from services.param_server.transports import make_publisher
+    from services.weights.transports import make_publisher
 
     ts = cfg.trainer_service
     client = CoordinatorClient(
@@ -260,7 +259,7 @@ def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
     async def announce(ref: Any) -> bool:
         return not (await client.commit_version(ts.trainer_id, ref)).stopping
 
-    return make_publisher(cfg, address=data_address(cfg.param_server), run_dir=run_dir, announce=announce)
+    return make_publisher(cfg, run_dir=run_dir, announce=announce)
 
 
 async def build_trainer(

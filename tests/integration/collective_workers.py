@@ -45,7 +45,7 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
     bucket travels as two), "hang" or "announce" (tell the receiver through `notify` first, as the
     trainer's CommitVersion tells rollouts through the coordinator)."""
     import services.common.config  # noqa: F401
-    from services.param_server.transports.collective import CollectivePublisher
+    from services.weights.transports.collective import CollectivePublisher
 
     async def main() -> None:
         if backend == "nccl":
@@ -78,7 +78,7 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
     (wait for the sender's announcement and fetch the ref it carries)."""
     import services.common.config  # noqa: F401
     from meshrl.v1 import common_pb2
-    from services.param_server.transports.collective import CollectiveFetcher
+    from services.weights.transports.collective import CollectiveFetcher
 
     state: dict[str, Any] = {"bucket": None, "always": False}
 

@@ -66,7 +66,7 @@ def test_hccl_fails_fast_without_torch_npu() -> None:
         pass
     else:
         pytest.skip("torch_npu is installed")
-    from services.param_server.transports.collective import CollectiveFetcher, CollectivePublisher
+    from services.weights.transports.collective import CollectiveFetcher, CollectivePublisher
 
     with pytest.raises(MissingDependency, match="torch_npu"):
         CollectivePublisher("hccl", "127.0.0.1:1", receivers=1)

@@ -211,10 +211,11 @@ class _SlowPidPublisher:
         import hashlib
         import os
 
-        from services.trainer.publisher import iter_buckets, tensor_digest
+        from services.weights import iterate_buckets
+        from services.weights.in_process import tensor_digest
 
         h = hashlib.sha256()
-        async for bucket in iter_buckets(buckets):
+        async for bucket in iterate_buckets(buckets):
             await asyncio.sleep(self.per_bucket_s)
             for name, tensor in bucket:
                 tensor_digest(h, name, tensor)
@@ -230,8 +231,8 @@ def test_rank_zero_sender_publishes_the_weights_at_the_call_from_the_rank(serve_
     import hashlib
     import os
 
-    from services.trainer.publisher import tensor_digest
     from services.trainer.workers import RayTrainGroup
+    from services.weights.in_process import tensor_digest
     from tests.unit.fsdp_helpers import fixed_batch, make_spec, nll_loss
 
     async def digest(stream: Any) -> str:

@@ -15,8 +15,8 @@ from meshrl.v1 import common_pb2
 from services.common.tiny import build_tiny_model, build_tokenizer
 from services.rollout.engines import Finish
 from services.rollout.engines.transformers_engine import TransformersEngine
-from services.rollout.weights import InMemoryWeightStore, model_named_tensors
 from services.rollout.worker import RolloutWorker, WorkerSettings
+from services.weights.in_process import InMemoryWeightStore, model_named_tensors
 from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
 
 

@@ -21,7 +21,8 @@ from services.trainer.engines.base import SequenceBatch
 from services.trainer.engines.batching import balanced_partition, micro_batch_indices, pack, unpack_next_token
 from services.trainer.engines.optim import lr_lambda
 from services.trainer.factory import loop_settings, total_optimizer_steps
-from services.trainer.publisher import InProcessPublisher, PublishedVersion, build_publisher
+from services.trainer.publisher import build_publisher
+from services.weights.in_process import InProcessPublisher, PublishedVersion
 from tests.unit.trainer_fakes import make_group
 
 # ---- LR schedule ---------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.logging import get_logger
+from services.weights import Bucket
 
 from .base import (
     EngineHealth,
@@ -45,7 +46,6 @@ from .base import (
     PauseMode,
     RolloutEngine,
     SampleOutput,
-    WeightBuckets,
     register_engine,
 )
 from .sampling import sample
@@ -237,7 +237,7 @@ class TransformersEngine(RolloutEngine):
     def version(self) -> int:
         return self._version
 
-    async def load_weights(self, version: int, buckets: WeightBuckets) -> int:
+    async def load_weights(self, version: int, buckets: AsyncIterator[Bucket]) -> int:
         self._check_alive()
         if not self._paused:
             raise FailedPrecondition("load_weights needs a paused engine; call pause() first")
@@ -395,7 +395,7 @@ class TransformersEngine(RolloutEngine):
         named: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
         return {k: (v.data if isinstance(v, torch.nn.Parameter) else v) for k, v in named.items()}
 
-    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+    def _load_bucket(self, bucket: Bucket) -> int:
         for name, tensor in bucket:
             target = self._params.get(name)
             if target is None:

@@ -44,6 +44,7 @@ from services.trainer.engines.base import (
     TrainEngine,
     register_engine,
 )
+from services.weights import Bucket
 
 from . import runtime
 from .config import MegatronEngineConfig
@@ -526,7 +527,7 @@ class MegatronEngine(TrainEngine):
 
     # ---- weights and checkpoints -------------------------------------------------------------
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         self._onload(self.model, False)
         try:
             yield from export_hf(self.model, self.arch, self.coords, bucket_bytes, self.groups)

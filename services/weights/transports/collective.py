@@ -77,7 +77,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.device import collective_backend, import_torch_npu
+from services.common.device import backend_device_kind, import_torch_npu
 from services.common.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -90,6 +90,7 @@ from services.common.errors import (
 from services.common.logging import get_logger
 
 from .. import convert
+from ..buffers import ByteBuffers
 from ..client import ParamServerClient
 from ..layout import (
     FINGERPRINT_COLUMNS,
@@ -102,7 +103,8 @@ from ..layout import (
     round_up,
     unpack,
 )
-from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, drain, plan_buckets, split_buckets
+from ..protocols import Bucket, Buckets, drain
+from .base import Deadline, ManifestBuilder, PlannedBucket, plan_buckets, split_buckets
 
 log = get_logger(__name__)
 
@@ -118,16 +120,14 @@ RING = 4  # pinned header buffers, by step: one is rewritten only after its copy
 CTRL_WORDS = 14
 W_NACK, W_NEXT_KIND, W_NEXT_SIZE, W_NACK_NOW, W_JOIN, W_JOIN_SQ = 4, 8, 9, 10, 12, 13
 DATA, FLUSH, DONE, ABORT = 1, 2, 3, 4
-_KIND_OF = {"nccl": "cuda", "hccl": "npu", "gloo": "cpu"}
 
 
 def device_kind(backend: str) -> str:
-    if backend not in _KIND_OF:
+    try:
+        return backend_device_kind(backend)
+    except ValueError:
         raise InvalidArgument("actor_rollout_ref.rollout.checkpoint_engine.backend",
-                              f"{backend!r} is not a collective backend (nccl, hccl, gloo)")
-    kind = _KIND_OF[backend]
-    assert collective_backend(kind) == backend
-    return kind
+                              f"{backend!r} is not a collective backend (nccl, hccl, gloo)") from None
 
 
 class _Device:
@@ -324,26 +324,6 @@ def _checksum_words(checksum: str) -> tuple[int, int]:
     return _signed(int(checksum[:16], 16)), _signed(int(checksum[16:32], 16))
 
 
-class _Slots:
-    """A few device byte buffers, grown on demand."""
-
-    def __init__(self, dev: _Device, count: int) -> None:
-        self.dev = dev
-        self.bufs: list[torch.Tensor | None] = [None] * count
-
-    def get(self, slot: int, nbytes: int) -> torch.Tensor:
-        buf = self.bufs[slot]
-        if buf is None or buf.numel() < nbytes:
-            self.bufs[slot] = None
-            buf = torch.empty(max(nbytes, 8), dtype=torch.uint8, device=self.dev.device)
-            self.bufs[slot] = buf
-        return buf[:nbytes]
-
-    def release(self) -> None:
-        """Hand the buffers back to the device allocator (once nothing on any stream uses them)."""
-        self.bufs = [None] * len(self.bufs)
-
-
 class _CollectiveBase:
     def __init__(self, backend: str, address: str, *, group: str, timeout_s: float, member_id: str,
                  slots: int) -> None:
@@ -355,7 +335,7 @@ class _CollectiveBase:
         self.member_id = member_id
         self.client = ParamServerClient(address)
         self.group: _Group | None = None
-        self.slots = _Slots(self.dev, slots)
+        self.slots = ByteBuffers(slots, self.dev.device)
         # The group finished the last version: the next one starts on it at once, its rendezvous
         # RPC in the background (_check_in_later); the param server's wait would add ~2 ms.
         self._steady = False
@@ -583,8 +563,7 @@ class CollectivePublisher(_CollectiveBase):
                  buckets=len(manifest.buckets), resent=self.resent_buckets)
         if self.announce is not None:
             return announced  # the same ref: the trainer's CommitVersion after publish is a no-op re-commit
-        return common_pb2.WeightsRef(policy_version=version, param_server_address=self.address,
-                                     manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes)
+        return convert.weights_ref(manifest, self.address)
 
     async def close(self) -> None:
         try:

@@ -31,7 +31,8 @@ from services.common.logging import get_logger
 
 from .. import convert
 from ..layout import Fingerprinter, Manifest, as_bytes
-from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
+from ..protocols import Bucket, Buckets
+from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
 
 log = get_logger(__name__)
 TRANSPORT = "object_store"
@@ -123,10 +124,7 @@ class ObjectStorePublisher:
                                timeout=deadline.check("registering the version"))
         log.info("weights_published", transport=TRANSPORT, policy_version=version, total_bytes=manifest.total_bytes,
                  buckets=len(refs))
-        return common_pb2.WeightsRef(
-            policy_version=version, param_server_address=self.address,
-            manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes,
-        )
+        return convert.weights_ref(manifest, self.address)
 
 
 def _is_local(ray: Any, ref: Any) -> bool:
