@@ -167,7 +167,7 @@ class MeshRun:
         start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
                     else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
         if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
-            renice_ray_system(self.cfg.serve.ray_nice, key="serve.ray_nice")
+            renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
                 "session": uuid.uuid4().hex}

@@ -136,7 +136,7 @@ async def _drain(stream: Any) -> int:
 
 
 def _serve_param_server(cfg: dict[str, Any], out: Any) -> None:
-    from services.param_server.config import ParamServerConfig
+    from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     async def main() -> None:
@@ -325,7 +325,7 @@ def run_collective_pair(backend: str, total: int, bucket: int, rounds: int, work
     """A sender and a receiver process (`worker(role, backend, address, total, bucket, rounds,
     barrier, out, raw_port, *extra)`, default `_collective_worker`) against a param server in this
     process; returns what each put on `out`, by role."""
-    from services.param_server.config import ParamServerConfig
+    from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     target = worker or _collective_worker

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 from services.common.config import MeshConfig
+from services.common.config.param_server import ParamServerConfig
 from services.common.logging import get_logger
 from services.weights.transports.disk import disk_dir, version_dir
 
-from .config import ParamServerConfig
 from .servicer import ParamServerServicer
 from .store import StoredVersion, StoreSettings, WeightStore
 

@@ -12,13 +12,13 @@ import grpc.aio
 
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.config import MeshConfig
+from services.common.config.param_server import ParamServerConfig
 from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
 from services.common.net import local_ip
 from services.weights import wire
 from services.weights.hostmem import tune_malloc
 
-from .config import ParamServerConfig
 from .factory import build_servicer
 from .servicer import ParamServerServicer
 

@@ -37,12 +37,12 @@ import grpc.aio
 from google.protobuf.message import DecodeError
 
 from meshrl.v1 import reward_pb2
+from services.common.config.reward import RewardEndpointConfig
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError, Unauthenticated, Unavailable
 from services.common.grpc_util import bearer_metadata, message_options
 from services.common.logging import get_logger
 
 from . import convert
-from .config import RewardEndpointConfig
 from .samples import Sample, Score
 
 log = get_logger(__name__)

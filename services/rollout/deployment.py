@@ -67,7 +67,7 @@ class RolloutDeployment:
         ctx = serve.get_replica_context()
         replica_id = f"rollout-{ctx.replica_id.unique_id}"
         configure_logging("rollout", replica=replica_id)
-        set_niceness(self.cfg.serve.rollout.nice, key="serve.rollout.nice")
+        set_niceness(self.cfg.tuning.nice.rollout, key="tuning.nice.rollout")
         engine, tok = factory.build_engine(self.cfg)
         self.engine = engine
         w = self.cfg.rollout_worker

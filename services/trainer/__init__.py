@@ -1,6 +1,6 @@
 """The trainer service: one training group (rank actors driven by one Serve replica).
 
-    config.py       trainer_service.* (coordinator link, checkpoints kept, publisher)
+    (config)        trainer_service.*: services/common/config/trainer_service.py
     engines/        the TrainEngine contract (base.py) and backends: fsdp (FSDP2), megatron, mindspeed
     algos/          advantages, losses, off-policy corrections, DAPO filter (pure torch)
     core.py         the loop: FetchBatch -> advantages -> loss -> step -> publish -> checkpoint

@@ -44,7 +44,7 @@ class TrainerDeployment:
     ) -> None:
         cfg = MeshConfig.model_validate(config)
         configure_logging("trainer", json=True, trainer_id=cfg.trainer_service.trainer_id)
-        set_niceness(cfg.serve.trainer.nice, key="serve.trainer.nice")
+        set_niceness(cfg.tuning.nice.trainer, key="tuning.nice.trainer")
         extras = extras or {}
         self.parts: TrainerParts = await build_trainer(
             cfg, run_dir, algorithm=extras.get("algorithm"), publisher=extras.get("publisher"),

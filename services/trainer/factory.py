@@ -293,7 +293,7 @@ async def build_trainer(
     )
     pub = publisher or _publisher(cfg, run_dir, client)
     group = await RayTrainGroup.create(
-        spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus, nice=ts.worker_nice
+        spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus, nice=cfg.tuning.nice.trainer_ranks
     )
     if isinstance(pub, RankZeroPublisher):
         try:

@@ -131,7 +131,7 @@ class TrainWorker:
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )
         configure_logging("trainer", rank=self.rank)
-        set_niceness(nice, key="trainer_service.worker_nice")
+        set_niceness(nice, key="tuning.nice.trainer_ranks")
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.spec = spec
         self.engine = get_engine_cls(backend, spec.device).build(spec)

@@ -125,7 +125,7 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
     results are keyed "recv1", "recv2", ...) against a param server in this process; returns
     {(role, version): (outcome, count), "versions": [...]}."""
     import services.common.config  # noqa: F401
-    from services.param_server.config import ParamServerConfig
+    from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     async def main() -> dict:

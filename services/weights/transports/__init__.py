@@ -20,9 +20,9 @@ from typing import Any
 
 from meshrl.v1 import common_pb2
 from services.common.config import MeshConfig
+from services.common.config.param_server import data_address
 from services.common.errors import ConfigError
 from services.common.net import local_ip
-from services.param_server.config import data_address
 
 from ..protocols import WeightFetcher, WeightPublisher
 

@@ -51,7 +51,7 @@ from ..protocols import Bucket, Buckets
 from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
 
 if TYPE_CHECKING:
-    from services.param_server.config import ParamServerConfig
+    from services.common.config.param_server import ParamServerConfig
 
 log = get_logger(__name__)
 TRANSPORT = "disk"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from services.common.config.base import ConfigModel
+from .base import ConfigModel
 
 
 class TrainerServiceConfig(ConfigModel):
@@ -41,11 +41,6 @@ class TrainerServiceConfig(ConfigModel):
     by default (BENCHMARKS.md, "e2e on CPU" and "e2e on 2 GPUs")."""
     worker_num_cpus: float = Field(default=1.0, ge=0)
     """CPUs reserved per training rank actor (placement group bundle)."""
-    worker_nice: int | None = Field(default=None, ge=-20, le=19)
-    """CPU niceness of each rank's process, all its threads (Ray starts workers at 15); null: leave
-    it. Where ranks share cores with the services, 0 (with `serve.<app>.nice: 19`) keeps the
-    services from preempting the training thread. Lowering needs root, CAP_SYS_NICE or RLIMIT_NICE
-    (`ulimit -e`); without, the rank keeps Ray's and logs `niceness_not_permitted`."""
     hf_export_dir: str | None = "hf_export"
     """Where the final policy is exported as a Hugging Face checkpoint when the run ends, relative
     to the run directory; null: no export."""
