@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-import services.common.config  # noqa: F401  (config tree first)
 from services.common.errors import MissingDependency
 
 from .collective_workers import check_nacks_and_abort, check_steady_group_version_mismatch, run_pair

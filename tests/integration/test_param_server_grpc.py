@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.config.param_server import ParamServerConfig

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 from services.common.config import MeshConfig
 from services.param_server.deployment import APP_NAME, DEPLOYMENT_NAME, build_app

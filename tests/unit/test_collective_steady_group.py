@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-import services.common.config  # noqa: F401  (config tree first)
 from services.common.errors import DeadlineExceeded
 from services.weights.transports.collective import CollectiveFetcher
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 from services.common.errors import DataLoss, NotFound
 from services.weights.transports.disk import DiskFetcher, DiskPublisher, bucket_file, version_dir
