@@ -21,7 +21,7 @@ from typing import Any
 
 from ray import serve
 
-from meshrl.v1 import reward_pb2
+from meshrl.v1 import reward_pb2, rollout_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
@@ -110,8 +110,8 @@ class RolloutDeployment:
         if not self.worker.healthy:
             raise RuntimeError("rollout worker loop stopped; see the replica log")
 
-    async def status(self) -> dict[str, Any]:
-        """The worker's counters (handle calls; `meshrl train` samples them for rollout metrics)."""
+    async def status(self) -> rollout_pb2.GetRolloutStatusResponse:
+        """GetRolloutStatus's answer, for handle calls (`meshrl train` samples it for rollout metrics)."""
         return self.worker.status()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

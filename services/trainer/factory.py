@@ -148,8 +148,8 @@ def algorithm_from_config(cfg: MeshConfig) -> Algorithm:
     def advantages(batch: Any) -> Any:
         return algos.compute_advantages(batch, algo_cfg)
 
-    def values(batch: Any) -> Any:
-        return algos.dynamic_sampling_values(batch, metric)
+    def values(seq_tensors: Any) -> Any:
+        return algos.dynamic_sampling_values(seq_tensors, metric)
 
     def correct(batch: Any) -> dict[str, float]:
         return algos.apply_rollout_correction(batch, algo_cfg)  # type: ignore[no-any-return]

@@ -122,8 +122,8 @@ def _wait_finished(timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         st = handle.status.remote().result(timeout_s=30)
-        assert st["state"] != "failed", st["error"]
-        if st["state"] == "finished":
+        assert st.state != "failed", st.error
+        if st.state == "finished":
             return
         time.sleep(0.5)
     raise AssertionError(f"trainer did not finish within {timeout_s} s: {st}")
