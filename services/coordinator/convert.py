@@ -3,11 +3,10 @@ knows both). Validation errors name the offending field as a path into the reque
 
 from __future__ import annotations
 
-import json
 import math
 
 from meshrl.v1 import common_pb2, coordinator_pb2
-from services.common.data import PromptRecord
+from services.common.data import prompt_to_proto
 from services.common.errors import InvalidArgument
 
 from .core import Batch, GroupIn, LeaseGrant, LeaseLimit, Status, SubmitStatus
@@ -26,19 +25,6 @@ _SUBMIT = {
 }
 
 MAX_ID_CHARS = 256
-
-
-def prompt_to_proto(seq: int, record: PromptRecord, out: common_pb2.Prompt) -> None:
-    out.prompt_seq = seq
-    out.prompt_id = record.prompt_id
-    for role, content in record.messages:
-        out.messages.add(role=role, content=content)
-    out.text = record.text
-    out.data_source = record.data_source
-    out.ability = record.ability
-    out.ground_truth = record.ground_truth
-    if record.extra_info:
-        out.extra_info_json = json.dumps(record.extra_info, separators=(",", ":"))
 
 
 def lease_response(grant: LeaseGrant, sampling: common_pb2.SamplingParams) -> coordinator_pb2.LeasePromptsResponse:
