@@ -208,7 +208,7 @@ class MeshRun:
         trainer = await serve.get_app_handle("trainer").status.remote()
         m = trainer.metrics
         p = Progress(
-            step=int(trainer.step), total_steps=self.derived.total_optimizer_steps,
+            step=int(trainer.step), total_steps=self.derived.total_local_steps,
             policy_version=int(status.policy_version), reward_mean=m.get("critic/rewards/mean"),
             staleness_mean=m.get("staleness/mean"), tokens_per_s=m.get("perf/throughput_tokens_per_s"),
             trainer_state=trainer.state or "?", elapsed_s=time.time() - self.started,

@@ -165,12 +165,6 @@ def backoff_s(attempt: int, initial_s: float, max_s: float, rng: random.Random) 
     return rng.uniform(0.0, min(max_s, initial_s * 2 ** (attempt - 1)))
 
 
-class _Transient(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-
-
 class EndpointClient:
     """A RemoteScorer over gRPC for one `reward.endpoints[i]` (see module docstring)."""
 

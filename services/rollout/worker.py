@@ -36,6 +36,7 @@ import grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2, rollout_pb2
 from services.common.coalesce import Coalescer
+from services.common.errors import InvalidArgument
 from services.common.logging import get_logger
 from services.weights import WeightFetcher
 
@@ -303,9 +304,11 @@ class RolloutWorker:
         except Exception as exc:
             self.counters.groups_failed += 1
             log.error("group_failed", lease_id=g.lease.lease_id, error=repr(exc), exc_info=exc)
-            if isinstance(exc, ValueError):
-                # Bad input that will fail again anywhere (e.g. an overlong prompt with
-                # data.truncation=error): stop this replica so the operator sees it.
+            if isinstance(exc, InvalidArgument):
+                # Bad input that fails again on any replica (an overlong prompt with
+                # data.truncation=error, sampling or a reward item the service rejects): stop
+                # this replica so the operator sees it instead of the lease going round. Other
+                # errors (a library's ValueError included) fail the group, not the replica.
                 self._run_error = exc
                 self._draining = True
             if g.cancel_reason != "drain":  # a drained group's lease is drain's to return

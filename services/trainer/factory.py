@@ -33,7 +33,7 @@ def dataset_size(cfg: MeshConfig) -> int:
 
 def total_local_steps(cfg: MeshConfig, size: int | None) -> int:
     """Local trainer steps of the run (verl: total_train_steps * trigger_parameter_sync_step)."""
-    return derive(cfg, dataset_size=size).total_optimizer_steps
+    return derive(cfg, dataset_size=size).total_local_steps
 
 
 def total_optimizer_steps(cfg: MeshConfig, size: int | None) -> int:

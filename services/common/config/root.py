@@ -99,7 +99,10 @@ class Derived:
     max_required_samples: int
     total_rollout_steps: int
     total_train_steps: int
-    total_optimizer_steps: int
+    """Weight versions the run publishes (verl's total_train_steps)."""
+    total_local_steps: int
+    """Trainer steps (each takes required_samples prompts and runs require_batches x ppo_epochs
+    optimizer steps): total_train_steps * trigger_parameter_sync_step."""
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -107,12 +110,12 @@ class Derived:
             "max_required_samples": self.max_required_samples,
             "total_rollout_steps": self.total_rollout_steps,
             "total_train_steps": self.total_train_steps,
-            "total_optimizer_steps": self.total_optimizer_steps,
+            "total_local_steps": self.total_local_steps,
         }
 
 
 def required_samples(ppo_mini_batch_size: int, require_batches: int) -> int:
-    """Prompts consumed per trainer optimizer step."""
+    """Prompts consumed per trainer step (require_batches mini-batches of ppo_mini_batch_size)."""
     return ppo_mini_batch_size * require_batches
 
 
@@ -139,5 +142,5 @@ def derive(cfg: MeshConfig, dataset_size: int | None = None) -> Derived:
         max_required_samples=max_req,
         total_rollout_steps=total,
         total_train_steps=train_steps,
-        total_optimizer_steps=train_steps * at.trigger_parameter_sync_step,
+        total_local_steps=train_steps * at.trigger_parameter_sync_step,
     )

@@ -36,9 +36,8 @@ class TrainerServiceConfig(ConfigModel):
     step's groups (FetchBatch train_version = the version they will train at); the export of a
     new version is ordered before the next step, whose training overlaps that version's publish.
     Staleness, the budget and the ledger are as without it. Pays when the trainer is the
-    bottleneck (the built-in example on 2 CPU cores: 0.398 s per step against 0.452); in a
-    rollout-bound run on 2 H200s it measured 8-18% slower per step, cause not found, so it is off
-    by default (BENCHMARKS.md, "e2e on CPU" and "e2e on 2 GPUs")."""
+    bottleneck (the built-in example on CPU); a rollout-bound run measured slower with it, cause
+    not found, so it is off by default (BENCHMARKS.md, "e2e on CPU" and "e2e on 2 GPUs")."""
     worker_num_cpus: float = Field(default=1.0, ge=0)
     """CPUs reserved per training rank actor (placement group bundle)."""
     hf_export_dir: str | None = "hf_export"

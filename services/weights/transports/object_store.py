@@ -200,15 +200,13 @@ class ObjectStoreFetcher:
                 for attempt in range(1, self.max_attempts + 1):
                     try:
                         arrays = await asyncio.to_thread(ray.get, list(orefs), timeout=deadline.check(f"getting bucket {i}"))
-                    except Exception as exc:
-                        if type(exc).__name__ == "GetTimeoutError":
-                            raise deadline.stalled(f"getting bucket {i}", self.timeout_s) from None
-                        if type(exc).__name__ in ("ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError"):
-                            raise Unavailable(
-                                f"version {version} bucket {i} is gone from the object store ({type(exc).__name__}); "
-                                "its owner (the publishing trainer) may have exited: fetch a newer version"
-                            ) from exc
-                        raise
+                    except ray.exceptions.GetTimeoutError:
+                        raise deadline.stalled(f"getting bucket {i}", self.timeout_s) from None
+                    except ray.exceptions.ObjectLostError as exc:  # OwnerDiedError, ObjectFetchTimedOutError too
+                        raise Unavailable(
+                            f"version {version} bucket {i} is gone from the object store ({type(exc).__name__}); "
+                            "its owner (the publishing trainer) may have exited: fetch a newer version"
+                        ) from exc
                     try:
                         bucket = await asyncio.to_thread(_check_arrays, manifest, i, arrays, verify)
                         break

@@ -52,9 +52,9 @@ DeadlineExceeded, the group is aborted and re-formed (a new generation) at the n
 
 Wire buckets. Whatever size the trainer gathers buckets in (update_weights_bucket_megabytes,
 2048 by default), they travel as runs of their tensors of at most WIRE_BUCKET_BYTES (512 MiB; a
-larger tensor alone): with bigger buckets the first one's pack and the last one's check, which
-nothing overlaps, cost ~1.5 ms per GiB (0.76 of a raw broadcast at 2048 MiB, 0.70 at 4096, against
-0.85 split; BENCHMARKS.md), and the slots would take 4x the bucket size on the trainer.
+larger tensor alone): the first bucket's pack and the last one's check overlap nothing, so they
+grow with the bucket (BENCHMARKS.md, "nccl bucket sweep"), and the slots would take 4x the bucket
+size on the trainer.
 
 The sender plans its first two buckets and packs the first while its rendezvous RPC runs. It
 returns its slots to the device allocator after each version (the trainer's steps use them). It

@@ -50,10 +50,10 @@ def _make_backend(backend: str, store: Any, rank: int, size: int, timeout: datet
 
 
 class Group:
-    """A private process group: broadcast from rank 0 and sum all-reduce, as async waits. (A
-    second communicator for CTRL, so that it need not queue behind a bucket, was tried on 2 H100s:
-    no faster, since the receiver's host work per bucket is the limit, and the stuck-peer test
-    then hung in NCCL's watchdog; one communicator it is.)"""
+    """A private process group: broadcast from rank 0 and sum all-reduce, as async waits. One
+    communicator carries both CTRL and DATA: the receiver's host work per bucket, not CTRL queueing
+    behind a bucket, is the limit, and a second communicator left the stuck-peer case hanging in
+    NCCL's watchdog (BENCHMARKS.md, "Measurement notes moved out of code comments")."""
 
     def __init__(self, backend: str, store: Any, rank: int, size: int, generation: int, timeout_s: float,
                  dev: Device) -> None:
