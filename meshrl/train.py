@@ -141,7 +141,7 @@ class MeshRun:
         self._stop_sent_at: float | None = None
         self._stop_reported = 0.0
         self.interrupts = 0
-        self._rollout_prev: dict[str, dict[str, Any]] = {}
+        self._rollout_prev: dict[str, Any] = {}  # replica id -> its last GetRolloutStatusResponse
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -167,7 +167,7 @@ class MeshRun:
         start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
                     else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
         if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
-            renice_ray_system(self.cfg.serve.ray_nice, key="serve.ray_nice")
+            renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
                 "session": uuid.uuid4().hex}
@@ -206,16 +206,16 @@ class MeshRun:
 
         status = await client.status()
         trainer = await serve.get_app_handle("trainer").status.remote()
-        m = trainer.get("metrics", {})
+        m = trainer.metrics
         p = Progress(
-            step=int(trainer.get("step", 0)), total_steps=self.derived.total_optimizer_steps,
+            step=int(trainer.step), total_steps=self.derived.total_local_steps,
             policy_version=int(status.policy_version), reward_mean=m.get("critic/rewards/mean"),
             staleness_mean=m.get("staleness/mean"), tokens_per_s=m.get("perf/throughput_tokens_per_s"),
-            trainer_state=str(trainer.get("state", "?")), elapsed_s=time.time() - self.started,
+            trainer_state=trainer.state or "?", elapsed_s=time.time() - self.started,
             queued=int(status.totals.queued), in_flight=int(status.totals.in_flight),
         )
-        if trainer.get("state") == "failed":
-            raise RuntimeError(f"the trainer failed: {trainer.get('error')}")
+        if trainer.state == "failed":
+            raise RuntimeError(f"the trainer failed: {trainer.error}")
         await self._sample_rollout()
         return p
 
@@ -225,21 +225,21 @@ class MeshRun:
         from ray import serve
 
         st = await serve.get_app_handle("rollout").status.remote()
-        rid = st["replica_id"]
+        rid = st.replica_id
         prev = self._rollout_prev.get(rid)
         self._rollout_prev[rid] = st
         if prev is None:
             return
-        dt = st["uptime_s"] - prev["uptime_s"]
+        dt = st.uptime_s - prev.uptime_s
         if dt <= 0:
             return
         rec = {
             "time": time.time(), "time_s": round(time.time() - self.started, 3), "replica_id": rid,
-            "rollout/idle_ratio": max(0.0, 1.0 - (st["busy_s_now"] - prev["busy_s_now"]) / dt),
-            "rollout/interval_s": dt, "rollout/busy_s": st["busy_s_now"] - prev["busy_s_now"],
-            "rollout/tokens_per_s": (st["tokens_generated"] - prev["tokens_generated"]) / dt,
-            "rollout/policy_version": st["policy_version"], "rollout/groups_in_flight": st["groups_in_flight"],
-            "rollout/weight_load_s": st["last_weight_load_s"],
+            "rollout/idle_ratio": max(0.0, 1.0 - (st.busy_s - prev.busy_s) / dt),
+            "rollout/interval_s": dt, "rollout/busy_s": st.busy_s - prev.busy_s,
+            "rollout/tokens_per_s": (st.tokens_generated - prev.tokens_generated) / dt,
+            "rollout/policy_version": st.policy_version, "rollout/groups_in_flight": st.groups_in_flight,
+            "rollout/weight_load_s": st.last_weight_load_s,
         }
         path = self.run_dir / "metrics" / "rollout.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,7 @@ from typing import Any
 
 from meshrl.v1 import common_pb2, rollout_pb2
 from services.common.config import MeshConfig
-from services.common.data import RecordList
-from services.coordinator.convert import prompt_to_proto
+from services.common.data import RecordList, prompt_to_proto
 
 
 def val_sampling(cfg: MeshConfig) -> common_pb2.SamplingParams:

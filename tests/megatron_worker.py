@@ -148,7 +148,7 @@ def main() -> None:
         from services.common.config import derive, load_config
 
         cfg = load_config(args.mesh_config, [f"actor_rollout_ref.model.path={args.ckpt}", *args.set])
-        ecfg = MegatronEngineConfig.from_mesh(cfg, args.device, derive(cfg).total_optimizer_steps)
+        ecfg = MegatronEngineConfig.from_mesh(cfg, args.device, derive(cfg).total_local_steps)
         ecfg = ecfg.model_copy(update={"dtype": args.dtype})
         mcfg, optim = ecfg.megatron, ecfg.optim
     if args.build_spec:

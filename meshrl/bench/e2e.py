@@ -130,7 +130,7 @@ def _mesh_case(config: str | None, mode: str, overrides: list[str], targets: Seq
 def _baseline_case(cfg: MeshConfig, targets: Sequence[float], window: int, root: Path,
                    max_train_s: float | None) -> dict[str, Any]:
     from meshrl.baseline import run_baseline
-    from services.reward.client import LocalScorer
+    from services.reward.local import LocalScorer
 
     async def main() -> list[dict[str, Any]]:
         scorer = LocalScorer(cfg)

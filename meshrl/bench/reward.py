@@ -130,7 +130,8 @@ def _start_example() -> tuple[subprocess.Popen[str], str] | None:
 def run_benchmark(
     *, seconds: float = 5.0, batch_size: int = 64, concurrency: int = 4, num_items: int = 1024, serve: bool = True
 ) -> dict[str, Any]:
-    from services.reward.client import LocalScorer, RewardClient
+    from services.reward.client import RewardClient
+    from services.reward.local import LocalScorer
 
     items = make_items(num_items)
     direct, expected = bench_direct(items, seconds)

@@ -136,7 +136,7 @@ async def _drain(stream: Any) -> int:
 
 
 def _serve_param_server(cfg: dict[str, Any], out: Any) -> None:
-    from services.param_server.config import ParamServerConfig
+    from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     async def main() -> None:
@@ -149,7 +149,7 @@ def _serve_param_server(cfg: dict[str, Any], out: Any) -> None:
 
 
 def bench_grpc(weights: list, nbytes: int, rounds: int, chunk_mb: int) -> dict[str, Any]:
-    from services.param_server.transports.grpc import GrpcFetcher, GrpcPublisher
+    from services.weights.transports.grpc import GrpcFetcher, GrpcPublisher
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -174,7 +174,7 @@ def bench_grpc(weights: list, nbytes: int, rounds: int, chunk_mb: int) -> dict[s
 
 
 def bench_disk(weights: list, nbytes: int, rounds: int) -> dict[str, Any]:
-    from services.param_server.transports.disk import DiskFetcher, DiskPublisher, version_dir
+    from services.weights.transports.disk import DiskFetcher, DiskPublisher, version_dir
 
     root = tempfile.mkdtemp(prefix="meshrl-bench-weights-")
 
@@ -206,7 +206,7 @@ def bench_object_store(weights: list, nbytes: int, rounds: int) -> dict[str, Any
     from services.common.config import MeshConfig
     from services.common.serve_util import init_ray
     from services.param_server.deployment import APP_NAME, build_app
-    from services.param_server.transports.object_store import ObjectStoreFetcher, ObjectStorePublisher, ServeDirectory
+    from services.weights.transports.object_store import ObjectStoreFetcher, ObjectStorePublisher, ServeDirectory
 
     started = not ray.is_initialized()
     init_ray(num_cpus=4)
@@ -235,7 +235,7 @@ def bench_object_store(weights: list, nbytes: int, rounds: int) -> dict[str, Any
 
 def _collective_worker(role: str, backend: str, address: str, total: int, bucket: int, rounds: int,
                        barrier: Any, out: Any, raw_port: int) -> None:
-    from services.param_server.transports.collective import CollectiveFetcher, CollectivePublisher
+    from services.weights.transports.collective import CollectiveFetcher, CollectivePublisher
 
     device = "cpu"
     if backend == "nccl":
@@ -325,7 +325,7 @@ def run_collective_pair(backend: str, total: int, bucket: int, rounds: int, work
     """A sender and a receiver process (`worker(role, backend, address, total, bucket, rounds,
     barrier, out, raw_port, *extra)`, default `_collective_worker`) against a param server in this
     process; returns what each put on `out`, by role."""
-    from services.param_server.config import ParamServerConfig
+    from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     target = worker or _collective_worker

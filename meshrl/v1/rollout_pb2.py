@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from meshrl.v1 import common_pb2 as meshrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\x84\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Prompt\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12\r\n\x05score\x18\x04 \x01(\x08\"U\n\x10GenerateResponse\x12)\n\x05group\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.TrajectoryGroup\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\">\n\x14UpdateWeightsRequest\x12&\n\x07weights\x18\x01 \x01(\x0b\x32\x15.meshrl.v1.WeightsRef\"?\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\"\x19\n\x17GetRolloutStatusRequest\"\xc6\x02\n\x18GetRolloutStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x18\n\x10groups_in_flight\x18\x04 \x01(\r\x12\x18\n\x10groups_submitted\x18\x05 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x04\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12J\n\x0c\x65ngine_stats\x18\t \x03(\x0b\x32\x34.meshrl.v1.GetRolloutStatusResponse.EngineStatsEntry\x1a\x32\n\x10\x45ngineStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"(\n\x0c\x44rainRequest\x12\x18\n\x10\x66inish_in_flight\x18\x01 \x01(\x08\"A\n\rDrainResponse\x12\x17\n\x0freturned_leases\x18\x01 \x01(\r\x12\x17\n\x0f\x66inished_groups\x18\x02 \x01(\r2\xc2\x02\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x1b.meshrl.v1.GenerateResponse\x12R\n\rUpdateWeights\x12\x1f.meshrl.v1.UpdateWeightsRequest\x1a .meshrl.v1.UpdateWeightsResponse\x12[\n\x10GetRolloutStatus\x12\".meshrl.v1.GetRolloutStatusRequest\x1a#.meshrl.v1.GetRolloutStatusResponse\x12:\n\x05\x44rain\x12\x17.meshrl.v1.DrainRequest\x1a\x18.meshrl.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/rollout.proto\x12\tmeshrl.v1\x1a\x16meshrl/v1/common.proto\"\x84\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Prompt\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.meshrl.v1.SamplingParams\x12\r\n\x05score\x18\x04 \x01(\x08\"U\n\x10GenerateResponse\x12)\n\x05group\x18\x01 \x01(\x0b\x32\x1a.meshrl.v1.TrajectoryGroup\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\">\n\x14UpdateWeightsRequest\x12&\n\x07weights\x18\x01 \x01(\x0b\x32\x15.meshrl.v1.WeightsRef\"?\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\"\x19\n\x17GetRolloutStatusRequest\"\xdc\x04\n\x18GetRolloutStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x18\n\x10groups_in_flight\x18\x04 \x01(\r\x12\x18\n\x10groups_submitted\x18\x05 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x04\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12J\n\x0c\x65ngine_stats\x18\t \x03(\x0b\x32\x34.meshrl.v1.GetRolloutStatusResponse.EngineStatsEntry\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\x0e\n\x06\x62usy_s\x18\x0b \x01(\x01\x12\x1a\n\x12last_weight_load_s\x18\x0c \x01(\x01\x12\x16\n\x0eweights_failed\x18\r \x01(\x08\x12\x16\n\x0eweights_synced\x18\x0e \x01(\x08\x12\x16\n\x0egroups_expired\x18\x0f \x01(\x04\x12\x15\n\rgroups_failed\x18\x10 \x01(\x04\x12\x17\n\x0fleases_returned\x18\x11 \x01(\x04\x12\x13\n\x0bleases_lost\x18\x12 \x01(\x04\x12\x11\n\tresubmits\x18\x13 \x01(\x04\x12\x16\n\x0eweight_updates\x18\x14 \x01(\x04\x12\x1e\n\x16weight_update_failures\x18\x15 \x01(\x04\x1a\x32\n\x10\x45ngineStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"(\n\x0c\x44rainRequest\x12\x18\n\x10\x66inish_in_flight\x18\x01 \x01(\x08\"A\n\rDrainResponse\x12\x17\n\x0freturned_leases\x18\x01 \x01(\r\x12\x17\n\x0f\x66inished_groups\x18\x02 \x01(\r2\xc2\x02\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.meshrl.v1.GenerateRequest\x1a\x1b.meshrl.v1.GenerateResponse\x12R\n\rUpdateWeights\x12\x1f.meshrl.v1.UpdateWeightsRequest\x1a .meshrl.v1.UpdateWeightsResponse\x12[\n\x10GetRolloutStatus\x12\".meshrl.v1.GetRolloutStatusRequest\x1a#.meshrl.v1.GetRolloutStatusResponse\x12:\n\x05\x44rain\x12\x17.meshrl.v1.DrainRequest\x1a\x18.meshrl.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,13 +45,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=413
   _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=438
   _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_start=441
-  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_end=767
-  _globals['_GETROLLOUTSTATUSRESPONSE_ENGINESTATSENTRY']._serialized_start=717
-  _globals['_GETROLLOUTSTATUSRESPONSE_ENGINESTATSENTRY']._serialized_end=767
-  _globals['_DRAINREQUEST']._serialized_start=769
-  _globals['_DRAINREQUEST']._serialized_end=809
-  _globals['_DRAINRESPONSE']._serialized_start=811
-  _globals['_DRAINRESPONSE']._serialized_end=876
-  _globals['_ROLLOUTSERVICE']._serialized_start=879
-  _globals['_ROLLOUTSERVICE']._serialized_end=1201
+  _globals['_GETROLLOUTSTATUSRESPONSE']._serialized_end=1045
+  _globals['_GETROLLOUTSTATUSRESPONSE_ENGINESTATSENTRY']._serialized_start=995
+  _globals['_GETROLLOUTSTATUSRESPONSE_ENGINESTATSENTRY']._serialized_end=1045
+  _globals['_DRAINREQUEST']._serialized_start=1047
+  _globals['_DRAINREQUEST']._serialized_end=1087
+  _globals['_DRAINRESPONSE']._serialized_start=1089
+  _globals['_DRAINRESPONSE']._serialized_end=1154
+  _globals['_ROLLOUTSERVICE']._serialized_start=1157
+  _globals['_ROLLOUTSERVICE']._serialized_end=1479
 # @@protoc_insertion_point(module_scope)

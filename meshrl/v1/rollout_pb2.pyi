@@ -163,6 +163,18 @@ class GetRolloutStatusResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     ENGINE_STATS_FIELD_NUMBER: _builtins.int
+    UPTIME_S_FIELD_NUMBER: _builtins.int
+    BUSY_S_FIELD_NUMBER: _builtins.int
+    LAST_WEIGHT_LOAD_S_FIELD_NUMBER: _builtins.int
+    WEIGHTS_FAILED_FIELD_NUMBER: _builtins.int
+    WEIGHTS_SYNCED_FIELD_NUMBER: _builtins.int
+    GROUPS_EXPIRED_FIELD_NUMBER: _builtins.int
+    GROUPS_FAILED_FIELD_NUMBER: _builtins.int
+    LEASES_RETURNED_FIELD_NUMBER: _builtins.int
+    LEASES_LOST_FIELD_NUMBER: _builtins.int
+    RESUBMITS_FIELD_NUMBER: _builtins.int
+    WEIGHT_UPDATES_FIELD_NUMBER: _builtins.int
+    WEIGHT_UPDATE_FAILURES_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     engine: _builtins.str
     policy_version: _builtins.int
@@ -171,6 +183,23 @@ class GetRolloutStatusResponse(_message.Message):
     tokens_generated: _builtins.int
     paused: _builtins.bool
     draining: _builtins.bool
+    uptime_s: _builtins.float
+    """Seconds since the worker started."""
+    busy_s: _builtins.float
+    """Seconds with at least one leased group in flight, up to now (idle ratio = 1 - busy_s / uptime_s)."""
+    last_weight_load_s: _builtins.float
+    """Duration of the last weight update (fetch + load)."""
+    weights_failed: _builtins.bool
+    """The last weight update failed (the replica leases nothing until one succeeds)."""
+    weights_synced: _builtins.bool
+    """The replica has the coordinator's current version (it leases only then)."""
+    groups_expired: _builtins.int
+    groups_failed: _builtins.int
+    leases_returned: _builtins.int
+    leases_lost: _builtins.int
+    resubmits: _builtins.int
+    weight_updates: _builtins.int
+    weight_update_failures: _builtins.int
     @_builtins.property
     def engine_stats(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Engine-specific numbers (memory, KV usage, ...)."""
@@ -187,10 +216,22 @@ class GetRolloutStatusResponse(_message.Message):
         paused: _builtins.bool = ...,
         draining: _builtins.bool = ...,
         engine_stats: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        uptime_s: _builtins.float = ...,
+        busy_s: _builtins.float = ...,
+        last_weight_load_s: _builtins.float = ...,
+        weights_failed: _builtins.bool = ...,
+        weights_synced: _builtins.bool = ...,
+        groups_expired: _builtins.int = ...,
+        groups_failed: _builtins.int = ...,
+        leases_returned: _builtins.int = ...,
+        leases_lost: _builtins.int = ...,
+        resubmits: _builtins.int = ...,
+        weight_updates: _builtins.int = ...,
+        weight_update_failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "engine", b"engine", "engine_stats", b"engine_stats", "groups_in_flight", b"groups_in_flight", "groups_submitted", b"groups_submitted", "paused", b"paused", "policy_version", b"policy_version", "replica_id", b"replica_id", "tokens_generated", b"tokens_generated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_s", b"busy_s", "draining", b"draining", "engine", b"engine", "engine_stats", b"engine_stats", "groups_expired", b"groups_expired", "groups_failed", b"groups_failed", "groups_in_flight", b"groups_in_flight", "groups_submitted", b"groups_submitted", "last_weight_load_s", b"last_weight_load_s", "leases_lost", b"leases_lost", "leases_returned", b"leases_returned", "paused", b"paused", "policy_version", b"policy_version", "replica_id", b"replica_id", "resubmits", b"resubmits", "tokens_generated", b"tokens_generated", "uptime_s", b"uptime_s", "weight_update_failures", b"weight_update_failures", "weight_updates", b"weight_updates", "weights_failed", b"weights_failed", "weights_synced", b"weights_synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

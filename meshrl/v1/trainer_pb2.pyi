@@ -64,12 +64,21 @@ class GetTrainerStatusResponse(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    OPTIMIZER_STEPS_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     engine: _builtins.str
     step: _builtins.int
     policy_version: _builtins.int
     world_size: _builtins.int
     last_checkpoint_step: _builtins.int
+    state: _builtins.str
+    """The loop's state: created, starting, training, finished, failed."""
+    error: _builtins.str
+    """Why the loop failed (state == "failed"), else empty."""
+    optimizer_steps: _builtins.int
+    """Optimizer steps taken (the LR schedule's position), across restarts."""
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Latest step metrics (loss parts, grad norm, lr, tokens/s, idle ratio ...)."""
@@ -84,10 +93,13 @@ class GetTrainerStatusResponse(_message.Message):
         world_size: _builtins.int = ...,
         metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         last_checkpoint_step: _builtins.int = ...,
+        state: _builtins.str = ...,
+        error: _builtins.str = ...,
+        optimizer_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "last_checkpoint_step", b"last_checkpoint_step", "metrics", b"metrics", "policy_version", b"policy_version", "step", b"step", "trainer_id", b"trainer_id", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "last_checkpoint_step", b"last_checkpoint_step", "metrics", b"metrics", "optimizer_steps", b"optimizer_steps", "policy_version", b"policy_version", "state", b"state", "step", b"step", "trainer_id", b"trainer_id", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.param_server.layout import fingerprint_columns_async, fingerprint_tensor
+from services.weights.layout import fingerprint_columns_async, fingerprint_tensor
 
 
 def _time(fn: Callable[[], object], repeats: int = 10) -> float:

@@ -54,9 +54,10 @@ def _timed(name: str, fn: Any) -> Any:
 
 
 def _patch() -> None:
-    from services.param_server.transports import collective as c
+    from services.weights.client import ParamServerClient
+    from services.weights.transports.collective import device, group, receiver, sender
 
-    async def wait(self: Any, work: Any, deadline: Any, doing: str, _orig: Any = c._Group.wait) -> None:
+    async def wait(self: Any, work: Any, deadline: Any, doing: str, _orig: Any = group.Group.wait) -> None:
         t0 = time.perf_counter()
         try:
             await _orig(self, work, deadline, doing)
@@ -64,14 +65,14 @@ def _patch() -> None:
             key = "wait:" + doing.split(" ")[0] + (" control" if "control" in doing else "")
             SPANS.append((key, t0, time.perf_counter()))
 
-    c._Group.wait = wait  # type: ignore[method-assign]
-    for cls, names in ((c._Group, ("broadcast", "allreduce_sum")), (c._Device, ("to_host",)),
-                       (c.CollectivePublisher, ("_pack", "_ensure_group", "_steady_group")),
-                       (c.CollectiveFetcher, ("_verify", "_ensure_group", "_steady_group"))):
+    group.Group.wait = wait  # type: ignore[method-assign]
+    for cls, names in ((group.Group, ("broadcast", "allreduce_sum")), (device.Device, ("to_host",)),
+                       (sender.CollectivePublisher, ("_pack", "_ensure_group", "_steady_group")),
+                       (receiver.CollectiveFetcher, ("_verify", "_ensure_group", "_steady_group"))):
         for n in names:
             if hasattr(cls, n):
                 setattr(cls, n, _timed(f"{cls.__name__}.{n}", getattr(cls, n)))
-    c.ParamServerClient.register = _timed("client.register", c.ParamServerClient.register)  # type: ignore[method-assign]
+    ParamServerClient.register = _timed("client.register", ParamServerClient.register)  # type: ignore[method-assign]
 
 
 def _summ(spans: list[tuple[str, float, float]]) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def _worker(role: str, backend: str, address: str, total: int, bucket: int, roun
     # one extra round under the profiler
     from torch.profiler import ProfilerActivity, profile
 
-    from services.param_server.transports.collective import CollectiveFetcher, CollectivePublisher
+    from services.weights.transports.collective import CollectiveFetcher, CollectivePublisher
 
     dev = "cuda" if backend == "nccl" else "cpu"
     weights = wb.make_weights(total, bucket, dev) if role == "sender" else None

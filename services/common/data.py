@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from meshrl.v1 import common_pb2
 from services.common.errors import ConfigError
 
 
@@ -29,6 +30,20 @@ class PromptRecord:
     ability: str = ""
     ground_truth: str = ""
     extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+def prompt_to_proto(seq: int, record: PromptRecord, out: common_pb2.Prompt) -> None:
+    """Fill `out` (a Prompt inside a message being built) with prompt `seq`'s record."""
+    out.prompt_seq = seq
+    out.prompt_id = record.prompt_id
+    for role, content in record.messages:
+        out.messages.add(role=role, content=content)
+    out.text = record.text
+    out.data_source = record.data_source
+    out.ability = record.ability
+    out.ground_truth = record.ground_truth
+    if record.extra_info:
+        out.extra_info_json = json.dumps(record.extra_info, separators=(",", ":"))
 
 
 class Dataset(Protocol):

@@ -51,6 +51,14 @@ def collective_backend(kind: str) -> str:
         raise ValueError(f"unknown device kind {kind!r}; use cuda, npu or cpu") from None
 
 
+def backend_device_kind(backend: str) -> DeviceKind:
+    """cuda / npu / cpu for nccl / hccl / gloo (the inverse of `collective_backend`)."""
+    for kind, name in _BACKEND.items():
+        if name == backend:
+            return kind  # type: ignore[return-value]
+    raise ValueError(f"unknown collective backend {backend!r}; use nccl (CUDA), hccl (Ascend) or gloo (CPU)")
+
+
 def ray_resource(kind: str) -> str | None:
     """GPU / NPU / None for cuda / npu / cpu."""
     if kind not in _RAY_RESOURCE:
@@ -149,14 +157,10 @@ class CollectiveTransport:
 def collective_transport(transport: str) -> CollectiveTransport:
     """The process-group recipe for a param_server collective transport name (`nccl`, `hccl`,
     `gloo`). `hccl` needs torch_npu and CANN at group creation (checked by `require_npu`)."""
-    if transport == "nccl":
-        return CollectiveTransport("nccl", "cuda", {})
-    if transport == "hccl":
-        # HCCL's own connect timeout (s) defaults to 120; large broadcasts across nodes need more.
-        return CollectiveTransport("hccl", "npu", {"HCCL_CONNECT_TIMEOUT": "600"})
-    if transport == "gloo":
-        return CollectiveTransport("gloo", "cpu", {})
-    raise ValueError(f"unknown collective transport {transport!r}; use nccl (CUDA), hccl (Ascend) or gloo (CPU)")
+    kind = backend_device_kind(transport)
+    # HCCL's own connect timeout (s) defaults to 120; large broadcasts across nodes need more.
+    env = {"HCCL_CONNECT_TIMEOUT": "600"} if kind == "npu" else {}
+    return CollectiveTransport(transport, kind, env)
 
 
 def vllm_platform_env(kind: str) -> dict[str, str]:

@@ -61,11 +61,6 @@ def create_channel(
     return grpc.aio.insecure_channel(address, options=options)
 
 
-def create_sync_channel(address: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> grpc.Channel:
-    """A blocking channel (CLI, tests). Never use one inside an asyncio server's loop."""
-    return grpc.insecure_channel(address, options=message_options(max_message_bytes))
-
-
 def create_server(
     *,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,

@@ -2,14 +2,14 @@
 
 Where the trainer's ranks share CPU cores with the services (the built-in example on a laptop),
 the rank's training thread is the bottleneck and every other process preempts it. Ray starts its
-workers at niceness 15; `serve.<app>.nice` moves a service's replicas and
-`trainer_service.worker_nice` the trainer's ranks.
+workers at niceness 15; `tuning.nice.<app>` moves a service's replicas and
+`tuning.nice.trainer_ranks` the trainer's ranks.
 
 On Linux niceness belongs to each thread, and a new thread takes its creator's. A replica or a
 rank already runs threads when its code starts (Ray's core worker, gRPC), so every thread in
 /proc/self/task is set. Raising niceness (lower priority) is always allowed. Lowering it needs
 root, CAP_SYS_NICE or a RLIMIT_NICE (`ulimit -e`) that allows it; without them the process keeps
-its niceness and logs why. `serve.ray_nice` moves the local Ray's own daemons and Serve's
+its niceness and logs why. `tuning.nice.ray_daemons` moves the local Ray's own daemons and Serve's
 controller and proxy, which Ray starts at 0 and 15 (`renice_ray_system`).
 """
 

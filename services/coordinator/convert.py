@@ -3,12 +3,11 @@ knows both). Validation errors name the offending field as a path into the reque
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 
 from meshrl.v1 import common_pb2, coordinator_pb2
-from services.common.data import PromptRecord
+from services.common.data import prompt_to_proto
 from services.common.errors import InvalidArgument
 
 from .core import Batch, GrantedLease, GroupIn, LeaseGrant, LeaseLimit, Status, SubmitStatus
@@ -34,19 +33,6 @@ MAX_ADDRESS_CHARS = 1024
 MAX_CHECKSUM_CHARS = 128
 LEASE_REPLY_OVERHEAD = 64
 """Bytes of a LeasePromptsResponse besides its leases and sampling params."""
-
-
-def prompt_to_proto(seq: int, record: PromptRecord, out: common_pb2.Prompt) -> None:
-    out.prompt_seq = seq
-    out.prompt_id = record.prompt_id
-    for role, content in record.messages:
-        out.messages.add(role=role, content=content)
-    out.text = record.text
-    out.data_source = record.data_source
-    out.ability = record.ability
-    out.ground_truth = record.ground_truth
-    if record.extra_info:
-        out.extra_info_json = json.dumps(record.extra_info, separators=(",", ":"))
 
 
 def lease_wire_bytes(lease: GrantedLease) -> int:

@@ -34,7 +34,7 @@ class CoordinatorDeployment:
     ) -> None:
         cfg = MeshConfig.model_validate(config)
         configure_logging("coordinator", json=True, run_id=run_id or None)
-        set_niceness(cfg.serve.coordinator.nice, key="serve.coordinator.nice")
+        set_niceness(cfg.tuning.nice.coordinator, key="tuning.nice.coordinator")
         # SESSION: fixed by whoever deploys the app, so a restarted replica keeps a pending Stop.
         self._servicer = build_servicer(cfg, run_dir, run_id, session)
         self._servicer.start_sweeper()

@@ -1,60 +1,10 @@
-"""Proto <-> Python for the param server (manifests, versions, refs)."""
+"""Proto <-> Python for the param server's own messages (manifests and refs: services/weights/convert.py)."""
 
 from __future__ import annotations
 
-from meshrl.v1 import common_pb2, param_server_pb2
-from services.common.errors import InvalidArgument
+from meshrl.v1 import param_server_pb2
 
-from .layout import BucketMeta, Manifest, TensorMeta, dtype_from_proto, dtype_to_proto
 from .store import StoredVersion
-
-
-def manifest_to_proto(m: Manifest) -> param_server_pb2.Manifest:
-    return param_server_pb2.Manifest(
-        policy_version=m.policy_version,
-        tensors=[
-            param_server_pb2.TensorMeta(
-                name=t.name, dtype=dtype_to_proto(t.dtype), shape=list(t.shape),  # type: ignore[arg-type]
-                bucket_index=t.bucket_index, offset=t.offset, nbytes=t.nbytes,
-            )
-            for t in m.tensors
-        ],
-        buckets=[bucket_to_proto(b) for b in m.buckets],
-        total_bytes=m.total_bytes,
-        checksum=m.checksum,
-        created_unix_s=m.created_unix_s,
-        transports=list(m.transports),
-    )
-
-
-def manifest_from_proto(p: param_server_pb2.Manifest) -> Manifest:
-    tensors = []
-    for t in p.tensors:
-        if not t.name:
-            raise InvalidArgument("manifest.tensors.name", "empty tensor name")
-        tensors.append(
-            TensorMeta(
-                name=t.name, dtype=dtype_from_proto(t.dtype), shape=tuple(int(s) for s in t.shape),
-                bucket_index=t.bucket_index, offset=t.offset, nbytes=t.nbytes,
-            )
-        )
-    return Manifest(
-        policy_version=p.policy_version,
-        tensors=tuple(tensors),
-        buckets=tuple(bucket_from_proto(b) for b in p.buckets),
-        total_bytes=p.total_bytes,
-        checksum=p.checksum,
-        created_unix_s=p.created_unix_s,
-        transports=tuple(p.transports),
-    )
-
-
-def bucket_to_proto(b: BucketMeta) -> param_server_pb2.BucketMeta:
-    return param_server_pb2.BucketMeta(index=b.index, nbytes=b.nbytes, sha256=b.sha256, fingerprint=b.fingerprint)
-
-
-def bucket_from_proto(p: param_server_pb2.BucketMeta) -> BucketMeta:
-    return BucketMeta(index=p.index, nbytes=p.nbytes, fingerprint=p.fingerprint, sha256=p.sha256)
 
 
 def version_info(stored: StoredVersion, now: float) -> param_server_pb2.VersionInfo:
@@ -64,11 +14,4 @@ def version_info(stored: StoredVersion, now: float) -> param_server_pb2.VersionI
         total_bytes=m.total_bytes,
         holders=stored.live_holders(now) + stored.readers,
         created_unix_s=m.created_unix_s,
-    )
-
-
-def weights_ref(m: Manifest, address: str) -> common_pb2.WeightsRef:
-    return common_pb2.WeightsRef(
-        policy_version=m.policy_version, param_server_address=address,
-        manifest_checksum=m.checksum, total_bytes=m.total_bytes,
     )

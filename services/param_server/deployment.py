@@ -25,8 +25,8 @@ from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
 from services.common.serve_util import grpc_shim, log_init_errors
+from services.weights import convert
 
-from . import convert
 from .server import ParamServerServer
 
 log = get_logger(__name__)
@@ -44,7 +44,7 @@ class ParamServerDeployment:
     async def __init__(self, config: dict[str, Any], run_dir: str | None = None, run_id: str = "") -> None:  # type: ignore[misc]
         cfg = MeshConfig.model_validate(config)
         configure_logging("param_server", json=True, run_id=run_id or None)
-        set_niceness(cfg.serve.param_server.nice, key="serve.param_server.nice")
+        set_niceness(cfg.tuning.nice.param_server, key="tuning.nice.param_server")
         self.server = ParamServerServer(cfg, run_dir)
         await self.server.start()
         self._servicer = self.server.servicer

@@ -7,24 +7,15 @@ import shutil
 from pathlib import Path
 
 from services.common.config import MeshConfig
+from services.common.config.param_server import ParamServerConfig
 from services.common.logging import get_logger
+from services.weights.transports.disk import disk_dir, version_dir
 
-from .config import ParamServerConfig
 from .servicer import ParamServerServicer
 from .store import StoredVersion, StoreSettings, WeightStore
-from .transports.disk import version_dir
 
 log = get_logger(__name__)
 MiB = 1 << 20
-
-
-def disk_dir(cfg: ParamServerConfig, run_dir: str | os.PathLike[str] | None) -> Path:
-    """Where the `disk` transport writes versions."""
-    if cfg.disk_dir:
-        return Path(cfg.disk_dir)
-    if run_dir is None:
-        raise ValueError("param_server.disk_dir is not set and there is no run directory; set param_server.disk_dir")
-    return Path(run_dir) / "weights"
 
 
 def store_settings(cfg: ParamServerConfig) -> StoreSettings:

@@ -1,11 +1,10 @@
 """The param server as a plain grpc.aio server, without Ray (`meshrl param-server serve`, tests,
 benchmarks, and the data plane inside the Serve replica). Weight chunks use the zero-copy codec
-of wire.py; every other message is plain protobuf."""
+of services/weights/wire.py; every other message is plain protobuf."""
 
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import grpc
@@ -13,13 +12,14 @@ import grpc.aio
 
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.config import MeshConfig
+from services.common.config.param_server import ParamServerConfig
 from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
+from services.common.net import local_ip
+from services.weights import wire
+from services.weights.hostmem import tune_malloc
 
-from . import wire
-from .config import ParamServerConfig
 from .factory import build_servicer
-from .hostmem import tune_malloc
 from .servicer import ParamServerServicer
 
 log = get_logger(__name__)
@@ -53,16 +53,6 @@ def add_to_server(servicer: ParamServerServicer, server: Any) -> None:
             getattr(servicer, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-
-
-def local_ip() -> str:
-    """This host's address as other hosts see it (best effort, no traffic sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
 
 
 def advertised(cfg: ParamServerConfig, port: int) -> str:

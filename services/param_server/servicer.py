@@ -1,7 +1,7 @@
 """ParamServerService over gRPC: proto in -> store call -> proto out (or a status code).
 
 The same servicer runs as a plain grpc.aio server (server.py, with the zero-copy chunk codec of
-wire.py: chunks arrive as `RawChunk`, leave through FetchWeightsRaw) and under Ray Serve
+services/weights/wire.py: chunks arrive as `RawChunk`, leave through FetchWeightsRaw) and under Ray Serve
 (deployment.py, where every message is a proto); both can serve one store at once. Store calls happen on one asyncio loop; only the per-chunk copy and
 fingerprint run in a worker thread. Waiting RPCs (Rendezvous) sleep on `_changed`, an event
 replaced after every change.
@@ -23,12 +23,13 @@ from meshrl.v1 import param_server_pb2, param_server_pb2_grpc
 from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.common.grpc_util import rpc_method
 from services.common.logging import get_logger
+from services.weights import convert
+from services.weights.layout import host_view
+from services.weights.wire import RawChunk
 
-from . import convert
-from .layout import host_view
+from .convert import version_info
 from .rendezvous import RendezvousBoard
 from .store import Upload, WeightStore
-from .wire import RawChunk
 
 log = get_logger(__name__)
 
@@ -224,7 +225,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
     async def ListVersions(self, request: param_server_pb2.ListVersionsRequest, context: Any) -> param_server_pb2.ListVersionsResponse:
         now = self.clock()
         return param_server_pb2.ListVersionsResponse(
-            versions=[convert.version_info(s, now) for s in self.store.versions()]
+            versions=[version_info(s, now) for s in self.store.versions()]
         )
 
     @rpc_method()

@@ -29,8 +29,7 @@ import numpy as np
 import torch
 
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
-
-from .layout import BucketMeta, Fingerprinter, Manifest, validate_manifest, verify_bucket
+from services.weights.layout import BucketMeta, Fingerprinter, Manifest, validate_manifest, verify_bucket
 
 GRPC_TRANSPORT = "grpc"
 

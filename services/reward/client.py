@@ -7,8 +7,9 @@ overlong shaping), one result per item in order, errors as MeshError subclasses:
 - `RewardClient(address, application="reward")`: gRPC, through Serve's gRPC ingress (or a plain
   RewardServer / any RewardService);
 - `HandleScorer(handle)`: a Ray Serve DeploymentHandle to the reward deployment (in-cluster);
-- `LocalScorer(cfg)`: the pipeline in this process, no Ray, no network (tests, the single-process
-  baseline).
+- `LocalScorer(cfg)` (services/reward/local.py): the pipeline in this process, no Ray, no
+  network (tests, the single-process baseline). It lives apart so that importing this module
+  (the rollout does) loads no scoring code.
 
 Errors a caller should expect: InvalidArgument (a bad item; fix the caller), Unavailable or
 DeadlineExceeded (the reward service, or an external endpoint behind it, is down: keep the group
@@ -28,11 +29,7 @@ import grpc.aio
 
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common import errors
-from services.common.config import MeshConfig
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, bearer_metadata, create_channel
-
-from . import convert
-from .factory import build_pipeline
 
 Scorer = Callable[[list[reward_pb2.ScoreItem]], Awaitable[list[reward_pb2.ScoreResult]]]
 
@@ -159,25 +156,3 @@ class HandleScorer:
             raise
         _check(resp.results, items, "reward deployment")
         return list(resp.results)
-
-
-class LocalScorer:
-    """Scorer running the reward pipeline in this process (no Ray, no server). Use from one
-    event loop; `close()` when done."""
-
-    def __init__(self, cfg: MeshConfig) -> None:
-        self.cfg = cfg
-        self.pipeline = build_pipeline(cfg)
-        self.max_items = cfg.reward.max_items_per_request
-
-    async def __call__(self, items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
-        samples = convert.samples_from_items(items, max_items=self.max_items)
-        self.pipeline.validate(samples)
-        scores = await self.pipeline.score(samples)
-        return [convert.result_from_score(s) for s in scores]
-
-    def status(self) -> dict[str, Any]:
-        return self.pipeline.status()
-
-    async def close(self) -> None:
-        await self.pipeline.close()

@@ -104,6 +104,3 @@ def scores_from_response(resp: reward_pb2.ScoreResponse, samples: Sequence[Sampl
         out.append(Score(r.item_id, r.score, dict(r.metrics)))
     return out
 
-
-def scores_from_results(results: Sequence[reward_pb2.ScoreResult]) -> list[Score]:
-    return [Score(r.item_id, r.score, dict(r.metrics)) for r in results]

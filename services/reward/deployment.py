@@ -88,7 +88,7 @@ class RewardDeployment:
         ctx = serve.get_replica_context()
         replica = getattr(getattr(ctx, "replica_id", None), "unique_id", None)
         configure_logging("reward", json=True, replica=replica)
-        set_niceness(cfg.serve.reward.nice, key="serve.reward.nice")
+        set_niceness(cfg.tuning.nice.reward, key="tuning.nice.reward")
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
         self._servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request, score_fn=self._score)

@@ -37,12 +37,12 @@ import grpc.aio
 from google.protobuf.message import DecodeError
 
 from meshrl.v1 import reward_pb2
+from services.common.config.reward import RewardEndpointConfig
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError, Unauthenticated, Unavailable
 from services.common.grpc_util import bearer_metadata, message_options
 from services.common.logging import get_logger
 
 from . import convert
-from .config import RewardEndpointConfig
 from .samples import Sample, Score
 
 log = get_logger(__name__)
@@ -163,12 +163,6 @@ class CircuitBreaker:
 def backoff_s(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
     """Full-jitter exponential backoff before retry number `attempt` (1-based)."""
     return rng.uniform(0.0, min(max_s, initial_s * 2 ** (attempt - 1)))
-
-
-class _Transient(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
 
 
 class EndpointClient:

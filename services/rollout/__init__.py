@@ -4,7 +4,6 @@ and submits them.
 
     engines/      the engine contract (base.py), registry, `transformers` and `vllm` backends
     worker.py     RolloutWorker: lease → generate → score → submit; weight updates; drain
-    weights.py    WeightFetcher protocol + in-process fetchers (dict, safetensors directory)
     convert.py    proto <-> python
     servicer.py   meshrl.v1.RolloutService (Generate, UpdateWeights, GetRolloutStatus, Drain)
     factory.py    build engine / worker from a MeshConfig

@@ -4,6 +4,7 @@ to Response / TrajectoryGroup, score items. The only module that knows both side
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from meshrl.v1 import common_pb2, reward_pb2
@@ -32,21 +33,37 @@ def prompt_text(prompt: common_pb2.Prompt, tokenizer: Any) -> str:
     return prompt.text
 
 
-def prompt_token_ids(
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt as the engine gets it (`token_ids`) and as the reward sees it (`text`: the
+    prompt text, or the text of the kept tokens when it was truncated)."""
+
+    text: str
+    token_ids: list[int]
+
+
+def encode_prompt(
     prompt: common_pb2.Prompt, tokenizer: Any, *, max_prompt_length: int | None = None, truncation: Truncation = "error"
-) -> list[int]:
-    ids = list(tokenizer.encode(prompt_text(prompt, tokenizer), add_special_tokens=False))
+) -> EncodedPrompt:
+    text = prompt_text(prompt, tokenizer)
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
     if max_prompt_length is None or len(ids) <= max_prompt_length:
-        return ids
+        return EncodedPrompt(text, ids)
     if truncation == "left":
-        return ids[-max_prompt_length:]
-    if truncation == "right":
-        return ids[:max_prompt_length]
-    if truncation == "middle":
+        ids = ids[-max_prompt_length:]
+    elif truncation == "right":
+        ids = ids[:max_prompt_length]
+    elif truncation == "middle":
         head = max_prompt_length // 2
-        return ids[:head] + ids[len(ids) - (max_prompt_length - head):]
-    raise InvalidArgument(
-        "prompt", f"{prompt.prompt_id or 'prompt'} has {len(ids)} tokens > data.max_prompt_length={max_prompt_length}; "
+        ids = ids[:head] + ids[len(ids) - (max_prompt_length - head):]
+    else:
+        raise _too_long(prompt, len(ids), max_prompt_length)
+    return EncodedPrompt(str(tokenizer.decode(ids, skip_special_tokens=False)), ids)
+
+
+def _too_long(prompt: common_pb2.Prompt, n: int, max_prompt_length: int) -> InvalidArgument:
+    return InvalidArgument(
+        "prompt", f"{prompt.prompt_id or 'prompt'} has {n} tokens > data.max_prompt_length={max_prompt_length}; "
         "raise data.max_prompt_length, set data.truncation=left|right|middle or data.filter_overlong_prompts=true",
     )
 

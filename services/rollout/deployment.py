@@ -21,16 +21,16 @@ from typing import Any
 
 from ray import serve
 
-from meshrl.v1 import reward_pb2
+from meshrl.v1 import reward_pb2, rollout_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
 from services.common.serve_util import log_init_errors
+from services.weights import WeightFetcher
 
 from . import factory
 from .servicer import RolloutServicer
-from .weights import WeightFetcher
 from .worker import Scorer
 
 log = get_logger(__name__)
@@ -68,7 +68,7 @@ class RolloutDeployment:
         ctx = serve.get_replica_context()
         replica_id = f"rollout-{ctx.replica_id.unique_id}"
         configure_logging("rollout", replica=replica_id)
-        set_niceness(self.cfg.serve.rollout.nice, key="serve.rollout.nice")
+        set_niceness(self.cfg.tuning.nice.rollout, key="tuning.nice.rollout")
         engine, tok = factory.build_engine(self.cfg)
         self.engine = engine
         w = self.cfg.rollout_worker
@@ -112,8 +112,8 @@ class RolloutDeployment:
         if not self.worker.healthy:
             raise RuntimeError("rollout worker loop stopped; see the replica log")
 
-    async def status(self) -> dict[str, Any]:
-        """The worker's counters (handle calls; `meshrl train` samples them for rollout metrics)."""
+    async def status(self) -> rollout_pb2.GetRolloutStatusResponse:
+        """GetRolloutStatus's answer, for handle calls (`meshrl train` samples it for rollout metrics)."""
         return self.worker.status()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -11,9 +11,9 @@ from meshrl.v1 import common_pb2
 from services.common.config import MeshConfig
 from services.common.errors import ConfigError
 from services.common.logging import get_logger
+from services.weights import WeightFetcher
 
 from .engines import RolloutEngine, get_engine_cls
-from .weights import WeightFetcher
 from .worker import Coordinator, RolloutWorker, Scorer, WorkerSettings
 
 log = get_logger(__name__)
@@ -174,7 +174,6 @@ def default_fetcher(cfg: MeshConfig, replica_id: str) -> WeightFetcher | None:
     rollout_worker.fetch_weights_from_param_server is false."""
     if not cfg.rollout_worker.fetch_weights_from_param_server:
         return None
-    from services.param_server.config import data_address
-    from services.param_server.transports import make_fetcher
+    from services.weights.transports import make_fetcher
 
-    return make_fetcher(cfg, consumer_id=replica_id, address=data_address(cfg.param_server))  # type: ignore[return-value]
+    return make_fetcher(cfg, consumer_id=replica_id)

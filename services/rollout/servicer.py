@@ -48,18 +48,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def GetRolloutStatus(
         self, request: rollout_pb2.GetRolloutStatusRequest, context: Any
     ) -> rollout_pb2.GetRolloutStatusResponse:
-        st = self.worker.status()
-        return rollout_pb2.GetRolloutStatusResponse(
-            replica_id=st["replica_id"],
-            engine=st["engine"],
-            policy_version=st["policy_version"],
-            groups_in_flight=st["groups_in_flight"],
-            groups_submitted=st["groups_submitted"],
-            tokens_generated=st["tokens_generated"],
-            paused=st["paused"],
-            draining=st["draining"],
-            engine_stats=self.worker.engine.stats(),
-        )
+        return self.worker.status()
 
     @rpc_method()
     async def Drain(self, request: rollout_pb2.DrainRequest, context: Any) -> rollout_pb2.DrainResponse:

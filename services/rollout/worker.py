@@ -34,13 +34,14 @@ from typing import Any, Protocol
 
 import grpc
 
-from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2
+from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2, rollout_pb2
 from services.common.coalesce import Coalescer
+from services.common.errors import InvalidArgument
 from services.common.logging import get_logger
+from services.weights import WeightFetcher
 
 from . import convert
 from .engines.base import Finish, GenerationRequest, PauseMode, RolloutEngine, SampleOutput, SamplingSpec
-from .weights import WeightFetcher
 
 log = get_logger(__name__)
 
@@ -303,9 +304,11 @@ class RolloutWorker:
         except Exception as exc:
             self.counters.groups_failed += 1
             log.error("group_failed", lease_id=g.lease.lease_id, error=repr(exc), exc_info=exc)
-            if isinstance(exc, ValueError):
-                # Bad input that will fail again anywhere (e.g. an overlong prompt with
-                # data.truncation=error): stop this replica so the operator sees it.
+            if isinstance(exc, InvalidArgument):
+                # Bad input that fails again on any replica (an overlong prompt with
+                # data.truncation=error, sampling or a reward item the service rejects): stop
+                # this replica so the operator sees it instead of the lease going round. Other
+                # errors (a library's ValueError included) fail the group, not the replica.
                 self._run_error = exc
                 self._draining = True
             if g.cancel_reason != "drain":  # a drained group's lease is drain's to return
@@ -387,8 +390,9 @@ class RolloutWorker:
         """One group for `prompt` (also the Generate RPC). Returns None when the worker aborted
         it on purpose (lease lost, drain)."""
         rid = request_id or f"{self.replica_id}/gen-{uuid.uuid4().hex[:12]}"
-        ids = convert.prompt_token_ids(prompt, self.tokenizer, max_prompt_length=self.s.max_prompt_length,
-                                       truncation=self.s.truncation)
+        encoded = convert.encode_prompt(prompt, self.tokenizer, max_prompt_length=self.s.max_prompt_length,
+                                        truncation=self.s.truncation)
+        ids = encoded.token_ids
         t0 = time.monotonic()
         outs = await self._generate_tracked(GenerationRequest(rid, ids, spec), group_state)
         outs = await self._continue_aborted(rid, ids, spec, outs, group_state)
@@ -404,8 +408,7 @@ class RolloutWorker:
         )
         if score and self.scorer is not None:
             t1 = time.monotonic()
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            results = await self._score(convert.score_items(group, text, spec.max_tokens))
+            results = await self._score(convert.score_items(group, encoded.text, spec.max_tokens))
             convert.apply_scores(group, results)
             group.reward_s = time.monotonic() - t1
         return group
@@ -576,18 +579,17 @@ class RolloutWorker:
             log.info("weights_loaded", policy_version=ref.policy_version, tensors=n, mode=mode, seconds=round(dt, 3))
             return dt
 
-    def status(self) -> dict[str, Any]:
-        busy = self.counters.busy_s + (time.monotonic() - self._busy_since if self._groups else 0.0)
-        return {
-            "uptime_s": time.monotonic() - self._started_at,
-            "busy_s_now": busy,
-            "replica_id": self.replica_id,
-            "engine": self.engine.name,
-            "policy_version": self.engine.version,
-            "groups_in_flight": len(self._groups),
-            "paused": self.engine.paused,
-            "draining": self._draining,
-            "weights_failed": self._weights_failed,
-            "weights_synced": self._synced,
-            **dataclasses.asdict(self.counters),
-        }
+    def status(self) -> rollout_pb2.GetRolloutStatusResponse:
+        """GetRolloutStatus's answer (also the deployment's handle call)."""
+        c = self.counters
+        return rollout_pb2.GetRolloutStatusResponse(
+            replica_id=self.replica_id, engine=self.engine.name, policy_version=self.engine.version,
+            groups_in_flight=len(self._groups), groups_submitted=c.groups_submitted,
+            tokens_generated=c.tokens_generated, paused=self.engine.paused, draining=self._draining,
+            engine_stats=self.engine.stats(), uptime_s=time.monotonic() - self._started_at,
+            busy_s=c.busy_s + (time.monotonic() - self._busy_since if self._groups else 0.0),
+            last_weight_load_s=c.last_weight_load_s, weights_failed=self._weights_failed, weights_synced=self._synced,
+            groups_expired=c.groups_expired, groups_failed=c.groups_failed, leases_returned=c.leases_returned,
+            leases_lost=c.leases_lost, resubmits=c.resubmits, weight_updates=c.weight_updates,
+            weight_update_failures=c.weight_update_failures,
+        )

@@ -1,13 +1,13 @@
 """The trainer service: one training group (rank actors driven by one Serve replica).
 
-    config.py       trainer_service.* (coordinator link, checkpoints kept, publisher)
+    (config)        trainer_service.*: services/common/config/trainer_service.py
     engines/        the TrainEngine contract (base.py) and backends: fsdp (FSDP2), megatron, mindspeed
     algos/          advantages, losses, off-policy corrections, DAPO filter (pure torch)
     core.py         the loop: FetchBatch -> advantages -> loss -> step -> publish -> checkpoint
     convert.py      TrajectoryGroups -> SequenceBatch
     group.py        TrainGroup protocol + LocalTrainGroup (one in-process engine)
     workers.py      rank actors in a placement group + RayTrainGroup
-    publisher.py    WeightPublisher protocol + the in-process publisher
+    publisher.py    which publisher (services/weights) the trainer builds; RankZeroPublisher
     checkpoints.py  checkpoint directories (atomic, newest, rotation)
     factory.py      everything built from a MeshConfig
     servicer.py     TrainerService (GetTrainerStatus, SaveCheckpoint)

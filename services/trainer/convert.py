@@ -21,17 +21,41 @@ from services.common.errors import InvalidArgument
 from .engines.base import SequenceBatch
 
 
-def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: int) -> SequenceBatch:
-    """One row per response, groups in order, responses in sample order."""
-    rows: list[tuple[list[int], list[int], list[float]]] = []
+def sequence_tensors(groups: Sequence[common_pb2.TrajectoryGroup]) -> dict[str, torch.Tensor]:
+    """The per-sequence tensors of `groups_to_batch` (seq_tensors), without the token tensors:
+    what DAPO's filter compares, for a fetch that may be dropped."""
     group_index: list[int] = []
     rewards: list[float] = []
     min_versions: list[int] = []
+    resp_len: list[int] = []
     metric_names = sorted({k for g in groups for r in g.responses for k in r.reward_metrics})
     metrics: dict[str, list[float]] = {k: [] for k in metric_names}
     for gi, g in enumerate(groups):
         if not g.responses:
             raise InvalidArgument(f"groups[{gi}].responses", f"group {g.lease_id} has no responses")
+        for r in g.responses:
+            group_index.append(gi)
+            rewards.append(float(r.reward))
+            min_versions.append(min(r.versions) if len(r.versions) else g.min_policy_version)
+            resp_len.append(len(r.token_ids))
+            for k in metric_names:
+                metrics[k].append(float(r.reward_metrics.get(k, r.reward)))
+    seq = {
+        "group_index": torch.tensor(group_index, dtype=torch.long),
+        "reward": torch.tensor(rewards, dtype=torch.float32),
+        "response_length": torch.tensor(resp_len, dtype=torch.float32),
+        "min_version": torch.tensor(min_versions, dtype=torch.long),
+    }
+    for k, values in metrics.items():
+        seq.setdefault(k, torch.tensor(values, dtype=torch.float32))
+    return seq
+
+
+def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: int) -> SequenceBatch:
+    """One row per response, groups in order, responses in sample order."""
+    seq = sequence_tensors(groups)
+    rows: list[tuple[list[int], list[int], list[float]]] = []
+    for gi, g in enumerate(groups):
         prompt = list(g.prompt_token_ids)
         for ri, r in enumerate(g.responses):
             if len(r.logprobs) != len(r.token_ids):
@@ -42,14 +66,9 @@ def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: 
             if not prompt:
                 raise InvalidArgument(f"groups[{gi}].prompt_token_ids", f"empty prompt (lease {g.lease_id})")
             rows.append((prompt, list(r.token_ids), list(r.logprobs)))
-            group_index.append(gi)
-            rewards.append(float(r.reward))
-            min_versions.append(min(r.versions) if len(r.versions) else g.min_policy_version)
-            for k in metric_names:
-                metrics[k].append(float(r.reward_metrics.get(k, r.reward)))
     length = max((len(p) + len(t) for p, t, _ in rows), default=1)
-    # One tensor per field from nested lists: a row-by-row fill costs ~20x more for many short rows.
-    ids_rows, attn_rows, resp_rows, lp_rows, resp_len = [], [], [], [], []
+    # One tensor per field from nested lists: a row-by-row fill costs far more for many short rows.
+    ids_rows, attn_rows, resp_rows, lp_rows = [], [], [], []
     for prompt, tokens, logprobs in rows:
         p, t = len(prompt), len(tokens)
         rest = length - p - t
@@ -57,20 +76,11 @@ def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: 
         attn_rows.append([1] * (p + t) + [0] * rest)
         resp_rows.append([0.0] * p + [1.0] * t + [0.0] * rest)
         lp_rows.append([0.0] * p + logprobs + [0.0] * rest)
-        resp_len.append(t)
     shape = (len(rows), length)
     ids = torch.tensor(ids_rows, dtype=torch.long).reshape(shape)
     attn = torch.tensor(attn_rows, dtype=torch.long).reshape(shape)
     resp = torch.tensor(resp_rows, dtype=torch.float32).reshape(shape)
     rollout_lp = torch.tensor(lp_rows, dtype=torch.float32).reshape(shape)
-    seq = {
-        "group_index": torch.tensor(group_index, dtype=torch.long),
-        "reward": torch.tensor(rewards, dtype=torch.float32),
-        "response_length": torch.tensor(resp_len, dtype=torch.float32),
-        "min_version": torch.tensor(min_versions, dtype=torch.long),
-    }
-    for k, values in metrics.items():
-        seq.setdefault(k, torch.tensor(values, dtype=torch.float32))
     return SequenceBatch(ids, attn, resp, tensors={"rollout_logprobs": rollout_lp}, seq_tensors=seq)
 
 
@@ -87,11 +97,3 @@ def check_batch(batch: SequenceBatch, vocab_size: int | None) -> None:
     if not bool(torch.isfinite(lp).all()):
         row = int((~torch.isfinite(lp)).any(dim=1).nonzero()[0])
         raise InvalidArgument("groups.responses.logprobs", f"non-finite rollout logprob in batch row {row}")
-
-
-def filter_values(batch: SequenceBatch, metric: str) -> torch.Tensor:
-    """Per-sequence values DAPO dynamic sampling compares within a group: the reward metric
-    `metric` if the rollout reported it, the scalar reward for `score`/`reward` (or as a fallback)."""
-    if metric not in ("score", "reward") and metric in batch.seq_tensors:
-        return batch.seq_tensors[metric].float()
-    return batch.seq_tensors["reward"].float()

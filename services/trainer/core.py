@@ -36,23 +36,25 @@ import json
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 import torch
 
-from meshrl.v1 import common_pb2, coordinator_pb2
+from meshrl.v1 import common_pb2, coordinator_pb2, trainer_pb2
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
+from services.weights import WeightPublisher
 
 from . import checkpoints
-from .convert import check_batch, filter_values, groups_to_batch
+from .algos.dapo import dynamic_sampling_values
+from .convert import check_batch, groups_to_batch, sequence_tensors
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
-from .publisher import RankZeroPublisher, WeightPublisher
+from .publisher import RankZeroPublisher
 
 log = get_logger(__name__)
 
@@ -87,8 +89,9 @@ class Algorithm:
     """Reads tensors advantages, old_logprobs, rollout_logprobs (and ref_logprobs)."""
     keep: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     """DAPO dynamic sampling: (per-sequence values, group_index) -> bool mask; None: keep all."""
-    values: Callable[[SequenceBatch], torch.Tensor] | None = None
-    """Per-sequence values the DAPO filter compares; None: convert.filter_values with the metric."""
+    values: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = None
+    """Per-sequence values the DAPO filter compares, from a fetch's per-sequence tensors
+    (convert.sequence_tensors); None: algos.dynamic_sampling_values with the metric."""
     correct: Callable[[SequenceBatch], dict[str, float]] | None = None
     """Decoupled mode: behaviour correction applied in place to the whole step batch once old
     logprobs are in (IS weights, rejection mask); returns metrics."""
@@ -213,12 +216,14 @@ class TrainerLoop:
         self._ckpt_waiters.append(fut)
         return fut
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "state": self.state, "step": self.step, "policy_version": self.policy_version,
-            "optimizer_steps": self.group.step, "world_size": self.group.world_size,
-            "last_checkpoint_step": self.last_checkpoint_step, "metrics": dict(self.last_metrics), "error": self.error,
-        }
+    def status(self) -> trainer_pb2.GetTrainerStatusResponse:
+        """The loop's side of GetTrainerStatus (the servicer adds the engine name)."""
+        return trainer_pb2.GetTrainerStatusResponse(
+            trainer_id=self.s.trainer_id, state=self.state, step=self.step, policy_version=self.policy_version,
+            optimizer_steps=self.group.step, world_size=self.group.world_size,
+            last_checkpoint_step=max(0, self.last_checkpoint_step), error=self.error or "",
+            metrics={k: float(v) for k, v in self.last_metrics.items()},
+        )
 
     # ---- start / finish ------------------------------------------------------------------------
 
@@ -435,14 +440,15 @@ class TrainerLoop:
     def _keep(self, groups: list[common_pb2.TrajectoryGroup]) -> list[bool]:
         if self.algorithm.keep is None:
             return [True] * len(groups)
-        batch = groups_to_batch(groups, self.s.pad_token_id)
-        gi = batch.seq_tensors["group_index"]
-        values = self.algorithm.values(batch) if self.algorithm.values else filter_values(batch, self.s.filter_metric)
+        seq = sequence_tensors(groups)  # the per-sequence values only: a dropped group is never tensorized
+        gi = seq["group_index"]
+        values = self.algorithm.values(seq) if self.algorithm.values else dynamic_sampling_values(seq, self.s.filter_metric)
         mask = self.algorithm.keep(values, gi).bool()
         if mask.numel() == len(groups):
             return [bool(x) for x in mask.tolist()]
         assert mask.numel() == gi.numel(), "dynamic_sampling_keep must return one flag per sequence or per group"
-        return [bool(mask[gi == i].all()) for i in range(len(groups))]
+        whole = torch.ones(len(groups), dtype=torch.long).scatter_reduce(0, gi, mask.long(), "amin")
+        return [bool(x) for x in whole.tolist()]
 
     async def _update(self, batch: SequenceBatch) -> list[StepResult]:
         """require_batches mini-batches (whole groups each) x ppo_epochs optimizer steps."""

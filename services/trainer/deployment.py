@@ -44,7 +44,7 @@ class TrainerDeployment:
     ) -> None:
         cfg = MeshConfig.model_validate(config)
         configure_logging("trainer", json=True, trainer_id=cfg.trainer_service.trainer_id)
-        set_niceness(cfg.serve.trainer.nice, key="serve.trainer.nice")
+        set_niceness(cfg.tuning.nice.trainer, key="tuning.nice.trainer")
         extras = extras or {}
         self.parts: TrainerParts = await build_trainer(
             cfg, run_dir, algorithm=extras.get("algorithm"), publisher=extras.get("publisher"),
@@ -53,9 +53,9 @@ class TrainerDeployment:
         self._servicer = self.parts.servicer
         self._task = asyncio.get_running_loop().create_task(self.parts.loop.run())
 
-    async def status(self) -> dict[str, Any]:
-        """The loop's status (handle calls)."""
-        return self.parts.loop.status()
+    async def status(self) -> trainer_pb2.GetTrainerStatusResponse:
+        """GetTrainerStatus's answer, for handle calls (`meshrl train` polls it)."""
+        return self.parts.servicer.status()
 
     def check_health(self) -> None:
         if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:

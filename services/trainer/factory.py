@@ -14,11 +14,12 @@ from services.common.config import MeshConfig, derive
 from services.common.errors import MissingDependency
 from services.common.grpc_util import MiB
 from services.common.model_arch import vocab_size_of
+from services.weights import WeightPublisher
 
 from .core import Algorithm, LoopSettings, TrainerLoop
 from .engines.base import EngineSpec
 from .group import TrainGroup
-from .publisher import RankZeroPublisher, WeightPublisher
+from .publisher import RankZeroPublisher
 
 if TYPE_CHECKING:
     from services.coordinator.client import CoordinatorClient
@@ -34,7 +35,7 @@ def dataset_size(cfg: MeshConfig) -> int:
 
 def total_local_steps(cfg: MeshConfig, size: int | None) -> int:
     """Local trainer steps of the run (verl: total_train_steps * trigger_parameter_sync_step)."""
-    return derive(cfg, dataset_size=size).total_optimizer_steps
+    return derive(cfg, dataset_size=size).total_local_steps
 
 
 def total_optimizer_steps(cfg: MeshConfig, size: int | None) -> int:
@@ -150,8 +151,8 @@ def algorithm_from_config(cfg: MeshConfig) -> Algorithm:
     def advantages(batch: Any) -> Any:
         return algos.compute_advantages(batch, algo_cfg)
 
-    def values(batch: Any) -> Any:
-        return algos.dynamic_sampling_values(batch, metric)
+    def values(seq_tensors: Any) -> Any:
+        return algos.dynamic_sampling_values(seq_tensors, metric)
 
     def correct(batch: Any) -> dict[str, float]:
         return algos.apply_rollout_correction(batch, algo_cfg)  # type: ignore[no-any-return]
@@ -238,21 +239,19 @@ def _publisher(
         return build_publisher(ts.publisher, retain_versions=cfg.param_server.retain_versions)
     if cfg.actor_rollout_ref.rollout.checkpoint_engine.backend in COLLECTIVE_BACKENDS:
         return RankZeroPublisher(functools.partial(collective_sender, cfg, str(run_dir)))
-    from services.param_server.config import data_address
-    from services.param_server.transports import make_publisher
+    from services.weights.transports import make_publisher
 
     async def announce(ref: Any) -> bool:
         return not (await client.commit_version(ts.trainer_id, ref)).stopping
 
-    return make_publisher(cfg, address=data_address(cfg.param_server), run_dir=run_dir, announce=announce)
+    return make_publisher(cfg, run_dir=run_dir, announce=announce)
 
 
 def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
     """Rank 0's collective publisher, announcing each version through a coordinator client of its
     own. Called on rank 0's publishing event loop (RankZeroPublisher)."""
     from services.coordinator.client import CoordinatorClient
-    from services.param_server.config import data_address
-    from services.param_server.transports import make_publisher
+    from services.weights.transports import make_publisher
 
     ts = cfg.trainer_service
     client = CoordinatorClient(
@@ -263,7 +262,7 @@ def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
     async def announce(ref: Any) -> bool:
         return not (await client.commit_version(ts.trainer_id, ref)).stopping
 
-    return make_publisher(cfg, address=data_address(cfg.param_server), run_dir=run_dir, announce=announce)
+    return make_publisher(cfg, run_dir=run_dir, announce=announce)
 
 
 async def build_trainer(
@@ -297,7 +296,7 @@ async def build_trainer(
     )
     pub = publisher or _publisher(cfg, run_dir, client)
     group = await RayTrainGroup.create(
-        spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus, nice=ts.worker_nice
+        spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus, nice=cfg.tuning.nice.trainer_ranks
     )
     if isinstance(pub, RankZeroPublisher):
         try:

@@ -17,10 +17,10 @@ import torch
 
 from meshrl.v1 import common_pb2
 from services.common.config.actor_rollout_ref import ActorConfig
+from services.weights import Bucket, WeightPublisher
 
 from .engines.base import LossFn, SequenceBatch, StepResult, TrainEngine
 from .engines.batching import micro_batches_for, shard_for_dp
-from .publisher import Bucket, WeightPublisher
 
 
 class TrainGroup(Protocol):

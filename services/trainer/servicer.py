@@ -29,16 +29,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def GetTrainerStatus(
         self, request: trainer_pb2.GetTrainerStatusRequest, context: Any
     ) -> trainer_pb2.GetTrainerStatusResponse:
+        return self.status()
+
+    def status(self) -> trainer_pb2.GetTrainerStatusResponse:
+        """GetTrainerStatus's answer (also the deployment's handle call)."""
         st = self.loop.status()
-        return trainer_pb2.GetTrainerStatusResponse(
-            trainer_id=self.trainer_id,
-            engine=self.engine,
-            step=st["step"],
-            policy_version=st["policy_version"],
-            world_size=st["world_size"],
-            metrics={k: float(v) for k, v in st["metrics"].items()},
-            last_checkpoint_step=max(0, st["last_checkpoint_step"]),
-        )
+        st.trainer_id, st.engine = self.trainer_id, self.engine
+        return st
 
     @rpc_method(control=True)
     async def SaveCheckpoint(

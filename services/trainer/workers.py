@@ -35,11 +35,11 @@ from meshrl.v1 import common_pb2
 from services.common.device import ray_resource
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
+from services.weights import Bucket, WeightPublisher
 
 from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult, TrainEngine, get_engine_cls
 from .engines.batching import micro_batches_for
 from .group import scatter_rows, shards
-from .publisher import Bucket, WeightPublisher
 
 log = get_logger(__name__)
 
@@ -131,7 +131,7 @@ class TrainWorker:
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )
         configure_logging("trainer", rank=self.rank)
-        set_niceness(nice, key="trainer_service.worker_nice")
+        set_niceness(nice, key="tuning.nice.trainer_ranks")
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.spec = spec
         self.engine = get_engine_cls(backend, spec.device).build(spec)

@@ -44,8 +44,7 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
     """Publish each (version, mode): mode "ok", "many" (make_many_buckets), "split" (the first
     bucket travels as two), "hang" or "announce" (tell the receiver through `notify` first, as the
     trainer's CommitVersion tells rollouts through the coordinator)."""
-    import services.common.config  # noqa: F401
-    from services.param_server.transports.collective import CollectivePublisher
+    from services.weights.transports.collective import CollectivePublisher
 
     async def main() -> None:
         if backend == "nccl":
@@ -76,9 +75,8 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
     "corrupt_last" (bucket 2, the last, once), "corrupt_always" (bucket 1, every time it comes),
     "many" / "many_corrupt" (the sender's make_many_buckets; bucket 5 damaged once) or "announced"
     (wait for the sender's announcement and fetch the ref it carries)."""
-    import services.common.config  # noqa: F401
     from meshrl.v1 import common_pb2
-    from services.param_server.transports.collective import CollectiveFetcher
+    from services.weights.transports.collective import CollectiveFetcher
 
     state: dict[str, Any] = {"bucket": None, "always": False}
 
@@ -124,8 +122,7 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
     """Run a sender and a receiver process (and one more per plan in `more_receivers`, whose
     results are keyed "recv1", "recv2", ...) against a param server in this process; returns
     {(role, version): (outcome, count), "versions": [...]}."""
-    import services.common.config  # noqa: F401
-    from services.param_server.config import ParamServerConfig
+    from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     async def main() -> dict:

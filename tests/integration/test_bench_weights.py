@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.bench.weights import plan_sizes, run_benchmark
 from meshrl.cli import main
 

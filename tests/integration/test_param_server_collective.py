@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-import services.common.config  # noqa: F401  (config tree first)
 from services.common.errors import MissingDependency
 
 from .collective_workers import check_nacks_and_abort, check_steady_group_version_mismatch, run_pair
@@ -66,7 +65,7 @@ def test_hccl_fails_fast_without_torch_npu() -> None:
         pass
     else:
         pytest.skip("torch_npu is installed")
-    from services.param_server.transports.collective import CollectiveFetcher, CollectivePublisher
+    from services.weights.transports.collective import CollectiveFetcher, CollectivePublisher
 
     with pytest.raises(MissingDependency, match="torch_npu"):
         CollectivePublisher("hccl", "127.0.0.1:1", receivers=1)

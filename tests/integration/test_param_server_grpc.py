@@ -10,14 +10,13 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
+from services.common.config.param_server import ParamServerConfig
 from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, NotFound
-from services.param_server.client import ParamServerClient
-from services.param_server.config import ParamServerConfig
 from services.param_server.server import ParamServerServer
-from services.param_server.transports.grpc import GrpcFetcher, GrpcPublisher
+from services.weights.client import ParamServerClient
+from services.weights.transports.grpc import GrpcFetcher, GrpcPublisher
 
 from .netfault import FaultyProxy
 

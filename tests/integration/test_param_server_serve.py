@@ -10,13 +10,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 from services.common.config import MeshConfig
-from services.param_server.client import ParamServerClient
 from services.param_server.deployment import APP_NAME, DEPLOYMENT_NAME, build_app
-from services.param_server.transports.grpc import GrpcFetcher, GrpcPublisher
-from services.param_server.transports.object_store import ObjectStoreFetcher, ObjectStorePublisher, ServeDirectory
+from services.weights.client import ParamServerClient
+from services.weights.transports.grpc import GrpcFetcher, GrpcPublisher
+from services.weights.transports.object_store import ObjectStoreFetcher, ObjectStorePublisher, ServeDirectory
 
 
 def buckets(seed: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -52,7 +51,7 @@ def ray_worker_fetch():  # type: ignore[no-untyped-def]
 
     @ray.remote(num_cpus=0)
     def fetch_in_worker(version: int) -> tuple[bool, int]:
-        from services.param_server.transports.object_store import ObjectStoreFetcher, ServeDirectory
+        from services.weights.transports.object_store import ObjectStoreFetcher, ServeDirectory
 
         async def main() -> tuple[bool, int]:
             f = ObjectStoreFetcher(ServeDirectory.from_app(), consumer_id="worker", verify="always")

@@ -21,7 +21,8 @@ from meshrl.v1 import reward_pb2_grpc
 from services.common.config import MeshConfig, load_config
 from services.common.errors import InvalidArgument, Unauthenticated, Unavailable
 from services.common.serve_util import free_port
-from services.reward.client import LocalScorer, RewardClient
+from services.reward.client import RewardClient
+from services.reward.local import LocalScorer
 from services.reward.server import RewardServer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from services.coordinator.client import CoordinatorClient
 from services.coordinator.server import CoordinatorServer
 from services.rollout import factory
 from services.rollout.servicer import RolloutServicer
-from services.rollout.weights import InMemoryWeightStore, model_named_tensors
+from services.weights.in_process import InMemoryWeightStore, model_named_tensors
 from tests.rollout_helpers import length_scorer, wait_for
 
 PROMPTS = 6

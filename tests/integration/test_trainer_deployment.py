@@ -122,8 +122,8 @@ def _wait_finished(timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         st = handle.status.remote().result(timeout_s=30)
-        assert st["state"] != "failed", st["error"]
-        if st["state"] == "finished":
+        assert st.state != "failed", st.error
+        if st.state == "finished":
             return
         time.sleep(0.5)
     raise AssertionError(f"trainer did not finish within {timeout_s} s: {st}")
@@ -211,10 +211,11 @@ class _SlowPidPublisher:
         import hashlib
         import os
 
-        from services.trainer.publisher import iter_buckets, tensor_digest
+        from services.weights import iterate_buckets
+        from services.weights.in_process import tensor_digest
 
         h = hashlib.sha256()
-        async for bucket in iter_buckets(buckets):
+        async for bucket in iterate_buckets(buckets):
             await asyncio.sleep(self.per_bucket_s)
             for name, tensor in bucket:
                 tensor_digest(h, name, tensor)
@@ -230,8 +231,8 @@ def test_rank_zero_sender_publishes_the_weights_at_the_call_from_the_rank(serve_
     import hashlib
     import os
 
-    from services.trainer.publisher import tensor_digest
     from services.trainer.workers import RayTrainGroup
+    from services.weights.in_process import tensor_digest
     from tests.unit.fsdp_helpers import fixed_batch, make_spec, nll_loss
 
     async def digest(stream: Any) -> str:

@@ -41,7 +41,7 @@ def test_bad_values_are_refused() -> None:
 def test_metric_lookup() -> None:
     batch = make_batch(mask_rows([[0, 1], [0, 1]]), rewards=[1.0, 0.0], groups=[0, 0])
     batch.seq_tensors["acc"] = torch.tensor([1.0, 1.0])
-    assert dynamic_sampling_values(batch, "acc").tolist() == [1.0, 1.0]
-    assert dynamic_sampling_values(batch, "score").tolist() == [1.0, 0.0]  # verl name for the reward
+    assert dynamic_sampling_values(batch.seq_tensors, "acc").tolist() == [1.0, 1.0]
+    assert dynamic_sampling_values(batch.seq_tensors, "score").tolist() == [1.0, 0.0]  # verl name for the reward
     with pytest.raises(InvalidArgument, match=r"filter_groups\.metric"):
-        dynamic_sampling_values(batch, "pass_at_8")
+        dynamic_sampling_values(batch.seq_tensors, "pass_at_8")

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-import services.common.config  # noqa: F401  (config tree first)
 from services.common.errors import DeadlineExceeded
-from services.param_server.transports.collective import CollectiveFetcher
+from services.weights.transports.collective import CollectiveFetcher
 
 
 class _Board:
@@ -78,7 +77,7 @@ def test_a_version_no_rollout_will_load_is_not_broadcast() -> None:
     waiting for receivers (which would hold the trainer's stop for the whole deadline)."""
     import torch
 
-    from services.param_server.transports.collective import CollectivePublisher
+    from services.weights.transports.collective import CollectivePublisher
 
     read: list[int] = []
     board = _Board(generation=None, hang=True)

@@ -112,3 +112,28 @@ def test_errors_survive_pickling() -> None:
                 errors.NotFound("gone"), errors.ConfigError("c")]:
         again = pickle.loads(pickle.dumps(exc))
         assert type(again) is type(exc) and str(again) == str(exc)
+
+
+def test_old_niceness_spellings_map_onto_the_tuning_section(tmp_path: Path) -> None:
+    f = tmp_path / "old.yaml"
+    f.write_text(yaml.safe_dump({"trainer_service": {"worker_nice": 0},
+                                 "serve": {"ray_nice": 19, "rollout": {"num_cpus": 1, "nice": 19}}}))
+    cfg = load_config(f, ["serve.reward.nice=18"])
+    nice = cfg.tuning.nice
+    assert (nice.trainer_ranks, nice.ray_daemons, nice.rollout, nice.reward, nice.coordinator) == (0, 19, 19, 18, None)
+    assert cfg.serve.rollout.num_cpus == 1
+    assert load_config(write_resolved_config(cfg, tmp_path)) == cfg
+    with pytest.raises(ConfigError, match=r"serve\.rollout\.nice=19 and tuning\.nice\.rollout=0 disagree"):
+        load_config(f, ["tuning.nice.rollout=0"])
+
+
+def test_resolution_changes_no_validated_section() -> None:
+    """verl's aliases and mode implications are resolved on the input: the validator only checks."""
+    from services.common.config import MeshConfig
+
+    cfg = MeshConfig.model_validate({"rollout": {"n": 8}, "async_training": {"mode": "sync"},
+                                     "actor_rollout_ref": {"actor": {"loss_agg_mode": "seq-mean-token-sum-norm"}}})
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert (cfg.async_training.staleness_threshold, cfg.async_training.trigger_parameter_sync_step) == (0, 1)
+    assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.data.max_response_length
+    assert MeshConfig.model_validate(cfg.model_dump()) == cfg

@@ -9,8 +9,7 @@ import torch
 from services.common import device
 from services.common.config.actor_rollout_ref import MegatronConfig
 from services.common.errors import ConfigError, MissingDependency
-from services.trainer.engines.mindspeed.patches import MINDSPEED_FLAGS, build_patch_plan
-from services.trainer.engines.packing import (
+from services.trainer.engines.mindspeed.packing import (
     context_parallel_merge,
     context_parallel_split,
     mindspeed_inputs,
@@ -19,6 +18,7 @@ from services.trainer.engines.packing import (
     thd_alignment,
     unpack,
 )
+from services.trainer.engines.mindspeed.patches import MINDSPEED_FLAGS, build_patch_plan
 
 TFIELDS = {"recompute_granularity", "recompute_method", "recompute_num_layers", "attention_backend",
            "num_layers_in_first_pipeline_stage", "moe_token_dispatcher_type"}

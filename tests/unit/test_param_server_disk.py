@@ -10,10 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 from services.common.errors import DataLoss, NotFound
-from services.param_server.transports.disk import DiskFetcher, DiskPublisher, bucket_file, version_dir
+from services.weights.transports.disk import DiskFetcher, DiskPublisher, bucket_file, version_dir
 
 
 def buckets(seed: int) -> list[list[tuple[str, torch.Tensor]]]:

@@ -9,7 +9,7 @@ import pytest
 import services.common.config  # noqa: F401  (config tree first)
 from services.common.config import MeshConfig
 from services.common.errors import ConfigError, MissingDependency
-from services.param_server.transports import WeightFetcher, WeightPublisher, make_fetcher, make_publisher
+from services.weights.transports import WeightFetcher, WeightPublisher, make_fetcher, make_publisher
 
 
 def cfg(backend: str, **ps: object) -> MeshConfig:

@@ -11,8 +11,8 @@ import torch
 import services.common.config  # noqa: F401  (config tree first: it imports the service configs)
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.errors import DataLoss, InvalidArgument
-from services.param_server import convert, wire
-from services.param_server.layout import (
+from services.weights import convert, wire
+from services.weights.layout import (
     Fingerprinter,
     build_manifest,
     digest_columns,
@@ -106,7 +106,7 @@ def test_manifest_checksum_and_validation() -> None:
     metas, n = plan_bucket(0, bucket)
     buf = torch.empty(n, dtype=torch.uint8)
     pack_into(buf, bucket, metas)
-    from services.param_server.layout import BucketMeta
+    from services.weights.layout import BucketMeta
 
     m = build_manifest(3, metas, [BucketMeta(0, n, fingerprint_tensor(buf, n))], transports=["grpc"])
     validate_manifest(m)
@@ -144,7 +144,7 @@ def test_raw_chunk_codec_is_standard_protobuf(version: int) -> None:
 
 
 def test_verify_bucket_reports_what_differs() -> None:
-    from services.param_server.layout import BucketMeta, verify_bucket
+    from services.weights.layout import BucketMeta, verify_bucket
 
     meta = BucketMeta(2, 10, "ab" * 16)
     with pytest.raises(DataLoss, match="got 9 bytes"):
@@ -154,7 +154,7 @@ def test_verify_bucket_reports_what_differs() -> None:
 
 
 def _digest_by_definition(columns: list[int], nbytes: int) -> str:
-    from services.param_server.layout import _MASK64, _MIX_A, _MIX_B
+    from services.weights.layout import _MASK64, _MIX_A, _MIX_B
 
     a, b = nbytes * _MIX_A[-1], nbytes * _MIX_B[-1]
     for c, s in enumerate(columns):
@@ -166,7 +166,7 @@ def _digest_by_definition(columns: list[int], nbytes: int) -> str:
 def test_vectorized_digest_matches_the_big_integer_definition_for_every_input_kind() -> None:
     import numpy as np
 
-    from services.param_server.layout import FINGERPRINT_COLUMNS, digest_columns
+    from services.weights.layout import FINGERPRINT_COLUMNS, digest_columns
 
     rng = np.random.default_rng(3)
     for nbytes in (0, 7, 2**40 + 3):
@@ -196,7 +196,7 @@ def test_pack_into_concatenates_a_back_to_back_bucket_and_copies_a_mixed_one() -
 def test_split_buckets_keeps_tensor_order_and_puts_a_larger_tensor_alone() -> None:
     import asyncio
 
-    from services.param_server.transports.base import split_buckets
+    from services.weights.transports.base import split_buckets
 
     def t(n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.uint8)

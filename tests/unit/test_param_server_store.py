@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 import services.common.config  # noqa: F401  (config tree first)
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from services.param_server.layout import (
+from services.param_server.rendezvous import RendezvousBoard
+from services.param_server.store import StoreSettings, WeightStore
+from services.weights.layout import (
     BucketMeta,
     Manifest,
     build_manifest,
@@ -17,8 +19,6 @@ from services.param_server.layout import (
     pack_into,
     plan_bucket,
 )
-from services.param_server.rendezvous import RendezvousBoard
-from services.param_server.store import StoreSettings, WeightStore
 
 
 def make_version(version: int, seed: int = 0, sizes: tuple[int, ...] = (1000, 10)) -> tuple[Manifest, list[torch.Tensor]]:

@@ -66,7 +66,7 @@ def test_a_lowering_that_is_not_permitted_keeps_the_niceness_and_names_the_key()
         os.setpriority = guarded
         raised = min(19, base + 2)
         set_niceness(raised, key="serve.rollout.nice")
-        kept = set_niceness(raised - 2, key="trainer_service.worker_nice")
+        kept = set_niceness(raised - 2, key="tuning.nice.trainer_ranks")
         print(json.dumps({"raised": raised, "kept": kept, "threads": niceness_of_threads()}))
     """)
     assert got["kept"] == got["raised"] and got["threads"] == [got["raised"]]
@@ -80,10 +80,10 @@ def test_the_warning_names_the_key_and_the_fix(capsys: pytest.CaptureFixture[str
 
     monkeypatch.setattr(priority.os, "setpriority", refuse)
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    assert priority.set_niceness(0, key="trainer_service.worker_nice") == before
+    assert priority.set_niceness(0, key="tuning.nice.trainer_ranks") == before
     out = capsys.readouterr()
     text = out.out + out.err
-    assert "niceness_not_permitted" in text and "trainer_service.worker_nice" in text and "CAP_SYS_NICE" in text
+    assert "niceness_not_permitted" in text and "tuning.nice.trainer_ranks" in text and "CAP_SYS_NICE" in text
     assert priority.set_niceness(None, key="serve.reward.nice") is None
 
 
@@ -115,7 +115,7 @@ time.sleep(60)
 
 def test_ray_system_processes_below_the_driver_are_reniced_and_workers_are_not(tmp_path: Path) -> None:
     """A process tree like a local Ray's: a `gcs_server` child, a `raylet` with a
-    `ray::ServeController` and a worker (`ray::IDLE`) below it. serve.ray_nice moves the daemon and
+    `ray::ServeController` and a worker (`ray::IDLE`) below it. tuning.nice.ray_daemons moves the daemon and
     the controller, every thread of them, and leaves the raylet and the worker alone."""
     from services.common.priority import _descendants, renice_ray_system
 
@@ -130,7 +130,7 @@ def test_ray_system_processes_below_the_driver_are_reniced_and_workers_are_not(t
         gcs, raylet, controller, worker = (int(x) for x in driver.stdout.readline().split())
         base = _niceness(worker)
         target = min(19, base + 4)
-        changed = renice_ray_system(target, key="serve.ray_nice", root=driver.pid)
+        changed = renice_ray_system(target, key="tuning.nice.ray_daemons", root=driver.pid)
         assert sorted(changed) == ["gcs_server", "ray::ServeController"]
         for pid in (gcs, controller):
             assert {_niceness(int(t)) for t in os.listdir(f"/proc/{pid}/task")} == {target}, pid

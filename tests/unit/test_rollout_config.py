@@ -69,10 +69,13 @@ def test_prompt_truncation() -> None:
 
     tok = build_tokenizer()
     p = common_pb2.Prompt(prompt_id="x:1", text="abcdefgh")
-    assert tok.decode(convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="left")) == "efgh"
-    assert tok.decode(convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="middle")) == "abgh"
+    for truncation, kept in (("left", "efgh"), ("middle", "abgh")):
+        encoded = convert.encode_prompt(p, tok, max_prompt_length=4, truncation=truncation)
+        assert tok.decode(encoded.token_ids) == kept and encoded.text == kept
+    whole = convert.encode_prompt(p, tok, max_prompt_length=8)
+    assert whole.text == "abcdefgh" and tok.decode(whole.token_ids) == "abcdefgh"
     with pytest.raises(InvalidArgument, match=r"data\.max_prompt_length"):
-        convert.prompt_token_ids(p, tok, max_prompt_length=4, truncation="error")
+        convert.encode_prompt(p, tok, max_prompt_length=4, truncation="error")
 
 
 def test_serve_options_and_in_flight_autoscaling() -> None:

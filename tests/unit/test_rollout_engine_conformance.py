@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from services.common.tiny import build_tiny_model, build_tokenizer
-from services.rollout.engines import Finish, GenerationRequest, SamplingSpec, engine_names, iterate_buckets
-from services.rollout.weights import model_named_tensors
+from services.rollout.engines import Finish, GenerationRequest, SamplingSpec, engine_names
+from services.weights import iterate_buckets
+from services.weights.in_process import model_named_tensors
 from tests.rollout_helpers import LoopThread, build_engine, reference_logprobs
 
 ENGINES = [pytest.param(name, marks=[pytest.mark.vllm] if name == "vllm" else []) for name in engine_names()]
@@ -244,8 +245,8 @@ def test_partial_rollout_through_the_worker(engine: Any, model: Any, tok: Any, l
     (where the engine re-prefills: abort mode; vLLM with prefix caching in keep mode too) the
     tokens after the switch carry exactly the new weights' logprobs."""
     from meshrl.v1 import common_pb2
-    from services.rollout.weights import InMemoryWeightStore
     from services.rollout.worker import RolloutWorker, WorkerSettings
+    from services.weights.in_process import InMemoryWeightStore
     from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
 
     new_model = build_tiny_model("qwen3", tok, seed=21)

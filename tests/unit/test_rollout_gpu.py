@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from services.common.tiny import build_tiny_model, build_tokenizer
-from services.rollout.engines import Finish, GenerationRequest, SamplingSpec, iterate_buckets
+from services.rollout.engines import Finish, GenerationRequest, SamplingSpec
 from services.rollout.engines.transformers_engine import TransformersEngine
-from services.rollout.weights import model_named_tensors
+from services.weights import iterate_buckets
+from services.weights.in_process import model_named_tensors
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,7 +21,7 @@ def test_static_batches_for_linear_attention_models(tmp_path: Path) -> None:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     engine = TransformersEngine(model, tok, max_num_seqs=4, seed=0)
-    assert engine._static
+    assert engine.static_batching
     prompts = [tok("12+3=", add_special_tokens=False)["input_ids"], tok("7+45=", add_special_tokens=False)["input_ids"],
                tok("1=", add_special_tokens=False)["input_ids"]]
     spec = SamplingSpec(n=2, temperature=0.8, max_tokens=5, seed=11)

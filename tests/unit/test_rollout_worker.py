@@ -15,8 +15,8 @@ from meshrl.v1 import common_pb2
 from services.common.tiny import build_tiny_model, build_tokenizer
 from services.rollout.engines import Finish
 from services.rollout.engines.transformers_engine import TransformersEngine
-from services.rollout.weights import InMemoryWeightStore, model_named_tensors
 from services.rollout.worker import RolloutWorker, WorkerSettings
+from services.weights.in_process import InMemoryWeightStore, model_named_tensors
 from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
 
 
@@ -360,7 +360,7 @@ def test_failed_weight_update_stops_leasing_and_retries_until_loaded(tok: Any) -
         worker.start()
         await wait_for(lambda: len(coord.submitted) >= 2, what="generation under way")
         coord.push_version(ref)
-        await wait_for(lambda: worker.status()["weights_failed"], what="the first failed update")
+        await wait_for(lambda: worker.status().weights_failed, what="the first failed update")
         leased = len(coord.active) + len(coord.submitted)
         # While the weights cannot load, no new prompt is leased (it would only be staler data).
         await asyncio.sleep(0.25)
@@ -376,8 +376,8 @@ def test_failed_weight_update_stops_leasing_and_retries_until_loaded(tok: Any) -
 
     asyncio.run(scenario())
     assert seen["leased_while_failed"] == 0
-    assert flaky.calls == 3 and seen["status"]["weight_update_failures"] == 2
-    assert not seen["status"]["weights_failed"]
+    assert flaky.calls == 3 and seen["status"].weight_update_failures == 2
+    assert not seen["status"].weights_failed
     assert coord.submitted[-1].min_policy_version == 1
 
 
@@ -398,7 +398,7 @@ def test_a_replica_joining_a_live_run_loads_the_current_weights_before_leasing(t
         worker.start()
         await asyncio.sleep(0.15)
         seen["leased_before_sync"] = len(coord.active) + len(coord.submitted)
-        seen["synced_early"] = worker.status()["weights_synced"]
+        seen["synced_early"] = worker.status().weights_synced
         await wait_for(lambda: len(coord.submitted) == 6, what="all groups")
         await worker.stop()
         await engine.close()

@@ -18,8 +18,9 @@ from services.trainer import checkpoints
 from services.trainer.core import LoopSettings, TrainerLoop
 from services.trainer.engines.base import SequenceBatch
 from services.trainer.group import LocalTrainGroup
-from services.trainer.publisher import InProcessPublisher, RankZeroPublisher
+from services.trainer.publisher import RankZeroPublisher
 from services.trainer.servicer import TrainerServicer
+from services.weights.in_process import InProcessPublisher
 from tests.unit.fsdp_helpers import build, make_spec
 from tests.unit.trainer_fakes import FakeCoordinator, fake_algorithm, make_group
 

@@ -16,12 +16,14 @@ from services.common.config import load_config
 from services.common.config.actor_rollout_ref import OptimConfig
 from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
 from services.trainer import checkpoints
-from services.trainer.convert import filter_values, groups_to_batch
+from services.trainer.algos import dynamic_sampling_values
+from services.trainer.convert import groups_to_batch, sequence_tensors
 from services.trainer.engines.base import SequenceBatch
 from services.trainer.engines.batching import balanced_partition, micro_batch_indices, pack, unpack_next_token
 from services.trainer.engines.optim import lr_lambda
 from services.trainer.factory import loop_settings, total_optimizer_steps
-from services.trainer.publisher import InProcessPublisher, PublishedVersion, build_publisher
+from services.trainer.publisher import build_publisher
+from services.weights.in_process import InProcessPublisher, PublishedVersion
 from tests.unit.trainer_fakes import make_group
 
 # ---- LR schedule ---------------------------------------------------------------------------------
@@ -103,15 +105,19 @@ def test_pack_unpack_round_trip() -> None:
 def test_groups_to_batch_aligns_tokens_and_logprobs() -> None:
     g = make_group("a", [1.0, 0.0], prompt=(3, 4, 5), response_len=3)
     g.responses[0].logprobs[:] = [-0.1, -0.2, -0.3]
-    b = groups_to_batch([g, make_group("b", [0.5, 0.5], seed=1)], pad_token_id=0)
+    groups = [g, make_group("b", [0.5, 0.5], seed=1)]
+    b = groups_to_batch(groups, pad_token_id=0)
     assert b.num_seqs == 4
     assert b.input_ids[0, :6].tolist() == [3, 4, 5, *g.responses[0].token_ids]
     assert b.response_mask[0].tolist()[:7] == [0, 0, 0, 1, 1, 1, 0]
     assert b.tensors["rollout_logprobs"][0, 3:6].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert b.seq_tensors["group_index"].tolist() == [0, 0, 1, 1]
     assert b.seq_tensors["reward"].tolist() == [1.0, 0.0, 0.5, 0.5]
-    assert filter_values(b, "acc").tolist() == [1.0, 0.0, 1.0, 1.0]
-    assert filter_values(b, "score").tolist() == [1.0, 0.0, 0.5, 0.5]
+    assert dynamic_sampling_values(b.seq_tensors, "acc").tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert dynamic_sampling_values(b.seq_tensors, "score").tolist() == [1.0, 0.0, 0.5, 0.5]
+    light = sequence_tensors(groups)  # what the DAPO filter builds for a fetch: no token tensors
+    assert light.keys() == b.seq_tensors.keys()
+    assert all(torch.equal(light[k], b.seq_tensors[k]) for k in light)
 
 
 def test_groups_to_batch_rejects_mismatched_logprobs() -> None:

@@ -229,7 +229,7 @@ class CheckpointEngineConfig(ConfigModel):
     """How weights reach this rollout group (verl `rollout.checkpoint_engine`)."""
 
     backend: Literal["grpc", "object_store", "nccl", "hccl", "disk", "gloo"] = "grpc"
-    """Transport from the param server (see services/param_server/transports): grpc (any two
+    """Transport from the param server (see services/weights/transports): grpc (any two
     processes, any vendors), object_store (Ray, same cluster), nccl/hccl (broadcast from trainer
     rank 0 to same-kind devices), disk (shared filesystem), gloo (the CPU twin of nccl)."""
     update_weights_bucket_megabytes: int = 2048

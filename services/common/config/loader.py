@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.common.errors import ConfigError
 
+from .resolve import legacy_keys_in
 from .root import MeshConfig
 
 
@@ -65,13 +66,19 @@ def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def format_validation_error(exc: ValidationError, model: type[BaseModel] = MeshConfig) -> str:
+def format_validation_error(
+    exc: ValidationError, model: type[BaseModel] = MeshConfig, written_as: dict[str, str] | None = None
+) -> str:
+    """One line per error, naming the key (`written_as`: {key: the old spelling the input used})."""
+    written_as = written_as or {}
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"] if not isinstance(p, int)]
         # pydantic puts union member names into loc (e.g. "SyntheticTaskConfig"); drop them.
         loc = [p for p in loc if not p[:1].isupper()]
         key = ".".join(loc) or "<root>"
+        if key in written_as:
+            key = f"{key} (written as {written_as[key]})"
         if err["type"] == "extra_forbidden":
             parent, leaf = loc[:-1], loc[-1] if loc else ""
             known = _known_keys(model, parent)
@@ -106,7 +113,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     try:
         return MeshConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, written_as=legacy_keys_in(tree))) from None
 
 
 def dump_config(cfg: MeshConfig) -> str:

@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import model_validator
-
-from services.coordinator.config import CoordinatorConfig
-from services.param_server.config import ParamServerConfig
-from services.reward.config import RewardServiceConfig
-from services.rollout.config import RolloutWorkerConfig
-from services.trainer.config import TrainerServiceConfig
 
 from .actor_rollout_ref import ActorRolloutRefConfig
 from .algorithm import AlgorithmConfig, CustomRewardFunctionConfig, RewardModelConfig
 from .async_training import AsyncTrainingConfig
 from .base import ConfigModel
+from .coordinator import CoordinatorConfig
 from .data import DataConfig
+from .param_server import ParamServerConfig
+from .resolve import resolve_tree
+from .reward import RewardServiceConfig
+from .rollout_worker import RolloutWorkerConfig
 from .serve import ServeConfig
 from .trainer import RolloutResourcesConfig, TrainerConfig
+from .trainer_service import TrainerServiceConfig
+from .tuning import TuningConfig
 
 _GROUP_ESTIMATORS = {"grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline"}
 
 
 class MeshConfig(ConfigModel):
-    """A whole meshrl run. verl's sections keep verl's names; meshrl's own services add theirs."""
+    """A whole meshrl run. verl's sections keep verl's names; meshrl's own services add theirs.
+    Input is resolved first (resolve.py: verl's aliases, what a mode implies, old spellings);
+    the checks below only check."""
 
     data: DataConfig = DataConfig()
     """Prompt data."""
@@ -54,16 +58,17 @@ class MeshConfig(ConfigModel):
     """The rollout replicas' worker loop (engine knobs are actor_rollout_ref.rollout.*)."""
     serve: ServeConfig = ServeConfig()
     """Ray Serve deployment."""
+    tuning: TuningConfig = TuningConfig()
+    """Process-level performance knobs (CPU niceness)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve(cls, data: Any) -> Any:
+        return resolve_tree(data)
 
     @model_validator(mode="after")
     def _cross_field(self) -> MeshConfig:
         arr = self.actor_rollout_ref
-        if self.rollout.n is not None and self.rollout.n != arr.rollout.n:
-            if "n" in arr.rollout.model_fields_set:
-                raise ValueError(
-                    f"rollout.n={self.rollout.n} disagrees with actor_rollout_ref.rollout.n={arr.rollout.n}; set one of them"
-                )
-            arr.rollout.n = self.rollout.n
         if self.algorithm.adv_estimator in _GROUP_ESTIMATORS and arr.rollout.n < 2:
             raise ValueError(
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a group baseline, so "
@@ -73,20 +78,6 @@ class MeshConfig(ConfigModel):
             raise ValueError(
                 "fully async batches are ppo_mini_batch_size * require_batches prompts; set data.train_batch_size=0"
             )
-        if self.async_training.mode == "sync" and (
-            self.async_training.staleness_threshold != 0 or self.async_training.trigger_parameter_sync_step != 1
-        ):
-            if {"staleness_threshold", "trigger_parameter_sync_step"} & self.async_training.model_fields_set:
-                raise ValueError(
-                    "async_training.mode=sync is on-policy lock-step: it needs staleness_threshold=0 and "
-                    "trigger_parameter_sync_step=1 (or leave them unset)"
-                )
-            self.async_training.staleness_threshold = 0.0
-            self.async_training.trigger_parameter_sync_step = 1
-        if arr.actor.loss_agg_mode == "seq-mean-token-sum-norm" and arr.actor.loss_scale_factor is None:
-            # verl divides by the padded response length; meshrl pads per micro-batch, so the
-            # constant is fixed here once (Dr.GRPO's "generation budget").
-            arr.actor.loss_scale_factor = self.data.max_response_length
         if self.data.train_files == [] and self.data.synthetic is None:
             raise ValueError("no prompt data: set data.train_files or data.synthetic")
         if self.algorithm.filter_groups.enable and arr.rollout.n < 2:
@@ -108,7 +99,10 @@ class Derived:
     max_required_samples: int
     total_rollout_steps: int
     total_train_steps: int
-    total_optimizer_steps: int
+    """Weight versions the run publishes (verl's total_train_steps)."""
+    total_local_steps: int
+    """Trainer steps (each takes required_samples prompts and runs require_batches x ppo_epochs
+    optimizer steps): total_train_steps * trigger_parameter_sync_step."""
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -116,12 +110,12 @@ class Derived:
             "max_required_samples": self.max_required_samples,
             "total_rollout_steps": self.total_rollout_steps,
             "total_train_steps": self.total_train_steps,
-            "total_optimizer_steps": self.total_optimizer_steps,
+            "total_local_steps": self.total_local_steps,
         }
 
 
 def required_samples(ppo_mini_batch_size: int, require_batches: int) -> int:
-    """Prompts consumed per trainer optimizer step."""
+    """Prompts consumed per trainer step (require_batches mini-batches of ppo_mini_batch_size)."""
     return ppo_mini_batch_size * require_batches
 
 
@@ -148,5 +142,5 @@ def derive(cfg: MeshConfig, dataset_size: int | None = None) -> Derived:
         max_required_samples=max_req,
         total_rollout_steps=total,
         total_train_steps=train_steps,
-        total_optimizer_steps=train_steps * at.trigger_parameter_sync_step,
+        total_local_steps=train_steps * at.trigger_parameter_sync_step,
     )

@@ -41,11 +41,6 @@ class AppDeployConfig(ConfigModel):
     """Concurrent requests per replica (streams count)."""
     runtime_env: dict[str, Any] = {}
     """Ray runtime_env for the replica."""
-    nice: int | None = Field(default=None, ge=-20, le=19)
-    """CPU niceness of the replica's process, all its threads (Ray starts workers at 15); null:
-    leave it. On a host whose cores the trainer's ranks share, 19 lets the ranks go first
-    (services/common/priority.py). Lowering it needs root or CAP_SYS_NICE; without, the replica
-    keeps Ray's and logs `niceness_not_permitted`."""
 
     def ray_actor_options(self) -> dict[str, Any]:
         """Serve's `ray_actor_options` for one replica of this app (unset parts left out)."""
@@ -74,11 +69,6 @@ class ServeConfig(ConfigModel):
     """Ray cluster address; null: start a local Ray."""
     num_cpus: int | None = None
     """CPUs given to a local Ray; null: all."""
-    ray_nice: int | None = Field(default=None, ge=-20, le=19)
-    """CPU niceness of a local Ray's own processes (GCS, dashboard, monitors, agents; Ray starts
-    them at 0) and of Serve's controller and proxy (15), set once Serve is up; not the raylet,
-    whose workers would inherit it. Null: leave them. For a laptop whose cores the ranks share
-    (services/common/priority.py); ignored when joining a cluster (`ray_address`)."""
     coordinator: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
     """The coordinator (always one replica)."""
     rollout: AppDeployConfig = AppDeployConfig()

@@ -9,10 +9,8 @@ from .base import (
     RolloutEngine,
     SampleOutput,
     SamplingSpec,
-    WeightBuckets,
     engine_names,
     get_engine_cls,
-    iterate_buckets,
     register_engine,
 )
 
@@ -24,9 +22,7 @@ __all__ = [
     "RolloutEngine",
     "SampleOutput",
     "SamplingSpec",
-    "WeightBuckets",
     "engine_names",
     "get_engine_cls",
-    "iterate_buckets",
     "register_engine",
 ]

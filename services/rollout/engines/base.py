@@ -39,18 +39,15 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
-import torch
-
 from services.common.errors import ConfigError, InvalidArgument
+from services.weights import Bucket
 
 PauseMode = Literal["keep", "abort", "wait"]
-WeightBuckets = AsyncIterator[list[tuple[str, torch.Tensor]]]
-"""Buckets of (Hugging Face parameter name, tensor), in any order; see WeightFetcher."""
 
 
 class Finish(StrEnum):
@@ -168,7 +165,7 @@ class RolloutEngine(ABC):
     def paused(self) -> bool: ...
 
     @abstractmethod
-    async def load_weights(self, version: int, buckets: WeightBuckets) -> int:
+    async def load_weights(self, version: int, buckets: AsyncIterator[Bucket]) -> int:
         """Load named tensors bucket by bucket into the running model (no rebuild) and record
         `version` for tokens generated from now on. The engine must be paused. Returns the number
         of tensors loaded. A failure leaves the version unchanged and raises."""
@@ -220,9 +217,3 @@ def get_engine_cls(name: str) -> type[RolloutEngine]:
 
 def engine_names() -> list[str]:
     return sorted(_ENGINE_MODULES)
-
-
-async def iterate_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> WeightBuckets:
-    """Turn a plain iterable of buckets into the async form load_weights takes."""
-    for bucket in buckets:
-        yield bucket

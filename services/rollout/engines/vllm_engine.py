@@ -26,12 +26,14 @@ import asyncio
 import contextlib
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
 from services.common.logging import get_logger
+from services.weights import Bucket
 
 from .base import (
     EngineHealth,
@@ -40,7 +42,6 @@ from .base import (
     PauseMode,
     RolloutEngine,
     SampleOutput,
-    WeightBuckets,
     register_engine,
 )
 from .vllm_args import EXTENSION
@@ -233,7 +234,7 @@ class VLLMEngine(RolloutEngine):
     def version(self) -> int:
         return self._version
 
-    async def load_weights(self, version: int, buckets: WeightBuckets) -> int:
+    async def load_weights(self, version: int, buckets: AsyncIterator[Bucket]) -> int:
         llm = self._check()
         if not self._paused:
             raise FailedPrecondition("load_weights needs a paused engine; call pause() first")

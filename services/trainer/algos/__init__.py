@@ -4,7 +4,7 @@ verl's `core_algos` / `rollout_corr_helper`; deviations are documented in each m
 
 A trainer step, in order (the trainer owns the loop; these are the calls it makes):
 
-    keep = dynamic_sampling_keep(dynamic_sampling_values(batch, cfg.filter_groups.metric),
+    keep = dynamic_sampling_keep(dynamic_sampling_values(batch.seq_tensors, cfg.filter_groups.metric),
                                  batch.seq_tensors["group_index"])        # DAPO, if enabled
     batch.tensors["advantages"] = compute_advantages(batch, algo)         # whole step batch
     metrics |= apply_rollout_correction(batch, algo)                      # decoupled mode; {} in bypass

@@ -12,10 +12,11 @@ exact equality (verl tests std > 0, which is the same thing for finite values).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from services.common.errors import InvalidArgument
-from services.trainer.engines.base import SequenceBatch
 
 _REWARD_ALIASES = ("score", "seq_reward", "seq_final_reward")
 
@@ -40,16 +41,18 @@ def dynamic_sampling_keep(values: torch.Tensor, group_index: torch.Tensor) -> to
     return keep_group[inv]
 
 
-def dynamic_sampling_values(batch: SequenceBatch, metric: str) -> torch.Tensor:
-    """The [B] values `algorithm.filter_groups.metric` names: batch.seq_tensors[metric], or the
-    reward for verl's `score` / `seq_reward` / `seq_final_reward` when no such tensor exists."""
-    if metric in batch.seq_tensors:
-        return batch.seq_tensors[metric]
-    if metric in _REWARD_ALIASES and "reward" in batch.seq_tensors:
-        return batch.seq_tensors["reward"]
+def dynamic_sampling_values(seq_tensors: Mapping[str, torch.Tensor], metric: str) -> torch.Tensor:
+    """The [B] values `algorithm.filter_groups.metric` names among a batch's per-sequence tensors
+    (SequenceBatch.seq_tensors, or trainer.convert.sequence_tensors of fetched groups): that
+    tensor, or the reward for verl's `score` / `seq_reward` / `seq_final_reward` when no such
+    tensor exists."""
+    if metric in seq_tensors:
+        return seq_tensors[metric]
+    if metric in _REWARD_ALIASES and "reward" in seq_tensors:
+        return seq_tensors["reward"]
     raise InvalidArgument(
         "algorithm.filter_groups.metric",
-        f"{metric!r} is not a per-sequence tensor of the batch (present: {sorted(batch.seq_tensors)})",
+        f"{metric!r} is not a per-sequence tensor of the batch (present: {sorted(seq_tensors)})",
     )
 
 

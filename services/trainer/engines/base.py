@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from services.common.errors import ConfigError
+from services.weights import Bucket
 
 if TYPE_CHECKING:
     from services.common.config.actor_rollout_ref import ActorConfig, ModelConfig, RefConfig
@@ -205,7 +206,7 @@ class TrainEngine(ABC):
         schedule step. Returns the step's metrics (averaged over micro-batches and ranks)."""
 
     @abstractmethod
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         """Full (unsharded) weights by Hugging Face name, in buckets of at most bucket_bytes
         (a larger tensor travels alone). Every rank must iterate; only rank 0 yields data."""
 

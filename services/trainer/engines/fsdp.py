@@ -38,7 +38,8 @@ from services.common.device import DeviceInfo, collective_backend, import_torch_
 from services.common.device import memory_stats as device_memory_stats
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
-from services.param_server.layout import group_by_bytes
+from services.weights import Bucket
+from services.weights.layout import group_by_bytes
 
 from . import attention, hf_model, ulysses
 from .base import EngineSpec, ForwardOutput, LossFn, LossScale, SequenceBatch, StepResult, TrainEngine, register_engine
@@ -414,7 +415,7 @@ class FSDPEngine(TrainEngine):
                 acc[1] += n
         return {k: total / n for k, (total, n) in merged.items() if n}
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         """Full CPU tensors by HF name (tied weights once, as save_pretrained writes them)."""
         self._load_actor(with_optimizer=False)
 

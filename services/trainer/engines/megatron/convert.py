@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from services.common.errors import ConfigError
 from services.common.model_arch import ModelArch
@@ -39,7 +40,7 @@ RuleKind = Literal["copy", "vocab", "split", "qkv", "gate_up"]
 
 @dataclass(frozen=True)
 class ParallelCoords:
-    """Where one rank sits, for sharding: tensor, expert and expert-tensor parallel."""
+    """Where one rank sits, for sharding: tensor, expert, expert-tensor and pipeline parallel."""
 
     tp_rank: int = 0
     tp_size: int = 1
@@ -47,6 +48,18 @@ class ParallelCoords:
     ep_size: int = 1
     etp_rank: int = 0
     etp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's process groups of each parallel dimension (megatron's parallel_state)."""
+
+    tp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    etp: dist.ProcessGroup
+    pp: dist.ProcessGroup
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ be summed over micro-batches and averaged over DP; megatron's schedule divides b
 micro-batches and its DDP averages over DP x CP while multiplying by CP, so the engine multiplies
 each micro-batch loss by the micro-batch count. Result: gradients of the mini-batch loss, exactly.
 
-On `device="cpu"` (tests only) megatron's optimizer is unavailable (CUDA-only); a torch AdamW over
-megatron's fp32 main grads with megatron's model-parallel grad-norm rules stands in.
+On `device="cpu"` (tests only) megatron's optimizer is unavailable (CUDA-only); CpuOptimizer
+(cpu_optimizer.py) stands in.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ from services.trainer.engines.base import (
     TrainEngine,
     register_engine,
 )
+from services.weights import Bucket
 
 from . import runtime
 from .config import MegatronEngineConfig
-from .convert import check_supported, padded_vocab_size
+from .convert import ParallelGroups, check_supported, padded_vocab_size
+from .cpu_optimizer import CpuOptimizer
 from .logprobs import vocab_parallel_logprobs
 from .mcore_config import (
     build_dataclass,
@@ -118,14 +120,7 @@ class MegatronEngine(TrainEngine):
         self.padded_vocab = padded_vocab_size(self.arch.vocab_size, self.coords.tp_size)
         self.use_te = config.device == "cuda" and has_transformer_engine()
         self.tcfg = self._transformer_config(config.megatron)
-        self.groups = {
-            "tp": ps.get_tensor_model_parallel_group(),
-            "ep": ps.get_expert_model_parallel_group(),
-            "etp": ps.get_expert_tensor_parallel_group(),
-            "pp": ps.get_pipeline_model_parallel_group(),
-            "pp_size": ps.get_pipeline_model_parallel_world_size(),
-            "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        }
+        self.groups: ParallelGroups = runtime.groups()
         ckpt = HFCheckpoint(self.model_path)
         self.model = self._build_chunks(self.tcfg)
         load_hf_into(self.model, self.arch, ckpt, self.coords, self.padded_vocab)
@@ -149,7 +144,7 @@ class MegatronEngine(TrainEngine):
             log.info("megatron engine runs unpacked [B, L] batches; use_remove_padding only saves compute")
         self._offload(after_step=True)
         log.info(
-            "megatron engine ready", rank=self.rank, tp=self.coords.tp_size, pp=self.groups["pp_size"],
+            "megatron engine ready", rank=self.rank, tp=self.coords.tp_size, pp=self.coords.pp_size,
             ep=self.coords.ep_size, etp=self.coords.etp_size, dp=ps.get_data_parallel_world_size(),
             transformer_engine=self.use_te, model_type=self.arch.model_type,
         )
@@ -228,7 +223,7 @@ class MegatronEngine(TrainEngine):
     def _build_optimizer(self) -> Any:
         """megatron's optimizer (distributed, offloadable) from OptimizerConfig with
         override_optimizer_config applied. On CPU the same OptimizerConfig is built (so overrides
-        are validated and lr/betas/eps/weight_decay/clip_grad take effect) and a torch AdamW runs it."""
+        are validated and lr/betas/eps/weight_decay/clip_grad take effect) and CpuOptimizer runs it."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         m = self.cfg.megatron
@@ -240,10 +235,7 @@ class MegatronEngine(TrainEngine):
         # The schedule's peak is whatever OptimizerConfig ended up with (an `lr` override wins).
         self._schedule_optim = self.cfg.optim.model_copy(update={"lr": ocfg.lr})
         if self.device_kind == "cpu":
-            params = [p for c in self.model for p in c.parameters() if p.requires_grad]
-            return torch.optim.AdamW(
-                params, lr=ocfg.lr, betas=(ocfg.adam_beta1, ocfg.adam_beta2), eps=ocfg.adam_eps, weight_decay=ocfg.weight_decay
-            )
+            return CpuOptimizer(self.model, ocfg)
         return get_megatron_optimizer(ocfg, self.model)
 
     # ---- data --------------------------------------------------------------------------------
@@ -274,7 +266,7 @@ class MegatronEngine(TrainEngine):
         tp_rank, tp_size = self.coords.tp_rank, self.coords.tp_size
         lp, ent = vocab_parallel_logprobs(
             logits[:, :-1], ids[:, 1:], vocab_start=tp_rank * logits.shape[-1], vocab_size=self.arch.vocab_size,
-            temperature=temperature, with_entropy=with_entropy, tp_group=self.groups["tp"], tp_size=tp_size,
+            temperature=temperature, with_entropy=with_entropy, tp_group=self.groups.tp, tp_size=tp_size,
         )
         zeros = torch.zeros_like(ids[:, :1], dtype=lp.dtype)
         mask = mb.response_mask.to(lp.device)
@@ -352,7 +344,7 @@ class MegatronEngine(TrainEngine):
         neither 0 nor >= PP: split the largest ones by sequences until the count fits. Losses are
         normalised globally (LossScale), so the summed gradient is the same however the sequences
         are grouped."""
-        pp = self.groups["pp_size"]
+        pp = self.coords.pp_size
         group = getattr(self.tcfg, "microbatch_group_size_per_vp_stage", None) or pp
 
         def fits(m: int) -> bool:
@@ -378,7 +370,7 @@ class MegatronEngine(TrainEngine):
         data = iter(micro)
         vpp = len(model)
         pad_to = None
-        if vpp > 1 and self.groups["pp_size"] == 2:
+        if vpp > 1 and self.coords.pp_size == 2:
             # With PP=2 the previous and the next stage are one rank, and megatron 0.16 exchanges
             # the p2p tensor shapes in one batched call that pairs them in posting order, so the
             # peer may size an activation buffer with a gradient's shape. Every micro-batch padded
@@ -404,51 +396,12 @@ class MegatronEngine(TrainEngine):
         )
 
     def _optimizer_step(self, lr: float) -> float:
-        if self.device_kind != "cpu":
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            ok, grad_norm, _ = self.optimizer.step()
-            if not ok:
-                log.warning("optimizer step skipped (non-finite gradients)", step=self._step)
-            return float(grad_norm or 0.0)
-        return self._cpu_optimizer_step(lr)
-
-    def _cpu_optimizer_step(self, lr: float) -> float:
-        """torch AdamW on megatron's main grads; grad norm and clipping follow megatron's rules."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        dense_sq = torch.zeros((), dtype=torch.float64)
-        expert_sq = torch.zeros((), dtype=torch.float64)
-        params = []
-        for chunk in self.model:
-            for p in chunk.parameters():
-                if not p.requires_grad:
-                    continue
-                grad = getattr(p, "main_grad", None)
-                if grad is None:
-                    continue
-                p.grad = grad.to(p.dtype)
-                params.append(p)
-                if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                    sq = grad.double().pow(2).sum()
-                    if getattr(p, "allreduce", True):
-                        dense_sq += sq
-                    else:
-                        expert_sq += sq
-        dist.all_reduce(dense_sq, group=ps.get_model_parallel_group())
-        dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-        grad_norm = float((dense_sq + expert_sq).sqrt())
-        clip = self.optimizer_config.clip_grad / (grad_norm + 1e-6)
-        if clip < 1.0:
-            for p in params:
-                p.grad.mul_(clip)  # type: ignore[union-attr]
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        for p in params:
-            p.grad = None
-        return grad_norm
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            log.warning("optimizer step skipped (non-finite gradients)", step=self._step)
+        return float(grad_norm or 0.0)
 
     def _average_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
         """Metrics exist on the last pipeline stage: average there over micro-batches and DP
@@ -463,11 +416,11 @@ class MegatronEngine(TrainEngine):
         return self._broadcast_metrics(out)
 
     def _broadcast_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.groups["pp_size"] == 1:
+        if self.coords.pp_size == 1:
             return metrics
         box = [metrics]
-        last = dist.get_process_group_ranks(self.groups["pp"])[-1]
-        dist.broadcast_object_list(box, src=last, group=self.groups["pp"])
+        last = dist.get_process_group_ranks(self.groups.pp)[-1]
+        dist.broadcast_object_list(box, src=last, group=self.groups.pp)
         return box[0]
 
     def _broadcast_from_last_stage(self, outputs: list[ForwardOutput], batch: SequenceBatch, with_entropy: bool) -> ForwardOutput:
@@ -478,11 +431,11 @@ class MegatronEngine(TrainEngine):
         else:
             logprobs = torch.zeros(shape, dtype=torch.float32, device=self.device)
             entropy = torch.zeros(shape, dtype=torch.float32, device=self.device) if with_entropy else None
-        if self.groups["pp_size"] > 1:
-            last = dist.get_process_group_ranks(self.groups["pp"])[-1]
-            dist.broadcast(logprobs, src=last, group=self.groups["pp"])
+        if self.coords.pp_size > 1:
+            last = dist.get_process_group_ranks(self.groups.pp)[-1]
+            dist.broadcast(logprobs, src=last, group=self.groups.pp)
             if entropy is not None:
-                dist.broadcast(entropy, src=last, group=self.groups["pp"])
+                dist.broadcast(entropy, src=last, group=self.groups.pp)
         return ForwardOutput(logprobs=logprobs.cpu(), entropy=entropy.cpu() if entropy is not None else None)
 
     # ---- offload -----------------------------------------------------------------------------
@@ -526,7 +479,7 @@ class MegatronEngine(TrainEngine):
 
     # ---- weights and checkpoints -------------------------------------------------------------
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         self._onload(self.model, False)
         try:
             yield from export_hf(self.model, self.arch, self.coords, bucket_bytes, self.groups)
@@ -578,12 +531,9 @@ class MegatronEngine(TrainEngine):
 
             state["rng"]["cuda"] = torch.cuda.get_rng_state()
             state["rng"]["tracker"] = get_cuda_rng_tracker().get_states()
-        if self.device_kind == "cpu":
-            state["optimizer"] = self.optimizer.state_dict()
-        else:
-            state["optimizer"] = self.optimizer.state_dict()
-            if self.cfg.megatron.use_distributed_optimizer:
-                state["optimizer_param_state"] = _dist_opt_param_state(self.optimizer)
+        state["optimizer"] = self.optimizer.state_dict()
+        if self.device_kind != "cpu" and self.cfg.megatron.use_distributed_optimizer:
+            state["optimizer_param_state"] = _dist_opt_param_state(self.optimizer)
         torch.save(state, self._ckpt_file(path))
         if self.rank == 0:
             (path / "meshrl_megatron.json").write_text(json.dumps({"layout": self._layout(), "step": self._step}))

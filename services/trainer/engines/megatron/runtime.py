@@ -27,6 +27,8 @@ from services.common.config.actor_rollout_ref import MegatronConfig
 from services.common.device import collective_backend
 from services.common.errors import ConfigError, MissingDependency
 
+from .convert import ParallelCoords, ParallelGroups
+
 _CPU_PATCHED = False
 
 
@@ -186,11 +188,9 @@ def destroy_model_parallel() -> None:
         ps.destroy_model_parallel()
 
 
-def coords() -> Any:
+def coords() -> ParallelCoords:
     """This rank's ParallelCoords (for weight sharding)."""
     from megatron.core import parallel_state as ps
-
-    from .convert import ParallelCoords
 
     return ParallelCoords(
         tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -199,4 +199,18 @@ def coords() -> Any:
         ep_size=ps.get_expert_model_parallel_world_size(),
         etp_rank=ps.get_expert_tensor_parallel_rank(),
         etp_size=ps.get_expert_tensor_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+    )
+
+
+def groups() -> ParallelGroups:
+    """This rank's ParallelGroups (for weight gathers and pipeline broadcasts)."""
+    from megatron.core import parallel_state as ps
+
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(),
+        etp=ps.get_expert_tensor_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
     )

@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from services.common.errors import ConfigError
 from services.common.model_arch import ModelArch
+from services.weights import Bucket
+from services.weights.layout import group_by_bytes
 
-from .convert import ParallelCoords, ParamRule, merge_to_hf, rule_for, shard_from_hf
+from .convert import ParallelCoords, ParallelGroups, ParamRule, merge_to_hf, rule_for, shard_from_hf
 
 
 class HFCheckpoint:
@@ -127,16 +129,16 @@ def _gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
 
 
 def _full_tensors(
-    name: str, param: torch.Tensor, rule: ParamRule, arch: ModelArch, coords: ParallelCoords, lmap: Any, groups: dict[str, Any]
+    name: str, param: torch.Tensor, rule: ParamRule, arch: ModelArch, coords: ParallelCoords, lmap: Any, groups: ParallelGroups
 ) -> dict[str, torch.Tensor]:
     """Full HF tensors of one local parameter, after TP/ETP and EP gathers (collective)."""
     data = param.detach()
     if rule.kind == "copy":
         shards = [data]
     elif rule.expert:
-        shards = _gather(data, groups["etp"], coords.etp_size)
+        shards = _gather(data, groups.etp, coords.etp_size)
     else:
-        shards = _gather(data, groups["tp"], coords.tp_size)
+        shards = _gather(data, groups.tp, coords.tp_size)
     merged = merge_to_hf(rule, shards, arch)
     if not rule.expert or coords.ep_size == 1:
         return merged
@@ -144,7 +146,7 @@ def _full_tensors(
     out: dict[str, torch.Tensor] = {}
     per_rank: list[dict[str, torch.Tensor]] = []
     keys = list(merged)
-    gathered = {k: _gather(merged[k], groups["ep"], coords.ep_size) for k in keys}
+    gathered = {k: _gather(merged[k], groups.ep, coords.ep_size) for k in keys}
     for r in range(coords.ep_size):
         other = ParallelCoords(coords.tp_rank, coords.tp_size, r, coords.ep_size, coords.etp_rank, coords.etp_size)
         r_rule = _rule(name, arch, lmap, other)
@@ -156,16 +158,22 @@ def _full_tensors(
 
 
 def export_hf(
-    chunks: list[torch.nn.Module], arch: ModelArch, coords: ParallelCoords, bucket_bytes: int, groups: dict[str, Any]
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    chunks: list[torch.nn.Module], arch: ModelArch, coords: ParallelCoords, bucket_bytes: int, groups: ParallelGroups
+) -> Iterator[Bucket]:
     """Full HF weights in buckets of at most `bucket_bytes` (a larger tensor travels alone).
     Collective: every rank must iterate to the end; only global rank 0 yields."""
+    return group_by_bytes(_export_named(chunks, arch, coords, groups), bucket_bytes)
+
+
+def _export_named(
+    chunks: list[torch.nn.Module], arch: ModelArch, coords: ParallelCoords, groups: ParallelGroups
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every full HF tensor, on global rank 0 (other ranks yield nothing), gathered one parameter
+    at a time as the caller asks. Collective, as export_hf."""
     rank = dist.get_rank()
-    pp_group, pp_size, pp_rank = groups["pp"], groups["pp_size"], groups["pp_rank"]
+    pp_group, pp_size, pp_rank = groups.pp, coords.pp_size, coords.pp_rank
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else [rank]
     exporting = 0 in pp_ranks
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
     local = _local_params(chunks, arch, coords)
     lmaps = {id(p): layer_map(c) for c in chunks for _, p in unwrap(c).named_parameters()}
 
@@ -194,14 +202,7 @@ def export_hf(
             if rank != 0:
                 continue
             for k, t in tensors.items():
-                nbytes = t.numel() * t.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.append((k, t.detach().to("cpu", copy=True)))
-                size += nbytes
-    if rank == 0 and bucket:
-        yield bucket
+                yield k, t.detach().to("cpu", copy=True)
 
 
 def _device(chunks: list[torch.nn.Module]) -> torch.device:

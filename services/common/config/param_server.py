@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.common.config.base import ConfigModel
+from .base import ConfigModel
 
 
 class ParamServerConfig(ConfigModel):
@@ -46,7 +46,7 @@ class ParamServerConfig(ConfigModel):
     tune_malloc: bool = True
     """Raise glibc's mmap/trim thresholds in processes that stream weights over grpc (param
     server, publishers, fetchers) so per-chunk buffers are reused, not page-faulted each time
-    (5x faster on a VM). Process-wide; see services/param_server/hostmem.py."""
+    (on a VM the page faults cost more than the copy). Process-wide; see services/weights/hostmem.py."""
     pool_max_mb: int = Field(default=8192, ge=0)
     """Host memory of evicted versions kept to receive the next upload (fresh pages are slow)."""
     collective_group: str = "rollout"

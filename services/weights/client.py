@@ -128,8 +128,7 @@ class ParamServerClient:
     async def newest_ref(self, *, timeout_s: float | None = None) -> common_pb2.WeightsRef:
         """A WeightsRef to the newest complete version (a replica joining a running job)."""
         m = await self.get_manifest(-1, timeout_s=timeout_s)
-        return common_pb2.WeightsRef(policy_version=m.policy_version, param_server_address=self.address,
-                                     manifest_checksum=m.checksum, total_bytes=m.total_bytes)
+        return convert.weights_ref(m, self.address)
 
     async def list_versions(self, *, timeout_s: float | None = None) -> list[pb.VersionInfo]:
         try:

@@ -30,19 +30,12 @@ from services.common.errors import DataLoss, InvalidArgument
 from services.common.logging import get_logger
 
 from .. import convert, hostmem
+from ..buffers import ByteBuffers
 from ..client import ParamServerClient
 from ..layout import Fingerprinter, Manifest, fingerprint_bytes, host_view, pack_into, unpack
+from ..protocols import Bucket, Buckets
 from ..wire import RawChunk
-from .base import (
-    Bucket,
-    Buckets,
-    Deadline,
-    ManifestBuilder,
-    PlannedBucket,
-    ReusableBuffers,
-    check_against_manifest,
-    plan_buckets,
-)
+from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
 
 log = get_logger(__name__)
 MiB = 1 << 20
@@ -83,7 +76,7 @@ class GrpcPublisher:
         self.stall_timeout_s = stall_timeout_s
         self.sha256 = sha256
         self.client = ParamServerClient(address, application=application, max_message_bytes=max_message_bytes)
-        self._bufs = ReusableBuffers(2)
+        self._bufs = ByteBuffers(2)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish-pack")
 
     async def close(self) -> None:
@@ -138,10 +131,7 @@ class GrpcPublisher:
         manifest = builder.build([TRANSPORT])
         log.info("weights_published", transport=TRANSPORT, policy_version=version, total_bytes=resp.total_bytes,
                  buckets=len(builder.buckets), server_s=round(resp.publish_s, 3))
-        return common_pb2.WeightsRef(
-            policy_version=version, param_server_address=self.address,
-            manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes,
-        )
+        return convert.weights_ref(manifest, self.address)
 
 
 @dataclass
@@ -195,7 +185,7 @@ class GrpcFetcher:
         self.application = application
         self.max_message_bytes = max_message_bytes
         self._clients: dict[str, ParamServerClient] = {}
-        self._bufs = ReusableBuffers(2)
+        self._bufs = ByteBuffers(2)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-copy")
         self.refetched_buckets = 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from services.common.config.base import ConfigModel
+from .base import ConfigModel
 
 
 class RewardEndpointConfig(ConfigModel):

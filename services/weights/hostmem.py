@@ -2,8 +2,7 @@
 
 gRPC allocates every received message, and we allocate every encoded chunk (4 MiB by default):
 glibc serves blocks that large with a fresh mmap and returns them on free, so each chunk pays its
-page faults again; on a VM that costs several times the copy itself (measured 5x slower end to
-end on the 2-core sandbox). Raising the mmap threshold to its maximum (32 MiB on 64-bit) and the
+page faults again; on a VM that costs several times the copy itself (BENCHMARKS.md). Raising the mmap threshold to its maximum (32 MiB on 64-bit) and the
 trim threshold keeps such blocks on the heap, where the next chunk reuses them. Process-wide and
 idempotent; a no-op off glibc. Set `param_server.tune_malloc=false` to leave malloc alone.
 """

@@ -7,6 +7,13 @@ lengths. Each sequence is padded to a multiple of `align` so TP (sequence parall
 (2 * CP chunks per sequence) can split it evenly:
 
     align = TP * CP * 2 if CP > 1 else TP
+
+Not wired into the engine yet, on purpose: the MindSpeed engine inherits the megatron engine's
+forward step, which feeds unpacked [B, L] batches (use_remove_padding only saves compute there).
+Packing needs that step to pass PackedSeqParams and call MindSpeed's set_actual_seq_len /
+set_position_ids per micro-batch, and nothing NPU-side can be run where meshrl is developed; an
+untested path in the engine would be worse than none. This layout is the tested piece that path
+will use (tests/unit/test_mindspeed.py).
 """
 
 from __future__ import annotations

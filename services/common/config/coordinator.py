@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.common.config.base import ConfigModel
+from .base import ConfigModel
 
 
 class CoordinatorConfig(ConfigModel):

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,7 @@ from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument
 from services.common.logging import get_logger
 
 from .. import convert
+from ..buffers import ByteBuffers
 from ..client import ParamServerClient
 from ..layout import (
     Fingerprinter,
@@ -45,20 +47,24 @@ from ..layout import (
     unpack,
     validate_manifest,
 )
-from .base import (
-    Bucket,
-    Buckets,
-    Deadline,
-    ManifestBuilder,
-    PlannedBucket,
-    ReusableBuffers,
-    check_against_manifest,
-    plan_buckets,
-)
+from ..protocols import Bucket, Buckets
+from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
+
+if TYPE_CHECKING:
+    from services.common.config.param_server import ParamServerConfig
 
 log = get_logger(__name__)
 TRANSPORT = "disk"
 MANIFEST_FILE = "manifest.pb"
+
+
+def disk_dir(cfg: ParamServerConfig, run_dir: str | os.PathLike[str] | None) -> Path:
+    """Where the `disk` transport writes versions."""
+    if cfg.disk_dir:
+        return Path(cfg.disk_dir)
+    if run_dir is None:
+        raise ValueError("param_server.disk_dir is not set and there is no run directory; set param_server.disk_dir")
+    return Path(run_dir) / "weights"
 
 
 def version_dir(root: Path, policy_version: int) -> Path:
@@ -145,10 +151,7 @@ class DiskPublisher:
             await self.client.register(manifest, timeout_s=max(deadline.remaining(), 1.0))
         log.info("weights_published", transport=TRANSPORT, policy_version=version, total_bytes=manifest.total_bytes,
                  path=str(final))
-        return common_pb2.WeightsRef(
-            policy_version=version, param_server_address=self.address,
-            manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes,
-        )
+        return convert.weights_ref(manifest, self.address)
 
 
 def read_manifest(directory: Path) -> Manifest:
@@ -216,7 +219,7 @@ class DiskFetcher:
         self.consumer_id = consumer_id
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
-        self._bufs = ReusableBuffers(2)
+        self._bufs = ByteBuffers(2)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-read")
         self._clients: dict[str, ParamServerClient] = {}
         self.reread_buckets = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from services.common.config.base import ConfigModel
+from .base import ConfigModel
 
 
 class TrainerServiceConfig(ConfigModel):
@@ -36,16 +36,10 @@ class TrainerServiceConfig(ConfigModel):
     step's groups (FetchBatch train_version = the version they will train at); the export of a
     new version is ordered before the next step, whose training overlaps that version's publish.
     Staleness, the budget and the ledger are as without it. Pays when the trainer is the
-    bottleneck (the built-in example on 2 CPU cores: 0.398 s per step against 0.452); in a
-    rollout-bound run on 2 H200s it measured 8-18% slower per step, cause not found, so it is off
-    by default (BENCHMARKS.md, "e2e on CPU" and "e2e on 2 GPUs")."""
+    bottleneck (the built-in example on CPU); a rollout-bound run measured slower with it, cause
+    not found, so it is off by default (BENCHMARKS.md, "e2e on CPU" and "e2e on 2 GPUs")."""
     worker_num_cpus: float = Field(default=1.0, ge=0)
     """CPUs reserved per training rank actor (placement group bundle)."""
-    worker_nice: int | None = Field(default=None, ge=-20, le=19)
-    """CPU niceness of each rank's process, all its threads (Ray starts workers at 15); null: leave
-    it. Where ranks share cores with the services, 0 (with `serve.<app>.nice: 19`) keeps the
-    services from preempting the training thread. Lowering needs root, CAP_SYS_NICE or RLIMIT_NICE
-    (`ulimit -e`); without, the rank keeps Ray's and logs `niceness_not_permitted`."""
     hf_export_dir: str | None = "hf_export"
     """Where the final policy is exported as a Hugging Face checkpoint when the run ends, relative
     to the run directory; null: no export."""

@@ -348,11 +348,6 @@ def _device_columns(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
     return cols
 
 
-def sha256_tensor(buffer: torch.Tensor, nbytes: int) -> str:
-    host = buffer[:nbytes] if buffer.device.type == "cpu" else buffer[:nbytes].cpu()
-    return hashlib.sha256(host_view(host)).hexdigest()
-
-
 # ---- manifests ----------------------------------------------------------------------------------
 
 

@@ -31,7 +31,8 @@ from services.common.logging import get_logger
 
 from .. import convert
 from ..layout import Fingerprinter, Manifest, as_bytes
-from .base import Bucket, Buckets, Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
+from ..protocols import Bucket, Buckets
+from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
 
 log = get_logger(__name__)
 TRANSPORT = "object_store"
@@ -123,10 +124,7 @@ class ObjectStorePublisher:
                                timeout=deadline.check("registering the version"))
         log.info("weights_published", transport=TRANSPORT, policy_version=version, total_bytes=manifest.total_bytes,
                  buckets=len(refs))
-        return common_pb2.WeightsRef(
-            policy_version=version, param_server_address=self.address,
-            manifest_checksum=manifest.checksum, total_bytes=manifest.total_bytes,
-        )
+        return convert.weights_ref(manifest, self.address)
 
 
 def _is_local(ray: Any, ref: Any) -> bool:
@@ -202,15 +200,13 @@ class ObjectStoreFetcher:
                 for attempt in range(1, self.max_attempts + 1):
                     try:
                         arrays = await asyncio.to_thread(ray.get, list(orefs), timeout=deadline.check(f"getting bucket {i}"))
-                    except Exception as exc:
-                        if type(exc).__name__ == "GetTimeoutError":
-                            raise deadline.stalled(f"getting bucket {i}", self.timeout_s) from None
-                        if type(exc).__name__ in ("ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError"):
-                            raise Unavailable(
-                                f"version {version} bucket {i} is gone from the object store ({type(exc).__name__}); "
-                                "its owner (the publishing trainer) may have exited: fetch a newer version"
-                            ) from exc
-                        raise
+                    except ray.exceptions.GetTimeoutError:
+                        raise deadline.stalled(f"getting bucket {i}", self.timeout_s) from None
+                    except ray.exceptions.ObjectLostError as exc:  # OwnerDiedError, ObjectFetchTimedOutError too
+                        raise Unavailable(
+                            f"version {version} bucket {i} is gone from the object store ({type(exc).__name__}); "
+                            "its owner (the publishing trainer) may have exited: fetch a newer version"
+                        ) from exc
                     try:
                         bucket = await asyncio.to_thread(_check_arrays, manifest, i, arrays, verify)
                         break

@@ -20,18 +20,20 @@ from typing import Any
 
 from meshrl.v1 import common_pb2
 from services.common.config import MeshConfig
+from services.common.config.param_server import data_address
 from services.common.errors import ConfigError
+from services.common.net import local_ip
 
-from .base import WeightFetcher, WeightPublisher
+from ..protocols import WeightFetcher, WeightPublisher
 
 BACKENDS = ("grpc", "object_store", "nccl", "hccl", "disk", "gloo")
 _MODULES = {
-    "grpc": "services.param_server.transports.grpc",
-    "object_store": "services.param_server.transports.object_store",
-    "nccl": "services.param_server.transports.collective",
-    "hccl": "services.param_server.transports.collective",
-    "gloo": "services.param_server.transports.collective",
-    "disk": "services.param_server.transports.disk",
+    "grpc": "services.weights.transports.grpc",
+    "object_store": "services.weights.transports.object_store",
+    "nccl": "services.weights.transports.collective",
+    "hccl": "services.weights.transports.collective",
+    "gloo": "services.weights.transports.collective",
+    "disk": "services.weights.transports.disk",
 }
 MiB = 1 << 20
 
@@ -58,19 +60,21 @@ def collective_receivers(cfg: MeshConfig) -> int:
 def make_publisher(
     cfg: MeshConfig,
     *,
-    address: str,
+    address: str | None = None,
     backend: str | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     announce: Callable[[common_pb2.WeightsRef], Awaitable[bool | None]] | None = None,
     directory: Any = None,
 ) -> WeightPublisher:
-    """The trainer's publisher for a consumer group. `address`: the param server's data plane.
+    """The trainer's publisher for a consumer group. `address`: the param server's data plane
+    (default: where `param_server.*` says it is).
     `announce` (collective backends): called with the version's ref before the broadcast starts,
     so receivers learn of it (e.g. the trainer's CommitVersion; False: none will come, skip it); `directory` (object_store): where
     refs are registered (default: the Serve app's deployment handle)."""
     name = _backend(cfg, backend)
     mod = _module(name)
     ps = cfg.param_server
+    address = address or data_address(ps)
     if name == "grpc":
         return mod.GrpcPublisher(  # type: ignore[no-any-return]
             address, chunk_bytes=ps.chunk_mb * MiB, timeout_s=ps.transfer_timeout_s,
@@ -81,11 +85,7 @@ def make_publisher(
         directory = directory or mod.ServeDirectory.from_app()
         return mod.ObjectStorePublisher(directory, address=address, timeout_s=ps.transfer_timeout_s)  # type: ignore[no-any-return]
     if name == "disk":
-        from ..factory import disk_dir
-
-        return mod.DiskPublisher(disk_dir(ps, run_dir), address=address, timeout_s=ps.transfer_timeout_s)  # type: ignore[no-any-return]
-    from ..server import local_ip
-
+        return mod.DiskPublisher(mod.disk_dir(ps, run_dir), address=address, timeout_s=ps.transfer_timeout_s)  # type: ignore[no-any-return]
     return mod.CollectivePublisher(  # type: ignore[no-any-return]
         name, address, receivers=collective_receivers(cfg), group=ps.collective_group,
         master_address=ps.collective_master_address or local_ip(), timeout_s=ps.transfer_timeout_s,
@@ -97,16 +97,18 @@ def make_fetcher(
     cfg: MeshConfig,
     *,
     consumer_id: str,
-    address: str = "",
+    address: str | None = None,
     backend: str | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     directory: Any = None,
 ) -> WeightFetcher:
     """A rollout rank's fetcher. `consumer_id` names this rank (holds, collective membership);
-    `address` is used when a ref carries none."""
+    `address` is used when a ref carries none (default: where `param_server.*` says the param
+    server's data plane is)."""
     name = _backend(cfg, backend)
     mod = _module(name)
     ps = cfg.param_server
+    address = address or data_address(ps)
     if name == "grpc":
         return mod.GrpcFetcher(  # type: ignore[no-any-return]
             address, consumer_id=consumer_id, chunk_bytes=ps.chunk_mb * MiB, timeout_s=ps.transfer_timeout_s,
@@ -120,10 +122,8 @@ def make_fetcher(
             max_attempts=ps.max_fetch_attempts,
         )
     if name == "disk":
-        from ..factory import disk_dir
-
         return mod.DiskFetcher(  # type: ignore[no-any-return]
-            disk_dir(ps, run_dir), consumer_id=consumer_id, timeout_s=ps.transfer_timeout_s,
+            mod.disk_dir(ps, run_dir), consumer_id=consumer_id, timeout_s=ps.transfer_timeout_s,
             max_attempts=ps.max_fetch_attempts,
         )
     return mod.CollectiveFetcher(  # type: ignore[no-any-return]

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.common.config.base import ConfigModel
+from .base import ConfigModel
 
 
 class RolloutWorkerConfig(ConfigModel):

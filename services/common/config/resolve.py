@@ -1,0 +1,152 @@
+"""From what a config file says to what the tree holds, before validation.
+
+A config is written in verl's layout (a verl launch script translates line by line) plus meshrl's
+sections, and earlier meshrl spellings stay accepted. `resolve_tree` maps such an input onto the
+sections the services read, as a new mapping: verl's aliases (`rollout.n`), what a mode implies
+(`async_training.mode=sync`), defaults that depend on another section
+(`loss_scale_factor`), and moved keys (`LEGACY_KEYS`). It runs as MeshConfig's `before`
+validator, so YAML, dotted overrides, a Serve application's args and a resolved config all go
+through it; a resolved config passes through unchanged. Validation afterwards only checks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from .actor_rollout_ref import ActorConfig
+from .async_training import AsyncTrainingConfig
+from .data import DataConfig
+
+LEGACY_KEYS: dict[str, str] = {
+    "trainer_service.worker_nice": "tuning.nice.trainer_ranks",
+    "serve.ray_nice": "tuning.nice.ray_daemons",
+    **{f"serve.{app}.nice": f"tuning.nice.{app}" for app in ("coordinator", "rollout", "reward", "param_server", "trainer")},
+}
+"""Old dotted key -> where it lives now. Either spelling is accepted; both at once must agree."""
+
+_MISSING = object()
+
+
+def _plain(node: Any) -> Any:
+    """A deep copy with models turned into the mappings they were built from."""
+    if isinstance(node, BaseModel):
+        node = node.model_dump(exclude_unset=True)
+    if isinstance(node, Mapping):
+        return {k: _plain(v) for k, v in node.items()}
+    return copy.deepcopy(node)
+
+
+def _get(tree: dict[str, Any], key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _set(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            return  # not a section: validation reports it
+        node = child
+    node[leaf] = value
+
+
+def _pop(tree: dict[str, Any], key: str) -> Any:
+    *parents, leaf = key.split(".")
+    parent = _get(tree, ".".join(parents)) if parents else tree
+    if not isinstance(parent, dict) or leaf not in parent:
+        return _MISSING
+    return parent.pop(leaf)
+
+
+def _given(tree: dict[str, Any], key: str) -> bool:
+    return _get(tree, key) is not _MISSING
+
+
+def _value(tree: dict[str, Any], key: str, model: type[BaseModel]) -> Any:
+    """The value at `key`, or its field's default in `model` when absent."""
+    value = _get(tree, key)
+    return model.model_fields[key.rsplit(".", 1)[-1]].default if value is _MISSING else value
+
+
+def legacy_keys_in(tree: Mapping[str, Any]) -> dict[str, str]:
+    """{new key: old key} for every old spelling `tree` uses (for error messages)."""
+    plain = _plain(tree)
+    return {new: old for old, new in LEGACY_KEYS.items() if _given(plain, old)}
+
+
+def resolve_tree(data: Any) -> Any:
+    """The input with verl's layout and old spellings resolved (a new mapping; `data` is not
+    changed). Raises ValueError, naming the keys and the fix, where two spellings disagree."""
+    if not isinstance(data, Mapping):
+        return data
+    tree: dict[str, Any] = _plain(data)
+    _move_legacy(tree)
+    _rollout_n(tree)
+    _sync_mode(tree)
+    _loss_scale_factor(tree)
+    return tree
+
+
+def _move_legacy(tree: dict[str, Any]) -> None:
+    for old, new in LEGACY_KEYS.items():
+        value = _pop(tree, old)
+        if value is _MISSING:
+            continue
+        current = _get(tree, new)
+        if current is not _MISSING and current != value:
+            raise ValueError(f"{old}={value} and {new}={current} disagree; {old} is the old spelling of {new}: keep one")
+        _set(tree, new, value)
+
+
+def _rollout_n(tree: dict[str, Any]) -> None:
+    """verl fully async scripts set the top-level `rollout.n`: it stands for
+    actor_rollout_ref.rollout.n when that is not given, and must equal it when it is."""
+    n = _get(tree, "rollout.n")
+    if n is _MISSING or n is None:
+        return
+    inner = _get(tree, "actor_rollout_ref.rollout.n")
+    if inner is _MISSING:
+        _set(tree, "actor_rollout_ref.rollout.n", n)
+    elif inner != n:
+        raise ValueError(f"rollout.n={n} disagrees with actor_rollout_ref.rollout.n={inner}; set one of them")
+
+
+def _sync_mode(tree: dict[str, Any]) -> None:
+    """`sync` is on-policy lock-step: staleness_threshold 0 and trigger_parameter_sync_step 1,
+    filled in when neither is given."""
+    if _value(tree, "async_training.mode", AsyncTrainingConfig) != "sync":
+        return
+    keys = ("async_training.staleness_threshold", "async_training.trigger_parameter_sync_step")
+    staleness, trigger = (_value(tree, k, AsyncTrainingConfig) for k in keys)
+    if staleness == 0 and trigger == 1:
+        return
+    if any(_given(tree, k) for k in keys):
+        raise ValueError(
+            "async_training.mode=sync is on-policy lock-step: it needs staleness_threshold=0 and "
+            "trigger_parameter_sync_step=1 (or leave them unset)"
+        )
+    _set(tree, keys[0], 0.0)
+    _set(tree, keys[1], 1)
+
+
+def _loss_scale_factor(tree: dict[str, Any]) -> None:
+    """verl divides seq-mean-token-sum-norm by the padded response length; meshrl pads per
+    micro-batch, so the constant is fixed once: data.max_response_length (Dr.GRPO's "generation
+    budget")."""
+    key = "actor_rollout_ref.actor.loss_scale_factor"
+    if _value(tree, "actor_rollout_ref.actor.loss_agg_mode", ActorConfig) != "seq-mean-token-sum-norm":
+        return
+    if _get(tree, key) in (_MISSING, None):
+        _set(tree, key, _value(tree, "data.max_response_length", DataConfig))

@@ -1,0 +1,220 @@
+"""The collective transport's private process group, its CTRL word layout, and what a member
+(sender or receiver) does to join one through the param server's rendezvous."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+from typing import Any
+
+import torch
+
+from meshrl.v1 import param_server_pb2 as pb
+from services.common.device import import_torch_npu
+from services.common.errors import FailedPrecondition, MeshError, Unavailable
+from services.common.logging import get_logger
+
+from ...buffers import ByteBuffers
+from ...client import ParamServerClient
+from ..base import Deadline
+from .device import Device
+
+log = get_logger(__name__)
+
+WIRE_BUCKET_BYTES = 512 << 20  # buckets travel in runs of tensors of at most this (a larger tensor alone)
+SEND_SLOTS = 4  # the sender keeps a bucket until every receiver acked it (up to 3 in flight) + 1 to pack
+RECV_SLOTS = 3  # the receiver: one being consumed, one on the wire, one posted ahead
+RING = 4  # pinned header buffers, by step: one is rewritten only after its copy completed
+# CTRL words: this step's kind, bucket index, padded bytes, metadata bytes; the receivers' verdict on
+# step t-2 (W_NACK); version; the manifest checksum (DONE, 2 words); the next step's kind and slot
+# bytes; the receivers' verdict on step t-1 (W_NACK_NOW: only when step t was announced as no DATA);
+# a spare word; in CTRL(0), the sum of the versions the receivers asked for and of their squares
+# (all equal to the sender's exactly when both sums are n*v and n*v^2)
+CTRL_WORDS = 14
+W_NACK, W_NEXT_KIND, W_NEXT_SIZE, W_NACK_NOW, W_JOIN, W_JOIN_SQ = 4, 8, 9, 10, 12, 13
+DATA, FLUSH, DONE, ABORT = 1, 2, 3, 4
+
+
+def _make_backend(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    import_torch_npu()
+    return dist.ProcessGroupHCCL(store, rank, size, timeout)  # type: ignore[attr-defined]
+
+
+class Group:
+    """A private process group: broadcast from rank 0 and sum all-reduce, as async waits. One
+    communicator carries both CTRL and DATA: the receiver's host work per bucket, not CTRL queueing
+    behind a bucket, is the limit, and a second communicator left the stuck-peer case hanging in
+    NCCL's watchdog (BENCHMARKS.md, "Measurement notes moved out of code comments")."""
+
+    def __init__(self, backend: str, store: Any, rank: int, size: int, generation: int, timeout_s: float,
+                 dev: Device) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.size = size
+        self.generation = generation
+        self.dev = dev
+        self.store = store
+        if dev.accelerator:
+            dev.mod.set_device(dev.device)  # this may run in a worker thread (device is per thread)
+        self.pg = _make_backend(backend, store, rank, size, datetime.timedelta(seconds=timeout_s))
+        self.broken = False
+        # One tiny all-reduce forms the communicator here (NCCL/HCCL create it lazily, blocking the
+        # caller), inside the caller's deadline-bounded thread rather than on the event loop later.
+        warm = torch.zeros(1, dtype=torch.int64, device=dev.device)
+        self.allreduce_sum(warm).wait()
+        dev.synchronize()
+
+    def broadcast(self, t: torch.Tensor) -> Any:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        with self.dev.comm():
+            return self.pg.broadcast([t], opts)
+
+    def allreduce_sum(self, t: torch.Tensor) -> Any:
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        with self.dev.comm():
+            return self.pg.allreduce([t], opts)
+
+    async def wait(self, work: Any, deadline: Deadline, doing: str) -> None:
+        """Poll until `work` completes; a spin on accelerators (µs matter), short sleeps on CPU."""
+        spins = 0
+        while not work.is_completed():
+            if deadline.expired():
+                self.abort()
+                raise deadline.stalled(doing, deadline.timeout_s)
+            spins += 1
+            await asyncio.sleep(0 if self.dev.accelerator or spins < 100 else 0.001)
+        try:
+            work.wait()
+        except RuntimeError as exc:  # a peer failed or left mid-collective
+            self.abort()
+            raise Unavailable(f"{deadline.what}: {doing} failed ({exc}); the group re-forms at the next version") from exc
+
+    async def wait_event(self, event: Any, deadline: Deadline, doing: str) -> None:
+        """Poll a device event (None: nothing to wait for) against the deadline."""
+        if event is None:
+            return
+        while not event.query():
+            if deadline.expired():
+                self.abort()
+                raise deadline.stalled(doing, deadline.timeout_s)
+            await asyncio.sleep(0)
+
+    def abort(self) -> None:
+        self.broken = True
+        for name in ("abort", "shutdown"):
+            fn = getattr(self.pg, name, None)
+            if fn is not None:
+                with contextlib.suppress(Exception):
+                    fn()
+                return
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def checksum_words(checksum: str) -> tuple[int, int]:
+    return _signed(int(checksum[:16], 16)), _signed(int(checksum[16:32], 16))
+
+
+class GroupMember:
+    """What the sender and the receivers share: their device, their place in the group (formed
+    through the param server's rendezvous), and whether the next version may start on it at once."""
+
+    def __init__(self, backend: str, address: str, *, group: str, timeout_s: float, member_id: str,
+                 slots: int) -> None:
+        self.backend = backend
+        self.dev = Device(backend)
+        self.address = address
+        self.group_name = group
+        self.timeout_s = timeout_s
+        self.member_id = member_id
+        self.client = ParamServerClient(address)
+        self.group: Group | None = None
+        self.slots = ByteBuffers(slots, self.dev.device)
+        # The group finished the last version: the next one starts on it at once, its rendezvous
+        # RPC in the background (_check_in_later); the param server's wait would add ~2 ms.
+        self._steady = False
+        self._rejoin = False  # a background check-in saw a new generation or failed
+        self._checking: asyncio.Task[None] | None = None
+
+    def _pg_timeout_s(self) -> float:
+        return self.timeout_s + 60.0
+
+    async def _build_group(self, store: Any, rank: int, size: int, generation: int, deadline: Deadline) -> Group:
+        import torch.distributed as dist
+
+        prefix = dist.PrefixStore(f"meshrl/{self.group_name}/{generation}", store)
+        build = asyncio.to_thread(Group, self.backend, prefix, rank, size, generation, self._pg_timeout_s(), self.dev)
+        try:
+            return await asyncio.wait_for(build, timeout=max(deadline.remaining(), 0.001))
+        except TimeoutError:
+            raise deadline.stalled(f"forming the {self.backend} group {self.group_name!r}", deadline.timeout_s) from None
+
+    def drop_group(self) -> None:
+        self._steady = False
+        if self._checking is not None:  # the check-in of a version that failed is moot
+            self._checking.cancel()
+        if self.group is not None:
+            self.group.abort()
+        self.group = None
+
+    def _steady_group(self) -> Group | None:
+        """The group to start the next version on without waiting at the rendezvous, if any."""
+        if self._steady and not self._rejoin and self.group is not None and not self.group.broken:
+            return self.group
+        self._steady = self._rejoin = False
+        return None
+
+    async def _check_in_later(self, request: pb.RendezvousRequest, group: Group) -> None:
+        """A steady group's rendezvous for this version, in the background: it keeps the param
+        server's board current (who is at which version); a new generation or an error there makes
+        the next version wait at the rendezvous and re-form the group."""
+        try:
+            resp = await self.client.rendezvous(request, timeout_s=max(self.timeout_s, 1.0))
+            if resp.generation != group.generation:
+                self._rejoin = True
+        except (MeshError, OSError) as exc:  # the broadcast checks its peers; this decides the next start
+            log.warning("rendezvous_check_in_failed", group=self.group_name, policy_version=request.policy_version,
+                        error=str(exc))
+            self._rejoin = True
+
+    async def _checked_in(self) -> None:
+        task, self._checking = self._checking, None
+        if task is not None:
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this caller was cancelled, not the check-in
+
+    def _check_join(self, words: list[int], receivers: int, version: int) -> None:
+        """CTRL(0): every receiver asked for the sender's version (else all sides fail at once)."""
+        if words[W_JOIN] != receivers * version or words[W_JOIN_SQ] != receivers * version * version:
+            raise FailedPrecondition(
+                f"group {self.group_name!r}: the sender broadcasts version {words[5]} but not every one of its "
+                f"{receivers} receivers asked for version {version} (a receiver skipped or repeated a version; "
+                "the group re-forms at the next version)"
+            )
+
+    async def close(self) -> None:
+        self.drop_group()
+        await self._checked_in()
+        await self.client.close()
+
