@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.auth import Authorizer
 from services.common.errors import InvalidArgument
 from services.common.grpc_util import rpc_method
 from services.common.logging import get_logger
@@ -24,25 +25,25 @@ log = get_logger(__name__)
 
 MAX_FETCH_GROUPS = 65536
 MAX_FETCH_TIMEOUT_MS = 600_000
-CONTROL_RPCS = ("Pause", "Resume", "SetStaleness", "RequestCheckpoint", "Stop", "CommitVersion", "ResumeTrainer")
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """Thin shim over CoordinatorCore. `token` guards the control RPCs (CONTROL_RPCS)."""
+    """Thin shim over CoordinatorCore. Who may call which RPC is the role table's business
+    (services/common/auth.py); `auth` holds the tokens it checks behind Serve's proxy."""
 
     def __init__(
         self,
         core: CoordinatorCore,
         *,
         sampling: common_pb2.SamplingParams,
-        token: str | None = None,
+        auth: Authorizer | None = None,
         max_groups_per_call: int = 1024,
         max_response_tokens: int = 1 << 20,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.core = core
         self.sampling = sampling
-        self.token = token
+        self.auth = auth
         self.max_groups = max_groups_per_call
         self.max_tokens = max_response_tokens
         self.clock = clock
@@ -155,7 +156,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._notify()  # budget given back: rollouts may lease again
         return convert.batch_response(batch)
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def CommitVersion(self, request: coordinator_pb2.CommitVersionRequest, context: Any) -> coordinator_pb2.CommitVersionResponse:
         convert.require_id(request.trainer_id, "trainer_id")
         if not request.HasField("weights"):
@@ -176,7 +177,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._notify()
         return coordinator_pb2.ReportCheckpointResponse()
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def ResumeTrainer(self, request: coordinator_pb2.ResumeTrainerRequest, context: Any) -> coordinator_pb2.ResumeTrainerResponse:
         convert.require_id(request.trainer_id, "trainer_id")
         n = self.core.resume_trainer(request.checkpoint_step)
@@ -190,28 +191,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def GetStatus(self, request: coordinator_pb2.GetStatusRequest, context: Any) -> coordinator_pb2.GetStatusResponse:
         return convert.status_response(self.core.status(self.clock()))
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def Pause(self, request: coordinator_pb2.PauseRequest, context: Any) -> coordinator_pb2.PauseResponse:
         self.core.set_paused(True)
         log.info("run_paused")
         self._notify()
         return coordinator_pb2.PauseResponse()
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def Resume(self, request: coordinator_pb2.ResumeRequest, context: Any) -> coordinator_pb2.ResumeResponse:
         self.core.set_paused(False)
         log.info("run_resumed")
         self._notify()
         return coordinator_pb2.ResumeResponse()
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def SetStaleness(self, request: coordinator_pb2.SetStalenessRequest, context: Any) -> coordinator_pb2.SetStalenessResponse:
         max_required = self.core.set_staleness(request.staleness_threshold)
         log.info("staleness_set", staleness_threshold=request.staleness_threshold, max_required_samples=max_required)
         self._notify()
         return coordinator_pb2.SetStalenessResponse(max_required_samples=max_required)
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def RequestCheckpoint(
         self, request: coordinator_pb2.RequestCheckpointRequest, context: Any
     ) -> coordinator_pb2.RequestCheckpointResponse:
@@ -219,7 +220,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._notify()
         return coordinator_pb2.RequestCheckpointResponse()
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def Stop(self, request: coordinator_pb2.StopRequest, context: Any) -> coordinator_pb2.StopResponse:
         self.core.stop()
         log.info("run_stopping")

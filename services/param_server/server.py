@@ -15,6 +15,7 @@ from meshrl.v1 import param_server_pb2 as pb
 from services.common.config import MeshConfig
 from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
+from services.common.security import ServerSecurity
 
 from . import wire
 from .config import ParamServerConfig
@@ -80,10 +81,15 @@ class ParamServerServer:
         if self.cfg.tune_malloc:
             tune_malloc()
         self.servicer = build_servicer(cfg, run_dir)
-        self.server = create_server(max_message_bytes=self.cfg.max_message_mb * MiB)
+        self.security = ServerSecurity.from_config(cfg if isinstance(cfg, MeshConfig) else None)
+        self.servicer.auth = self.security.auth
+        self.server = create_server(max_message_bytes=self.cfg.max_message_mb * MiB, auth=self.security.auth,
+                                    limits=self.security.limits)
         add_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = bind_port(self.server, f"{self.cfg.host}:{self.cfg.port}", "param_server.port")
+        self.port = bind_port(self.server, f"{self.cfg.host}:{self.cfg.port}", "param_server.port",
+                              self.security.credentials)
+        self.security.warn_if_exposed("param_server", self.cfg.host)
         self.servicer.address = advertised(self.cfg, self.port)
 
     @property

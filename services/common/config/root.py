@@ -17,6 +17,7 @@ from .algorithm import AlgorithmConfig, CustomRewardFunctionConfig, RewardModelC
 from .async_training import AsyncTrainingConfig
 from .base import ConfigModel
 from .data import DataConfig
+from .security import SecurityConfig
 from .serve import ServeConfig
 from .trainer import RolloutResourcesConfig, TrainerConfig
 
@@ -54,6 +55,8 @@ class MeshConfig(ConfigModel):
     """The rollout replicas' worker loop (engine knobs are actor_rollout_ref.rollout.*)."""
     serve: ServeConfig = ServeConfig()
     """Ray Serve deployment."""
+    security: SecurityConfig = SecurityConfig()
+    """Tokens per role (read from the environment), TLS, and per-server/per-client bounds."""
 
     @model_validator(mode="after")
     def _cross_field(self) -> MeshConfig:
