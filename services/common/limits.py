@@ -14,6 +14,7 @@ Echo payloads) are bounded by the message size limit only.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -212,3 +213,25 @@ def set_process_limits(limits: Limits | None) -> None:
 
 def process_limits() -> Limits:
     return _process.get("limits") or Limits()
+
+
+class RecentlySeen(OrderedDict[str, float]):
+    """id -> when it was last seen, bounded for ids that callers choose: at most `max_entries`
+    (the least recently seen leave first) and, at every write, none older than `ttl_s`. A drop-in
+    for a plain dict written as `seen[id] = now` (times must not go backwards)."""
+
+    def __init__(self, max_entries: int, ttl_s: float) -> None:
+        super().__init__()
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+
+    def __setitem__(self, key: str, now: float) -> None:
+        super().__setitem__(key, now)
+        self.move_to_end(key)
+        while len(self) > self.max_entries:
+            self.popitem(last=False)
+        while self:
+            oldest = next(iter(self))
+            if now - super().__getitem__(oldest) <= self.ttl_s:
+                break
+            del self[oldest]

@@ -33,8 +33,11 @@ from typing import Any
 from services.common.config.root import max_required_samples
 from services.common.data import PromptRecord, PromptStream
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.limits import RecentlySeen
 
 from .ledger import GroupRow, GroupState, LeaseRow, LeaseState, Ledger, RetryReason
+
+MAX_REPLICAS_SEEN = 4096
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,8 @@ class CoordinatorCore:
         # budget like queued ones until that version is committed.
         self._ahead = 0
         self._next_group_id = 1
-        self._replica_seen: dict[str, float] = {}
+        # Replica ids come from callers: bounded in number and age (GetStatus lists them).
+        self._replica_seen: dict[str, float] = RecentlySeen(MAX_REPLICAS_SEEN, settings.lease_timeout_s)
         snap = ledger.load()
         if snap.state is None:
             self._s = _State(
