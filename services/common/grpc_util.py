@@ -21,6 +21,7 @@ ping without data at most every 5 min, 2 strikes), so channels to it (`ingress=T
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -320,8 +321,11 @@ def rpc_method(*, control: bool = False, rpc: str | None = None) -> Callable[[F]
             async def stream_wrapper(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
                 try:
                     context = checked_context(self, name, request, context)
-                    async for item in fn(self, request, context):
-                        yield item
+                    # aclosing: when the stream is cut, the handler's own `finally`/`with` blocks run
+                    # now, not whenever the garbage collector gets to its generator.
+                    async with contextlib.aclosing(fn(self, request, context)) as items:
+                        async for item in items:
+                            yield item
                 except grpc.aio.AbortError:
                     raise
                 except Exception as exc:  # noqa: BLE001 -- the RPC boundary: every error becomes a status

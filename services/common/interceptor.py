@@ -243,22 +243,30 @@ class MeshInterceptor(grpc.aio.ServerInterceptor):
             yield request
 
     async def _drive(self, out: Any, context: Any) -> None:
-        """Write a server stream's messages, each within `stall_timeout_s`; a stalled reader cuts
-        the stream and closes the generator (its `finally`/`with` blocks run)."""
+        """Write a server stream's messages, each within `stall_timeout_s`. A reader that takes
+        nothing for that long gets no more: the generator is closed at once (its `finally`/`with`
+        blocks run, releasing what it holds), and the stream ends with DEADLINE_EXCEEDED once the
+        message already handed to gRPC leaves (the reader resumes) or the call ends (its deadline,
+        a disconnect). A message handed to gRPC cannot be taken back, so the handler waits for it
+        rather than abandoning it, which would leave the call with no status."""
         if not inspect.isasyncgen(out):
             if inspect.isawaitable(out):
                 await out  # a handler that writes through context.write itself
             return
         try:
             async for item in out:
-                try:
-                    await asyncio.wait_for(context.write(item), self.stall_timeout_s)
-                except TimeoutError:
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"the client read nothing for {self.stall_timeout_s:g} s "
-                        "(security.limits.stream_stall_timeout_s); the stream was cut",
-                    )
+                write = asyncio.ensure_future(context.write(item))
+                done, _ = await asyncio.wait({write}, timeout=self.stall_timeout_s)
+                if done:
+                    write.result()
+                    continue
+                await out.aclose()
+                await write
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"the client read nothing for {self.stall_timeout_s:g} s "
+                    "(security.limits.stream_stall_timeout_s); the stream was cut",
+                )
         finally:
             await out.aclose()
 

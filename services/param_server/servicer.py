@@ -21,6 +21,7 @@ to a rendezvous as the sender.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -235,14 +236,16 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         self, request: param_server_pb2.FetchWeightsRequest, context: Any
     ) -> AsyncIterator[param_server_pb2.FetchWeightsResponse]:
         """Standard protos (Serve's proxy, generated stubs)."""
-        async for item in self.fetch_items(request):
-            yield param_server_pb2.FetchWeightsResponse(chunk=item.to_proto()) if isinstance(item, RawChunk) else item
+        async with contextlib.aclosing(self.fetch_items(request)) as items:
+            async for item in items:
+                yield param_server_pb2.FetchWeightsResponse(chunk=item.to_proto()) if isinstance(item, RawChunk) else item
 
     @rpc_method(rpc="FetchWeights")
     async def FetchWeightsRaw(self, request: param_server_pb2.FetchWeightsRequest, context: Any) -> AsyncIterator[Any]:
         """The same stream with chunks as RawChunk, for the plain server's zero-copy codec."""
-        async for item in self.fetch_items(request):
-            yield item
+        async with contextlib.aclosing(self.fetch_items(request)) as items:  # the pin goes when the stream does
+            async for item in items:
+                yield item
 
     # ---- manifests, versions, holds ---------------------------------------------------------------
 
