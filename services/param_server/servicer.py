@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -201,7 +201,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
 
     # ---- fetch ------------------------------------------------------------------------------------
 
-    async def fetch_items(self, request: param_server_pb2.FetchWeightsRequest) -> AsyncIterator[Any]:
+    async def fetch_items(self, request: param_server_pb2.FetchWeightsRequest) -> AsyncGenerator[Any, None]:
         """The manifest (as a FetchWeightsResponse) then RawChunks of the asked buckets."""
         chunk = request.chunk_bytes or self.chunk_bytes
         deadline = time.monotonic() + self.transfer_timeout_s
