@@ -281,6 +281,8 @@ def checked_context(servicer: Any, rpc: str, request: Any, context: Any) -> Any:
     """CONTEXT of a call that has passed auth and length checks: as is when MeshInterceptor (or a
     trusted in-process caller) already vouched for it, else checked here (behind Serve's proxy)
     and wrapped as a CallContext that carries the caller's Identity."""
+    if context is None:
+        return LocalContext()  # an in-process call (a Serve handle, Python): trusted
     if identity_of(context) is not None:
         return context
     from services.common.limits import process_limits
@@ -288,8 +290,7 @@ def checked_context(servicer: Any, rpc: str, request: Any, context: Any) -> Any:
     service = _service_name(type(servicer))
     method = f"/{service or type(servicer).__name__}/{rpc}"
     auth = getattr(servicer, "auth", None) or process_authorizer()
-    metadata = context.invocation_metadata() if context is not None else ()
-    identity: Identity = auth.check(method, metadata)
+    identity: Identity = auth.check(method, context.invocation_metadata())
     if isinstance(request, Message):
         check_lengths(request, process_limits())
     return CallContext(context, identity)

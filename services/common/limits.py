@@ -6,9 +6,9 @@ RPCs and streams per client identity, and a log line that cannot be turned into 
 
 Field kinds are read off the field names, so every message of every service (and any added later)
 is covered by the same rules: `*_id`/`*_ids` are ids, `*address*` addresses, `path`/`*_path`/
-`*_dir` paths, a short list of names (tensor names, data sources, roles, checksums ...), and map
-keys. Free text (prompts, responses, ground truths, JSON payloads) and bytes (weight chunks,
-Echo payloads) are bounded by the message size limit only.
+`*_dir` paths, and a short list of names (tensor names, data sources, roles, checksums ...).
+Free text (prompts, responses, ground truths, JSON payloads), map keys (metric names) and bytes
+(weight chunks, Echo payloads) are bounded by the message size limit only.
 """
 
 from __future__ import annotations
@@ -67,20 +67,28 @@ _KEYS = {"id": ("max_id_chars", "security.limits.max_id_chars"),
          "name": ("max_name_chars", "security.limits.max_name_chars")}
 
 _STRINGISH = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
-_plans: dict[str, tuple[tuple[FieldDescriptor, str | None, bool, bool], ...]] = {}
+_plans: dict[str, tuple[tuple[FieldDescriptor, str | None, bool], ...]] = {}
 
 
-def _plan(desc: Any) -> tuple[tuple[FieldDescriptor, str | None, bool, bool], ...]:
-    """Per message type: (field, length kind, is a map, is a message) for the fields worth a look."""
+def _plan(desc: Any, _visiting: frozenset[str] = frozenset()) -> tuple[tuple[FieldDescriptor, str | None, bool], ...]:
+    """Per message type: (field, length kind, is a message) for the fields worth a look:
+    limited strings, and messages that hold such fields somewhere (a Response, with only free
+    text, numbers and a metrics map, is never walked)."""
     plan = _plans.get(desc.full_name)
     if plan is None:
         out = []
         for fd in desc.fields:
             is_msg = fd.type == FieldDescriptor.TYPE_MESSAGE
-            is_map = is_msg and fd.message_type is not None and fd.message_type.GetOptions().map_entry
+            if is_msg:
+                sub = fd.message_type
+                assert sub is not None
+                if sub.GetOptions().map_entry:
+                    continue  # map keys (metric names) are bounded by the message size, like free text
+                if sub.full_name in _visiting or not _plan(sub, _visiting | {desc.full_name}):
+                    continue  # recursive, or nothing limited inside
             kind = field_kind(fd.name) if fd.type in _STRINGISH else None
             if kind or is_msg:
-                out.append((fd, kind, bool(is_map), is_msg and not is_map))
+                out.append((fd, kind, is_msg))
         plan = _plans[desc.full_name] = tuple(out)
     return plan
 
@@ -91,7 +99,7 @@ def check_lengths(msg: Any, limits: Limits, where: str = "") -> None:
     if not isinstance(msg, Message):
         return
     present = {fd.name for fd, _ in msg.ListFields()}
-    for fd, kind, is_map, is_msg in _plan(msg.DESCRIPTOR):
+    for fd, kind, is_msg in _plan(msg.DESCRIPTOR):
         if fd.name not in present:
             continue
         path = f"{where}.{fd.name}" if where else fd.name
@@ -104,15 +112,6 @@ def check_lengths(msg: Any, limits: Limits, where: str = "") -> None:
                     at = f"{path}[{i}]" if fd.is_repeated else path
                     raise InvalidArgument(at, f"is {len(v)} characters long; the limit for this kind of field is {limit} "
                                               f"({_KEYS[kind][1]})")
-        elif is_map:
-            assert fd.message_type is not None
-            value_fd = fd.message_type.fields_by_name["value"]
-            for k in value:
-                if isinstance(k, str) and len(k) > limits.max_name_chars:
-                    raise InvalidArgument(f"{path}[{k[:32]!r}...]", f"map key is {len(k)} characters long; the limit is "
-                                          f"{limits.max_name_chars} (security.limits.max_name_chars)")
-                if value_fd.type == FieldDescriptor.TYPE_MESSAGE:
-                    check_lengths(value[k], limits, f"{path}[{k!r}]")
         elif is_msg:
             if fd.is_repeated:
                 for i, item in enumerate(value):
