@@ -37,6 +37,7 @@ class CoordinatorClient:
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
         ingress = application is not None
         sec = security if security is not None else default_security(ingress=ingress)
         if token is not None:

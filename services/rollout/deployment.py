@@ -62,6 +62,7 @@ class RolloutDeployment:
         scorer: Scorer | None = None,
         fetcher_factory: FetcherFactory | None = None,
     ) -> None:
+        from services.common.grpc_util import MiB
         from services.coordinator.client import CoordinatorClient
 
         self.cfg = MeshConfig.model_validate(cfg)
@@ -77,6 +78,7 @@ class RolloutDeployment:
         self.coordinator = CoordinatorClient(
             factory.coordinator_address(self.cfg), application=w.coordinator_application, timeout_s=w.rpc_timeout_s,
             tls=bool(self.cfg.coordinator.tls_cert_file) and w.coordinator_application is None,
+            max_message_bytes=self.cfg.coordinator.max_message_mb * MiB,
         )
         if scorer is None and reward_handle is not None:
             scorer = _handle_scorer(reward_handle)

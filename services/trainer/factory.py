@@ -171,6 +171,7 @@ def coordinator_client(cfg: MeshConfig) -> CoordinatorClient:
     """The trainer's coordinator client: the trainer role's token, TLS to a plain coordinator that
     has it."""
     from services.common.auth import TRAINER
+    from services.common.grpc_util import MiB
     from services.common.security import client_security
     from services.coordinator.client import CoordinatorClient
 
@@ -179,6 +180,7 @@ def coordinator_client(cfg: MeshConfig) -> CoordinatorClient:
     sec = client_security(cfg, TRAINER)
     return CoordinatorClient(
         coordinator_address(cfg), application=ts.coordinator_application, timeout_s=ts.coordinator_timeout_s,
+        max_message_bytes=cfg.coordinator.max_message_mb * MiB,
         security=sec.plaintext() if ingress else sec, tls=bool(cfg.coordinator.tls_cert_file) and not ingress,
     )
 
