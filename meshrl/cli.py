@@ -5,8 +5,8 @@
     meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR]
     meshrl reward serve [CONFIG] [overrides] [--host H] [--port P]
     meshrl param-server serve [CONFIG] [overrides] [--run-dir DIR]
-    meshrl status|pause|resume|checkpoint|stop --address HOST:PORT [--token T]
-    meshrl set-staleness VALUE --address HOST:PORT [--token T]
+    meshrl status|pause|resume|checkpoint|stop --address HOST:PORT [--token T | --token-file F] [--tls ...]
+    meshrl set-staleness VALUE --address HOST:PORT [--token T | --token-file F] [--tls ...]
     meshrl bench coordinator [--out FILE]
     meshrl bench reward [--out FILE]
     meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--out FILE]
@@ -59,7 +59,10 @@ def _split_config_and_overrides(args: argparse.Namespace) -> tuple[str | None, l
 
 def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=os.environ.get("MESHRL_ADDRESS", "127.0.0.1:50051"), help="coordinator host:port")
-    p.add_argument("--token", default=os.environ.get("MESHRL_TOKEN"), help="control token (or MESHRL_TOKEN)")
+    p.add_argument("--token", default=os.environ.get("MESHRL_OPERATOR_TOKEN") or os.environ.get("MESHRL_TOKEN"),
+                   help="operator token (or MESHRL_OPERATOR_TOKEN, then MESHRL_TOKEN); sent as `authorization: Bearer`")
+    p.add_argument("--token-file", default=None,
+                   help="read the operator token from this file (meshrl train writes RUN_DIR/operator.token)")
     p.add_argument(
         "--application", default=os.environ.get("MESHRL_APPLICATION"),
         help="Serve application name (when the address is Serve's gRPC ingress with several apps)",
@@ -67,6 +70,9 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
     p.add_argument("--tls", action="store_true", help="use TLS (system roots, or --ca-file)")
     p.add_argument("--ca-file", default=None, help="PEM root certificates for TLS")
+    p.add_argument("--cert-file", default=None, help="PEM client certificate for mTLS (with --key-file)")
+    p.add_argument("--key-file", default=None, help="PEM private key of --cert-file")
+    p.add_argument("--server-name", default=None, help="name to check the server's certificate against")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -371,10 +377,15 @@ def _reward(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> Any:
+    from services.common.security import ChannelSecurity
     from services.coordinator.client import CoordinatorClient
 
-    return CoordinatorClient(args.address, token=args.token, application=args.application, timeout_s=args.timeout,
-                             tls=args.tls, ca_file=args.ca_file)
+    token = Path(args.token_file).read_text().strip() if args.token_file else args.token
+    if bool(args.cert_file) != bool(args.key_file):
+        raise SystemExit("error: --cert-file and --key-file go together (mTLS)")
+    sec = ChannelSecurity(token=token).with_tls(tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file,
+                                                key_file=args.key_file, server_name=args.server_name)
+    return CoordinatorClient(args.address, application=args.application, timeout_s=args.timeout, security=sec)
 
 
 def _status_dict(resp: Any) -> dict[str, Any]:

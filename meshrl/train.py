@@ -34,6 +34,8 @@ from services.common.config import MeshConfig, derive, load_config, write_resolv
 from services.common.logging import get_logger
 from services.common.serve_util import free_port, port_is_free
 
+from .tokens import prepare_run_secrets
+
 log = get_logger(__name__)
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parent / "configs" / "example.yaml"
@@ -126,8 +128,12 @@ class Progress:
 class MeshRun:
     """One `meshrl train` run: deploy, watch, stop, summarize."""
 
-    def __init__(self, cfg: MeshConfig, run_dir: Path, mode: str, *, max_train_s: float | None = None) -> None:
+    def __init__(
+        self, cfg: MeshConfig, run_dir: Path, mode: str, *, max_train_s: float | None = None,
+        secret_env: dict[str, str] | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.secret_env = secret_env or {}
         self.max_train_s = max_train_s
         self._first_step_seen: float | None = None
         self._time_stop_sent = False
@@ -163,7 +169,7 @@ class MeshRun:
         # Logical CPUs for a local Ray: Serve replicas and rank actors reserve CPU shares to be
         # placed, not to be fast; 8 lets the five services fit on a 2-core laptop.
         init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
-                 log_to_driver=False)
+                 log_to_driver=False, env=self.secret_env)
         start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
                     else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
         if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
@@ -261,8 +267,7 @@ class MeshRun:
         from services.coordinator.client import CoordinatorClient
 
         test_freq = self.cfg.trainer.test_freq
-        async with CoordinatorClient(f"127.0.0.1:{self.grpc_port}", application="coordinator",
-                                     token=self.cfg.coordinator.token or os.environ.get("MESHRL_TOKEN")) as client:
+        async with CoordinatorClient(f"127.0.0.1:{self.grpc_port}", application="coordinator") as client:
             if self.cfg.trainer.val_before_train and test_freq > 0:
                 await self._maybe_validate(0)
             progress = await self.poll(client)
@@ -442,14 +447,18 @@ def train(
     cfg = ensure_model(cfg)
     port = cfg.serve.grpc_port if cfg.serve.grpc_port and port_is_free(cfg.serve.grpc_port) else free_port()
     cfg = wire(cfg, port)
+    # Fresh tokens per run, passed to the services through the environment: config.resolved.yaml
+    # and the applications' Serve config hold no secret.
+    cfg, secret_env, restore_env = prepare_run_secrets(cfg, run_dir)
     write_resolved_config(cfg, run_dir)
-    run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s)
+    run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s, secret_env=secret_env)
     try:
         run.deploy()
         progress = _watch(run, on_progress or (lambda p: None))
         summary = run.summarize(progress)
     finally:
         run.shutdown()
+        restore_env()
     from meshrl.tensorboard import write_tensorboard
 
     try:

@@ -32,7 +32,10 @@ class CoordinatorServiceStub:
     Who calls what:
     rollout  -> LeasePrompts, RenewLeases, ReturnLeases, SubmitGroups, WatchVersions
     trainer  -> FetchBatch, CommitVersion, ReportCheckpoint, ResumeTrainer
-    operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop (need the token)
+    operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel):
@@ -130,11 +133,15 @@ class CoordinatorServiceServicer:
     Who calls what:
     rollout  -> LeasePrompts, RenewLeases, ReturnLeases, SubmitGroups, WatchVersions
     trainer  -> FetchBatch, CommitVersion, ReportCheckpoint, ResumeTrainer
-    operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop (need the token)
+    operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def LeasePrompts(self, request, context):
         """Grants up to max_groups prompt leases, one prompt group each, within the staleness budget.
+        Auth: rollout token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,6 +149,7 @@ class CoordinatorServiceServicer:
 
     def RenewLeases(self, request, context):
         """Extends the deadlines of active leases (long generations).
+        Auth: rollout token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -149,6 +157,7 @@ class CoordinatorServiceServicer:
 
     def ReturnLeases(self, request, context):
         """Gives leases back unanswered (graceful drain): their prompts are re-queued at once.
+        Auth: rollout token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +165,7 @@ class CoordinatorServiceServicer:
 
     def SubmitGroups(self, request, context):
         """Submits finished groups. Idempotent by lease id; recorded in the ledger before the reply.
+        Auth: rollout token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -163,6 +173,7 @@ class CoordinatorServiceServicer:
 
     def FetchBatch(self, request, context):
         """Delivers queued groups to the trainer in submission order.
+        Auth: trainer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -170,6 +181,7 @@ class CoordinatorServiceServicer:
 
     def CommitVersion(self, request, context):
         """Makes a new policy version current and resets the staleness budget.
+        Auth: trainer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +189,7 @@ class CoordinatorServiceServicer:
 
     def WatchVersions(self, request, context):
         """Streams the current version at once, then every commit and control change.
+        Auth: rollout token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,6 +197,7 @@ class CoordinatorServiceServicer:
 
     def ReportCheckpoint(self, request, context):
         """The trainer reports a durable checkpoint.
+        Auth: trainer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -191,32 +205,37 @@ class CoordinatorServiceServicer:
 
     def ResumeTrainer(self, request, context):
         """A restarted trainer resumes from a checkpoint: groups delivered after it are re-queued.
+        Auth: trainer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Auth: operator token.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pause(self, request, context):
         """Stops granting leases and delivering batches; in-flight work is still accepted.
+        Auth: operator token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Resume(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Auth: operator token.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SetStaleness(self, request, context):
         """Changes async_training.staleness_threshold on the live run.
+        Auth: operator token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -224,6 +243,7 @@ class CoordinatorServiceServicer:
 
     def RequestCheckpoint(self, request, context):
         """Asks the trainer to checkpoint at its next step.
+        Auth: operator token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -231,6 +251,7 @@ class CoordinatorServiceServicer:
 
     def Stop(self, request, context):
         """Asks the run to end: no new leases; the trainer checkpoints and exits.
+        Auth: operator token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -238,6 +259,7 @@ class CoordinatorServiceServicer:
 
     def Echo(self, request, context):
         """Returns its payload; the in-run baseline for benchmarks and a cheap liveness probe.
+        Auth: any role's token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -341,7 +363,10 @@ class CoordinatorService:
     Who calls what:
     rollout  -> LeasePrompts, RenewLeases, ReturnLeases, SubmitGroups, WatchVersions
     trainer  -> FetchBatch, CommitVersion, ReportCheckpoint, ResumeTrainer
-    operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop (need the token)
+    operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @staticmethod

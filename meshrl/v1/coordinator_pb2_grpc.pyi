@@ -33,7 +33,10 @@ class CoordinatorServiceStub:
     Who calls what:
       rollout  -> LeasePrompts, RenewLeases, ReturnLeases, SubmitGroups, WatchVersions
       trainer  -> FetchBatch, CommitVersion, ReportCheckpoint, ResumeTrainer
-      operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop (need the token)
+      operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_typing.overload
@@ -41,35 +44,65 @@ class CoordinatorServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> CoordinatorServiceAsyncStub: ...
     LeasePrompts: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.LeasePromptsRequest, _coordinator_pb2.LeasePromptsResponse]
-    """Grants up to max_groups prompt leases, one prompt group each, within the staleness budget."""
+    """Grants up to max_groups prompt leases, one prompt group each, within the staleness budget.
+    Auth: rollout token.
+    """
     RenewLeases: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RenewLeasesRequest, _coordinator_pb2.RenewLeasesResponse]
-    """Extends the deadlines of active leases (long generations)."""
+    """Extends the deadlines of active leases (long generations).
+    Auth: rollout token.
+    """
     ReturnLeases: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReturnLeasesRequest, _coordinator_pb2.ReturnLeasesResponse]
-    """Gives leases back unanswered (graceful drain): their prompts are re-queued at once."""
+    """Gives leases back unanswered (graceful drain): their prompts are re-queued at once.
+    Auth: rollout token.
+    """
     SubmitGroups: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SubmitGroupsRequest, _coordinator_pb2.SubmitGroupsResponse]
-    """Submits finished groups. Idempotent by lease id; recorded in the ledger before the reply."""
+    """Submits finished groups. Idempotent by lease id; recorded in the ledger before the reply.
+    Auth: rollout token.
+    """
     FetchBatch: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.FetchBatchRequest, _coordinator_pb2.FetchBatchResponse]
-    """Delivers queued groups to the trainer in submission order."""
+    """Delivers queued groups to the trainer in submission order.
+    Auth: trainer token.
+    """
     CommitVersion: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.CommitVersionRequest, _coordinator_pb2.CommitVersionResponse]
-    """Makes a new policy version current and resets the staleness budget."""
+    """Makes a new policy version current and resets the staleness budget.
+    Auth: trainer token.
+    """
     WatchVersions: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.WatchVersionsRequest, _coordinator_pb2.WatchVersionsResponse]
-    """Streams the current version at once, then every commit and control change."""
+    """Streams the current version at once, then every commit and control change.
+    Auth: rollout token.
+    """
     ReportCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReportCheckpointRequest, _coordinator_pb2.ReportCheckpointResponse]
-    """The trainer reports a durable checkpoint."""
+    """The trainer reports a durable checkpoint.
+    Auth: trainer token.
+    """
     ResumeTrainer: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResumeTrainerRequest, _coordinator_pb2.ResumeTrainerResponse]
-    """A restarted trainer resumes from a checkpoint: groups delivered after it are re-queued."""
+    """A restarted trainer resumes from a checkpoint: groups delivered after it are re-queued.
+    Auth: trainer token.
+    """
     GetStatus: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.GetStatusResponse]
+    """Auth: operator token."""
     Pause: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.PauseRequest, _coordinator_pb2.PauseResponse]
-    """Stops granting leases and delivering batches; in-flight work is still accepted."""
+    """Stops granting leases and delivering batches; in-flight work is still accepted.
+    Auth: operator token.
+    """
     Resume: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ResumeRequest, _coordinator_pb2.ResumeResponse]
+    """Auth: operator token."""
     SetStaleness: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.SetStalenessRequest, _coordinator_pb2.SetStalenessResponse]
-    """Changes async_training.staleness_threshold on the live run."""
+    """Changes async_training.staleness_threshold on the live run.
+    Auth: operator token.
+    """
     RequestCheckpoint: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.RequestCheckpointRequest, _coordinator_pb2.RequestCheckpointResponse]
-    """Asks the trainer to checkpoint at its next step."""
+    """Asks the trainer to checkpoint at its next step.
+    Auth: operator token.
+    """
     Stop: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StopRequest, _coordinator_pb2.StopResponse]
-    """Asks the run to end: no new leases; the trainer checkpoints and exits."""
+    """Asks the run to end: no new leases; the trainer checkpoints and exits.
+    Auth: operator token.
+    """
     Echo: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.EchoRequest, _coordinator_pb2.EchoResponse]
-    """Returns its payload; the in-run baseline for benchmarks and a cheap liveness probe."""
+    """Returns its payload; the in-run baseline for benchmarks and a cheap liveness probe.
+    Auth: any role's token.
+    """
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -79,40 +112,73 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     Who calls what:
       rollout  -> LeasePrompts, RenewLeases, ReturnLeases, SubmitGroups, WatchVersions
       trainer  -> FetchBatch, CommitVersion, ReportCheckpoint, ResumeTrainer
-      operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop (need the token)
+      operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     LeasePrompts: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.LeasePromptsRequest, _coordinator_pb2.LeasePromptsResponse]  # type: ignore[assignment]
-    """Grants up to max_groups prompt leases, one prompt group each, within the staleness budget."""
+    """Grants up to max_groups prompt leases, one prompt group each, within the staleness budget.
+    Auth: rollout token.
+    """
     RenewLeases: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RenewLeasesRequest, _coordinator_pb2.RenewLeasesResponse]  # type: ignore[assignment]
-    """Extends the deadlines of active leases (long generations)."""
+    """Extends the deadlines of active leases (long generations).
+    Auth: rollout token.
+    """
     ReturnLeases: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReturnLeasesRequest, _coordinator_pb2.ReturnLeasesResponse]  # type: ignore[assignment]
-    """Gives leases back unanswered (graceful drain): their prompts are re-queued at once."""
+    """Gives leases back unanswered (graceful drain): their prompts are re-queued at once.
+    Auth: rollout token.
+    """
     SubmitGroups: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SubmitGroupsRequest, _coordinator_pb2.SubmitGroupsResponse]  # type: ignore[assignment]
-    """Submits finished groups. Idempotent by lease id; recorded in the ledger before the reply."""
+    """Submits finished groups. Idempotent by lease id; recorded in the ledger before the reply.
+    Auth: rollout token.
+    """
     FetchBatch: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.FetchBatchRequest, _coordinator_pb2.FetchBatchResponse]  # type: ignore[assignment]
-    """Delivers queued groups to the trainer in submission order."""
+    """Delivers queued groups to the trainer in submission order.
+    Auth: trainer token.
+    """
     CommitVersion: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.CommitVersionRequest, _coordinator_pb2.CommitVersionResponse]  # type: ignore[assignment]
-    """Makes a new policy version current and resets the staleness budget."""
+    """Makes a new policy version current and resets the staleness budget.
+    Auth: trainer token.
+    """
     WatchVersions: _aio.UnaryStreamMultiCallable[_coordinator_pb2.WatchVersionsRequest, _coordinator_pb2.WatchVersionsResponse]  # type: ignore[assignment]
-    """Streams the current version at once, then every commit and control change."""
+    """Streams the current version at once, then every commit and control change.
+    Auth: rollout token.
+    """
     ReportCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReportCheckpointRequest, _coordinator_pb2.ReportCheckpointResponse]  # type: ignore[assignment]
-    """The trainer reports a durable checkpoint."""
+    """The trainer reports a durable checkpoint.
+    Auth: trainer token.
+    """
     ResumeTrainer: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResumeTrainerRequest, _coordinator_pb2.ResumeTrainerResponse]  # type: ignore[assignment]
-    """A restarted trainer resumes from a checkpoint: groups delivered after it are re-queued."""
+    """A restarted trainer resumes from a checkpoint: groups delivered after it are re-queued.
+    Auth: trainer token.
+    """
     GetStatus: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetStatusRequest, _coordinator_pb2.GetStatusResponse]  # type: ignore[assignment]
+    """Auth: operator token."""
     Pause: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.PauseRequest, _coordinator_pb2.PauseResponse]  # type: ignore[assignment]
-    """Stops granting leases and delivering batches; in-flight work is still accepted."""
+    """Stops granting leases and delivering batches; in-flight work is still accepted.
+    Auth: operator token.
+    """
     Resume: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ResumeRequest, _coordinator_pb2.ResumeResponse]  # type: ignore[assignment]
+    """Auth: operator token."""
     SetStaleness: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.SetStalenessRequest, _coordinator_pb2.SetStalenessResponse]  # type: ignore[assignment]
-    """Changes async_training.staleness_threshold on the live run."""
+    """Changes async_training.staleness_threshold on the live run.
+    Auth: operator token.
+    """
     RequestCheckpoint: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.RequestCheckpointRequest, _coordinator_pb2.RequestCheckpointResponse]  # type: ignore[assignment]
-    """Asks the trainer to checkpoint at its next step."""
+    """Asks the trainer to checkpoint at its next step.
+    Auth: operator token.
+    """
     Stop: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StopRequest, _coordinator_pb2.StopResponse]  # type: ignore[assignment]
-    """Asks the run to end: no new leases; the trainer checkpoints and exits."""
+    """Asks the run to end: no new leases; the trainer checkpoints and exits.
+    Auth: operator token.
+    """
     Echo: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.EchoRequest, _coordinator_pb2.EchoResponse]  # type: ignore[assignment]
-    """Returns its payload; the in-run baseline for benchmarks and a cheap liveness probe."""
+    """Returns its payload; the in-run baseline for benchmarks and a cheap liveness probe.
+    Auth: any role's token.
+    """
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
     """The coordinator owns the run: the prompt cursor, leases, the trajectory queue, the policy
@@ -121,7 +187,10 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
     Who calls what:
       rollout  -> LeasePrompts, RenewLeases, ReturnLeases, SubmitGroups, WatchVersions
       trainer  -> FetchBatch, CommitVersion, ReportCheckpoint, ResumeTrainer
-      operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop (need the token)
+      operator -> GetStatus, Pause, Resume, SetStaleness, RequestCheckpoint, Stop
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_abc_1.abstractmethod
@@ -130,7 +199,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.LeasePromptsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.LeasePromptsResponse, _abc.Awaitable[_coordinator_pb2.LeasePromptsResponse]]:
-        """Grants up to max_groups prompt leases, one prompt group each, within the staleness budget."""
+        """Grants up to max_groups prompt leases, one prompt group each, within the staleness budget.
+        Auth: rollout token.
+        """
 
     @_abc_1.abstractmethod
     def RenewLeases(
@@ -138,7 +209,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.RenewLeasesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RenewLeasesResponse, _abc.Awaitable[_coordinator_pb2.RenewLeasesResponse]]:
-        """Extends the deadlines of active leases (long generations)."""
+        """Extends the deadlines of active leases (long generations).
+        Auth: rollout token.
+        """
 
     @_abc_1.abstractmethod
     def ReturnLeases(
@@ -146,7 +219,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ReturnLeasesRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ReturnLeasesResponse, _abc.Awaitable[_coordinator_pb2.ReturnLeasesResponse]]:
-        """Gives leases back unanswered (graceful drain): their prompts are re-queued at once."""
+        """Gives leases back unanswered (graceful drain): their prompts are re-queued at once.
+        Auth: rollout token.
+        """
 
     @_abc_1.abstractmethod
     def SubmitGroups(
@@ -154,7 +229,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.SubmitGroupsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.SubmitGroupsResponse, _abc.Awaitable[_coordinator_pb2.SubmitGroupsResponse]]:
-        """Submits finished groups. Idempotent by lease id; recorded in the ledger before the reply."""
+        """Submits finished groups. Idempotent by lease id; recorded in the ledger before the reply.
+        Auth: rollout token.
+        """
 
     @_abc_1.abstractmethod
     def FetchBatch(
@@ -162,7 +239,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.FetchBatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.FetchBatchResponse, _abc.Awaitable[_coordinator_pb2.FetchBatchResponse]]:
-        """Delivers queued groups to the trainer in submission order."""
+        """Delivers queued groups to the trainer in submission order.
+        Auth: trainer token.
+        """
 
     @_abc_1.abstractmethod
     def CommitVersion(
@@ -170,7 +249,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.CommitVersionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.CommitVersionResponse, _abc.Awaitable[_coordinator_pb2.CommitVersionResponse]]:
-        """Makes a new policy version current and resets the staleness budget."""
+        """Makes a new policy version current and resets the staleness budget.
+        Auth: trainer token.
+        """
 
     @_abc_1.abstractmethod
     def WatchVersions(
@@ -178,7 +259,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.WatchVersionsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.WatchVersionsResponse], _abc.AsyncIterator[_coordinator_pb2.WatchVersionsResponse]]:
-        """Streams the current version at once, then every commit and control change."""
+        """Streams the current version at once, then every commit and control change.
+        Auth: rollout token.
+        """
 
     @_abc_1.abstractmethod
     def ReportCheckpoint(
@@ -186,7 +269,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ReportCheckpointRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ReportCheckpointResponse, _abc.Awaitable[_coordinator_pb2.ReportCheckpointResponse]]:
-        """The trainer reports a durable checkpoint."""
+        """The trainer reports a durable checkpoint.
+        Auth: trainer token.
+        """
 
     @_abc_1.abstractmethod
     def ResumeTrainer(
@@ -194,14 +279,17 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.ResumeTrainerRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ResumeTrainerResponse, _abc.Awaitable[_coordinator_pb2.ResumeTrainerResponse]]:
-        """A restarted trainer resumes from a checkpoint: groups delivered after it are re-queued."""
+        """A restarted trainer resumes from a checkpoint: groups delivered after it are re-queued.
+        Auth: trainer token.
+        """
 
     @_abc_1.abstractmethod
     def GetStatus(
         self,
         request: _coordinator_pb2.GetStatusRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.GetStatusResponse, _abc.Awaitable[_coordinator_pb2.GetStatusResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.GetStatusResponse, _abc.Awaitable[_coordinator_pb2.GetStatusResponse]]:
+        """Auth: operator token."""
 
     @_abc_1.abstractmethod
     def Pause(
@@ -209,14 +297,17 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.PauseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.PauseResponse, _abc.Awaitable[_coordinator_pb2.PauseResponse]]:
-        """Stops granting leases and delivering batches; in-flight work is still accepted."""
+        """Stops granting leases and delivering batches; in-flight work is still accepted.
+        Auth: operator token.
+        """
 
     @_abc_1.abstractmethod
     def Resume(
         self,
         request: _coordinator_pb2.ResumeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_coordinator_pb2.ResumeResponse, _abc.Awaitable[_coordinator_pb2.ResumeResponse]]: ...
+    ) -> _typing.Union[_coordinator_pb2.ResumeResponse, _abc.Awaitable[_coordinator_pb2.ResumeResponse]]:
+        """Auth: operator token."""
 
     @_abc_1.abstractmethod
     def SetStaleness(
@@ -224,7 +315,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.SetStalenessRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.SetStalenessResponse, _abc.Awaitable[_coordinator_pb2.SetStalenessResponse]]:
-        """Changes async_training.staleness_threshold on the live run."""
+        """Changes async_training.staleness_threshold on the live run.
+        Auth: operator token.
+        """
 
     @_abc_1.abstractmethod
     def RequestCheckpoint(
@@ -232,7 +325,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.RequestCheckpointRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.RequestCheckpointResponse, _abc.Awaitable[_coordinator_pb2.RequestCheckpointResponse]]:
-        """Asks the trainer to checkpoint at its next step."""
+        """Asks the trainer to checkpoint at its next step.
+        Auth: operator token.
+        """
 
     @_abc_1.abstractmethod
     def Stop(
@@ -240,7 +335,9 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.StopRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.StopResponse, _abc.Awaitable[_coordinator_pb2.StopResponse]]:
-        """Asks the run to end: no new leases; the trainer checkpoints and exits."""
+        """Asks the run to end: no new leases; the trainer checkpoints and exits.
+        Auth: operator token.
+        """
 
     @_abc_1.abstractmethod
     def Echo(
@@ -248,6 +345,8 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.EchoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.EchoResponse, _abc.Awaitable[_coordinator_pb2.EchoResponse]]:
-        """Returns its payload; the in-run baseline for benchmarks and a cheap liveness probe."""
+        """Returns its payload; the in-run baseline for benchmarks and a cheap liveness probe.
+        Auth: any role's token.
+        """
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -30,6 +30,9 @@ class ParamServerServiceStub:
     visible only when complete. Consumers fetch by version over the transport their group is
     configured with; this service carries the grpc transport itself and the rendezvous for the
     collective ones. Names are Hugging Face parameter names.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel):
@@ -80,6 +83,9 @@ class ParamServerServiceServicer:
     visible only when complete. Consumers fetch by version over the transport their group is
     configured with; this service carries the grpc transport itself and the rendezvous for the
     collective ones. Names are Hugging Face parameter names.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def PublishWeights(self, request_iterator, context):
@@ -87,6 +93,7 @@ class ParamServerServiceServicer:
         BucketMeta; the manifest comes first or last. The version becomes visible when the manifest and
         every bucket are in and verified. A stream with only a manifest registers a version whose bytes
         travel another way (Manifest.transports without "grpc").
+        Auth: trainer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,38 +101,44 @@ class ParamServerServiceServicer:
 
     def FetchWeights(self, request, context):
         """Server stream of chunks for a version (optionally a subset of tensors).
+        Auth: rollout token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetManifest(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Auth: any role's token.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListVersions(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Auth: any role's token.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AcquireVersion(self, request, context):
         """A consumer pins a version so retention keeps it until released.
+        Auth: rollout token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseVersion(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Auth: rollout token.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Rendezvous(self, request, context):
         """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks.
+        Auth: rollout or trainer token; checking in with role "sender" needs the trainer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,6 +195,9 @@ class ParamServerService:
     visible only when complete. Consumers fetch by version over the transport their group is
     configured with; this service carries the grpc transport itself and the rendezvous for the
     collective ones. Names are Hugging Face parameter names.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @staticmethod

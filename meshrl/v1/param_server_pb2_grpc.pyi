@@ -31,6 +31,9 @@ class ParamServerServiceStub:
     visible only when complete. Consumers fetch by version over the transport their group is
     configured with; this service carries the grpc transport itself and the rendezvous for the
     collective ones. Names are Hugging Face parameter names.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_typing.overload
@@ -42,16 +45,26 @@ class ParamServerServiceStub:
     BucketMeta; the manifest comes first or last. The version becomes visible when the manifest and
     every bucket are in and verified. A stream with only a manifest registers a version whose bytes
     travel another way (Manifest.transports without "grpc").
+    Auth: trainer token.
     """
     FetchWeights: _grpc.UnaryStreamMultiCallable[_param_server_pb2.FetchWeightsRequest, _param_server_pb2.FetchWeightsResponse]
-    """Server stream of chunks for a version (optionally a subset of tensors)."""
+    """Server stream of chunks for a version (optionally a subset of tensors).
+    Auth: rollout token.
+    """
     GetManifest: _grpc.UnaryUnaryMultiCallable[_param_server_pb2.GetManifestRequest, _param_server_pb2.GetManifestResponse]
+    """Auth: any role's token."""
     ListVersions: _grpc.UnaryUnaryMultiCallable[_param_server_pb2.ListVersionsRequest, _param_server_pb2.ListVersionsResponse]
+    """Auth: any role's token."""
     AcquireVersion: _grpc.UnaryUnaryMultiCallable[_param_server_pb2.AcquireVersionRequest, _param_server_pb2.AcquireVersionResponse]
-    """A consumer pins a version so retention keeps it until released."""
+    """A consumer pins a version so retention keeps it until released.
+    Auth: rollout token.
+    """
     ReleaseVersion: _grpc.UnaryUnaryMultiCallable[_param_server_pb2.ReleaseVersionRequest, _param_server_pb2.ReleaseVersionResponse]
+    """Auth: rollout token."""
     Rendezvous: _grpc.UnaryUnaryMultiCallable[_param_server_pb2.RendezvousRequest, _param_server_pb2.RendezvousResponse]
-    """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks."""
+    """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks.
+    Auth: rollout or trainer token; checking in with role "sender" needs the trainer token.
+    """
 
 @_typing.type_check_only
 class ParamServerServiceAsyncStub(ParamServerServiceStub):
@@ -59,6 +72,9 @@ class ParamServerServiceAsyncStub(ParamServerServiceStub):
     visible only when complete. Consumers fetch by version over the transport their group is
     configured with; this service carries the grpc transport itself and the rendezvous for the
     collective ones. Names are Hugging Face parameter names.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -67,22 +83,35 @@ class ParamServerServiceAsyncStub(ParamServerServiceStub):
     BucketMeta; the manifest comes first or last. The version becomes visible when the manifest and
     every bucket are in and verified. A stream with only a manifest registers a version whose bytes
     travel another way (Manifest.transports without "grpc").
+    Auth: trainer token.
     """
     FetchWeights: _aio.UnaryStreamMultiCallable[_param_server_pb2.FetchWeightsRequest, _param_server_pb2.FetchWeightsResponse]  # type: ignore[assignment]
-    """Server stream of chunks for a version (optionally a subset of tensors)."""
+    """Server stream of chunks for a version (optionally a subset of tensors).
+    Auth: rollout token.
+    """
     GetManifest: _aio.UnaryUnaryMultiCallable[_param_server_pb2.GetManifestRequest, _param_server_pb2.GetManifestResponse]  # type: ignore[assignment]
+    """Auth: any role's token."""
     ListVersions: _aio.UnaryUnaryMultiCallable[_param_server_pb2.ListVersionsRequest, _param_server_pb2.ListVersionsResponse]  # type: ignore[assignment]
+    """Auth: any role's token."""
     AcquireVersion: _aio.UnaryUnaryMultiCallable[_param_server_pb2.AcquireVersionRequest, _param_server_pb2.AcquireVersionResponse]  # type: ignore[assignment]
-    """A consumer pins a version so retention keeps it until released."""
+    """A consumer pins a version so retention keeps it until released.
+    Auth: rollout token.
+    """
     ReleaseVersion: _aio.UnaryUnaryMultiCallable[_param_server_pb2.ReleaseVersionRequest, _param_server_pb2.ReleaseVersionResponse]  # type: ignore[assignment]
+    """Auth: rollout token."""
     Rendezvous: _aio.UnaryUnaryMultiCallable[_param_server_pb2.RendezvousRequest, _param_server_pb2.RendezvousResponse]  # type: ignore[assignment]
-    """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks."""
+    """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks.
+    Auth: rollout or trainer token; checking in with role "sender" needs the trainer token.
+    """
 
 class ParamServerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Versioned weights. The trainer publishes version v as a manifest plus buckets; a version becomes
     visible only when complete. Consumers fetch by version over the transport their group is
     configured with; this service carries the grpc transport itself and the rendezvous for the
     collective ones. Names are Hugging Face parameter names.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_abc_1.abstractmethod
@@ -95,6 +124,7 @@ class ParamServerServiceServicer(metaclass=_abc_1.ABCMeta):
         BucketMeta; the manifest comes first or last. The version becomes visible when the manifest and
         every bucket are in and verified. A stream with only a manifest registers a version whose bytes
         travel another way (Manifest.transports without "grpc").
+        Auth: trainer token.
         """
 
     @_abc_1.abstractmethod
@@ -103,21 +133,25 @@ class ParamServerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _param_server_pb2.FetchWeightsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_param_server_pb2.FetchWeightsResponse], _abc.AsyncIterator[_param_server_pb2.FetchWeightsResponse]]:
-        """Server stream of chunks for a version (optionally a subset of tensors)."""
+        """Server stream of chunks for a version (optionally a subset of tensors).
+        Auth: rollout token.
+        """
 
     @_abc_1.abstractmethod
     def GetManifest(
         self,
         request: _param_server_pb2.GetManifestRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_param_server_pb2.GetManifestResponse, _abc.Awaitable[_param_server_pb2.GetManifestResponse]]: ...
+    ) -> _typing.Union[_param_server_pb2.GetManifestResponse, _abc.Awaitable[_param_server_pb2.GetManifestResponse]]:
+        """Auth: any role's token."""
 
     @_abc_1.abstractmethod
     def ListVersions(
         self,
         request: _param_server_pb2.ListVersionsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_param_server_pb2.ListVersionsResponse, _abc.Awaitable[_param_server_pb2.ListVersionsResponse]]: ...
+    ) -> _typing.Union[_param_server_pb2.ListVersionsResponse, _abc.Awaitable[_param_server_pb2.ListVersionsResponse]]:
+        """Auth: any role's token."""
 
     @_abc_1.abstractmethod
     def AcquireVersion(
@@ -125,14 +159,17 @@ class ParamServerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _param_server_pb2.AcquireVersionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_param_server_pb2.AcquireVersionResponse, _abc.Awaitable[_param_server_pb2.AcquireVersionResponse]]:
-        """A consumer pins a version so retention keeps it until released."""
+        """A consumer pins a version so retention keeps it until released.
+        Auth: rollout token.
+        """
 
     @_abc_1.abstractmethod
     def ReleaseVersion(
         self,
         request: _param_server_pb2.ReleaseVersionRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_param_server_pb2.ReleaseVersionResponse, _abc.Awaitable[_param_server_pb2.ReleaseVersionResponse]]: ...
+    ) -> _typing.Union[_param_server_pb2.ReleaseVersionResponse, _abc.Awaitable[_param_server_pb2.ReleaseVersionResponse]]:
+        """Auth: rollout token."""
 
     @_abc_1.abstractmethod
     def Rendezvous(
@@ -140,6 +177,8 @@ class ParamServerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _param_server_pb2.RendezvousRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_param_server_pb2.RendezvousResponse, _abc.Awaitable[_param_server_pb2.RendezvousResponse]]:
-        """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks."""
+        """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks.
+        Auth: rollout or trainer token; checking in with role "sender" needs the trainer token.
+        """
 
 def add_ParamServerServiceServicer_to_server(servicer: ParamServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

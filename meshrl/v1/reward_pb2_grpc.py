@@ -29,6 +29,9 @@ class RewardServiceStub:
     """A reward service scores responses. It is a public contract: implement it in any language and
     register its address in the config (reward.endpoints); meshrl calls it with batching, deadlines,
     retries and a circuit breaker.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel):
@@ -48,6 +51,9 @@ class RewardServiceServicer:
     """A reward service scores responses. It is a public contract: implement it in any language and
     register its address in the config (reward.endpoints); meshrl calls it with batching, deadlines,
     retries and a circuit breaker.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def Score(self, request, context):
@@ -56,6 +62,7 @@ class RewardServiceServicer:
         must be a pure function of the item. Status codes: INVALID_ARGUMENT for a malformed item
         (surfaced, not retried); UNAVAILABLE or RESOURCE_EXHAUSTED for temporary trouble (retried with
         backoff; meshrl holds the items and never scores them as zero).
+        Auth: rollout token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +88,9 @@ class RewardService:
     """A reward service scores responses. It is a public contract: implement it in any language and
     register its address in the config (reward.endpoints); meshrl calls it with batching, deadlines,
     retries and a circuit breaker.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @staticmethod

@@ -30,6 +30,9 @@ class RewardServiceStub:
     """A reward service scores responses. It is a public contract: implement it in any language and
     register its address in the config (reward.endpoints); meshrl calls it with batching, deadlines,
     retries and a circuit breaker.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_typing.overload
@@ -42,6 +45,7 @@ class RewardServiceStub:
     must be a pure function of the item. Status codes: INVALID_ARGUMENT for a malformed item
     (surfaced, not retried); UNAVAILABLE or RESOURCE_EXHAUSTED for temporary trouble (retried with
     backoff; meshrl holds the items and never scores them as zero).
+    Auth: rollout token.
     """
 
 @_typing.type_check_only
@@ -49,6 +53,9 @@ class RewardServiceAsyncStub(RewardServiceStub):
     """A reward service scores responses. It is a public contract: implement it in any language and
     register its address in the config (reward.endpoints); meshrl calls it with batching, deadlines,
     retries and a circuit breaker.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -58,12 +65,16 @@ class RewardServiceAsyncStub(RewardServiceStub):
     must be a pure function of the item. Status codes: INVALID_ARGUMENT for a malformed item
     (surfaced, not retried); UNAVAILABLE or RESOURCE_EXHAUSTED for temporary trouble (retried with
     backoff; meshrl holds the items and never scores them as zero).
+    Auth: rollout token.
     """
 
 class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
     """A reward service scores responses. It is a public contract: implement it in any language and
     register its address in the config (reward.endpoints); meshrl calls it with batching, deadlines,
     retries and a circuit breaker.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_abc_1.abstractmethod
@@ -77,6 +88,7 @@ class RewardServiceServicer(metaclass=_abc_1.ABCMeta):
         must be a pure function of the item. Status codes: INVALID_ARGUMENT for a malformed item
         (surfaced, not retried); UNAVAILABLE or RESOURCE_EXHAUSTED for temporary trouble (retried with
         backoff; meshrl holds the items and never scores them as zero).
+        Auth: rollout token.
         """
 
 def add_RewardServiceServicer_to_server(servicer: RewardServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

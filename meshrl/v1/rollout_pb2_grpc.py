@@ -29,6 +29,9 @@ class RolloutServiceStub:
     """A rollout replica: one inference engine plus the worker loop that leases prompts from the
     coordinator, generates, asks the reward service for scores and submits groups. The loop runs on
     its own; this service is for validation generation, inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel):
@@ -63,10 +66,14 @@ class RolloutServiceServicer:
     """A rollout replica: one inference engine plus the worker loop that leases prompts from the
     coordinator, generates, asks the reward service for scores and submits groups. The loop runs on
     its own; this service is for validation generation, inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def Generate(self, request, context):
         """Generates one group for a prompt outside the lease loop (validation, smoke tests).
+        Auth: operator token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,19 +81,22 @@ class RolloutServiceServicer:
 
     def UpdateWeights(self, request, context):
         """Loads a published weight version now instead of waiting for WatchVersions.
+        Auth: operator token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetRolloutStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Auth: operator token.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
         """Stops leasing, returns unstarted leases, finishes or returns in-flight ones.
+        Auth: operator token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,6 +137,9 @@ class RolloutService:
     """A rollout replica: one inference engine plus the worker loop that leases prompts from the
     coordinator, generates, asks the reward service for scores and submits groups. The loop runs on
     its own; this service is for validation generation, inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @staticmethod

@@ -30,6 +30,9 @@ class RolloutServiceStub:
     """A rollout replica: one inference engine plus the worker loop that leases prompts from the
     coordinator, generates, asks the reward service for scores and submits groups. The loop runs on
     its own; this service is for validation generation, inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_typing.overload
@@ -37,33 +40,53 @@ class RolloutServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> RolloutServiceAsyncStub: ...
     Generate: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GenerateRequest, _rollout_pb2.GenerateResponse]
-    """Generates one group for a prompt outside the lease loop (validation, smoke tests)."""
+    """Generates one group for a prompt outside the lease loop (validation, smoke tests).
+    Auth: operator token.
+    """
     UpdateWeights: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.UpdateWeightsRequest, _rollout_pb2.UpdateWeightsResponse]
-    """Loads a published weight version now instead of waiting for WatchVersions."""
+    """Loads a published weight version now instead of waiting for WatchVersions.
+    Auth: operator token.
+    """
     GetRolloutStatus: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.GetRolloutStatusRequest, _rollout_pb2.GetRolloutStatusResponse]
+    """Auth: operator token."""
     Drain: _grpc.UnaryUnaryMultiCallable[_rollout_pb2.DrainRequest, _rollout_pb2.DrainResponse]
-    """Stops leasing, returns unstarted leases, finishes or returns in-flight ones."""
+    """Stops leasing, returns unstarted leases, finishes or returns in-flight ones.
+    Auth: operator token.
+    """
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
     """A rollout replica: one inference engine plus the worker loop that leases prompts from the
     coordinator, generates, asks the reward service for scores and submits groups. The loop runs on
     its own; this service is for validation generation, inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GenerateRequest, _rollout_pb2.GenerateResponse]  # type: ignore[assignment]
-    """Generates one group for a prompt outside the lease loop (validation, smoke tests)."""
+    """Generates one group for a prompt outside the lease loop (validation, smoke tests).
+    Auth: operator token.
+    """
     UpdateWeights: _aio.UnaryUnaryMultiCallable[_rollout_pb2.UpdateWeightsRequest, _rollout_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
-    """Loads a published weight version now instead of waiting for WatchVersions."""
+    """Loads a published weight version now instead of waiting for WatchVersions.
+    Auth: operator token.
+    """
     GetRolloutStatus: _aio.UnaryUnaryMultiCallable[_rollout_pb2.GetRolloutStatusRequest, _rollout_pb2.GetRolloutStatusResponse]  # type: ignore[assignment]
+    """Auth: operator token."""
     Drain: _aio.UnaryUnaryMultiCallable[_rollout_pb2.DrainRequest, _rollout_pb2.DrainResponse]  # type: ignore[assignment]
-    """Stops leasing, returns unstarted leases, finishes or returns in-flight ones."""
+    """Stops leasing, returns unstarted leases, finishes or returns in-flight ones.
+    Auth: operator token.
+    """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
     """A rollout replica: one inference engine plus the worker loop that leases prompts from the
     coordinator, generates, asks the reward service for scores and submits groups. The loop runs on
     its own; this service is for validation generation, inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_abc_1.abstractmethod
@@ -72,7 +95,9 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.GenerateResponse, _abc.Awaitable[_rollout_pb2.GenerateResponse]]:
-        """Generates one group for a prompt outside the lease loop (validation, smoke tests)."""
+        """Generates one group for a prompt outside the lease loop (validation, smoke tests).
+        Auth: operator token.
+        """
 
     @_abc_1.abstractmethod
     def UpdateWeights(
@@ -80,14 +105,17 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.UpdateWeightsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.UpdateWeightsResponse, _abc.Awaitable[_rollout_pb2.UpdateWeightsResponse]]:
-        """Loads a published weight version now instead of waiting for WatchVersions."""
+        """Loads a published weight version now instead of waiting for WatchVersions.
+        Auth: operator token.
+        """
 
     @_abc_1.abstractmethod
     def GetRolloutStatus(
         self,
         request: _rollout_pb2.GetRolloutStatusRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_rollout_pb2.GetRolloutStatusResponse, _abc.Awaitable[_rollout_pb2.GetRolloutStatusResponse]]: ...
+    ) -> _typing.Union[_rollout_pb2.GetRolloutStatusResponse, _abc.Awaitable[_rollout_pb2.GetRolloutStatusResponse]]:
+        """Auth: operator token."""
 
     @_abc_1.abstractmethod
     def Drain(
@@ -95,6 +123,8 @@ class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _rollout_pb2.DrainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_rollout_pb2.DrainResponse, _abc.Awaitable[_rollout_pb2.DrainResponse]]:
-        """Stops leasing, returns unstarted leases, finishes or returns in-flight ones."""
+        """Stops leasing, returns unstarted leases, finishes or returns in-flight ones.
+        Auth: operator token.
+        """
 
 def add_RolloutServiceServicer_to_server(servicer: RolloutServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

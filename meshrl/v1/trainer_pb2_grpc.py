@@ -29,6 +29,9 @@ class TrainerServiceStub:
     """A training group (its ranks are Ray actors driven by one replica). The training loop runs on its
     own (FetchBatch from the coordinator, train, publish, CommitVersion); this service is for
     inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel):
@@ -53,16 +56,21 @@ class TrainerServiceServicer:
     """A training group (its ranks are Ray actors driven by one replica). The training loop runs on its
     own (FetchBatch from the coordinator, train, publish, CommitVersion); this service is for
     inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def GetTrainerStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Auth: operator token.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def SaveCheckpoint(self, request, context):
         """Writes a checkpoint after the current step.
+        Auth: operator token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +101,9 @@ class TrainerService:
     """A training group (its ranks are Ray actors driven by one replica). The training loop runs on its
     own (FetchBatch from the coordinator, train, publish, CommitVersion); this service is for
     inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @staticmethod

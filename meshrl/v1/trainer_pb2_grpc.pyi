@@ -30,6 +30,9 @@ class TrainerServiceStub:
     """A training group (its ranks are Ray actors driven by one replica). The training loop runs on its
     own (FetchBatch from the coordinator, train, publish, CommitVersion); this service is for
     inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_typing.overload
@@ -37,25 +40,37 @@ class TrainerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> TrainerServiceAsyncStub: ...
     GetTrainerStatus: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.GetTrainerStatusRequest, _trainer_pb2.GetTrainerStatusResponse]
+    """Auth: operator token."""
     SaveCheckpoint: _grpc.UnaryUnaryMultiCallable[_trainer_pb2.SaveCheckpointRequest, _trainer_pb2.SaveCheckpointResponse]
-    """Writes a checkpoint after the current step."""
+    """Writes a checkpoint after the current step.
+    Auth: operator token.
+    """
 
 @_typing.type_check_only
 class TrainerServiceAsyncStub(TrainerServiceStub):
     """A training group (its ranks are Ray actors driven by one replica). The training loop runs on its
     own (FetchBatch from the coordinator, train, publish, CommitVersion); this service is for
     inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetTrainerStatus: _aio.UnaryUnaryMultiCallable[_trainer_pb2.GetTrainerStatusRequest, _trainer_pb2.GetTrainerStatusResponse]  # type: ignore[assignment]
+    """Auth: operator token."""
     SaveCheckpoint: _aio.UnaryUnaryMultiCallable[_trainer_pb2.SaveCheckpointRequest, _trainer_pb2.SaveCheckpointResponse]  # type: ignore[assignment]
-    """Writes a checkpoint after the current step."""
+    """Writes a checkpoint after the current step.
+    Auth: operator token.
+    """
 
 class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
     """A training group (its ranks are Ray actors driven by one replica). The training loop runs on its
     own (FetchBatch from the coordinator, train, publish, CommitVersion); this service is for
     inspection and operator control.
+    Auth: when tokens are configured, every call carries the metadata `authorization: Bearer <token>`
+    with a token of the role named at each RPC; a missing or unknown token is UNAUTHENTICATED,
+    another role's token PERMISSION_DENIED (checked before the request is looked at).
     """
 
     @_abc_1.abstractmethod
@@ -63,7 +78,8 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _trainer_pb2.GetTrainerStatusRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_trainer_pb2.GetTrainerStatusResponse, _abc.Awaitable[_trainer_pb2.GetTrainerStatusResponse]]: ...
+    ) -> _typing.Union[_trainer_pb2.GetTrainerStatusResponse, _abc.Awaitable[_trainer_pb2.GetTrainerStatusResponse]]:
+        """Auth: operator token."""
 
     @_abc_1.abstractmethod
     def SaveCheckpoint(
@@ -71,6 +87,8 @@ class TrainerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _trainer_pb2.SaveCheckpointRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_trainer_pb2.SaveCheckpointResponse, _abc.Awaitable[_trainer_pb2.SaveCheckpointResponse]]:
-        """Writes a checkpoint after the current step."""
+        """Writes a checkpoint after the current step.
+        Auth: operator token.
+        """
 
 def add_TrainerServiceServicer_to_server(servicer: TrainerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

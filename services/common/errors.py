@@ -50,7 +50,15 @@ class FailedPrecondition(MeshError):
 
 
 class Unauthenticated(MeshError):
+    """No credentials, or credentials that match no role (missing or wrong token)."""
+
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(MeshError):
+    """Valid credentials of a role that may not call this RPC."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class ResourceExhausted(MeshError):

@@ -17,6 +17,10 @@ import structlog
 
 _configured: dict[str, Any] = {}
 
+# Tracebacks without the frames' local variables: a handler's locals hold whole requests
+# (megabytes, and what their senders would not want in a log file).
+_DICT_TRACEBACKS = structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
+
 
 def _shared_processors() -> list[Any]:
     return [
@@ -50,9 +54,11 @@ def configure_logging(
     renderer: Any
     if json:
         renderer = structlog.processors.JSONRenderer()
-        extra = [structlog.processors.dict_tracebacks]
+        extra = [_DICT_TRACEBACKS]
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=sys.stderr.isatty(), exception_formatter=structlog.dev.RichTracebackFormatter(show_locals=False)
+        )
         extra = []
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(
@@ -78,7 +84,7 @@ def configure_logging(
                 foreign_pre_chain=_shared_processors(),
                 processors=[
                     structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.dict_tracebacks,
+                    _DICT_TRACEBACKS,
                     structlog.processors.JSONRenderer(),
                 ],
             )

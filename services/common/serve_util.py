@@ -115,10 +115,12 @@ SERVE_ENV_DEFAULTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_
 
 
 def init_ray(
-    address: str | None = None, *, num_cpus: int | None = None, namespace: str = "meshrl", log_to_driver: bool = True
+    address: str | None = None, *, num_cpus: int | None = None, namespace: str = "meshrl", log_to_driver: bool = True,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Start a local Ray (address None) or join one, with workers importing this process's code
-    (and writing structured logs to MESHRL_LOG_DIR when that is set)."""
+    (and writing structured logs to MESHRL_LOG_DIR when that is set). ENV: more variables for every
+    worker (the run's tokens: the job's runtime_env, never a config)."""
     import ray
 
     if ray.is_initialized():
@@ -133,9 +135,11 @@ def init_ray(
     pythonpath = os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)
     os.environ["PYTHONPATH"] = pythonpath  # a local Ray's raylet and workers inherit it
     env_vars = {"PYTHONPATH": pythonpath, "RAY_USAGE_STATS_ENABLED": "0"}
-    for key in ("MESHRL_LOG_DIR", "MESHRL_LOG_LEVEL", "MESHRL_TOKEN", "MESHRL_CACHE_DIR", "OMP_NUM_THREADS"):
+    for key in ("MESHRL_LOG_DIR", "MESHRL_LOG_LEVEL", "MESHRL_TOKEN", "MESHRL_ROLLOUT_TOKEN", "MESHRL_TRAINER_TOKEN",
+                "MESHRL_OPERATOR_TOKEN", "MESHRL_CACHE_DIR", "OMP_NUM_THREADS"):
         if os.environ.get(key):
             env_vars[key] = os.environ[key]
+    env_vars.update({k: v for k, v in (env or {}).items() if v})
     ray.init(
         # "local": always a fresh instance. None would join any Ray found running on this host
         # (another user's, another test's), and our Serve shutdown would then tear theirs down.

@@ -1,7 +1,9 @@
 """CoordinatorClient: the Python face of CoordinatorService (rollout, trainer, operator, CLI).
 
-Every call carries a deadline. Control calls carry the bearer token. Under Ray Serve's gRPC ingress
-the `application` metadata routes the call; it is sent when `application` is given.
+Every call carries a deadline and the caller's bearer token (`authorization: Bearer <token>`; the
+role table in services/common/auth.py says which role each RPC needs). Under Ray Serve's gRPC
+ingress the `application` metadata routes the call; it is sent when `application` is given, and
+then the channel is plaintext unless TLS is asked for explicitly (Serve's proxy has no TLS).
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ from typing import Any
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, bearer_metadata, create_channel
+from services.common.security import ChannelSecurity, default_security
 
 from . import wire
 
 
 class CoordinatorClient:
-    """Async client. Use as `async with CoordinatorClient(addr) as c: await c.status()`."""
+    """Async client. Use as `async with CoordinatorClient(addr) as c: await c.status()`.
+
+    SECURITY: token and TLS (default: this process's, services.common.security.use_role); TOKEN,
+    TLS and CA_FILE override it."""
 
     def __init__(
         self,
@@ -29,21 +35,24 @@ class CoordinatorClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         tls: bool = False,
         ca_file: str | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
-        roots = open(ca_file, "rb").read() if ca_file else None
-        self._channel = create_channel(address, max_message_bytes=max_message_bytes, tls=tls or roots is not None,
-                                       root_certificates=roots)
+        ingress = application is not None
+        sec = security if security is not None else default_security(ingress=ingress)
+        if token is not None:
+            sec = sec.with_token(token)
+        sec = sec.with_tls(tls=tls, ca_file=ca_file)
+        self._channel = create_channel(address, max_message_bytes=max_message_bytes, security=sec, ingress=ingress)
         self.stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
         self._submit_raw = self._channel.unary_unary(
             f"/{wire.SERVICE}/SubmitGroups", request_serializer=None,
             response_deserializer=coordinator_pb2.SubmitGroupsResponse.FromString,
         )
         route = [("application", application)] if application else []
-        self._md = tuple(route)
-        self._control_md = tuple(route + bearer_metadata(token))
+        self._md = tuple(route + bearer_metadata(sec.token))
 
     async def __aenter__(self) -> CoordinatorClient:
         return self
@@ -58,8 +67,8 @@ class CoordinatorClient:
         """Wait until the channel connects (raises TimeoutError after timeout_s)."""
         await asyncio.wait_for(self._channel.channel_ready(), timeout=timeout_s)
 
-    def _kw(self, control: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
-        return {"metadata": self._control_md if control else self._md, "timeout": timeout_s or self.timeout_s}
+    def _kw(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return {"metadata": self._md, "timeout": timeout_s or self.timeout_s}
 
     # ---- rollout side ----------------------------------------------------------------------
 
@@ -109,7 +118,7 @@ class CoordinatorClient:
 
     async def commit_version(self, trainer_id: str, weights: common_pb2.WeightsRef) -> coordinator_pb2.CommitVersionResponse:
         req = coordinator_pb2.CommitVersionRequest(trainer_id=trainer_id, weights=weights)
-        return await self.stub.CommitVersion(req, **self._kw(control=True))
+        return await self.stub.CommitVersion(req, **self._kw())
 
     async def report_checkpoint(self, trainer_id: str, step: int, policy_version: int, path: str) -> None:
         req = coordinator_pb2.ReportCheckpointRequest(trainer_id=trainer_id, step=step, policy_version=policy_version, path=path)
@@ -117,7 +126,7 @@ class CoordinatorClient:
 
     async def resume_trainer(self, trainer_id: str, checkpoint_step: int) -> coordinator_pb2.ResumeTrainerResponse:
         req = coordinator_pb2.ResumeTrainerRequest(trainer_id=trainer_id, checkpoint_step=checkpoint_step)
-        return await self.stub.ResumeTrainer(req, **self._kw(control=True))
+        return await self.stub.ResumeTrainer(req, **self._kw())
 
     # ---- operator --------------------------------------------------------------------------
 
@@ -125,20 +134,20 @@ class CoordinatorClient:
         return await self.stub.GetStatus(coordinator_pb2.GetStatusRequest(), **self._kw())
 
     async def pause(self) -> None:
-        await self.stub.Pause(coordinator_pb2.PauseRequest(), **self._kw(control=True))
+        await self.stub.Pause(coordinator_pb2.PauseRequest(), **self._kw())
 
     async def resume(self) -> None:
-        await self.stub.Resume(coordinator_pb2.ResumeRequest(), **self._kw(control=True))
+        await self.stub.Resume(coordinator_pb2.ResumeRequest(), **self._kw())
 
     async def set_staleness(self, threshold: float) -> int:
         req = coordinator_pb2.SetStalenessRequest(staleness_threshold=threshold)
-        return (await self.stub.SetStaleness(req, **self._kw(control=True))).max_required_samples
+        return (await self.stub.SetStaleness(req, **self._kw())).max_required_samples
 
     async def request_checkpoint(self) -> None:
-        await self.stub.RequestCheckpoint(coordinator_pb2.RequestCheckpointRequest(), **self._kw(control=True))
+        await self.stub.RequestCheckpoint(coordinator_pb2.RequestCheckpointRequest(), **self._kw())
 
     async def stop(self) -> None:
-        await self.stub.Stop(coordinator_pb2.StopRequest(), **self._kw(control=True))
+        await self.stub.Stop(coordinator_pb2.StopRequest(), **self._kw())
 
     async def echo(self, payload: bytes) -> bytes:
         return (await self.stub.Echo(coordinator_pb2.EchoRequest(payload=payload), **self._kw())).payload

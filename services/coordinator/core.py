@@ -37,9 +37,11 @@ from services.common.config.async_training import MAX_STALENESS_THRESHOLD
 from services.common.config.root import max_required_samples
 from services.common.data import PromptRecord, PromptStream
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.limits import RecentlySeen
 
 from .ledger import GroupRow, GroupState, LeaseRow, LeaseState, Ledger, RetryReason
 
+MAX_REPLICAS_SEEN = 4096
 INT64_MAX = (1 << 63) - 1
 """The ledger (SQLite) stores integers as int64: larger request values are refused up front."""
 FETCH_REPLY_OVERHEAD = 128
@@ -278,7 +280,8 @@ class CoordinatorCore:
         # budget like queued ones until that version is committed.
         self._ahead = 0
         self._next_group_id = 1
-        self._replica_seen: dict[str, float] = {}
+        # Replica ids come from callers: bounded in number and age (GetStatus lists them).
+        self._replica_seen: dict[str, float] = RecentlySeen(MAX_REPLICAS_SEEN, settings.lease_timeout_s)
         snap = ledger.load()
         if snap.state is None:
             self._s = _State(

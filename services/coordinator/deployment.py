@@ -16,6 +16,7 @@ from meshrl.v1 import coordinator_pb2
 from services.common.config import MeshConfig
 from services.common.logging import configure_logging
 from services.common.priority import set_niceness
+from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
 
 from .factory import build_servicer
@@ -35,6 +36,7 @@ class CoordinatorDeployment:
         cfg = MeshConfig.model_validate(config)
         configure_logging("coordinator", json=True, run_id=run_id or None)
         set_niceness(cfg.tuning.nice.coordinator, key="tuning.nice.coordinator")
+        serve_replica_security(cfg, None, "coordinator")
         # SESSION: fixed by whoever deploys the app, so a restarted replica keeps a pending Stop.
         self._servicer = build_servicer(cfg, run_dir, run_id, session)
         self._servicer.start_sweeper()

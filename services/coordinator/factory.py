@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 
 from meshrl.v1 import common_pb2
+from services.common.auth import Authorizer
 from services.common.config import MeshConfig, derive
 from services.common.data import PromptStream, train_dataset
 from services.common.grpc_util import MiB
@@ -61,7 +62,7 @@ def build_servicer(
     return CoordinatorServicer(
         build_core(cfg, run_dir, run_id, session),
         sampling=sampling_from_config(cfg),
-        token=cfg.coordinator.token or os.environ.get("MESHRL_TOKEN") or None,
+        auth=Authorizer.from_config(cfg),
         max_groups_per_call=cfg.coordinator.max_groups_per_call,
         max_response_tokens=cfg.coordinator.max_response_tokens,
         max_message_bytes=cfg.coordinator.max_message_mb * MiB,

@@ -11,6 +11,7 @@ from meshrl.v1 import coordinator_pb2
 from services.common.config import MeshConfig
 from services.common.grpc_util import MiB, add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
+from services.common.security import ServerSecurity
 
 from . import wire
 from .factory import build_servicer
@@ -27,18 +28,15 @@ class CoordinatorServer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.servicer: CoordinatorServicer = build_servicer(cfg, run_dir)
-        self.server = create_server(max_message_bytes=cfg.coordinator.max_message_mb * MiB)
+        c = cfg.coordinator
+        # coordinator.tls_* (older keys) win over security.tls.* for this server.
+        self.security = ServerSecurity.from_config(cfg, cert_file=c.tls_cert_file, key_file=c.tls_key_file)
+        self.server = create_server(max_message_bytes=c.max_message_mb * MiB, auth=self.security.auth,
+                                    limits=cfg.security.limits)
         wire.add_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        bind = f"{cfg.coordinator.host}:{cfg.coordinator.port}"
-        c = cfg.coordinator
-        if c.tls_cert_file and c.tls_key_file:
-            import grpc
-
-            creds = grpc.ssl_server_credentials([(Path(c.tls_key_file).read_bytes(), Path(c.tls_cert_file).read_bytes())])
-            self.port = bind_port(self.server, bind, "coordinator.port", creds)
-        else:
-            self.port = bind_port(self.server, bind, "coordinator.port")
+        self.port = bind_port(self.server, f"{c.host}:{c.port}", "coordinator.port", self.security.credentials)
+        self.security.warn_if_exposed("coordinator", c.host, fix_key="security.tls.cert_file (or coordinator.tls_cert_file)")
 
     @property
     def address(self) -> str:

@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.common.auth import Authorizer
 from services.common.errors import InvalidArgument
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, rpc_method
+from services.common.limits import check_lengths, process_limits
 from services.common.logging import get_logger
 
 from . import convert, wire
@@ -24,18 +26,18 @@ log = get_logger(__name__)
 
 MAX_FETCH_GROUPS = 65536
 MAX_FETCH_TIMEOUT_MS = 600_000
-CONTROL_RPCS = ("Pause", "Resume", "SetStaleness", "RequestCheckpoint", "Stop", "CommitVersion", "ResumeTrainer")
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    """Thin shim over CoordinatorCore. `token` guards the control RPCs (CONTROL_RPCS)."""
+    """Thin shim over CoordinatorCore. Who may call which RPC is the role table's business
+    (services/common/auth.py); `auth` holds the tokens it checks behind Serve's proxy."""
 
     def __init__(
         self,
         core: CoordinatorCore,
         *,
         sampling: common_pb2.SamplingParams,
-        token: str | None = None,
+        auth: Authorizer | None = None,
         max_groups_per_call: int = 1024,
         max_response_tokens: int = 1 << 20,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -44,7 +46,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> None:
         self.core = core
         self.sampling = sampling
-        self.token = token
+        self.auth = auth
         self.max_groups = max_groups_per_call
         self.max_tokens = max_response_tokens
         self.max_message_bytes = max_message_bytes
@@ -113,6 +115,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> coordinator_pb2.SubmitGroupsResponse:
         """`request` arrives as bytes over gRPC (wire.add_to_server) or as a message in-process."""
         raw = wire.as_raw_submit(request)
+        if isinstance(request, bytes):  # the generic length check saw bytes, not the groups
+            limits = process_limits()
+            for i, g in enumerate(raw.groups):
+                check_lengths(g, limits, f"groups[{i}]")
         groups = convert.groups_from_request(
             raw, max_groups=self.max_groups, max_tokens=self.max_tokens, expected_n=self.sampling.n or None,
             vocab_size=self.vocab_size,
@@ -174,7 +180,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._notify()  # budget given back: rollouts may lease again
         return convert.batch_response(batch)
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def CommitVersion(self, request: coordinator_pb2.CommitVersionRequest, context: Any) -> coordinator_pb2.CommitVersionResponse:
         convert.require_id(request.trainer_id, "trainer_id")
         if not request.HasField("weights"):
@@ -196,7 +202,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._notify()
         return coordinator_pb2.ReportCheckpointResponse()
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def ResumeTrainer(self, request: coordinator_pb2.ResumeTrainerRequest, context: Any) -> coordinator_pb2.ResumeTrainerResponse:
         convert.require_id(request.trainer_id, "trainer_id")
         n = self.core.resume_trainer(request.checkpoint_step)
@@ -210,28 +216,28 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def GetStatus(self, request: coordinator_pb2.GetStatusRequest, context: Any) -> coordinator_pb2.GetStatusResponse:
         return convert.status_response(self.core.status(self.clock()))
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def Pause(self, request: coordinator_pb2.PauseRequest, context: Any) -> coordinator_pb2.PauseResponse:
         self.core.set_paused(True)
         log.info("run_paused")
         self._notify()
         return coordinator_pb2.PauseResponse()
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def Resume(self, request: coordinator_pb2.ResumeRequest, context: Any) -> coordinator_pb2.ResumeResponse:
         self.core.set_paused(False)
         log.info("run_resumed")
         self._notify()
         return coordinator_pb2.ResumeResponse()
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def SetStaleness(self, request: coordinator_pb2.SetStalenessRequest, context: Any) -> coordinator_pb2.SetStalenessResponse:
         max_required = self.core.set_staleness(request.staleness_threshold)
         log.info("staleness_set", staleness_threshold=request.staleness_threshold, max_required_samples=max_required)
         self._notify()
         return coordinator_pb2.SetStalenessResponse(max_required_samples=max_required)
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def RequestCheckpoint(
         self, request: coordinator_pb2.RequestCheckpointRequest, context: Any
     ) -> coordinator_pb2.RequestCheckpointResponse:
@@ -239,7 +245,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._notify()
         return coordinator_pb2.RequestCheckpointResponse()
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def Stop(self, request: coordinator_pb2.StopRequest, context: Any) -> coordinator_pb2.StopResponse:
         self.core.stop()
         log.info("run_stopping")

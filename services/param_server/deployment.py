@@ -24,6 +24,7 @@ from services.common.errors import FailedPrecondition
 from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
+from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
 from services.weights import convert
 
@@ -45,6 +46,7 @@ class ParamServerDeployment:
         cfg = MeshConfig.model_validate(config)
         configure_logging("param_server", json=True, run_id=run_id or None)
         set_niceness(cfg.tuning.nice.param_server, key="tuning.nice.param_server")
+        serve_replica_security(cfg, None, "param_server")
         self.server = ParamServerServer(cfg, run_dir)
         await self.server.start()
         self._servicer = self.server.servicer

@@ -18,6 +18,14 @@ log = get_logger(__name__)
 MiB = 1 << 20
 
 
+def physical_memory_bytes() -> int:
+    """This host's RAM (1 TiB when the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
 def store_settings(cfg: ParamServerConfig) -> StoreSettings:
     return StoreSettings(
         retain_versions=cfg.retain_versions,
@@ -25,6 +33,8 @@ def store_settings(cfg: ParamServerConfig) -> StoreSettings:
         stall_timeout_s=cfg.stall_timeout_s,
         sha256=cfg.bucket_sha256,
         pool_max_bytes=cfg.pool_max_mb * MiB,
+        max_upload_bytes=cfg.max_upload_mb * MiB if cfg.max_upload_mb else physical_memory_bytes(),
+        max_holders_per_version=cfg.max_holders_per_version,
     )
 
 
@@ -61,4 +71,5 @@ def build_servicer(
         max_message_bytes=ps.max_message_mb * MiB,
         transfer_timeout_s=ps.transfer_timeout_s,
         stall_timeout_s=ps.stall_timeout_s,
+        max_concurrent_uploads=ps.max_concurrent_uploads,
     )

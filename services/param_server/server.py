@@ -16,6 +16,7 @@ from services.common.config.param_server import ParamServerConfig
 from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
 from services.common.net import local_ip
+from services.common.security import ServerSecurity
 from services.weights import wire
 from services.weights.hostmem import tune_malloc
 
@@ -70,10 +71,15 @@ class ParamServerServer:
         if self.cfg.tune_malloc:
             tune_malloc()
         self.servicer = build_servicer(cfg, run_dir)
-        self.server = create_server(max_message_bytes=self.cfg.max_message_mb * MiB)
+        self.security = ServerSecurity.from_config(cfg if isinstance(cfg, MeshConfig) else None)
+        self.servicer.auth = self.security.auth
+        self.server = create_server(max_message_bytes=self.cfg.max_message_mb * MiB, auth=self.security.auth,
+                                    limits=self.security.limits)
         add_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = bind_port(self.server, f"{self.cfg.host}:{self.cfg.port}", "param_server.port")
+        self.port = bind_port(self.server, f"{self.cfg.host}:{self.cfg.port}", "param_server.port",
+                              self.security.credentials)
+        self.security.warn_if_exposed("param_server", self.cfg.host)
         self.servicer.address = advertised(self.cfg, self.port)
 
     @property

@@ -8,20 +8,30 @@ replaced after every change.
 
 Deadlines. An upload that goes silent for `stall_timeout_s` fails with DEADLINE_EXCEEDED and its
 partial version is dropped; the whole upload is bounded by `transfer_timeout_s`. A fetch is bounded
-by the client's deadline (gRPC cancels the stream server-side when it passes).
+by the client's deadline (gRPC cancels the stream server-side when it passes) and by
+`transfer_timeout_s`; on a plain server a reader that stops reading is cut after
+`security.limits.stream_stall_timeout_s` (services/common/interceptor.py). Either way the stream's
+pin on its version is released.
+
+Quotas. At most `max_concurrent_uploads` PublishWeights streams at once; an upload may not
+announce or allocate more than the store's `max_upload_bytes`. Only the trainer role may check in
+to a rendezvous as the sender.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from meshrl.v1 import param_server_pb2, param_server_pb2_grpc
-from services.common.errors import DeadlineExceeded, InvalidArgument
+from services.common.auth import TRAINER, Authorizer
+from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from services.common.grpc_util import rpc_method
+from services.common.interceptor import require_role
 from services.common.logging import get_logger
 from services.weights import convert
 from services.weights.layout import host_view
@@ -51,6 +61,8 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         stall_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.time,
         io_threads: int = 2,
+        max_concurrent_uploads: int = 4,
+        auth: Authorizer | None = None,
     ) -> None:
         self.store = store
         self.address = address
@@ -59,6 +71,9 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.clock = clock
+        self.max_concurrent_uploads = max_concurrent_uploads
+        self.uploads_in_flight = 0
+        self.auth = auth
         self.board = RendezvousBoard()
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ps-io")
         self._changed = asyncio.Event()
@@ -93,6 +108,18 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
 
     @rpc_method()
     async def PublishWeights(self, request_iterator: Any, context: Any) -> param_server_pb2.PublishWeightsResponse:
+        if self.uploads_in_flight >= self.max_concurrent_uploads:
+            raise ResourceExhausted(
+                f"{self.uploads_in_flight} uploads are in progress (param_server.max_concurrent_uploads="
+                f"{self.max_concurrent_uploads}); retry when one finishes"
+            )
+        self.uploads_in_flight += 1
+        try:
+            return await self._publish(request_iterator)
+        finally:
+            self.uploads_in_flight -= 1
+
+    async def _publish(self, request_iterator: Any) -> param_server_pb2.PublishWeightsResponse:
         start = time.monotonic()
         deadline = start + self.transfer_timeout_s
         loop = asyncio.get_running_loop()
@@ -175,9 +202,10 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
 
     # ---- fetch ------------------------------------------------------------------------------------
 
-    async def fetch_items(self, request: param_server_pb2.FetchWeightsRequest) -> AsyncIterator[Any]:
+    async def fetch_items(self, request: param_server_pb2.FetchWeightsRequest) -> AsyncGenerator[Any, None]:
         """The manifest (as a FetchWeightsResponse) then RawChunks of the asked buckets."""
         chunk = request.chunk_bytes or self.chunk_bytes
+        deadline = time.monotonic() + self.transfer_timeout_s
         if not 0 < chunk <= self.max_chunk_bytes:
             raise InvalidArgument("chunk_bytes", f"must be in (0, {self.max_chunk_bytes}], got {chunk}")
         with self.store.reading(request.policy_version) as stored:
@@ -196,6 +224,11 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
             for i in buckets:
                 view = host_view(stored.buffers[i])
                 for off in range(0, len(view), chunk):
+                    if time.monotonic() > deadline:
+                        raise DeadlineExceeded(
+                            f"fetch of version {m.policy_version} ran past param_server.transfer_timeout_s="
+                            f"{self.transfer_timeout_s:g}s; the reader is too slow or stopped reading"
+                        )
                     yield RawChunk(m.policy_version, i, off, view[off : off + chunk])
         self.store.sweep(self.clock())
 
@@ -204,14 +237,16 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         self, request: param_server_pb2.FetchWeightsRequest, context: Any
     ) -> AsyncIterator[param_server_pb2.FetchWeightsResponse]:
         """Standard protos (Serve's proxy, generated stubs)."""
-        async for item in self.fetch_items(request):
-            yield param_server_pb2.FetchWeightsResponse(chunk=item.to_proto()) if isinstance(item, RawChunk) else item
+        async with contextlib.aclosing(self.fetch_items(request)) as items:
+            async for item in items:
+                yield param_server_pb2.FetchWeightsResponse(chunk=item.to_proto()) if isinstance(item, RawChunk) else item
 
-    @rpc_method()
+    @rpc_method(rpc="FetchWeights")
     async def FetchWeightsRaw(self, request: param_server_pb2.FetchWeightsRequest, context: Any) -> AsyncIterator[Any]:
         """The same stream with chunks as RawChunk, for the plain server's zero-copy codec."""
-        async for item in self.fetch_items(request):
-            yield item
+        async with contextlib.aclosing(self.fetch_items(request)) as items:  # the pin goes when the stream does
+            async for item in items:
+                yield item
 
     # ---- manifests, versions, holds ---------------------------------------------------------------
 
@@ -250,6 +285,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         budget = self.transfer_timeout_s if remaining is None else min(remaining, self.transfer_timeout_s)
         deadline = time.monotonic() + budget
         if request.role == "sender":
+            require_role(context, TRAINER, "Rendezvous as the sender")
             state = self.board.sender_check_in(
                 request.group, request.member_id, world_size=request.world_size, backend=request.backend,
                 master_address=request.master_address, master_port=request.master_port,

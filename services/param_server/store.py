@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.weights.layout import BucketMeta, Fingerprinter, Manifest, validate_manifest, verify_bucket
 
 GRPC_TRANSPORT = "grpc"
@@ -46,6 +46,10 @@ class StoreSettings:
     """Also verify sha256 of uploaded buckets when the publisher sent one."""
     pool_max_bytes: int = 8 << 30
     """Host bytes of evicted buffers kept for reuse."""
+    max_upload_bytes: int = 1 << 40
+    """Largest version one upload may announce or allocate."""
+    max_holders_per_version: int = 4096
+    """Consumers that may hold one version at once."""
 
 
 @dataclass
@@ -135,6 +139,7 @@ class Upload:
         if self.manifest is not None:
             raise InvalidArgument("manifest", "sent twice in one stream")
         validate_manifest(manifest)
+        self.store._check_size(manifest.total_bytes, "manifest.total_bytes")
         self.manifest = manifest
 
     def begin_bucket(self, meta: BucketMeta | None = None) -> None:
@@ -152,6 +157,7 @@ class Upload:
             raise InvalidArgument("bucket.index", f"expected bucket {index}, got {meta.index}; send buckets in order")
         if self.manifest is not None and (index >= len(self.manifest.buckets) or self.manifest.buckets[index] != meta):
             raise InvalidArgument("bucket", f"bucket {index} disagrees with the manifest sent first")
+        self.store._check_size(sum(b.nbytes for b in self.buckets) + meta.nbytes, f"bucket[{index}].nbytes")
         buffer = self.store.pool.take(meta.nbytes)
         self.buckets.append(_UploadBucket(meta, buffer, want_sha=self.store.settings.sha256 and bool(meta.sha256)))
 
@@ -242,6 +248,14 @@ class WeightStore:
         self.evicted_total = 0
 
     # ---- writes ---------------------------------------------------------------------------------
+
+    def _check_size(self, nbytes: int, field: str) -> None:
+        """Refuse an upload that would exceed the per-version quota, before any memory is taken."""
+        if nbytes > self.settings.max_upload_bytes:
+            raise ResourceExhausted(
+                f"{field}: {nbytes} bytes exceed the upload quota of {self.settings.max_upload_bytes} bytes "
+                "(param_server.max_upload_mb)"
+            )
 
     def begin_upload(self, policy_version: int, now: float) -> Upload:
         if policy_version < 0:
@@ -349,6 +363,11 @@ class WeightStore:
         if not consumer_id:
             raise InvalidArgument("consumer_id", "required (a stable id of the consumer, e.g. its replica id)")
         stored = self._resolve(policy_version)
+        if consumer_id not in stored.holds and stored.live_holders(now) >= self.settings.max_holders_per_version:
+            raise ResourceExhausted(
+                f"version {stored.policy_version} already has {self.settings.max_holders_per_version} holders "
+                "(param_server.max_holders_per_version); release holds you no longer need"
+            )
         stored.holds[consumer_id] = now + self.settings.hold_ttl_s
         return stored.manifest
 

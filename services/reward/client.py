@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,6 +29,7 @@ import grpc.aio
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common import errors
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, bearer_metadata, create_channel
+from services.common.security import ChannelSecurity, default_security
 
 Scorer = Callable[[list[reward_pb2.ScoreItem]], Awaitable[list[reward_pb2.ScoreResult]]]
 
@@ -37,7 +37,7 @@ _ERRORS: dict[grpc.StatusCode, type[errors.MeshError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
-    grpc.StatusCode.PERMISSION_DENIED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
@@ -66,7 +66,8 @@ def _check(results: Sequence[reward_pb2.ScoreResult], items: Sequence[reward_pb2
 class RewardClient:
     """Scorer over gRPC. Retries UNAVAILABLE (a replica restarting) `max_retries` times with
     jittered backoff; each attempt has `timeout_s` (generous by default: the service may be waiting
-    for a down external endpoint rather than score anything as zero)."""
+    for a down external endpoint rather than score anything as zero). SECURITY: token and TLS
+    (default: this process's role, services.common.security.use_role); TOKEN/TLS/CA_FILE override."""
 
     def __init__(
         self,
@@ -80,16 +81,21 @@ class RewardClient:
         tls: bool = False,
         ca_file: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
-        roots = Path(ca_file).read_bytes() if ca_file else None
-        self._channel = create_channel(address, max_message_bytes=max_message_bytes, tls=tls, root_certificates=roots)
+        ingress = application is not None
+        sec = security if security is not None else default_security(ingress=ingress)
+        if token is not None:
+            sec = sec.with_token(token)
+        sec = sec.with_tls(tls=tls, ca_file=ca_file)
+        self._channel = create_channel(address, max_message_bytes=max_message_bytes, security=sec, ingress=ingress)
         self.stub = reward_pb2_grpc.RewardServiceStub(self._channel)
         route = [("application", application)] if application else []
-        self._md = tuple(route + bearer_metadata(token))
+        self._md = tuple(route + bearer_metadata(sec.token))
         self._rng = random.Random()
 
     async def __aenter__(self) -> RewardClient:

@@ -7,29 +7,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any
 
 from meshrl.v1 import reward_pb2
 from services.common.errors import InvalidArgument
+from services.common.jsonutil import DEFAULT_MAX_DEPTH, loads_object
 
 from .samples import Sample, Score
 
 MAX_ID_CHARS = 256
 
 
-def _extra_info(text: str, field: str) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(field, f"is not valid JSON ({exc.msg} at {exc.pos})") from exc
-    if not isinstance(value, dict):
-        raise InvalidArgument(field, f"must be a JSON object, got {type(value).__name__}")
-    return value
-
-
-def sample_from_item(item: reward_pb2.ScoreItem, where: str) -> Sample:
+def sample_from_item(item: reward_pb2.ScoreItem, where: str, *, max_json_depth: int = DEFAULT_MAX_DEPTH) -> Sample:
     if not item.item_id:
         raise InvalidArgument(f"{where}.item_id", "must be non-empty")
     if len(item.item_id) > MAX_ID_CHARS:
@@ -41,14 +29,16 @@ def sample_from_item(item: reward_pb2.ScoreItem, where: str) -> Sample:
         ground_truth=item.ground_truth,
         prompt=item.prompt_text,
         response_token_ids=item.response_token_ids,  # the proto's repeated field, not copied
-        extra_info=_extra_info(item.extra_info_json, f"{where}.extra_info_json"),
+        extra_info=loads_object(item.extra_info_json, f"{where}.extra_info_json", max_depth=max_json_depth),
         policy_version=item.policy_version,
         max_response_length=item.max_response_length,
         truncated=item.truncated,
     )
 
 
-def samples_from_items(items: Sequence[reward_pb2.ScoreItem], *, max_items: int, field: str = "items") -> list[Sample]:
+def samples_from_items(
+    items: Sequence[reward_pb2.ScoreItem], *, max_items: int, field: str = "items", max_json_depth: int = DEFAULT_MAX_DEPTH
+) -> list[Sample]:
     """Validate and decode the items of a ScoreRequest. item_ids must be unique within it."""
     if len(items) > max_items:
         raise InvalidArgument(field, f"{len(items)} items exceed reward.max_items_per_request={max_items}; split the request")
@@ -56,7 +46,7 @@ def samples_from_items(items: Sequence[reward_pb2.ScoreItem], *, max_items: int,
     out = []
     for i, item in enumerate(items):
         where = f"{field}[{i}]"
-        sample = sample_from_item(item, where)
+        sample = sample_from_item(item, where, max_json_depth=max_json_depth)
         if sample.item_id in seen:
             raise InvalidArgument(f"{where}.item_id", f"{sample.item_id!r} repeats {field}[{seen[sample.item_id]}]")
         seen[sample.item_id] = i

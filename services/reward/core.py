@@ -13,7 +13,8 @@ otherwise the item is rejected with INVALID_ARGUMENT.
 
 Scoring. Built-in regex scorers run inline; a batch custom function (reward_manager: batch) is
 called once with all its items, in the pool, with `item_timeout_s` per item as its deadline; blocking scorers (Math-Verify, sync custom functions)
-run in the BlockingPool with `item_timeout_s` each; async custom functions are awaited with the
+run in the ProcessPool when one is given (a call past its deadline is killed, procpool.py), else
+in the BlockingPool (threads; abandoned, pool.py), with `item_timeout_s` each; async custom functions are awaited with the
 same deadline; remote routes get their samples in one call (the endpoint client batches, retries
 and waits). A scorer result is normalised like verl does: a number, a dict with `score` (its other
 numeric entries become metrics), or a sequence whose first element is the score. Metric `score`
@@ -41,6 +42,7 @@ from services.common.logging import get_logger
 from . import scorers
 from .custom import CustomFunction
 from .pool import BlockingPool
+from .procpool import FunctionSpec, ProcessPool
 from .samples import RemoteScorer, Sample, Score
 from .shaping import OverlongShaping, Stage
 
@@ -72,6 +74,8 @@ class _LocalRoute:
     blocking: bool
     is_async: bool = False
     batched: bool = False
+    spec: FunctionSpec | None = None
+    """Set: a scorer process can run it (ProcessPool), so a timed-out call is killed."""
 
 
 @dataclass
@@ -125,6 +129,7 @@ class RewardPipeline:
         remotes: Sequence[RemoteRoute] = (),
         stages: Sequence[Stage] = (),
         pool: BlockingPool | None = None,
+        process_pool: ProcessPool | None = None,
         item_timeout_s: float = 10.0,
         max_abandoned_threads: int = 16,
     ) -> None:
@@ -132,6 +137,7 @@ class RewardPipeline:
         self.remotes = list(remotes)
         self.stages = list(stages)
         self.pool = pool or BlockingPool(2)
+        self.process_pool = process_pool
         self.item_timeout_s = item_timeout_s
         self.max_abandoned_threads = max_abandoned_threads
         self._by_source: dict[str, RemoteScorer] = {}
@@ -144,7 +150,8 @@ class RewardPipeline:
                 assert ds not in self._by_source, f"data_source {ds} routed twice (config validation)"
                 self._by_source[ds] = route.scorer
         self._custom_route = (
-            _LocalRoute(custom.name, custom.fn, blocking=not custom.is_async, is_async=custom.is_async, batched=custom.batched)
+            _LocalRoute(custom.name, custom.fn, blocking=not custom.is_async, is_async=custom.is_async,
+                        batched=custom.batched, spec=custom.source)
             if custom
             else None
         )
@@ -174,7 +181,8 @@ class RewardPipeline:
         if spec is not None:
             route = self._builtin_routes.get(spec.name)
             if route is None:
-                route = _LocalRoute(spec.name, scorers.load(spec), blocking=spec.blocking)
+                route = _LocalRoute(spec.name, scorers.load(spec), blocking=spec.blocking,
+                                    spec=FunctionSpec.builtin(spec.module, spec.function) if spec.blocking else None)
                 self._builtin_routes[spec.name] = route
             return route
         return self._catch_all
@@ -289,7 +297,7 @@ class RewardPipeline:
             if route.is_async:
                 raw = await asyncio.wait_for(route.fn(**kwargs), self.item_timeout_s)
             else:
-                raw = await self.pool.run(route.fn, kwargs, timeout_s=self.item_timeout_s)
+                raw = await self._run_blocking(route, kwargs, self.item_timeout_s)
             outcomes[i] = normalize(raw, route.name, sample)
         except TimeoutError:
             self._totals.timeouts += 1
@@ -317,7 +325,7 @@ class RewardPipeline:
             if route.is_async:
                 raw = await asyncio.wait_for(route.fn(**kwargs), timeout_s)
             else:
-                raw = await self.pool.run(route.fn, kwargs, timeout_s=timeout_s)
+                raw = await self._run_blocking(route, kwargs, timeout_s)
             if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(raw) != len(batch):
                 got = len(raw) if isinstance(raw, Sequence) else type(raw).__name__
                 raise ScorerError(f"batch reward function {route.name} returned {got} results for {len(batch)} items")
@@ -332,6 +340,13 @@ class RewardPipeline:
             err = exc if isinstance(exc, MeshError) else self._scorer_failed(route, batch[0], exc)
             for i in idx:
                 outcomes[i] = err
+
+    async def _run_blocking(self, route: _LocalRoute, kwargs: dict[str, Any], timeout_s: float) -> Any:
+        """A blocking scorer call: in a scorer process when it can be (a timed-out call is killed),
+        else on a thread (a timed-out call is abandoned, see pool.py)."""
+        if self.process_pool is not None and route.spec is not None:
+            return await self.process_pool.run(route.spec, kwargs, timeout_s=timeout_s)
+        return await self.pool.run(route.fn, kwargs, timeout_s=timeout_s)
 
     def _scorer_failed(self, route: _LocalRoute, sample: Sample, exc: Exception) -> ScorerError:
         log.error("scorer_failed", scorer=route.name, item_id=sample.item_id, data_source=sample.data_source, exc_info=exc)
@@ -372,6 +387,9 @@ class RewardPipeline:
                 "calls": self.pool.calls,
                 "timeouts": self.pool.timeouts,
                 "abandoned_threads": self.pool.abandoned,
+                "processes": self.process_pool.num_workers if self.process_pool else 0,
+                "process_calls": self.process_pool.calls if self.process_pool else 0,
+                "processes_killed": self.process_pool.killed if self.process_pool else 0,
             },
             "custom_function": self.custom.name if self.custom else None,
             "stages": [s.name for s in self.stages],
@@ -390,3 +408,5 @@ class RewardPipeline:
         for r in self.remotes:
             await r.scorer.close()
         self.pool.close()
+        if self.process_pool is not None:
+            self.process_pool.close()

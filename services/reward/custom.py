@@ -27,6 +27,8 @@ from typing import Any
 
 from services.common.errors import ConfigError
 
+from .procpool import FunctionSpec
+
 
 @dataclass(frozen=True)
 class CustomFunction:
@@ -38,6 +40,8 @@ class CustomFunction:
     is_async: bool
     batched: bool = False
     """verl's batch signature (lists in, a list out)."""
+    source: FunctionSpec | None = None
+    """How a scorer process loads the same function (services/reward/procpool.py)."""
 
 
 def _looks_like_file(path: str) -> bool:
@@ -92,4 +96,5 @@ def load_custom_function(
     is_async = inspect.iscoroutinefunction(fn)
     if reward_kwargs:
         fn = functools.partial(fn, **dict(reward_kwargs))
-    return CustomFunction(name=f"{path}:{name}", fn=fn, is_async=is_async, batched=batched)
+    return CustomFunction(name=f"{path}:{name}", fn=fn, is_async=is_async, batched=batched,
+                          source=FunctionSpec.custom(path, name, reward_kwargs, batched=batched))

@@ -34,6 +34,7 @@ from services.common.config.serve import AppDeployConfig
 from services.common.errors import MeshError
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
+from services.common.security import serve_replica_security
 from services.common.serve_util import SERVICER_FUNCTIONS, grpc_shim, log_init_errors
 
 from .factory import build_pipeline
@@ -89,9 +90,11 @@ class RewardDeployment:
         replica = getattr(getattr(ctx, "replica_id", None), "unique_id", None)
         configure_logging("reward", json=True, replica=replica)
         set_niceness(cfg.tuning.nice.reward, key="tuning.nice.reward")
+        serve_replica_security(cfg, None, "reward")
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
-        self._servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request, score_fn=self._score)
+        self._servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request, score_fn=self._score,
+                                        max_json_depth=cfg.security.limits.max_json_depth)
         self._batch.set_max_batch_size(cfg.reward.max_batch_size)  # type: ignore[attr-defined]
         self._batch.set_batch_wait_timeout_s(cfg.reward.batch_wait_timeout_s)  # type: ignore[attr-defined]
         self._inflight: set[asyncio.Future[Any]] = set()

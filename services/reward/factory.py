@@ -8,6 +8,7 @@ from .core import RemoteRoute, RewardPipeline
 from .custom import load_custom_function
 from .endpoints import EndpointClient
 from .pool import BlockingPool
+from .procpool import ProcessPool
 from .shaping import OverlongShaping, Stage
 
 
@@ -39,6 +40,7 @@ def build_pipeline(cfg: MeshConfig) -> RewardPipeline:
         remotes=remotes,
         stages=build_stages(cfg),
         pool=BlockingPool(cfg.reward.num_workers),
+        process_pool=ProcessPool(cfg.reward.num_workers) if cfg.reward.scorer_processes else None,
         item_timeout_s=cfg.reward.item_timeout_s,
         max_abandoned_threads=cfg.reward.max_abandoned_threads,
     )

@@ -6,6 +6,7 @@ from meshrl.v1 import reward_pb2, reward_pb2_grpc
 from services.common.config import MeshConfig
 from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
+from services.common.security import ServerSecurity
 
 from .factory import build_pipeline
 from .servicer import RewardServicer
@@ -22,11 +23,15 @@ class RewardServer:
         self.cfg = cfg
         self.host = host
         self.pipeline = build_pipeline(cfg)
-        self.servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request)
-        self.server = create_server()
+        self.servicer = RewardServicer(self.pipeline, max_items=cfg.reward.max_items_per_request,
+                                       max_json_depth=cfg.security.limits.max_json_depth)
+        self.security = ServerSecurity.from_config(cfg)
+        self.servicer.auth = self.security.auth
+        self.server = create_server(auth=self.security.auth, limits=self.security.limits)
         reward_pb2_grpc.add_RewardServiceServicer_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = bind_port(self.server, f"{host}:{port}", "--port")
+        self.port = bind_port(self.server, f"{host}:{port}", "--port", self.security.credentials)
+        self.security.warn_if_exposed("reward", host)
 
     @property
     def address(self) -> str:

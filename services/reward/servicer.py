@@ -10,7 +10,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from meshrl.v1 import reward_pb2, reward_pb2_grpc
+from services.common.auth import Authorizer
 from services.common.grpc_util import rpc_method
+from services.common.jsonutil import DEFAULT_MAX_DEPTH
 
 from . import convert
 from .core import RewardPipeline
@@ -22,14 +24,19 @@ ScoreFn = Callable[[Sequence[Sample]], Awaitable[list[Score]]]
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """Thin shim over RewardPipeline. Score: one result per item, in request order."""
 
-    def __init__(self, pipeline: RewardPipeline, *, max_items: int = 8192, score_fn: ScoreFn | None = None) -> None:
+    def __init__(
+        self, pipeline: RewardPipeline, *, max_items: int = 8192, score_fn: ScoreFn | None = None,
+        max_json_depth: int = DEFAULT_MAX_DEPTH,
+    ) -> None:
         self.pipeline = pipeline
+        self.max_json_depth = max_json_depth
+        self.auth: Authorizer | None = None
         self.max_items = max_items
         self.score_fn: ScoreFn = score_fn or pipeline.score
 
     async def score_request(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         """Score without a gRPC context (Serve handle calls, tests); raises MeshErrors."""
-        samples = convert.samples_from_items(request.items, max_items=self.max_items)
+        samples = convert.samples_from_items(request.items, max_items=self.max_items, max_json_depth=self.max_json_depth)
         if not samples:
             return reward_pb2.ScoreResponse()
         self.pipeline.validate(samples)

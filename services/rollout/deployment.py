@@ -26,6 +26,7 @@ from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
+from services.common.security import serve_replica_security
 from services.common.serve_util import log_init_errors
 from services.weights import WeightFetcher
 
@@ -69,11 +70,14 @@ class RolloutDeployment:
         replica_id = f"rollout-{ctx.replica_id.unique_id}"
         configure_logging("rollout", replica=replica_id)
         set_niceness(self.cfg.tuning.nice.rollout, key="tuning.nice.rollout")
+        # Every client this replica makes (coordinator, reward, param server) sends the rollout token.
+        serve_replica_security(self.cfg, "rollout", "rollout")
         engine, tok = factory.build_engine(self.cfg)
         self.engine = engine
         w = self.cfg.rollout_worker
         self.coordinator = CoordinatorClient(
             factory.coordinator_address(self.cfg), application=w.coordinator_application, timeout_s=w.rpc_timeout_s,
+            tls=bool(self.cfg.coordinator.tls_cert_file) and w.coordinator_application is None,
             max_message_bytes=self.cfg.coordinator.max_message_mb * MiB,
         )
         if scorer is None and reward_handle is not None:

@@ -17,9 +17,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """Thin shim over a RolloutWorker. `default_sampling` fills a Generate request that carries
     no sampling (max_tokens == 0): validation sampling (actor_rollout_ref.rollout.val_kwargs)."""
 
-    def __init__(self, worker: RolloutWorker, default_sampling: common_pb2.SamplingParams) -> None:
+    def __init__(self, worker: RolloutWorker, default_sampling: common_pb2.SamplingParams, *, max_n: int = 1024) -> None:
         self.worker = worker
         self.default_sampling = default_sampling
+        self.max_n = max_n
 
     @rpc_method()
     async def Generate(self, request: rollout_pb2.GenerateRequest, context: Any) -> rollout_pb2.GenerateResponse:
@@ -27,6 +28,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("prompt", "missing")
         params = request.sampling if request.sampling.max_tokens else self.default_sampling
         spec = convert.sampling_spec(params)
+        if spec.n > self.max_n:
+            raise InvalidArgument("sampling.n", f"{spec.n} samples in one Generate; at most {self.max_n}")
         if request.score and self.worker.scorer is None:
             raise FailedPrecondition("this replica has no reward scorer; call Generate with score=false")
         group = await self.worker.generate_group(
@@ -41,6 +44,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.UpdateWeightsResponse:
         if not request.HasField("weights"):
             raise InvalidArgument("weights", "missing (the WeightsRef of the version to load)")
+        if self.worker.fetcher is None:
+            raise FailedPrecondition(
+                "this replica has no weight fetcher; set rollout_worker.fetch_weights_from_param_server=true"
+            )
         load_s = await self.worker.update_weights(request.weights)
         return rollout_pb2.UpdateWeightsResponse(policy_version=self.worker.engine.version, load_s=load_s)
 

@@ -23,6 +23,7 @@ from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
+from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
 
 from .factory import TrainerParts, build_trainer
@@ -45,6 +46,8 @@ class TrainerDeployment:
         cfg = MeshConfig.model_validate(config)
         configure_logging("trainer", json=True, trainer_id=cfg.trainer_service.trainer_id)
         set_niceness(cfg.tuning.nice.trainer, key="tuning.nice.trainer")
+        # Every client this replica makes (coordinator, param server) sends the trainer token.
+        serve_replica_security(cfg, "trainer", "trainer")
         extras = extras or {}
         self.parts: TrainerParts = await build_trainer(
             cfg, run_dir, algorithm=extras.get("algorithm"), publisher=extras.get("publisher"),

@@ -171,8 +171,21 @@ def coordinator_address(cfg: MeshConfig) -> str:
     return ts.coordinator_address or f"{cfg.coordinator.host}:{cfg.coordinator.port}"
 
 
-def coordinator_token(cfg: MeshConfig) -> str | None:
-    return cfg.coordinator.token or os.environ.get("MESHRL_TOKEN") or None
+def coordinator_client(cfg: MeshConfig) -> CoordinatorClient:
+    """The trainer's coordinator client: the trainer role's token, TLS to a plain coordinator that
+    has it."""
+    from services.common.auth import TRAINER
+    from services.common.security import client_security
+    from services.coordinator.client import CoordinatorClient
+
+    ts = cfg.trainer_service
+    ingress = ts.coordinator_application is not None
+    sec = client_security(cfg, TRAINER)
+    return CoordinatorClient(
+        coordinator_address(cfg), application=ts.coordinator_application, timeout_s=ts.coordinator_timeout_s,
+        max_message_bytes=cfg.coordinator.max_message_mb * MiB,
+        security=sec.plaintext() if ingress else sec, tls=bool(cfg.coordinator.tls_cert_file) and not ingress,
+    )
 
 
 def check_model(cfg: MeshConfig, model_init: Callable[[], Any] | None = None) -> None:
@@ -250,14 +263,13 @@ def _publisher(
 def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
     """Rank 0's collective publisher, announcing each version through a coordinator client of its
     own. Called on rank 0's publishing event loop (RankZeroPublisher)."""
-    from services.coordinator.client import CoordinatorClient
+    from services.common.auth import TRAINER
+    from services.common.security import use_role
     from services.weights.transports import make_publisher
 
     ts = cfg.trainer_service
-    client = CoordinatorClient(
-        coordinator_address(cfg), token=coordinator_token(cfg), application=ts.coordinator_application,
-        timeout_s=ts.coordinator_timeout_s, max_message_bytes=cfg.coordinator.max_message_mb * MiB,
-    )
+    use_role(cfg, TRAINER)  # rank 0's process: its param server clients send the trainer token
+    client = coordinator_client(cfg)
 
     async def announce(ref: Any) -> bool:
         return not (await client.commit_version(ts.trainer_id, ref)).stopping
@@ -277,7 +289,7 @@ async def build_trainer(
     publisher and the loop. Config problems fail here, before any actor starts."""
     import ray
 
-    from services.coordinator.client import CoordinatorClient
+    from services.common.auth import Authorizer
 
     from .servicer import TrainerServicer
     from .workers import RayTrainGroup
@@ -290,10 +302,7 @@ async def build_trainer(
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     ts = cfg.trainer_service
     settings = loop_settings(cfg, run_dir, size, pad_token_id(cfg))
-    client = CoordinatorClient(
-        coordinator_address(cfg), token=coordinator_token(cfg), application=ts.coordinator_application,
-        timeout_s=ts.coordinator_timeout_s, max_message_bytes=cfg.coordinator.max_message_mb * MiB,
-    )
+    client = coordinator_client(cfg)
     pub = publisher or _publisher(cfg, run_dir, client)
     group = await RayTrainGroup.create(
         spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus, nice=cfg.tuning.nice.trainer_ranks
@@ -306,6 +315,6 @@ async def build_trainer(
             raise
     loop = TrainerLoop(settings, group, client, pub, algorithm)
     servicer = TrainerServicer(
-        loop, trainer_id=ts.trainer_id, engine=cfg.actor_rollout_ref.actor.strategy, token=coordinator_token(cfg)
+        loop, trainer_id=ts.trainer_id, engine=cfg.actor_rollout_ref.actor.strategy, auth=Authorizer.from_config(cfg)
     )
     return TrainerParts(loop, servicer, group, client, pub)

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 from meshrl.v1 import trainer_pb2, trainer_pb2_grpc
+from services.common.auth import Authorizer
 from services.common.errors import DeadlineExceeded
 from services.common.grpc_util import rpc_method
 
@@ -14,15 +15,17 @@ from .core import TrainerLoop
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    """Thin shim over a TrainerLoop. `token` guards SaveCheckpoint."""
+    """Thin shim over a TrainerLoop. Both RPCs are the operator role's (services/common/auth.py);
+    `auth` holds the tokens checked behind Serve's proxy."""
 
     def __init__(
-        self, loop: TrainerLoop, *, trainer_id: str, engine: str, token: str | None = None, checkpoint_timeout_s: float = 3600.0
+        self, loop: TrainerLoop, *, trainer_id: str, engine: str, auth: Authorizer | None = None,
+        checkpoint_timeout_s: float = 3600.0,
     ) -> None:
         self.loop = loop
         self.trainer_id = trainer_id
         self.engine = engine
-        self.token = token
+        self.auth = auth
         self.checkpoint_timeout_s = checkpoint_timeout_s
 
     @rpc_method()
@@ -37,7 +40,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         st.trainer_id, st.engine = self.trainer_id, self.engine
         return st
 
-    @rpc_method(control=True)
+    @rpc_method()
     async def SaveCheckpoint(
         self, request: trainer_pb2.SaveCheckpointRequest, context: Any
     ) -> trainer_pb2.SaveCheckpointResponse:

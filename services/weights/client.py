@@ -17,7 +17,8 @@ import grpc.aio
 from meshrl.v1 import common_pb2, param_server_pb2_grpc
 from meshrl.v1 import param_server_pb2 as pb
 from services.common import errors
-from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, create_channel
+from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, bearer_metadata, create_channel
+from services.common.security import ChannelSecurity, default_security
 
 from . import convert, wire
 from .layout import Manifest
@@ -30,6 +31,7 @@ _BY_CODE: dict[grpc.StatusCode, type[errors.MeshError]] = {
     grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
     grpc.StatusCode.UNAUTHENTICATED: errors.Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
     grpc.StatusCode.CANCELLED: errors.Unavailable,
 }
 
@@ -45,7 +47,8 @@ def raise_rpc_error(exc: grpc.aio.AioRpcError, what: str) -> NoReturn:
 
 
 class ParamServerClient:
-    """Async client. Use as `async with ParamServerClient(addr) as c: await c.list_versions()`."""
+    """Async client. Use as `async with ParamServerClient(addr) as c: await c.list_versions()`.
+    SECURITY: token and TLS (default: this process's role, services.common.security.use_role)."""
 
     def __init__(
         self,
@@ -54,17 +57,22 @@ class ParamServerClient:
         application: str | None = None,
         timeout_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
         self._channel: grpc.aio.Channel | None = None
-        self._md: tuple[tuple[str, str], ...] = (("application", application),) if application else ()
+        self._ingress = application is not None
+        self.security = security if security is not None else default_security(ingress=self._ingress)
+        route = [("application", application)] if application else []
+        self._md: tuple[tuple[str, str], ...] = tuple(route + bearer_metadata(self.security.token))
 
     def _open(self) -> grpc.aio.Channel:
         # Opened on first use, inside the caller's event loop (a client may be built outside one).
         if self._channel is None:
-            self._channel = create_channel(self.address, max_message_bytes=self.max_message_bytes)
+            self._channel = create_channel(self.address, max_message_bytes=self.max_message_bytes,
+                                           security=self.security, ingress=self._ingress)
             self._stub = param_server_pb2_grpc.ParamServerServiceStub(self._channel)
             self._publish = wire.publish_callable(self._channel)
             self._fetch = wire.fetch_callable(self._channel)

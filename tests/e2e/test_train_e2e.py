@@ -163,6 +163,10 @@ def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: 
                      *layout, timeout_s=400)  # ~40 s; a rank left out of the export hangs it
     resolved = (run_dir / "config.resolved.yaml").read_text()
     assert "backend: gloo" in resolved and f"n_gpus_per_node: {ranks}" in resolved
+    # Every call of the run carried a per-run role token (the services refuse calls without), and
+    # the config written holds none of them.
+    operator_token = (run_dir / "operator.token").read_text().strip()
+    assert len(operator_token) >= 32 and operator_token not in resolved
     assert summary["steps"] == steps and summary["audit"]["balanced"], summary
     assert summary["audit"]["lost"] == 0 and summary["audit"]["duplicated"] == 0, summary
     assert summary["max_staleness_seen"] <= 1, summary

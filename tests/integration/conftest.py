@@ -1,15 +1,15 @@
-"""Integration fixtures: one local Ray + Serve (gRPC ingress on a free port) per test session."""
+"""Integration fixtures (the session's Ray + Serve, `serve_grpc_port`, lives in tests/conftest.py: the
+security tier shares it)."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from services.common.serve_util import free_port
+from services.common.serve_util import free_port  # noqa: F401 -- tests import it from here
 
 
 @pytest.fixture
@@ -24,20 +24,3 @@ def tls_cert(tmp_path: Path) -> tuple[Path, Path]:
         check=True, capture_output=True,
     )
     return cert, key
-
-
-@pytest.fixture(scope="session")
-def serve_grpc_port() -> Iterator[int]:
-    """Ray (4 logical CPUs, so several small replicas fit on 2 cores) + Serve with the gRPC
-    ingress for every meshrl service. Yields the ingress port."""
-    import ray
-    from ray import serve
-
-    from services.common.serve_util import init_ray, start_serve
-
-    port = free_port()
-    init_ray(num_cpus=4)
-    start_serve(port, http_port=free_port())
-    yield port
-    serve.shutdown()
-    ray.shutdown()

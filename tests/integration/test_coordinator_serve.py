@@ -129,7 +129,9 @@ def test_bad_requests_get_the_right_codes(coordinator_app: str) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await anonymous.stop()
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert (await anonymous.status()).run_id  # reads need no token
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await anonymous.status()  # status is the operator's too (the token is the operator's)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     run(main())
 
@@ -142,18 +144,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_against_serve(coordinator_app: str) -> None:
     common = ["--address", coordinator_app, "--application", "coordinator"]
+    assert _cli("status", *common, "--json").returncode == 3  # no token
+    common += ["--token", TOKEN]
     out = _cli("status", *common, "--json")
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     assert status["max_required_samples"] == "6"  # uint64 renders as a string in proto JSON
-    denied = _cli("pause", *common, "--token", "nope")
+    denied = _cli("pause", *common[:-2], "--token", "nope")
     assert denied.returncode == 3 and "UNAUTHENTICATED" in denied.stderr
-    assert _cli("pause", *common, "--token", TOKEN).returncode == 0
+    assert _cli("pause", *common).returncode == 0
     assert json.loads(_cli("status", *common, "--json").stdout)["paused"] is True
-    assert _cli("resume", *common, "--token", TOKEN).returncode == 0
-    out = _cli("set-staleness", "1.0", *common, "--token", TOKEN)
+    assert _cli("resume", *common).returncode == 0
+    out = _cli("set-staleness", "1.0", *common)
     assert out.returncode == 0 and "max_required_samples=8" in out.stdout
-    assert _cli("checkpoint", *common, "--token", TOKEN).returncode == 0
+    assert _cli("checkpoint", *common).returncode == 0
     assert json.loads(_cli("status", *common, "--json").stdout)["checkpoint_requested"] is True
     table = _cli("status", *common)
     assert table.returncode == 0 and "staleness_threshold" in table.stdout

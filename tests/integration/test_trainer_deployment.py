@@ -103,7 +103,7 @@ class CoordinatorThread:
 
     def status(self) -> Any:
         async def get() -> Any:
-            async with CoordinatorClient(self.address) as c:
+            async with CoordinatorClient(self.address, token=TOKEN) as c:
                 return await c.status()
 
         return asyncio.run_coroutine_threadsafe(get(), self.loop).result(30)
@@ -112,7 +112,8 @@ class CoordinatorThread:
 def _trainer_status(port: int) -> trainer_pb2.GetTrainerStatusResponse:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = trainer_pb2_grpc.TrainerServiceStub(ch)
-        return stub.GetTrainerStatus(trainer_pb2.GetTrainerStatusRequest(), metadata=[("application", "trainer")], timeout=30)
+        return stub.GetTrainerStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=30,
+                                     metadata=[("application", "trainer"), ("authorization", f"Bearer {TOKEN}")])
 
 
 def _wait_finished(timeout_s: float) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.common.auth import Authorizer, Tokens
 from services.common.errors import FailedPrecondition
 from services.common.grpc_util import LocalContext
 from services.trainer import checkpoints
@@ -229,7 +230,7 @@ def test_checkpoint_requests_from_coordinator_and_rpc(tmp_path: Path, overlap: b
     coord = FakeCoordinator(finite=False)
     _fill(coord, 2)
     loop = TrainerLoop(_settings(tmp_path, overlap=overlap), _group(), coord, InProcessPublisher(), fake_algorithm()[0])
-    servicer = TrainerServicer(loop, trainer_id="t0", engine="fsdp", token="secret")
+    servicer = TrainerServicer(loop, trainer_id="t0", engine="fsdp", auth=Authorizer(Tokens(operator="secret")))
 
     async def scenario() -> None:
         task = asyncio.create_task(loop.run())
@@ -237,7 +238,7 @@ def test_checkpoint_requests_from_coordinator_and_rpc(tmp_path: Path, overlap: b
             await asyncio.sleep(0.01)
         # operator RPC: served at the next step boundary while the loop waits for data
         resp = await asyncio.wait_for(
-            servicer.SaveCheckpoint(None, LocalContext([("authorization", "Bearer secret")])), timeout=60
+            servicer.SaveCheckpoint(None, LocalContext([("authorization", "Bearer secret")], trusted=False)), timeout=60
         )
         assert (resp.step, Path(resp.path).name) == (1, "global_step_1")
         status = await servicer.GetTrainerStatus(None, LocalContext())
@@ -257,13 +258,16 @@ def test_checkpoint_requests_from_coordinator_and_rpc(tmp_path: Path, overlap: b
     assert [s for s, _, _ in coord.checkpoints] == [1, 2]
 
 
-def test_save_checkpoint_rpc_needs_the_token(tmp_path: Path) -> None:
+def test_save_checkpoint_rpc_needs_the_operator_token(tmp_path: Path) -> None:
     loop = TrainerLoop(_settings(tmp_path), _group(), FakeCoordinator(), InProcessPublisher(), fake_algorithm()[0])
-    servicer = TrainerServicer(loop, trainer_id="t0", engine="fsdp", token="secret")
-    from services.common.errors import Unauthenticated
+    servicer = TrainerServicer(loop, trainer_id="t0", engine="fsdp",
+                               auth=Authorizer(Tokens(rollout="r", trainer="t", operator="secret")))
+    from services.common.errors import PermissionDenied, Unauthenticated
 
     with pytest.raises(Unauthenticated):
-        asyncio.run(servicer.SaveCheckpoint(None, LocalContext()))
+        asyncio.run(servicer.SaveCheckpoint(None, LocalContext(trusted=False)))
+    with pytest.raises(PermissionDenied):  # the trainer role's token is not the operator's
+        asyncio.run(servicer.SaveCheckpoint(None, LocalContext([("authorization", "Bearer t")], trusted=False)))
 
 
 @pytest.mark.parametrize("overlap", [False, True])

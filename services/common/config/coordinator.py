@@ -24,11 +24,12 @@ class CoordinatorConfig(ConfigModel):
     ledger_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
     """SQLite `synchronous` in WAL mode: NORMAL survives a process crash, FULL also a power loss."""
     token: str | None = None
-    """Bearer token for control RPCs (Pause, Resume, SetStaleness, RequestCheckpoint, Stop,
-    CommitVersion, ResumeTrainer); falls back to the MESHRL_TOKEN environment variable."""
+    """Older single token: the operator role's token when MESHRL_OPERATOR_TOKEN is unset (then
+    MESHRL_TOKEN), and every other role's when they have none of their own (see `security`).
+    `meshrl train` keeps it out of config.resolved.yaml; prefer the environment variables."""
     tls_cert_file: str | None = None
-    """PEM certificate chain of the plain gRPC server; with `tls_key_file` the server speaks TLS only.
-    (Under Ray Serve, TLS is terminated in front of Serve's ingress.)"""
+    """PEM certificate chain of the plain coordinator server (overrides security.tls.cert_file for
+    it); with `tls_key_file` the server speaks TLS only. Ray Serve's gRPC ingress has no TLS."""
     tls_key_file: str | None = None
     """PEM private key matching `tls_cert_file`."""
     max_groups_per_call: int = Field(default=1024, ge=1)

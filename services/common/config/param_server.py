@@ -43,6 +43,13 @@ class ParamServerConfig(ConfigModel):
     Sizes, names and dtypes are always checked against the manifest."""
     max_message_mb: int = Field(default=64, ge=1)
     """gRPC message size limit (both directions)."""
+    max_concurrent_uploads: int = Field(default=4, ge=1)
+    """PublishWeights streams open at once; more are refused with RESOURCE_EXHAUSTED."""
+    max_upload_mb: int | None = Field(default=None, ge=1)
+    """Largest version one upload may announce or send; null: this host's physical memory (a
+    bigger one could never be held)."""
+    max_holders_per_version: int = Field(default=4096, ge=1)
+    """Consumers that may pin one version at once (AcquireVersion); more are refused."""
     tune_malloc: bool = True
     """Raise glibc's mmap/trim thresholds in processes that stream weights over grpc (param
     server, publishers, fetchers) so per-chunk buffers are reused, not page-faulted each time

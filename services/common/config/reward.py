@@ -88,11 +88,15 @@ class RewardServiceConfig(ConfigModel):
     batch_wait_timeout_s: float = Field(default=0.01, ge=0)
     """How long the deployment waits to fill a batch."""
     num_workers: int = Field(default=2, ge=1)
-    """Threads for scorers that block (math checking, sandboxes)."""
+    """Threads (or processes, with `scorer_processes`) for scorers that block (math checking, sandboxes)."""
+    scorer_processes: bool = True
+    """Run blocking scorers (Math-Verify, sync custom functions) in worker processes, so a call past
+    `item_timeout_s` is killed and frees its CPU at once; false: in threads, where a timed-out call
+    runs on until it ends by itself."""
     item_timeout_s: float = Field(default=10.0, gt=0)
     """Deadline of one blocking scorer call (math-verify, a custom function), counted from when it
     starts running. A timed-out item scores 0 with metric `timeout`=1 (verl's math_verify
-    semantics); its thread is abandoned and replaced."""
+    semantics); with `scorer_processes` its process is killed, else its thread is abandoned."""
     max_abandoned_threads: int = Field(default=16, ge=1)
     """Timed-out scorer threads still running above which the replica reports unhealthy (Serve
     then replaces it, which ends them)."""

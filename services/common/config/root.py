@@ -17,6 +17,7 @@ from .param_server import ParamServerConfig
 from .resolve import resolve_tree
 from .reward import RewardServiceConfig
 from .rollout_worker import RolloutWorkerConfig
+from .security import SecurityConfig
 from .serve import ServeConfig
 from .trainer import RolloutResourcesConfig, TrainerConfig
 from .trainer_service import TrainerServiceConfig
@@ -65,6 +66,8 @@ class MeshConfig(ConfigModel):
     @classmethod
     def _resolve(cls, data: Any) -> Any:
         return resolve_tree(data)
+    security: SecurityConfig = SecurityConfig()
+    """Tokens per role (read from the environment), TLS, and per-server/per-client bounds."""
 
     @model_validator(mode="after")
     def _cross_field(self) -> MeshConfig:
