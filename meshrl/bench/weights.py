@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 
 GiB = 1 << 30

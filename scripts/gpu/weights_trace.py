@@ -25,7 +25,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch
 
-import services.common.config  # noqa: F401  (config tree first)
 from meshrl.bench import weights as wb
 from meshrl.v1 import common_pb2
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import services.common.config  # noqa: F401  (config tree first)
 from tests.integration.collective_workers import check_nacks_and_abort, check_steady_group_version_mismatch, run_pair
 
 pytestmark = [

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-import services.common.config  # noqa: F401  (config tree first)
 from services.common.config import MeshConfig
 from services.common.errors import ConfigError, MissingDependency
 from services.weights.transports import WeightFetcher, WeightPublisher, make_fetcher, make_publisher

@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-import services.common.config  # noqa: F401  (config tree first: it imports the service configs)
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.errors import DataLoss, InvalidArgument
 from services.weights import convert, wire

@@ -7,7 +7,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import services.common.config  # noqa: F401  (config tree first)
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.param_server.rendezvous import RendezvousBoard
 from services.param_server.store import StoreSettings, WeightStore
