@@ -183,27 +183,19 @@ def batch_response(batch: Batch) -> SerializedReply:
     return fetch_reply(head, [g.payload for g in batch.groups])
 
 
-def weights_to_dict(ref: common_pb2.WeightsRef) -> dict[str, object]:
-    """The WeightsRef of CommitVersion, checked: it is stored and streamed to every rollout."""
+def weights_bytes(ref: common_pb2.WeightsRef) -> bytes:
+    """The WeightsRef of CommitVersion, checked, in the wire form the core stores and every
+    rollout is sent."""
     check_length(ref.param_server_address, "weights.param_server_address", MAX_ADDRESS_CHARS)
     check_length(ref.manifest_checksum, "weights.manifest_checksum", MAX_CHECKSUM_CHARS)
     if ref.total_bytes >= 1 << 63:
         raise InvalidArgument("weights.total_bytes", f"must be below 2^63, got {ref.total_bytes}")
-    return {
-        "policy_version": ref.policy_version,
-        "param_server_address": ref.param_server_address,
-        "manifest_checksum": ref.manifest_checksum,
-        "total_bytes": ref.total_bytes,
-    }
+    return ref.SerializeToString(deterministic=True)
 
 
-def weights_from_dict(d: dict[str, object], version: int) -> common_pb2.WeightsRef:
-    return common_pb2.WeightsRef(
-        policy_version=version,
-        param_server_address=str(d.get("param_server_address", "")),
-        manifest_checksum=str(d.get("manifest_checksum", "")),
-        total_bytes=int(d.get("total_bytes", 0)),  # type: ignore[call-overload]
-    )
+def weights_ref(stored: bytes, version: int) -> common_pb2.WeightsRef:
+    """What WatchVersions announces: the committed WeightsRef (version 0 before any commit)."""
+    return common_pb2.WeightsRef.FromString(stored) if stored else common_pb2.WeightsRef(policy_version=version)
 
 
 def status_response(s: Status) -> coordinator_pb2.GetStatusResponse:

@@ -23,6 +23,7 @@ Staleness budget (verl's rule, counted in prompts):
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import heapq
 import math
@@ -192,7 +193,8 @@ class _State:
     run_id: str
     fingerprint: dict[str, Any]
     policy_version: int = 0
-    weights: dict[str, Any] = field(default_factory=dict)
+    weights: bytes = b""
+    """The committed version's WeightsRef in wire form (opaque here; sent to rollouts as is)."""
     cursor: int = 0
     budget_used: int = 0
     staleness_threshold: float = 0.0
@@ -201,7 +203,7 @@ class _State:
     stop_session: str = ""
     stop_version: int = 0
     """policy_version at the Stop: the last version rollouts are told of (WatchVersions)."""
-    stop_weights: dict[str, Any] = field(default_factory=dict)
+    stop_weights: bytes = b""
     checkpoint_requested: bool = False
     trainer_step: int = 0
     last_checkpoint_step: int = -1
@@ -215,7 +217,7 @@ class _State:
         """An independent copy: methods change a copy and make it current only once the ledger has
         it, so a failed write leaves memory as it was."""
         return dataclasses.replace(
-            self, fingerprint=dict(self.fingerprint), weights=dict(self.weights), stop_weights=dict(self.stop_weights),
+            self, fingerprint=dict(self.fingerprint),
             totals=dataclasses.replace(self.totals), histogram=dict(self.histogram),
         )
 
@@ -223,6 +225,8 @@ class _State:
         d = dict(self.__dict__)
         d["totals"] = dict(self.totals.__dict__)
         d["histogram"] = {str(k): v for k, v in self.histogram.items()}
+        d["weights"] = base64.b64encode(self.weights).decode()
+        d["stop_weights"] = base64.b64encode(self.stop_weights).decode()
         return d
 
     @classmethod
@@ -230,7 +234,25 @@ class _State:
         d = dict(d)
         d["totals"] = Totals(**d["totals"])
         d["histogram"] = {int(k): v for k, v in d["histogram"].items()}
+        for key in ("weights", "stop_weights"):
+            d[key] = _weights_bytes(d.get(key, ""))
         return cls(**d)
+
+
+def _weights_bytes(stored: str | dict[str, Any]) -> bytes:
+    """A stored WeightsRef: base64 of its wire form, or the dict a ledger written before it held."""
+    if isinstance(stored, str):
+        return base64.b64decode(stored)
+    if not stored:
+        return b""
+    from meshrl.v1 import common_pb2
+
+    return common_pb2.WeightsRef(
+        policy_version=int(stored.get("policy_version", 0)),
+        param_server_address=str(stored.get("param_server_address", "")),
+        manifest_checksum=str(stored.get("manifest_checksum", "")),
+        total_bytes=int(stored.get("total_bytes", 0)),
+    ).SerializeToString()
 
 
 @dataclass(frozen=True)
@@ -255,7 +277,7 @@ class Status:
     last_checkpoint_step: int
     checkpoint_requested: bool
     active_replicas: list[str]
-    weights: dict[str, Any]
+    weights: bytes
 
 
 class CoordinatorCore:
@@ -284,13 +306,13 @@ class CoordinatorCore:
         self._replica_seen: dict[str, float] = RecentlySeen(MAX_REPLICAS_SEEN, settings.lease_timeout_s)
         snap = ledger.load()
         if snap.state is None:
-            self._s = _State(
+            self._state = _State(
                 run_id=settings.run_id or uuid.uuid4().hex[:12],
                 fingerprint=settings.fingerprint(),
                 staleness_threshold=settings.staleness_threshold,
             )
             with ledger.transaction():
-                ledger.save_state(self._s.to_json())
+                ledger.save_state(self._state.to_json())
             return
         state = _State.from_json(snap.state)
         if state.fingerprint != settings.fingerprint():
@@ -303,7 +325,7 @@ class CoordinatorCore:
             # The Stop ended an earlier session (Ctrl-C, `meshrl stop`); this one continues the run.
             state.stopping = False
             state.stop_session = ""
-            state.stop_version, state.stop_weights = 0, {}
+            state.stop_version, state.stop_weights = 0, b""
             repaired = True
         if not (math.isfinite(state.staleness_threshold) and 0 <= state.staleness_threshold <= MAX_STALENESS_THRESHOLD):
             # Written by a coordinator that did not range-check SetStaleness: it would fail every
@@ -313,7 +335,7 @@ class CoordinatorCore:
         if repaired:
             with ledger.transaction():
                 ledger.save_state(state.to_json())
-        self._s = state
+        self._state = state
         for lease in snap.active_leases:
             self._leases[lease.lease_id] = lease
             heapq.heappush(self._deadlines, (lease.deadline, lease.seq, lease.lease_id))
@@ -336,12 +358,12 @@ class CoordinatorCore:
 
     @property
     def policy_version(self) -> int:
-        return self._s.policy_version
+        return self._state.policy_version
 
     @property
     def max_required_samples(self) -> int:
         return max_required_samples(
-            self.settings.required_samples, self._s.staleness_threshold, self.settings.trigger_parameter_sync_step
+            self.settings.required_samples, self._state.staleness_threshold, self.settings.trigger_parameter_sync_step
         )
 
     @property
@@ -358,7 +380,7 @@ class CoordinatorCore:
     @property
     def data_exhausted(self) -> bool:
         """Every prompt of the run has been issued and none waits for re-issue."""
-        return self._s.cursor >= self.settings.prompts_total and not self._retry
+        return self._state.cursor >= self.settings.prompts_total and not self._retry
 
     @property
     def exhausted(self) -> bool:
@@ -369,7 +391,7 @@ class CoordinatorCore:
         """Persist `state` alone, then make it current."""
         with self.ledger.transaction():
             self.ledger.save_state(state.to_json())
-        self._s = state
+        self._state = state
 
     # ---- rollout side ----------------------------------------------------------------------
 
@@ -385,11 +407,11 @@ class CoordinatorCore:
         if max_groups < 1:
             raise InvalidArgument("max_groups", "must be >= 1")
         self.expire(now)
-        if self._s.stopping or self._s.paused:
+        if self._state.stopping or self._state.paused:
             self._replica_seen[replica_id] = now
-            limit = LeaseLimit.STOPPING if self._s.stopping else LeaseLimit.PAUSED
-            return LeaseGrant([], limit, self._s.policy_version)
-        s = self._s.copy()
+            limit = LeaseLimit.STOPPING if self._state.stopping else LeaseLimit.PAUSED
+            return LeaseGrant([], limit, self._state.policy_version)
+        s = self._state.copy()
         room = self.max_required_samples - s.budget_used
         retry = iter(self._retry)
         granted: list[GrantedLease] = []
@@ -437,14 +459,14 @@ class CoordinatorCore:
                 self.ledger.insert_leases(rows)
                 self.ledger.pop_retry(from_retry)
                 self.ledger.save_state(s.to_json())
-            self._s = s
+            self._state = s
             for seq in from_retry:
                 del self._retry[seq]
             for row in rows:
                 self._leases[row.lease_id] = row
                 heapq.heappush(self._deadlines, (row.deadline, row.seq, row.lease_id))
         self._replica_seen[replica_id] = now
-        return LeaseGrant(granted, limit, self._s.policy_version)
+        return LeaseGrant(granted, limit, self._state.policy_version)
 
     def renew(self, replica_id: str, lease_ids: list[str], now: float) -> tuple[list[str], list[str], float]:
         """Extend active leases; returns (renewed, lost, new deadline)."""
@@ -470,14 +492,14 @@ class CoordinatorCore:
         if not rows:
             self._replica_seen[replica_id] = now
             return 0
-        s = self._s.copy()
+        s = self._state.copy()
         s.totals.leases_returned += len(rows)
         s.budget_used = max(self._floor() - len(rows), s.budget_used - len(rows))
         with self.ledger.transaction():
             self.ledger.set_lease_state([r.lease_id for r in rows], LeaseState.RETURNED)
             self.ledger.push_retry([r.seq for r in rows], RetryReason.RETURNED)
             self.ledger.save_state(s.to_json())
-        self._s = s
+        self._state = s
         self._requeue_leases(rows)
         self._replica_seen[replica_id] = now
         return len(rows)
@@ -502,7 +524,7 @@ class CoordinatorCore:
             expired.append(lease)
         if not expired:
             return 0
-        s = self._s.copy()
+        s = self._state.copy()
         s.totals.leases_expired += len(expired)
         s.budget_used = max(self._floor() - len(expired), s.budget_used - len(expired))
         try:
@@ -514,7 +536,7 @@ class CoordinatorCore:
             for entry in popped:
                 heapq.heappush(self._deadlines, entry)
             raise
-        self._s = s
+        self._state = s
         self._requeue_leases(expired)
         return len(expired)
 
@@ -534,19 +556,19 @@ class CoordinatorCore:
             lease = self._leases.get(g.lease_id)
             known_seq = lease.seq if lease is not None else self._expired.get(g.lease_id)
             if known_seq is None and g.lease_id not in self._submitted and g.lease_id not in self._refused:
-                raise NotFound(f"{where}.lease_id: unknown lease {g.lease_id!r} (never granted by run {self._s.run_id})")
+                raise NotFound(f"{where}.lease_id: unknown lease {g.lease_id!r} (never granted by run {self._state.run_id})")
             if known_seq is not None and known_seq != g.seq:
                 raise InvalidArgument(
                     f"{where}.prompt.prompt_seq", f"lease {g.lease_id} is for prompt {known_seq}, not {g.seq}"
                 )
-            if g.max_version > self._s.policy_version:
+            if g.max_version > self._state.policy_version:
                 raise InvalidArgument(
                     f"{where}.responses.versions",
-                    f"token version {g.max_version} is newer than the current policy version {self._s.policy_version}",
+                    f"token version {g.max_version} is newer than the current policy version {self._state.policy_version}",
                 )
             if g.min_version < 0 or g.min_version > g.max_version:
                 raise InvalidArgument(f"{where}.responses.versions", "versions must be >= 0")
-        s = self._s.copy()
+        s = self._state.copy()
         statuses: list[SubmitStatus] = []
         accepted: list[GroupRow] = []
         from_active: list[str] = []
@@ -590,7 +612,7 @@ class CoordinatorCore:
             self.ledger.set_lease_state(refused, LeaseState.REFUSED)
             self.ledger.pop_retry(late.values())
             self.ledger.save_state(s.to_json())
-        self._s = s
+        self._state = s
         self._replica_seen[replica_id] = now
         self._next_group_id = next_group_id
         for lease_id in from_active:
@@ -629,13 +651,13 @@ class CoordinatorCore:
         if max_groups < 1:
             raise InvalidArgument("num_groups", "must be >= 1")
         check_int64(step, "step")
-        current = self._s.policy_version
+        current = self._state.policy_version
         version = self.check_train_version(train_version)
         unknown = [i for i in (filtered or []) if i not in self._submitted]
         if unknown:
             raise NotFound(f"filtered_lease_ids: {unknown[0]!r} was never submitted")
         self.expire(now)
-        s = self._s.copy()
+        s = self._state.copy()
         filtered_rows = [self._delivered[i] for i in dict.fromkeys(filtered or []) if i in self._delivered]
         ahead = self._ahead - sum(int(f.train_version > current) for f in filtered_rows)
         s.trainer_step = max(s.trainer_step, step)
@@ -678,7 +700,7 @@ class CoordinatorCore:
         s.totals.regenerated += len(stale)
         floor = self.in_flight + self.queued - len(delivered_rows) - len(stale) + ahead
         s.budget_used = max(floor, s.budget_used - len(filtered_rows) - len(stale))
-        if delivered_rows or filtered_rows or stale or s.trainer_step != self._s.trainer_step:
+        if delivered_rows or filtered_rows or stale or s.trainer_step != self._state.trainer_step:
             with self.ledger.transaction():
                 self.ledger.deliver_groups(
                     (d.group_id, d.step, d.staleness, d.payload is not None) for d in delivered_rows
@@ -687,7 +709,7 @@ class CoordinatorCore:
                 self.ledger.set_group_state([q.group_id for q in stale], GroupState.REJECTED_STALE, drop_payload=True)
                 self.ledger.push_retry([q.seq for q in stale], RetryReason.STALE)
                 self.ledger.save_state(s.to_json())
-        self._s = s
+        self._state = s
         self._ahead = ahead
         for f in filtered_rows:
             del self._delivered[f.lease_id]
@@ -708,7 +730,7 @@ class CoordinatorCore:
 
     def check_train_version(self, train_version: int | None) -> int:
         """FetchBatch's train_version, or the current version when unset."""
-        current = self._s.policy_version
+        current = self._state.policy_version
         if train_version is None:
             return current
         if not current <= train_version <= current + 1:
@@ -719,18 +741,18 @@ class CoordinatorCore:
             )
         return train_version
 
-    def commit_version(self, version: int, weights: dict[str, Any]) -> tuple[int, int]:
+    def commit_version(self, version: int, weights: bytes) -> tuple[int, int]:
         """Make `version` current (must be current + 1; re-committing the current version with the
         same weights is a no-op) and reset the budget to in_flight + queued (+ groups fetched ahead
         to train at it)."""
-        cur = self._s.policy_version
-        if version == cur and weights == self._s.weights:
-            return cur, self._s.budget_used
+        cur = self._state.policy_version
+        if version == cur and weights == self._state.weights:
+            return cur, self._state.budget_used
         if version != cur + 1:
             raise FailedPrecondition(f"weights.policy_version must be {cur + 1} (current is {cur}), got {version}")
-        s = self._s.copy()
+        s = self._state.copy()
         s.policy_version = version
-        s.weights = dict(weights)
+        s.weights = weights
         # Groups fetched ahead to train at this version stay counted, as they would have been
         # still queued had the trainer fetched after this commit; from now on they are current.
         s.budget_used = self._floor()
@@ -742,18 +764,18 @@ class CoordinatorCore:
         """Groups delivered at or before `step` are now part of a durable checkpoint. `step` is
         one the trainer fetched for (<= the trainer step), `version` one that was committed."""
         check_int64(step, "step")
-        if step < self._s.last_checkpoint_step:
-            raise FailedPrecondition(f"step {step} is older than the last checkpoint step {self._s.last_checkpoint_step}")
-        if step > self._s.trainer_step:
+        if step < self._state.last_checkpoint_step:
+            raise FailedPrecondition(f"step {step} is older than the last checkpoint step {self._state.last_checkpoint_step}")
+        if step > self._state.trainer_step:
             raise FailedPrecondition(
-                f"step {step} is past the trainer's step {self._s.trainer_step}: a checkpoint covers only steps "
+                f"step {step} is past the trainer's step {self._state.trainer_step}: a checkpoint covers only steps "
                 "the trainer fetched groups for"
             )
-        if not 0 <= version <= self._s.policy_version:
+        if not 0 <= version <= self._state.policy_version:
             raise InvalidArgument(
-                "policy_version", f"{version} is not a committed version (current is {self._s.policy_version})"
+                "policy_version", f"{version} is not a committed version (current is {self._state.policy_version})"
             )
-        s = self._s.copy()
+        s = self._state.copy()
         s.last_checkpoint_step = step
         s.last_checkpoint_path = path
         s.checkpoint_requested = False
@@ -761,7 +783,7 @@ class CoordinatorCore:
         with self.ledger.transaction():
             self.ledger.consume_through_step(step)
             self.ledger.save_state(s.to_json())
-        self._s = s
+        self._state = s
         for d in done:
             del self._delivered[d.lease_id]
             self._ahead -= int(d.train_version > s.policy_version)
@@ -776,7 +798,7 @@ class CoordinatorCore:
         without = [d for d in back if d.payload is None]
         moves: list[tuple[int, int]] = []
         head: OrderedDict[int, _Queued] = OrderedDict()
-        s = self._s.copy()
+        s = self._state.copy()
         base = s.min_qpos - len(with_payload)
         for i, d in enumerate(with_payload):
             assert d.payload is not None
@@ -795,7 +817,7 @@ class CoordinatorCore:
             self.ledger.set_group_state([d.group_id for d in without], GroupState.REJECTED_STALE)
             self.ledger.push_retry([d.seq for d in without], RetryReason.TRAINER_RESUME)
             self.ledger.save_state(s.to_json())
-        self._s = s
+        self._state = s
         for d in back:
             del self._delivered[d.lease_id]
             self._ahead -= int(d.train_version > s.policy_version)
@@ -808,49 +830,49 @@ class CoordinatorCore:
     # ---- control ---------------------------------------------------------------------------
 
     def set_paused(self, paused: bool) -> None:
-        s = self._s.copy()
+        s = self._state.copy()
         s.paused = paused
         self._save(s)
 
     def set_staleness(self, threshold: float) -> int:
         check_staleness_threshold(threshold)
-        s = self._s.copy()
+        s = self._state.copy()
         s.staleness_threshold = float(threshold)
         self._save(s)
         return self.max_required_samples
 
     def request_checkpoint(self) -> None:
-        s = self._s.copy()
+        s = self._state.copy()
         s.checkpoint_requested = True
         self._save(s)
 
     def stop(self) -> None:
-        s = self._s.copy()
+        s = self._state.copy()
         if not s.stopping:
-            s.stop_version, s.stop_weights = s.policy_version, dict(s.weights)
+            s.stop_version, s.stop_weights = s.policy_version, s.weights
         s.stopping = True
         s.stop_session = self.settings.session
         self._save(s)
 
     @property
     def paused(self) -> bool:
-        return self._s.paused
+        return self._state.paused
 
     @property
     def stopping(self) -> bool:
-        return self._s.stopping
+        return self._state.stopping
 
     @property
-    def weights(self) -> dict[str, Any]:
-        return dict(self._s.weights)
+    def weights(self) -> bytes:
+        return self._state.weights
 
-    def announced(self) -> tuple[int, dict[str, Any]]:
+    def announced(self) -> tuple[int, bytes]:
         """The version rollouts are told of, and its weights: the newest, or once the run is
         stopping the one current at the Stop (a version committed later reaches no rollout:
         CommitVersionResponse.stopping)."""
-        if self._s.stopping:
-            return self._s.stop_version, dict(self._s.stop_weights)
-        return self._s.policy_version, dict(self._s.weights)
+        if self._state.stopping:
+            return self._state.stop_version, self._state.stop_weights
+        return self._state.policy_version, self._state.weights
 
     # ---- inspection ------------------------------------------------------------------------
 
@@ -858,27 +880,27 @@ class CoordinatorCore:
         self.expire(now)
         window = self.settings.lease_timeout_s
         return Status(
-            run_id=self._s.run_id,
-            policy_version=self._s.policy_version,
-            paused=self._s.paused,
-            stopping=self._s.stopping,
-            staleness_threshold=self._s.staleness_threshold,
+            run_id=self._state.run_id,
+            policy_version=self._state.policy_version,
+            paused=self._state.paused,
+            stopping=self._state.stopping,
+            staleness_threshold=self._state.staleness_threshold,
             required_samples=self.settings.required_samples,
             max_required_samples=self.max_required_samples,
-            budget_used=self._s.budget_used,
+            budget_used=self._state.budget_used,
             max_staleness_versions=self.settings.max_staleness_versions,
             prompts_total=self.settings.prompts_total,
             in_flight=self.in_flight,
             queued=self.queued,
             retry_pending=len(self._retry),
             delivered_uncheckpointed=len(self._delivered),
-            totals=Totals(**self._s.totals.__dict__),
-            histogram={k: v for k, v in sorted(self._s.histogram.items()) if v},
-            trainer_step=self._s.trainer_step,
-            last_checkpoint_step=self._s.last_checkpoint_step,
-            checkpoint_requested=self._s.checkpoint_requested,
+            totals=Totals(**self._state.totals.__dict__),
+            histogram={k: v for k, v in sorted(self._state.histogram.items()) if v},
+            trainer_step=self._state.trainer_step,
+            last_checkpoint_step=self._state.last_checkpoint_step,
+            checkpoint_requested=self._state.checkpoint_requested,
             active_replicas=sorted(r for r, t in self._replica_seen.items() if now - t <= window),
-            weights=dict(self._s.weights),
+            weights=self._state.weights,
         )
 
     def audit(self) -> dict[str, Any]:
@@ -889,11 +911,11 @@ class CoordinatorCore:
         for seqs in where.values():
             for s in seqs:
                 counts[s] = counts.get(s, 0) + 1
-        issued = range(self._s.cursor)
+        issued = range(self._state.cursor)
         lost = [s for s in issued if s not in counts]
         duplicated = sorted(s for s, n in counts.items() if n > 1)
         return {
-            "issued": self._s.cursor,
+            "issued": self._state.cursor,
             "in_flight": len(where["in_flight"]),
             "retry": len(where["retry"]),
             "groups": len(where["groups"]),

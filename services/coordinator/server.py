@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import signal
 from pathlib import Path
 
 from meshrl.v1 import coordinator_pb2
@@ -51,15 +49,3 @@ class CoordinatorServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         await self.server.stop(grace_s)
         self.servicer.core.ledger.close()
-
-
-async def serve_forever(cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> None:
-    server = CoordinatorServer(cfg, run_dir)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"coordinator listening on {server.address}", flush=True)
-    await stop.wait()
-    await server.stop()

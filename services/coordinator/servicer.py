@@ -127,7 +127,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._notify()
         return convert.submit_response(statuses, self.core.queued)
 
-    async def _watch(self) -> AsyncIterator[tuple[int, dict[str, Any], bool, bool]]:
+    async def _watch(self) -> AsyncIterator[tuple[int, bytes, bool, bool]]:
         last: tuple[int, bool, bool] | None = None
         while True:
             version, weights = self.core.announced()
@@ -146,7 +146,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         convert.require_id(request.replica_id, "replica_id")
         async for version, weights, paused, stopping in self._watch():
             yield coordinator_pb2.WatchVersionsResponse(
-                weights=convert.weights_from_dict(weights, version), paused=paused, stopping=stopping
+                weights=convert.weights_ref(weights, version), paused=paused, stopping=stopping
             )
 
     # ---- trainer side --------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         convert.require_id(request.trainer_id, "trainer_id")
         if not request.HasField("weights"):
             raise InvalidArgument("weights", "missing (the WeightsRef of the new version)")
-        version, budget = self.core.commit_version(request.weights.policy_version, convert.weights_to_dict(request.weights))
+        version, budget = self.core.commit_version(request.weights.policy_version, convert.weights_bytes(request.weights))
         log.info("version_committed", policy_version=version, budget_used=budget)
         self._notify()
         return coordinator_pb2.CommitVersionResponse(

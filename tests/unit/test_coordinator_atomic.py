@@ -70,7 +70,7 @@ def snapshot(core: CoordinatorCore) -> dict[str, Any]:
         return None if b is None else hashlib.sha1(b).hexdigest()
 
     mem = {
-        "state": core._s.to_json(),
+        "state": core._state.to_json(),
         "leases": sorted((k, dataclasses.astuple(v)) for k, v in core._leases.items()),
         "deadlines": sorted(core._deadlines),
         "expired": sorted(core._expired.items()),

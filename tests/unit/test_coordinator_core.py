@@ -58,7 +58,7 @@ def test_budget_limits_leases_and_commit_resets_it(tmp_path: Path) -> None:
     assert [g.seq for g in batch.groups] == [lease.seq for lease in grant.leases[:4]]
     assert core.lease("r0", 1, now=1.0).leases == []
     # Commit: budget := in flight (2) + queued (0) -> 4 more leases allowed.
-    version, budget = core.commit_version(1, {"param_server_address": "x"})
+    version, budget = core.commit_version(1, b"ref-x")
     assert (version, budget) == (1, 2)
     assert len(core.lease("r0", 10, now=2.0).leases) == 4
 
@@ -163,8 +163,8 @@ def test_max_staleness_versions_regenerates_instead_of_dropping(tmp_path: Path) 
     old = core.lease("r", 2, 0.0).leases
     for lease in old:
         core.submit("r", [group_for(lease.lease_id, lease.seq, 0)], 0.0)
-    core.commit_version(1, {})
-    core.commit_version(2, {})
+    core.commit_version(1, b"")
+    core.commit_version(2, b"")
     batch = core.fetch("t", 1, 2, 1.0)
     assert batch.groups == [] and batch.regenerated == 2
     st = core.status(1.0)
@@ -180,12 +180,12 @@ def test_max_staleness_versions_regenerates_instead_of_dropping(tmp_path: Path) 
 
 def test_commit_version_must_advance_by_one(tmp_path: Path) -> None:
     core = make_core(tmp_path / "l.db")
-    core.commit_version(1, {"a": 1})
-    assert core.commit_version(1, {"a": 1}) == (1, 0)  # replay of the same commit: no-op
+    core.commit_version(1, b"a1")
+    assert core.commit_version(1, b"a1") == (1, 0)  # replay of the same commit: no-op
     with pytest.raises(FailedPrecondition, match="must be 2"):
-        core.commit_version(3, {})
+        core.commit_version(3, b"")
     with pytest.raises(FailedPrecondition):
-        core.commit_version(1, {"a": 2})
+        core.commit_version(1, b"a2")
 
 
 def test_restart_continues_exactly(tmp_path: Path) -> None:
@@ -194,7 +194,7 @@ def test_restart_continues_exactly(tmp_path: Path) -> None:
     leases = core.lease("r", 5, 0.0).leases
     core.submit("r", [group_for(leases[0].lease_id, leases[0].seq, 0), group_for(leases[1].lease_id, leases[1].seq, 0)], 1.0)
     core.fetch("t", 1, 1, 1.0)
-    core.commit_version(1, {"param_server_address": "ps:1"})
+    core.commit_version(1, b"ref-ps1")
     core.set_staleness(0.25)
     before = core.status(2.0)
     core.ledger.close()
@@ -324,9 +324,9 @@ def test_fetching_ahead_leaves_budget_and_staleness_as_fetching_after_the_commit
         assert [g.staleness for g in core.fetch("t", 1, 4, 1.0, train_version=0).groups] == [0] * 4
         if ahead:
             second = core.fetch("t", 2, 4, 1.0, train_version=1)
-            budget = core.commit_version(1, {})[1]
+            budget = core.commit_version(1, b"")[1]
         else:
-            budget = core.commit_version(1, {})[1]
+            budget = core.commit_version(1, b"")[1]
             second = core.fetch("t", 2, 4, 1.0)
         granted = len(core.lease("r", 100, 2.0).leases)
         outcomes.append(([g.staleness for g in second.groups], budget, granted))
@@ -340,7 +340,7 @@ def test_train_version_must_be_current_or_next(tmp_path: Path) -> None:
     for bad in (2, -1):
         with pytest.raises(FailedPrecondition, match=f"train_version {bad}.*current version \\(0\\)"):
             core.fetch("t", 1, 2, 1.0, train_version=bad)
-    core.commit_version(1, {})
+    core.commit_version(1, b"")
     with pytest.raises(FailedPrecondition, match="train_version 0"):
         core.check_train_version(0)
     assert core.queued == 2 and core.audit()["balanced"]  # a refused fetch took nothing
@@ -349,7 +349,7 @@ def test_train_version_must_be_current_or_next(tmp_path: Path) -> None:
 def test_max_staleness_is_measured_at_the_train_version(tmp_path: Path) -> None:
     core = make_core(tmp_path / "l.db", mini_batch=2, staleness=2.0, trigger=1, eta=1)
     _fill(core, 2, 0)
-    core.commit_version(1, {})
+    core.commit_version(1, b"")
     # Trained at version 1 they would be 1 stale (allowed); fetched to train at 2 they are too stale.
     batch = core.fetch("t", 1, 2, 1.0, train_version=2)
     assert batch.groups == [] and batch.regenerated == 2
@@ -364,7 +364,7 @@ def test_groups_fetched_ahead_survive_a_coordinator_restart_in_the_budget(tmp_pa
     core.fetch("t", 2, 4, 1.0, train_version=1)
     core.ledger.close()
     again = make_core(db, mini_batch=4, staleness=1.0, trigger=1)
-    assert again.commit_version(1, {})[1] == 4  # the 4 groups fetched ahead still count
+    assert again.commit_version(1, b"")[1] == 4  # the 4 groups fetched ahead still count
     assert len(again.lease("r", 100, 2.0).leases) == 4
 
 
@@ -378,5 +378,29 @@ def test_filtered_or_requeued_groups_fetched_ahead_leave_the_budget(tmp_path: Pa
     # goes back to the queue. Neither is counted as fetched ahead any more.
     core.fetch("t", 2, 1, 1.0, train_version=1, filtered=[ahead.groups[0].lease_id])
     assert core.resume_trainer(1) == 2
-    assert core.commit_version(1, {})[1] == core.in_flight + core.queued
+    assert core.commit_version(1, b"")[1] == core.in_flight + core.queued
     assert core.audit()["balanced"]
+
+
+def test_a_ledger_written_with_weights_as_a_dict_still_opens(tmp_path: Path) -> None:
+    """Ledgers from before the WeightsRef was stored in wire form held it as a dict."""
+    import json
+    import sqlite3
+
+    from meshrl.v1 import common_pb2
+
+    db = tmp_path / "l.db"
+    core = make_core(db)
+    core.commit_version(1, common_pb2.WeightsRef(policy_version=1).SerializeToString())
+    core.ledger.close()
+    conn = sqlite3.connect(db)
+    state = json.loads(conn.execute("SELECT json FROM run_state").fetchone()[0])
+    state["weights"] = {"policy_version": 1, "param_server_address": "ps:9", "manifest_checksum": "ab", "total_bytes": 7}
+    conn.execute("UPDATE run_state SET json = ?", (json.dumps(state),))
+    conn.commit()
+    conn.close()
+    version, ref = make_core(db).announced()
+    assert version == 1
+    assert common_pb2.WeightsRef.FromString(ref) == common_pb2.WeightsRef(
+        policy_version=1, param_server_address="ps:9", manifest_checksum="ab", total_bytes=7
+    )

@@ -130,7 +130,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
     @rule()
     def commit(self) -> None:
         self.version += 1
-        self.core.commit_version(self.version, {"v": self.version})
+        self.core.commit_version(self.version, str(self.version).encode())
 
     @rule()
     def checkpoint(self) -> None:

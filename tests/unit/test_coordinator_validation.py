@@ -175,7 +175,7 @@ def test_commit_version_weights_fields_are_bounded() -> None:
         (common_pb2.WeightsRef(policy_version=1, total_bytes=1 << 63), "total_bytes"),
     ]:
         with pytest.raises(InvalidArgument, match=field):
-            convert.weights_to_dict(ref)
+            convert.weights_bytes(ref)
 
 
 def test_servicer_refuses_before_touching_state(tmp_path: Path) -> None:
