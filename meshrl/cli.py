@@ -204,12 +204,13 @@ def _run_dir(arg: str | None, name: str) -> Path:
 
 @_command("train")
 def _train(args: argparse.Namespace) -> int:
-    from meshrl.progress import ProgressView
-    from meshrl.train import train
+    from meshrl.progress import progress_view
+    from meshrl.train import resolve_config, train
 
     config, overrides = _split_config_and_overrides(args)
     resume = Path(args.resume) if args.resume else None
-    with ProgressView() as view:
+    console = "console" in resolve_config(config, overrides, mode=args.mode, resume=resume).trainer.logger
+    with progress_view(console=console) as view:
         summary = train(config, overrides, run_dir=Path(args.run_dir) if args.run_dir else None, mode=args.mode,
                         resume=resume, on_progress=view.update, report=not args.no_report)
     print(json.dumps({k: summary[k] for k in ("run_dir", "mode", "steps", "wall_s", "reward_first_10pct",
