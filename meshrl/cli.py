@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["fully_async", "one_step_off", "sync"], default=None,
                    help="async_training.mode (default: the config's)")
 
-    p = sub.add_parser("report", help="rebuild report.html and plots from run directories (overlaid)")
+    p = sub.add_parser("report", help="rebuild report.html (self-contained, plots embedded) from run directories (overlaid)")
     p.add_argument("run_dirs", nargs="+", help="run directories")
     p.add_argument("--out", default=None, help="output directory (default: the first run directory)")
 

@@ -24,8 +24,7 @@ def _f(x: float | None, fmt: str) -> str:
 def _duration(s: float | None) -> str:
     if s is None:
         return "-"
-    s = int(round(s))
-    h, rem = divmod(s, 3600)
+    h, rem = divmod(round(s), 3600)
     m, sec = divmod(rem, 60)
     return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
 
