@@ -430,9 +430,11 @@ def train(
 ) -> dict[str, Any]:
     """Run a whole job; returns the summary (also written to RUN_DIR/summary.json). With
     max_train_s the run stops cleanly (as on Ctrl-C) that long after its first optimizer step."""
+    from meshrl.trackers import check_loggers, start_tracking
     from services.common.logging import configure_logging
 
     cfg = resolve_config(config, overrides, mode=mode, resume=resume)
+    check_loggers(cfg.trainer.logger)  # a missing tracker package fails before anything starts
     mode = cfg.async_training.mode
     run_dir = resume or run_dir or new_run_dir(cfg, mode)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -444,18 +446,30 @@ def train(
     cfg = wire(cfg, port)
     write_resolved_config(cfg, run_dir)
     run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s)
+    follower = start_tracking(cfg, run.run_dir, resumed=resume is not None)
+    user_progress = on_progress or (lambda p: None)
+
+    def progressed(p: Progress) -> None:
+        if follower is not None:
+            follower.pump()  # the trackers get each new metrics line within a poll
+        user_progress(p)
+
     try:
         run.deploy()
-        progress = _watch(run, on_progress or (lambda p: None))
+        progress = _watch(run, progressed)
         summary = run.summarize(progress)
     finally:
         run.shutdown()
-    from meshrl.tensorboard import write_tensorboard
+        if follower is not None:
+            follower.pump()
+            follower.tracking.finish()
+    if "tensorboard" not in cfg.trainer.logger:  # else written live by the tracker
+        from meshrl.tensorboard import write_tensorboard
 
-    try:
-        write_tensorboard(run_dir)
-    except ImportError as exc:  # torch.utils.tensorboard needs the tensorboard package
-        log.warning("tensorboard_skipped", error=str(exc), hint="pip install tensorboard")
+        try:
+            write_tensorboard(run_dir)
+        except ImportError as exc:  # torch.utils.tensorboard needs the tensorboard package
+            log.warning("tensorboard_skipped", error=str(exc), hint="pip install tensorboard")
     if report:
         from meshrl.report import write_report
 

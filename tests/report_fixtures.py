@@ -22,16 +22,16 @@ def make_run_dir(path: Path, *, steps: int = 40, agent: bool = False, mode: str 
                 rec |= {"agent/num_turns/mean": 2.0 + s / 20, "agent/tool_call_rate": 0.4}
             f.write(json.dumps(rec) + "\n")
     with (path / "metrics" / "validation.jsonl").open("w") as f:
-        for v in (0, 10, 20):
-            f.write(json.dumps({"policy_version": v, "time": t0 + 4.0 * v, "val/score": 0.4 + v / 50,
-                                "val-core/openai/gsm8k/acc/mean@1": 0.3 + v / 100,
+        for v in (0, steps // 2, steps):  # one version per step; validated right after the step
+            f.write(json.dumps({"policy_version": v, "time": t0 + 2.0 * v + 1.0, "val/score": 0.4 + v / 100,
+                                "val-core/openai/gsm8k/acc/mean@1": 0.3 + v / 200,
                                 "val-aux/openai/gsm8k/format/mean@1": 0.9,
-                                "val-core/meshrl/addition/reward/mean@1": 0.5 + v / 60}) + "\n")
+                                "val-core/meshrl/addition/reward/mean@1": 0.5 + v / 120}) + "\n")
     with (path / "metrics" / "rollout.jsonl").open("w") as f:
         for i in range(10):
-            f.write(json.dumps({"time": t0 + 8.0 * i, "replica_id": "r0", "rollout/idle_ratio": 0.3,
+            f.write(json.dumps({"time": t0 + 0.2 * steps * i + 0.5, "replica_id": "r0", "rollout/idle_ratio": 0.3,
                                 "rollout/tokens_per_s": 900.0, "rollout/weight_load_s": 0.02}) + "\n")
-    summary = {"mode": mode, "started_unix_s": t0, "wall_s": 2.0 * steps, "steps": steps, "policy_versions": steps // 2,
+    summary = {"mode": mode, "started_unix_s": t0, "wall_s": 2.0 * steps, "steps": steps, "policy_versions": steps,
                "staleness_histogram": {"0": 3 * steps, "1": steps}, "max_staleness_seen": 1,
                "audit": {"issued": 4 * steps, "in_flight": 0, "retry": 0, "groups": 4 * steps, "balanced": True,
                          "lost": 0, "duplicated": 0},

@@ -81,7 +81,8 @@ def test_report_renders_in_chromium_with_every_plot_loaded(tmp_path: Path) -> No
 
         with connect(page_ws, max_size=None, open_timeout=30) as ws:
             page = Page(ws)
-            while page.evaluate("document.readyState") != "complete":
+            # The target may still show its first blank document, already "complete".
+            while not page.evaluate("location.href.endsWith('report.html') && document.readyState === 'complete'"):
                 assert time.monotonic() < deadline, "report.html did not finish loading"
                 time.sleep(0.2)
             images = page.evaluate(
