@@ -67,9 +67,18 @@ def resolve_config(
 
 
 def ensure_model(cfg: MeshConfig) -> MeshConfig:
-    """With `actor_rollout_ref.model.path` null: the built-in warm start (meshrl pretrain)."""
-    if cfg.actor_rollout_ref.model.path is not None:
-        return cfg
+    """With `actor_rollout_ref.model.path` null: the built-in warm start (meshrl pretrain); a hub
+    id (`Qwen/Qwen3-8B`, also as `tokenizer_path`): its local snapshot (services/common/hub.py)."""
+    model = cfg.actor_rollout_ref.model
+    if model.path is not None:
+        from services.common.hub import resolve_model_path
+
+        update = {"path": resolve_model_path(model.path)}
+        if model.tokenizer_path is not None:
+            update["tokenizer_path"] = resolve_model_path(model.tokenizer_path,
+                                                          key="actor_rollout_ref.model.tokenizer_path")
+        return cfg.model_copy(update={"actor_rollout_ref": cfg.actor_rollout_ref.model_copy(
+            update={"model": model.model_copy(update=update)})})
     from meshrl.pretrain import PretrainSpec, ensure_pretrained
 
     syn = cfg.data.synthetic

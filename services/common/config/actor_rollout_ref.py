@@ -14,10 +14,11 @@ class ModelConfig(ConfigModel):
     """The policy model, shared by actor, rollout and reference."""
 
     path: str | None = None
-    """Local Hugging Face checkpoint directory. Null: the built-in tiny model (built or
-    warm-started by `meshrl pretrain`, cached in the user cache dir)."""
+    """Hugging Face checkpoint: a local directory or a hub id (`Qwen/Qwen3-8B`, resolved by
+    `meshrl train` through huggingface_hub's cache; HF_HUB_OFFLINE honoured). Null: the built-in
+    tiny model (built or warm-started by `meshrl pretrain`, cached in the user cache dir)."""
     tokenizer_path: str | None = None
-    """Tokenizer directory; defaults to `path`."""
+    """Tokenizer directory or hub id; defaults to `path`."""
     override_config: dict[str, Any] = {}
     """Overrides applied to the HF config before building the model (e.g. dropout)."""
     use_remove_padding: bool = True
