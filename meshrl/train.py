@@ -191,7 +191,10 @@ class MeshRun:
                 serve.run(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}\n{name}: {_last_error(self.run_dir, name)}") from None
-        log.info("mesh_deployed", apps=list(APPS), grpc=f"127.0.0.1:{self.grpc_port}")
+        from meshrl.prometheus import write_service_discovery
+
+        sd = write_service_discovery(self.run_dir, {"job": "meshrl", "run": self.run_dir.name})
+        log.info("mesh_deployed", apps=list(APPS), grpc=f"127.0.0.1:{self.grpc_port}", prometheus_sd=str(sd))
 
     def shutdown(self) -> None:
         import ray

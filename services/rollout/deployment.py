@@ -25,10 +25,13 @@ from meshrl.v1 import reward_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
+from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.serve_util import log_init_errors
 
 from . import factory
+from . import metrics as rollout_metrics
+from .metrics import RolloutExporter
 from .servicer import RolloutServicer
 from .weights import WeightFetcher
 from .worker import Scorer
@@ -89,6 +92,8 @@ class RolloutDeployment:
         await engine.start()
         if w.autostart:
             self.worker.start()
+        self._metrics = RolloutExporter(ReplicaMetrics(rollout_metrics.FAMILIES), replica_id)
+        self._metrics_task = export_periodically("rollout", self._export_metrics)
         log.info("rollout_replica_ready", engine=engine.name, policy_version=engine.version)
 
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:
@@ -109,6 +114,10 @@ class RolloutDeployment:
             raise RuntimeError(f"rollout engine unhealthy: {health.detail}")
         if not self.worker.healthy:
             raise RuntimeError("rollout worker loop stopped; see the replica log")
+
+    def _export_metrics(self) -> None:
+        latest = self.worker.announced_version
+        self._metrics.export(self.worker.status(), self.engine.stats(), latest)
 
     async def status(self) -> dict[str, Any]:
         """The worker's counters (handle calls; `meshrl train` samples them for rollout metrics)."""

@@ -576,6 +576,11 @@ class RolloutWorker:
             log.info("weights_loaded", policy_version=ref.policy_version, tensors=n, mode=mode, seconds=round(dt, 3))
             return dt
 
+    @property
+    def announced_version(self) -> int | None:
+        """The newest version the coordinator announced (None before the first announcement)."""
+        return int(self._latest_ref.policy_version) if self._latest_ref is not None else None
+
     def status(self) -> dict[str, Any]:
         busy = self.counters.busy_s + (time.monotonic() - self._busy_since if self._groups else 0.0)
         return {

@@ -261,6 +261,11 @@ class TransformersEngine(RolloutEngine):
         out["running_seqs"] = float(len(self._rows))
         out["waiting_seqs"] = float(len(self._waiting))
         out["kv_columns"] = float(self._mask.shape[1]) if self._mask is not None else 0.0
+        # Share of the batched cache (rows x columns) that holds real tokens, the rest is padding:
+        # this engine's "KV use" (it allocates per batch, not from a fixed pool as vLLM does).
+        rows = list(self._rows)  # the scheduler thread may change the list meanwhile
+        cells = len(rows) * out["kv_columns"]
+        out["kv_cache_usage"] = sum(r.cached for r in rows) / cells if cells else 0.0
         try:
             info = detect(self.device.type if self.device.type != "cpu" else "cpu")
             out.update(memory_stats(info, self.device.index or 0))
