@@ -201,6 +201,10 @@ class ActorConfig(ConfigModel):
     """Use the rollout's logprobs as old logprobs (bypass mode)."""
     ulysses_sequence_parallel_size: int = Field(default=1, ge=1)
     """Ulysses sequence-parallel degree (all-to-all over attention heads)."""
+    freeze_vision_tower: bool = True
+    """Released multimodal checkpoints (Qwen3.5 as released): keep the vision tower frozen and
+    carry it through to the export (services/common/released.py). meshrl trains on text, which
+    gives the vision tower no gradient, so this must stay true (verl's default is false)."""
     optim: OptimConfig = OptimConfig()
     """Optimizer and schedule."""
     fsdp_config: FSDPConfig = FSDPConfig()

@@ -116,7 +116,10 @@ class TransformersEngine(RolloutEngine):
         max_model_len: int | None = None,
         version: int = 0,
         seed: int | None = None,
+        weight_name: Callable[[str], str] | None = None,
     ) -> None:
+        """`weight_name` maps a published weight name to this model's parameter name (a released
+        multimodal checkpoint run as its language model: services/common/released.py)."""
         from transformers import DynamicCache
 
         kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
@@ -142,6 +145,7 @@ class TransformersEngine(RolloutEngine):
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 62)))
         self._params = self._name_map()
+        self._weight_name = weight_name
         # scheduler state: touched only by the scheduler thread
         self._waiting: deque[_Seq] = deque()
         self._rows: list[_Seq] = []
@@ -403,6 +407,8 @@ class TransformersEngine(RolloutEngine):
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         for name, tensor in bucket:
             target = self._params.get(name)
+            if target is None and self._weight_name is not None:
+                target = self._params.get(self._weight_name(name))
             if target is None:
                 raise InvalidArgument("weights", f"unknown parameter {name!r} for {type(self.model).__name__}")
             if tuple(target.shape) != tuple(tensor.shape):
