@@ -49,7 +49,7 @@ class CoordinatorDeployment:
         # The audit scans the ledger: every 6th export (30 s), and the first.
         audit = core.audit() if self._exports % 6 == 0 else None
         self._exports += 1
-        metrics.export(self._metrics, core.status(self._servicer.clock()), audit)
+        metrics.export(self._metrics, self._servicer.status(), audit)
 
     def check_health(self) -> None:
         """Unhealthy when the ledger can no longer be read (Serve restarts the replica, which

@@ -7,6 +7,8 @@ from typing import Any
 
 from services.common.metrics import Family, ReplicaMetrics
 
+from .core import Status
+
 STALENESS_BUCKETS = (0.5, 1.5, 2.5, 3.5, 4.5, 8.5, 16.5)
 """Staleness is a whole number of versions: each bucket boundary sits between two of them."""
 
@@ -35,7 +37,7 @@ REQUEUE_REASONS = {"expired": "leases_expired", "returned": "leases_returned", "
                    "filtered": "filtered"}
 
 
-def export(m: ReplicaMetrics, status: Any, audit: dict[str, Any] | None) -> None:
+def export(m: ReplicaMetrics, status: Status, audit: dict[str, Any] | None) -> None:
     """One export from a core Status (and an audit report when one was taken)."""
     m.set("meshrl_coordinator_queue_depth", status.queued)
     m.set("meshrl_coordinator_leases_in_flight", status.in_flight)

@@ -18,7 +18,7 @@ from services.common.grpc_util import rpc_method
 from services.common.logging import get_logger
 
 from . import convert
-from .core import CoordinatorCore
+from .core import CoordinatorCore, Status
 
 log = get_logger(__name__)
 
@@ -188,7 +188,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @rpc_method()
     async def GetStatus(self, request: coordinator_pb2.GetStatusRequest, context: Any) -> coordinator_pb2.GetStatusResponse:
-        return convert.status_response(self.core.status(self.clock()))
+        return convert.status_response(self.status())
+
+    def status(self) -> Status:
+        """The core's Status now. Leases past their deadline expire first and the waiters hear of
+        it (core.status alone would expire them silently: the sweeper then finds nothing to
+        announce and a waiting FetchBatch sleeps until its own timeout)."""
+        now = self.clock()
+        if self.core.expire(now):
+            self._notify()
+        return self.core.status(now)
 
     @rpc_method(control=True)
     async def Pause(self, request: coordinator_pb2.PauseRequest, context: Any) -> coordinator_pb2.PauseResponse:
