@@ -36,8 +36,13 @@ class Family:
 class ReplicaMetrics:
     """The families of one replica. Call `set`, `count_to` and `observe` from one thread."""
 
-    def __init__(self, families: Sequence[Family], *, default_tags: Mapping[str, str] | None = None) -> None:
-        from ray.util import metrics
+    def __init__(self, families: Sequence[Family], *, default_tags: Mapping[str, str] | None = None,
+                 backend: Any = None) -> None:
+        """`backend`: the module with Gauge, Counter and Histogram (ray.util.metrics; unit tests
+        pass a fake of the same shape)."""
+        if backend is None:
+            from ray.util import metrics as backend
+        metrics = backend
 
         self.families = {f.name: f for f in families}
         self._m: dict[str, Any] = {}
