@@ -182,6 +182,7 @@ class Tracking:
         names = list(dict.fromkeys(loggers))
         check_loggers(names)
         self.backends: dict[str, Backend] = {}
+        self._failing: set[str] = set()
         try:
             for name in names:
                 if name == "tensorboard":
@@ -199,9 +200,18 @@ class Tracking:
             raise
 
     def log(self, data: Mapping[str, float], step: int) -> None:
-        if data:
-            for backend in self.backends.values():
+        """To every tracker. One that fails (its server down) is logged once per failure streak
+        and does not stop the run: the metrics files keep every number."""
+        if not data:
+            return
+        for name, backend in self.backends.items():
+            try:
                 backend.log(data, step)
+                self._failing.discard(name)
+            except Exception as exc:  # noqa: BLE001 -- a tracker outage must not end a training run
+                if name not in self._failing:
+                    log.warning("tracker_log_failed", logger=name, step=step, error=f"{type(exc).__name__}: {exc}")
+                self._failing.add(name)
 
     def finish(self) -> None:
         backends, self.backends = self.backends, {}

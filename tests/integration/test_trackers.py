@@ -146,3 +146,29 @@ def test_the_config_takes_verl_names_and_rejects_others() -> None:
     assert load_config(None, ["trainer.logger=console"]).trainer.logger == ["console"]
     with pytest.raises(Exception, match=r"trainer\.logger"):
         load_config(None, ["trainer.logger=[neptune]"])
+
+
+def test_a_failing_tracker_does_not_stop_the_others(tmp_path: Path) -> None:
+    class Down:
+        def log(self, data: Any, step: int) -> None:
+            raise ConnectionError("tracking server unreachable")
+
+        def finish(self) -> None:
+            pass
+
+    class Kept:
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def log(self, data: Any, step: int) -> None:
+            self.steps.append(step)
+
+        def finish(self) -> None:
+            pass
+
+    tracking = Tracking("p", "e", ["console"], config={}, run_dir=tmp_path)
+    kept = Kept()
+    tracking.backends = {"down": Down(), "kept": kept}
+    follower = MetricsFollower(make_run_dir(tmp_path / "run", steps=3), tracking)
+    assert follower.pump() == 3 + 3 + 10
+    assert kept.steps[-1] == 3
