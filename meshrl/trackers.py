@@ -6,8 +6,8 @@
     wandb        wandb.init(project=project_name, name=experiment_name); WANDB_MODE=offline works
     mlflow       experiment = project_name, run = experiment_name; $MLFLOW_TRACKING_URI, else
                  sqlite:///<run_dir>/mlflow.db; `@` in metric names becomes `_at_` (mlflow forbids it)
-    swanlab      swanlab.init(project, experiment_name); $SWANLAB_MODE (verl's default: cloud),
-                 $SWANLAB_LOG_DIR, else <run_dir>/swanlog
+    swanlab      swanlab.init(project, experiment_name); $SWANLAB_MODE, else cloud with
+                 $SWANLAB_API_KEY and offline without; $SWANLAB_LOG_DIR, else <run_dir>/swanlog
     trackio      trackio.init(project, name); $TRACKIO_DIR (trackio's default under ~/.cache)
 
 The driver (not the trainer replica) feeds them: `MetricsFollower` reads the lines the services
@@ -148,9 +148,11 @@ class _Swanlab:
         if os.environ.get("SWANLAB_API_KEY"):
             swanlab.login(os.environ["SWANLAB_API_KEY"])
         self.swanlab = swanlab
+        # verl defaults to cloud; without an API key that prompts for a login on stdin, which
+        # would hang a run under nohup or CI, so meshrl logs offline then (`swanlab sync` uploads).
+        mode = os.environ.get("SWANLAB_MODE") or ("cloud" if os.environ.get("SWANLAB_API_KEY") else "offline")
         swanlab.init(project=project, experiment_name=experiment, config={"FRAMEWORK": "meshrl", **config},
-                     logdir=os.environ.get("SWANLAB_LOG_DIR") or str(run_dir / "swanlog"),
-                     mode=os.environ.get("SWANLAB_MODE", "cloud"))
+                     logdir=os.environ.get("SWANLAB_LOG_DIR") or str(run_dir / "swanlog"), mode=mode)
 
     def log(self, data: Mapping[str, float], step: int) -> None:
         self.swanlab.log(dict(data), step=step)
