@@ -78,13 +78,13 @@ def test_a_run_as_operators_see_it(tmp_path: Path) -> None:
     trainer = [json.loads(line) for line in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines()]
     vals = [json.loads(line) for line in (run_dir / "metrics" / "validation.jsonl").read_text().splitlines()]
     assert len(trainer) == STEPS and vals
-    assert all("val-core/meshrl/addition/reward/mean@1" in v for v in vals), vals[-1].keys()
+    assert all("val-core/meshrl/addition/acc/mean@1" in v for v in vals), vals[-1].keys()
 
     # wandb (offline) holds every step's reward; tensorboard was written live.
     hist = _wandb_history(run_dir)
     by_step = {int(h["_step"]): h["critic/rewards/mean"] for h in hist if "critic/rewards/mean" in h}
     assert by_step == pytest.approx({r["step"]: r["critic/rewards/mean"] for r in trainer})
-    assert any("val-core/meshrl/addition/reward/mean@1" in h for h in hist)
+    assert any("val-core/meshrl/addition/acc/mean@1" in h for h in hist)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
     page = (run_dir / "report.html").read_text()
