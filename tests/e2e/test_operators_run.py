@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_trackers import _wandb_history
 from tests.prometheus_families import ALL, scraped_name
+from tests.tracker_readers import wandb_history
 
 pytestmark = pytest.mark.e2e
 
@@ -81,7 +81,7 @@ def test_a_run_as_operators_see_it(tmp_path: Path) -> None:
     assert all("val-core/meshrl/addition/acc/mean@1" in v for v in vals), vals[-1].keys()
 
     # wandb (offline) holds every step's reward; tensorboard was written live.
-    hist = _wandb_history(run_dir)
+    hist = wandb_history(run_dir)
     by_step = {int(h["_step"]): h["critic/rewards/mean"] for h in hist if "critic/rewards/mean" in h}
     assert by_step == pytest.approx({r["step"]: r["critic/rewards/mean"] for r in trainer})
     assert any("val-core/meshrl/addition/acc/mean@1" in h for h in hist)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 
 from meshrl.trackers import INSTALL, MetricsFollower, MissingTracker, Tracking, check_loggers, mlflow_key
 from tests.report_fixtures import make_run_dir
+from tests.tracker_readers import wandb_history
 
 pytestmark = pytest.mark.integration
 
@@ -28,33 +28,6 @@ def expected(run_dir: Path) -> tuple[dict[int, float], float]:
     return {int(r["step"]): r[REWARD] for r in steps}, vals[-1][VAL]
 
 
-def _wandb_history(run_dir: Path) -> list[dict[str, Any]]:
-    """The history records of an offline wandb run, from its .wandb file (a leveldb-style log of
-    protobuf Records: 7-byte file header, 32 KiB blocks, 7-byte record headers)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B"
-    block, head, i, buf, out = 32768, 7, 7, b"", []
-    while i + head <= len(data):
-        if block - i % block < head:
-            i += block - i % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[i:i + head])
-        chunk, i = data[i + head:i + head + length], i + head + length
-        if kind == 0:
-            break
-        buf = chunk if kind in (1, 2) else buf + chunk
-        if kind in (1, 4):
-            rec = pb.Record()
-            rec.ParseFromString(buf)
-            if rec.WhichOneof("record_type") == "history":
-                out.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in rec.history.item})
-    return out
-
-
 def read_back(name: str, run_dir: Path, backend: Any) -> tuple[dict[int, float], list[float]]:
     """(reward by step, every logged value of the validation key) as the tracker stored them."""
     if name == "tensorboard":
@@ -64,7 +37,7 @@ def read_back(name: str, run_dir: Path, backend: Any) -> tuple[dict[int, float],
         acc.Reload()
         return {e.step: e.value for e in acc.Scalars(REWARD)}, [e.value for e in acc.Scalars(VAL)]
     if name == "wandb":
-        hist = _wandb_history(run_dir)
+        hist = wandb_history(run_dir)
         return ({int(h["_step"]): h[REWARD] for h in hist if REWARD in h}, [h[VAL] for h in hist if VAL in h])
     if name == "mlflow":
         from mlflow.tracking import MlflowClient
