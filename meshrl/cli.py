@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["fully_async", "one_step_off", "sync"], default=None,
                    help="async_training.mode (default: the config's)")
 
-    p = sub.add_parser("report", help="rebuild report.html and plots from run directories (overlaid)")
+    p = sub.add_parser("report", help="rebuild report.html (self-contained, plots embedded) from run directories (overlaid)")
     p.add_argument("run_dirs", nargs="+", help="run directories")
     p.add_argument("--out", default=None, help="output directory (default: the first run directory)")
 
@@ -210,12 +210,13 @@ def _run_dir(arg: str | None, name: str) -> Path:
 
 @_command("train")
 def _train(args: argparse.Namespace) -> int:
-    from meshrl.progress import ProgressView
-    from meshrl.train import train
+    from meshrl.progress import progress_view
+    from meshrl.train import resolve_config, train
 
     config, overrides = _split_config_and_overrides(args)
     resume = Path(args.resume) if args.resume else None
-    with ProgressView() as view:
+    console = "console" in resolve_config(config, overrides, mode=args.mode, resume=resume).trainer.logger
+    with progress_view(console=console) as view:
         summary = train(config, overrides, run_dir=Path(args.run_dir) if args.run_dir else None, mode=args.mode,
                         resume=resume, on_progress=view.update, report=not args.no_report)
     print(json.dumps({k: summary[k] for k in ("run_dir", "mode", "steps", "wall_s", "reward_first_10pct",

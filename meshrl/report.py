@@ -1,35 +1,48 @@
-"""`meshrl report RUN_DIR [RUN_DIR ...]`: plots and report.html from a run directory's metrics.
+"""`meshrl report RUN_DIR [RUN_DIR ...]`: one self-contained report.html from run directories.
 
 A run directory holds `metrics/trainer.jsonl` (one record per optimizer step), optionally
-`metrics/validation.jsonl` and `summary.json` (written at the end of a run: mode, staleness
-histogram, ledger audit, totals). Several run directories are overlaid (sync and async side by
-side). The report is written into the first run directory unless `out` is given.
+`metrics/validation.jsonl`, `metrics/rollout.jsonl`, `config.resolved.yaml` and `summary.json`
+(written at the end of a run: mode, staleness histogram, ledger audit, totals). Several run
+directories are overlaid (sync and async side by side). The report is written into the first run
+directory unless `out` is given; its plots are embedded as PNG data URIs, so the one file can be
+mailed or attached as it is (meshrl/report_html.py lays out the page).
 
-Metric keys read (the trainer's names; missing ones simply leave their plot out):
-  step, time (unix s), policy_version, critic/rewards/mean, val/score, staleness/mean,
-  perf/throughput_tokens_per_s, perf/idle_ratio (trainer), rollout/idle_ratio, timing_s/publish
+Metric keys read (the trainer's names; a missing one leaves its plot or row out):
+  step, time (unix s), policy_version, critic/rewards/mean, val/score, val-core/*, staleness/mean,
+  perf/throughput_tokens_per_s, perf/idle_ratio (trainer), rollout/idle_ratio, timing_s/publish,
+  and agent metrics (AGENT_KEYS) when a run has them.
 Wall time on the x axis is seconds since the run started (summary.json's started_unix_s, else the
 first record).
 """
 
 from __future__ import annotations
 
-import html
+import base64
+import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 PLOTS: list[tuple[str, str, str]] = [
-    # (file stem, metric key, y label)
+    # (title, metric key, y label)
     ("reward", "critic/rewards/mean", "reward (mean)"),
-    ("val_score", "val/score", "validation score"),
-    ("tokens_per_s", "perf/throughput_tokens_per_s", "trained tokens / s"),
-    ("trainer_idle", "perf/idle_ratio", "trainer idle ratio"),
-    ("rollout_idle", "rollout/idle_ratio", "rollout idle ratio"),
-    ("weight_sync", "timing_s/publish", "weight publish (s)"),
-    ("staleness_mean", "staleness/mean", "staleness (versions, mean)"),
+    ("validation score", "val/score", "validation score"),
+    ("trained tokens/s", "perf/throughput_tokens_per_s", "trained tokens / s"),
+    ("trainer idle", "perf/idle_ratio", "trainer idle ratio"),
+    ("rollout idle", "rollout/idle_ratio", "rollout idle ratio"),
+    ("weight sync", "timing_s/publish", "weight publish (s)"),
+    ("staleness", "staleness/mean", "staleness (versions, mean)"),
 ]
+
+AGENT_PREFIXES = ("agent/", "multi_turn/", "tool/")
+"""Metric key prefixes of multi-turn / agent runs (turns per trajectory, tool-call rate, ...)."""
+AGENT_KEYS = ("num_turns/mean", "turns/mean", "tool_calls/rate", "tool_call_rate")
+"""Exact agent metric keys outside those prefixes."""
+
+
+def is_agent_key(key: str) -> bool:
+    return key.startswith(AGENT_PREFIXES) or key in AGENT_KEYS
 
 
 @dataclass
@@ -40,6 +53,7 @@ class Run:
     validation: list[dict[str, Any]]
     summary: dict[str, Any]
     rollout: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -57,10 +71,13 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def load_run(path: str | Path) -> Run:
+    import yaml
+
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"{p} is not a run directory")
     summary = json.loads((p / "summary.json").read_text()) if (p / "summary.json").exists() else {}
+    config = yaml.safe_load((p / "config.resolved.yaml").read_text()) if (p / "config.resolved.yaml").exists() else {}
     mode = summary.get("mode", "")
     label = f"{p.name} ({mode})" if mode else p.name
     steps = _jsonl(p / "metrics" / "trainer.jsonl")
@@ -72,111 +89,127 @@ def load_run(path: str | Path) -> Run:
             rec["time_s"] = rec["time"] - start
         if "step" not in rec and "policy_version" in rec:
             rec["step"] = rec["policy_version"]  # validation records: x = policy version
-    return Run(p, label, steps, validation, summary, rollout)
+    return Run(p, label, steps, validation, summary, rollout, config or {})
 
 
-def _series(records: list[dict[str, Any]], key: str, x: str) -> tuple[list[float], list[float]]:
+def records_for(run: Run, key: str) -> list[dict[str, Any]]:
+    if key.startswith(("val/", "val-core/", "val-aux/")):
+        return run.validation
+    if key.startswith("rollout/"):
+        return run.rollout
+    return run.steps
+
+
+def series(records: list[dict[str, Any]], key: str, x: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for r in records:
-        if key in r and x in r and r[key] is not None:
+        if r.get(key) is not None and r.get(x) is not None:
             xs.append(float(r[x]))
             ys.append(float(r[key]))
     return xs, ys
 
 
-def _plot(runs: list[Run], stem: str, key: str, ylabel: str, out: Path) -> list[str]:
+@dataclass(frozen=True)
+class Plot:
+    title: str
+    data_uri: str
+    """`data:image/png;base64,...`: the page needs no file beside it."""
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _line_plots(runs: list[Run], title: str, key: str, ylabel: str) -> list[Plot]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
+    out = []
+    is_val = key.startswith(("val/", "val-core/"))
     xs_available = (("time_s", "wall time (s)"),) if key.startswith("rollout/") else (
-        ("step", "policy version" if key.startswith("val/") else "trainer step"), ("time_s", "wall time (s)"))
+        ("step", "policy version" if is_val else "trainer step"), ("time_s", "wall time (s)"))
     for x, xlabel in xs_available:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
+        fig, ax = plt.subplots(figsize=(6, 3.4))
         drawn = False
         for run in runs:
-            records = run.validation if key.startswith("val/") else run.rollout if key.startswith("rollout/") else run.steps
-            xs, ys = _series(records, key, x)
+            xs, ys = series(records_for(run, key), key, x)
             if xs:
                 ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=run.label)
                 drawn = True
         if drawn:
+            ax.set_title(f"{title} by {'wall time' if x == 'time_s' else xlabel}", fontsize=10)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
             fig.tight_layout()
-            name = f"{stem}_by_{'step' if x == 'step' else 'time'}.png"
-            fig.savefig(out / name, dpi=110)
-            written.append(name)
+            out.append(Plot(f"{title} by {'wall time' if x == 'time_s' else xlabel}", _png(fig)))
         plt.close(fig)
-    return written
+    return out
 
 
-def _histogram(runs: list[Run], out: Path) -> list[str]:
+def _histogram(runs: list[Run]) -> list[Plot]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hists = [(r.label, {int(k): int(v) for k, v in r.summary.get("staleness_histogram", {}).items()}) for r in runs]
+    hists = [(r.label, staleness_histogram(r)) for r in runs]
     hists = [(label, h) for label, h in hists if h]
     if not hists:
         return []
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(6, 3.4))
     width = 0.8 / len(hists)
     for i, (label, h) in enumerate(hists):
         keys = sorted(h)
         ax.bar([k + i * width for k in keys], [h[k] for k in keys], width=width, label=label)
-    ax.set_xlabel("staleness at consumption (versions)")
+    ax.set_title("staleness at consumption", fontsize=10)
+    ax.set_xlabel("staleness (versions)")
     ax.set_ylabel("groups")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "staleness_histogram.png", dpi=110)
+    plot = Plot("staleness histogram", _png(fig))
     plt.close(fig)
-    return ["staleness_histogram.png"]
+    return [plot]
 
 
-def _summary_rows(run: Run) -> list[tuple[str, str]]:
-    rows = []
-    rewards = [r["critic/rewards/mean"] for r in run.steps if r.get("critic/rewards/mean") is not None]
-    if rewards:
-        k = max(1, len(rewards) // 10)
-        rows.append(("reward, first 10% of steps", f"{sum(rewards[:k]) / k:.3f}"))
-        rows.append(("reward, last 10% of steps", f"{sum(rewards[-k:]) / k:.3f}"))
-    if run.steps:
-        rows.append(("optimizer steps", str(len(run.steps))))
-        rows.append(("wall time (s)", f"{run.steps[-1].get('time_s', float('nan')):.1f}"))
-    for key in ("mode", "policy_versions", "max_staleness_seen", "audit", "totals"):
-        if key in run.summary:
-            rows.append((key, json.dumps(run.summary[key])))
-    return rows
+def staleness_histogram(run: Run) -> dict[int, int]:
+    return {int(k): int(v) for k, v in run.summary.get("staleness_histogram", {}).items()}
+
+
+def agent_keys(runs: list[Run]) -> list[str]:
+    return sorted({k for run in runs for rec in run.steps for k in rec if is_agent_key(k)})
+
+
+def val_core_keys(runs: list[Run]) -> list[str]:
+    return sorted({k for run in runs for rec in run.validation for k in rec if k.startswith("val-core/")})
+
+
+def make_plots(runs: list[Run]) -> list[Plot]:
+    plots: list[Plot] = []
+    for title, key, ylabel in PLOTS:
+        plots += _line_plots(runs, title, key, ylabel)
+    plots += _histogram(runs)
+    for key in val_core_keys(runs):
+        plots += _line_plots(runs, key.removeprefix("val-core/"), key, "score")[:1]  # by policy version
+    for key in agent_keys(runs):
+        plots += _line_plots(runs, key, key, key)[:1]
+    return plots
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
-    """Write plots and report.html; returns the report's path."""
+    """Write report.html (self-contained); returns its path."""
+    from meshrl.report_html import render
+
     runs = [load_run(d) for d in run_dirs]
     if not runs:
         raise ValueError("no run directories given")
     out_dir = Path(out) if out else runs[0].path
-    plots_dir = out_dir / "plots"
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    images: list[str] = []
-    for stem, key, ylabel in PLOTS:
-        images += _plot(runs, stem, key, ylabel, plots_dir)
-    images += _histogram(runs, plots_dir)
-    parts = ["<html><head><meta charset='utf-8'><title>meshrl report</title>",
-             "<style>body{font-family:sans-serif;margin:2em}img{max-width:48%;margin:0.5%}"
-             "td{padding:2px 10px;border-bottom:1px solid #ddd;font-size:13px}</style></head><body>",
-             "<h1>meshrl report</h1>"]
-    for run in runs:
-        parts.append(f"<h2>{html.escape(run.label)}</h2><table>")
-        parts += [f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _summary_rows(run)]
-        parts.append("</table>")
-    parts += [f"<img src='plots/{name}' alt='{name}'>" for name in images]
-    parts.append("</body></html>")
+    out_dir.mkdir(parents=True, exist_ok=True)
     report = out_dir / "report.html"
-    report.write_text("\n".join(parts))
+    report.write_text(render(runs, make_plots(runs)))
     return report

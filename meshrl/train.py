@@ -69,9 +69,18 @@ def resolve_config(
 
 
 def ensure_model(cfg: MeshConfig) -> MeshConfig:
-    """With `actor_rollout_ref.model.path` null: the built-in warm start (meshrl pretrain)."""
-    if cfg.actor_rollout_ref.model.path is not None:
-        return cfg
+    """With `actor_rollout_ref.model.path` null: the built-in warm start (meshrl pretrain); a hub
+    id (`Qwen/Qwen3-8B`, also as `tokenizer_path`): its local snapshot (services/common/hub.py)."""
+    model = cfg.actor_rollout_ref.model
+    if model.path is not None:
+        from services.common.hub import resolve_model_path
+
+        update = {"path": resolve_model_path(model.path)}
+        if model.tokenizer_path is not None:
+            update["tokenizer_path"] = resolve_model_path(model.tokenizer_path,
+                                                          key="actor_rollout_ref.model.tokenizer_path")
+        return cfg.model_copy(update={"actor_rollout_ref": cfg.actor_rollout_ref.model_copy(
+            update={"model": model.model_copy(update=update)})})
     from meshrl.pretrain import PretrainSpec, ensure_pretrained
 
     syn = cfg.data.synthetic
@@ -188,7 +197,10 @@ class MeshRun:
                 serve.run(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}\n{name}: {_last_error(self.run_dir, name)}") from None
-        log.info("mesh_deployed", apps=list(APPS), grpc=f"127.0.0.1:{self.grpc_port}")
+        from meshrl.prometheus import write_service_discovery
+
+        sd = write_service_discovery(self.run_dir, {"job": "meshrl", "run": self.run_dir.name})
+        log.info("mesh_deployed", apps=list(APPS), grpc=f"127.0.0.1:{self.grpc_port}", prometheus_sd=str(sd))
 
     def shutdown(self) -> None:
         import ray
@@ -435,9 +447,11 @@ def train(
 ) -> dict[str, Any]:
     """Run a whole job; returns the summary (also written to RUN_DIR/summary.json). With
     max_train_s the run stops cleanly (as on Ctrl-C) that long after its first optimizer step."""
+    from meshrl.trackers import check_loggers, start_tracking
     from services.common.logging import configure_logging
 
     cfg = resolve_config(config, overrides, mode=mode, resume=resume)
+    check_loggers(cfg.trainer.logger)  # a missing tracker package fails before anything starts
     mode = cfg.async_training.mode
     run_dir = resume or run_dir or new_run_dir(cfg, mode)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -452,19 +466,31 @@ def train(
     cfg, secret_env, restore_env = prepare_run_secrets(cfg, run_dir)
     write_resolved_config(cfg, run_dir)
     run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s, secret_env=secret_env)
+    follower = start_tracking(cfg, run.run_dir, resumed=resume is not None)
+    user_progress = on_progress or (lambda p: None)
+
+    def progressed(p: Progress) -> None:
+        if follower is not None:
+            follower.pump()  # the trackers get each new metrics line within a poll
+        user_progress(p)
+
     try:
         run.deploy()
-        progress = _watch(run, on_progress or (lambda p: None))
+        progress = _watch(run, progressed)
         summary = run.summarize(progress)
     finally:
         run.shutdown()
         restore_env()
-    from meshrl.tensorboard import write_tensorboard
+        if follower is not None:
+            follower.pump()
+            follower.tracking.finish()
+    if "tensorboard" not in cfg.trainer.logger:  # else written live by the tracker
+        from meshrl.tensorboard import write_tensorboard
 
-    try:
-        write_tensorboard(run_dir)
-    except ImportError as exc:  # torch.utils.tensorboard needs the tensorboard package
-        log.warning("tensorboard_skipped", error=str(exc), hint="pip install tensorboard")
+        try:
+            write_tensorboard(run_dir)
+        except ImportError as exc:  # torch.utils.tensorboard needs the tensorboard package
+            log.warning("tensorboard_skipped", error=str(exc), hint="pip install tensorboard")
     if report:
         from meshrl.report import write_report
 

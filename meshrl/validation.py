@@ -2,20 +2,70 @@
 weights, `actor_rollout_ref.rollout.val_kwargs` sampling) and scored by the reward service.
 
 The driver calls it every `trainer.test_freq` policy versions, in every mode. Records go to
-`<run_dir>/metrics/validation.jsonl` as {policy_version, time, time_s, val/score, val/<metric>}.
+`<run_dir>/metrics/validation.jsonl` as {policy_version, time, time_s, val/score (pooled over every
+response), val/samples, val/weights_version_min/max} plus verl's per-data-source keys
+(`per_source_metrics`): `val-core/<data_source>/<var>/mean@N` for the core variable (`acc` where
+the scorer reports it, else `reward`) and `val-aux/...` for the others and for the spread over the
+N samples of a prompt (`std@N`, `best@N/mean`, `worst@N/mean` when N > 1). A mixed validation set
+never pools two scorers' metrics under one name.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from meshrl.v1 import common_pb2, rollout_pb2
 from services.common.config import MeshConfig
 from services.common.data import RecordList, prompt_to_proto
+
+
+@dataclass(frozen=True)
+class ValPrompt:
+    """One validation prompt's scored responses: {"reward": score, <metric>: value} each."""
+
+    data_source: str
+    responses: list[dict[str, float]]
+
+
+def _values(r: common_pb2.Response) -> dict[str, float]:
+    return {"reward": float(r.reward), **{k: float(v) for k, v in r.reward_metrics.items()}}
+
+
+def per_source_metrics(prompts: list[ValPrompt], *, n: int) -> dict[str, float]:
+    """verl's validation metrics per data_source (trainer/ppo/metric_utils.process_validation_metrics
+    without the bootstrap): for each data_source and variable, the mean over prompts of the mean
+    over its responses (`mean@N`), and with N > 1 the mean over prompts of the responses' std,
+    max and min (`std@N`, `best@N/mean`, `worst@N/mean`). The core variable is `acc` when the
+    scorer reports it, else `reward`; its mean@N and best@N go under `val-core/`, the rest under
+    `val-aux/`. A variable a prompt's scorer did not report is left out for that prompt."""
+    by_source: dict[str, dict[str, list[list[float]]]] = {}
+    for p in prompts:
+        per_var = by_source.setdefault(p.data_source, {})
+        for var in sorted({k for r in p.responses for k in r}):
+            vals = [r[var] for r in p.responses if var in r]
+            if vals:
+                per_var.setdefault(var, []).append(vals)
+    out: dict[str, float] = {}
+    for source in sorted(by_source):
+        per_var = by_source[source]
+        core = "acc" if "acc" in per_var else "reward"
+        for var in sorted(per_var):
+            rows = per_var[var]
+            stats = {f"mean@{n}": [sum(v) / len(v) for v in rows]}
+            if n > 1:
+                stats[f"std@{n}"] = [statistics.pstdev(v) for v in rows]
+                stats[f"best@{n}/mean"] = [max(v) for v in rows]
+                stats[f"worst@{n}/mean"] = [min(v) for v in rows]
+            for name, per_prompt in stats.items():
+                section = "val-core" if var == core and name.split("@")[0] in ("mean", "best") else "val-aux"
+                out[f"{section}/{source}/{var}/{name}"] = sum(per_prompt) / len(per_prompt)
+    return out
 
 
 def val_sampling(cfg: MeshConfig) -> common_pb2.SamplingParams:
@@ -46,7 +96,8 @@ async def run_validation(
         used.extend((int(resp.group.min_policy_version), int(resp.group.max_policy_version)))
         return list(resp.group.responses)
 
-    responses = [r for rs in await asyncio.gather(*[one(i) for i in range(len(val))]) for r in rs]
+    groups = await asyncio.gather(*[one(i) for i in range(len(val))])
+    responses = [r for rs in groups for r in rs]
     # policy_version: the version that triggered this validation; the rollout may already hold a
     # newer one while it answers (the trainer does not wait), so the versions used are recorded too.
     record: dict[str, Any] = {
@@ -54,10 +105,10 @@ async def run_validation(
         "val/score": sum(r.reward for r in responses) / max(1, len(responses)), "val/samples": len(responses),
         "val/weights_version_min": min(used, default=version), "val/weights_version_max": max(used, default=version),
     }
-    metric_names = {k for r in responses for k in r.reward_metrics}
-    for k in sorted(metric_names):
-        vals = [r.reward_metrics[k] for r in responses if k in r.reward_metrics]
-        record[f"val/{k}"] = sum(vals) / len(vals)
+    record.update(per_source_metrics(
+        [ValPrompt(val[i].data_source or "unknown", [_values(r) for r in rs]) for i, rs in enumerate(groups)],
+        n=sampling.n or 1,
+    ))
     path = run_dir / "metrics" / "validation.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:

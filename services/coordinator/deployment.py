@@ -15,10 +15,12 @@ from ray import serve
 from meshrl.v1 import coordinator_pb2
 from services.common.config import MeshConfig
 from services.common.logging import configure_logging
+from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
 
+from . import metrics
 from .factory import build_servicer
 
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
@@ -40,6 +42,16 @@ class CoordinatorDeployment:
         # SESSION: fixed by whoever deploys the app, so a restarted replica keeps a pending Stop.
         self._servicer = build_servicer(cfg, run_dir, run_id, session)
         self._servicer.start_sweeper()
+        self._metrics = ReplicaMetrics(metrics.FAMILIES)
+        self._exports = 0
+        self._metrics_task = export_periodically("coordinator", self._export_metrics)
+
+    def _export_metrics(self) -> None:
+        core = self._servicer.core
+        # The audit scans the ledger: every 6th export (30 s), and the first.
+        audit = core.audit() if self._exports % 6 == 0 else None
+        self._exports += 1
+        metrics.export(self._metrics, self._servicer.status(), audit)
 
     def check_health(self) -> None:
         """Unhealthy when the ledger can no longer be read (Serve restarts the replica, which

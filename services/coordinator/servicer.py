@@ -20,7 +20,7 @@ from services.common.limits import check_lengths, process_limits
 from services.common.logging import get_logger
 
 from . import convert, wire
-from .core import CoordinatorCore, check_int64
+from .core import CoordinatorCore, Status, check_int64
 
 log = get_logger(__name__)
 
@@ -214,7 +214,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @rpc_method()
     async def GetStatus(self, request: coordinator_pb2.GetStatusRequest, context: Any) -> coordinator_pb2.GetStatusResponse:
-        return convert.status_response(self.core.status(self.clock()))
+        return convert.status_response(self.status())
+
+    def status(self) -> Status:
+        """The core's Status now. Leases past their deadline expire first and the waiters hear of
+        it (core.status alone would expire them silently: the sweeper then finds nothing to
+        announce and a waiting FetchBatch sleeps until its own timeout)."""
+        now = self.clock()
+        if self.core.expire(now):
+            self._notify()
+        return self.core.status(now)
 
     @rpc_method()
     async def Pause(self, request: coordinator_pb2.PauseRequest, context: Any) -> coordinator_pb2.PauseResponse:

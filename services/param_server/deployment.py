@@ -23,11 +23,13 @@ from services.common.config import MeshConfig
 from services.common.errors import FailedPrecondition
 from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
+from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
 from services.weights import convert
 
+from . import metrics as ps_metrics
 from .server import ParamServerServer
 
 log = get_logger(__name__)
@@ -50,6 +52,8 @@ class ParamServerDeployment:
         self.server = ParamServerServer(cfg, run_dir)
         await self.server.start()
         self._servicer = self.server.servicer
+        self._metrics = ReplicaMetrics(ps_metrics.FAMILIES)
+        self._metrics_task = export_periodically("param_server", lambda: ps_metrics.export(self._metrics, self._servicer))
 
     def data_address(self) -> str:
         """host:port of the direct data plane (what publishers should stream to)."""

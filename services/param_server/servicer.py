@@ -25,6 +25,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from meshrl.v1 import param_server_pb2, param_server_pb2_grpc
@@ -45,6 +46,21 @@ log = get_logger(__name__)
 
 MiB = 1 << 20
 _CHUNK_OVERHEAD = 64 * 1024
+
+
+@dataclass
+class TransferCounters:
+    """Cumulative numbers of the bytes that pass through this server (the grpc transport; the
+    others move bytes elsewhere), for its metrics (services/param_server/metrics.py)."""
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    publishes: int = 0
+    publish_s: float = 0.0
+    last_publish_s: float = 0.0
+    fetches: int = 0
+    fetch_s: float = 0.0
+    last_fetch_s: float = 0.0
 
 
 class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
@@ -78,6 +94,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ps-io")
         self._changed = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self.counters = TransferCounters()
 
     # ---- housekeeping -----------------------------------------------------------------------------
 
@@ -171,6 +188,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                                               f"version {upload.policy_version}")
                     bucket = upload.check_chunk(item.bucket_index, item.offset, len(item.data))
                     await loop.run_in_executor(self._io, Upload.write, bucket, item.offset, item.data)
+                    self.counters.bytes_in += len(item.data)
                 else:
                     raise InvalidArgument("item", "empty PublishWeightsRequest")
                 if upload is not None:
@@ -186,6 +204,9 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
             if upload is not None and not upload.done:
                 upload.abort()
         elapsed = time.monotonic() - start
+        self.counters.publishes += 1
+        self.counters.publish_s += elapsed
+        self.counters.last_publish_s = elapsed
         log.info("version_published", policy_version=manifest.policy_version, total_bytes=manifest.total_bytes,
                  transports=list(manifest.transports), publish_s=round(elapsed, 3))
         self._notify()
@@ -204,6 +225,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
 
     async def fetch_items(self, request: param_server_pb2.FetchWeightsRequest) -> AsyncGenerator[Any, None]:
         """The manifest (as a FetchWeightsResponse) then RawChunks of the asked buckets."""
+        start = time.monotonic()
         chunk = request.chunk_bytes or self.chunk_bytes
         deadline = time.monotonic() + self.transfer_timeout_s
         if not 0 < chunk <= self.max_chunk_bytes:
@@ -230,7 +252,12 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                             f"{self.transfer_timeout_s:g}s; the reader is too slow or stopped reading"
                         )
                     yield RawChunk(m.policy_version, i, off, view[off : off + chunk])
+                    self.counters.bytes_out += min(chunk, len(view) - off)
         self.store.sweep(self.clock())
+        elapsed = time.monotonic() - start
+        self.counters.fetches += 1
+        self.counters.fetch_s += elapsed
+        self.counters.last_fetch_s = elapsed
 
     @rpc_method()
     async def FetchWeights(

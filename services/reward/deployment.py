@@ -33,6 +33,7 @@ from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.errors import MeshError
 from services.common.logging import configure_logging, get_logger
+from services.common.metrics import Family, ReplicaMetrics
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import SERVICER_FUNCTIONS, grpc_shim, log_init_errors
@@ -99,12 +100,15 @@ class RewardDeployment:
         self._batch.set_batch_wait_timeout_s(cfg.reward.batch_wait_timeout_s)  # type: ignore[attr-defined]
         self._inflight: set[asyncio.Future[Any]] = set()
         tags = ("endpoint",)
-        self._m_items = metrics.Counter("meshrl_reward_items", "Items scored by this replica.")
-        self._m_failed = metrics.Counter("meshrl_reward_items_failed", "Items that could not be scored (errors).")
+        # Counters through ReplicaMetrics: they exist at 0 from the first export (an alert on
+        # failed items sees the series before the first failure).
+        self._counters = ReplicaMetrics([
+            Family("meshrl_reward_items", "Items scored by this replica.", "counter"),
+            Family("meshrl_reward_items_failed", "Items that could not be scored (errors).", "counter"),
+        ])
         self._m_waiting = metrics.Gauge("meshrl_reward_endpoint_waiting_items", "Items waiting for a down endpoint.", tag_keys=tags)
         self._m_open = metrics.Gauge("meshrl_reward_endpoint_open", "1 while the endpoint's circuit breaker is not closed.", tag_keys=tags)
         self._m_abandoned = metrics.Gauge("meshrl_reward_abandoned_threads", "Timed-out scorer threads still running.")
-        self._last_counts = (0, 0)
         log.info("reward_replica_ready", stages=[s.name for s in self.pipeline.stages], endpoints=len(self.pipeline.remotes))
 
     # ---- handle entry points ------------------------------------------------------------------------
@@ -144,12 +148,8 @@ class RewardDeployment:
 
     def _export_metrics(self) -> None:
         st = self.pipeline.status()
-        items, failed = st["items_scored"], st["items_failed"]
-        if items > self._last_counts[0]:
-            self._m_items.inc(items - self._last_counts[0])
-        if failed > self._last_counts[1]:
-            self._m_failed.inc(failed - self._last_counts[1])
-        self._last_counts = (items, failed)
+        self._counters.count_to("meshrl_reward_items", st["items_scored"])
+        self._counters.count_to("meshrl_reward_items_failed", st["items_failed"])
         self._m_abandoned.set(st["pool"]["abandoned_threads"])
         for ep in st["endpoints"]:
             tags = {"endpoint": ep["name"]}

@@ -25,12 +25,15 @@ from meshrl.v1 import reward_pb2, rollout_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
+from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import log_init_errors
 from services.weights import WeightFetcher
 
 from . import factory
+from . import metrics as rollout_metrics
+from .metrics import RolloutExporter
 from .servicer import RolloutServicer
 from .worker import Scorer
 
@@ -95,6 +98,8 @@ class RolloutDeployment:
         await engine.start()
         if w.autostart:
             self.worker.start()
+        self._metrics = RolloutExporter(ReplicaMetrics(rollout_metrics.FAMILIES), replica_id)
+        self._metrics_task = export_periodically("rollout", self._export_metrics)
         log.info("rollout_replica_ready", engine=engine.name, policy_version=engine.version)
 
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:
@@ -115,6 +120,10 @@ class RolloutDeployment:
             raise RuntimeError(f"rollout engine unhealthy: {health.detail}")
         if not self.worker.healthy:
             raise RuntimeError("rollout worker loop stopped; see the replica log")
+
+    def _export_metrics(self) -> None:
+        latest = self.worker.announced_version
+        self._metrics.export(self.worker.status(), self.engine.stats(), latest)
 
     async def status(self) -> rollout_pb2.GetRolloutStatusResponse:
         """GetRolloutStatus's answer, for handle calls (`meshrl train` samples it for rollout metrics)."""

@@ -55,12 +55,14 @@ def build_engine(cfg: MeshConfig, *, model: Any = None, tokenizer: Any = None) -
         model, tokenizer = load_model_and_tokenizer(cfg)
     if r.name == "transformers":
         from services.common.device import detect, torch_device
+        from services.common.released import released_layout
 
         info = detect(w.device)
+        layout = released_layout(cfg.actor_rollout_ref.model.path)  # weights arrive under released names
         engine = cls(  # type: ignore[call-arg]
             model, tokenizer, device=torch_device(info), max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=max_model_len(cfg),
-            version=w.initial_policy_version, seed=r.seed,
+            version=w.initial_policy_version, seed=r.seed, weight_name=layout.to_text if layout else None,
         )
         return engine, tokenizer
     if r.name == "vllm":

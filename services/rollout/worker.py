@@ -579,6 +579,11 @@ class RolloutWorker:
             log.info("weights_loaded", policy_version=ref.policy_version, tensors=n, mode=mode, seconds=round(dt, 3))
             return dt
 
+    @property
+    def announced_version(self) -> int | None:
+        """The newest version the coordinator announced (None before the first announcement)."""
+        return int(self._latest_ref.policy_version) if self._latest_ref is not None else None
+
     def status(self) -> rollout_pb2.GetRolloutStatusResponse:
         """GetRolloutStatus's answer (also the deployment's handle call)."""
         c = self.counters

@@ -176,6 +176,8 @@ class TrainerLoop:
         self.state = "created"
         self.error: str | None = None
         self.last_metrics: dict[str, float] = {}
+        self.tokens_trained = 0
+        """Tokens trained on (x ppo_epochs) since this loop started (its Prometheus counter)."""
         self._since_publish = 0
         self._ckpt_waiters: list[asyncio.Future[tuple[int, str]]] = []
         self.weights_version = 0
@@ -222,7 +224,7 @@ class TrainerLoop:
             trainer_id=self.s.trainer_id, state=self.state, step=self.step, policy_version=self.policy_version,
             optimizer_steps=self.group.step, world_size=self.group.world_size,
             last_checkpoint_step=max(0, self.last_checkpoint_step), error=self.error or "",
-            metrics={k: float(v) for k, v in self.last_metrics.items()},
+            metrics={k: float(v) for k, v in self.last_metrics.items()}, tokens_trained=self.tokens_trained,
         )
 
     # ---- start / finish ------------------------------------------------------------------------
@@ -551,6 +553,7 @@ class TrainerLoop:
         m["actor/lr"] = results[-1].lr
         mask = batch.response_mask
         tokens = int(batch.attention_mask.sum().item()) * self.s.ppo_epochs
+        self.tokens_trained += tokens
         resp_len = batch.seq_tensors["response_length"]
         st = got.staleness
         m.update({

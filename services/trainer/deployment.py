@@ -22,10 +22,12 @@ from meshrl.v1 import trainer_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
 from services.common.logging import configure_logging, get_logger
+from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
 
+from . import metrics as trainer_metrics
 from .factory import TrainerParts, build_trainer
 
 log = get_logger(__name__)
@@ -55,6 +57,9 @@ class TrainerDeployment:
         )
         self._servicer = self.parts.servicer
         self._task = asyncio.get_running_loop().create_task(self.parts.loop.run())
+        self._metrics = ReplicaMetrics(trainer_metrics.FAMILIES)
+        self._metrics_task = export_periodically(
+            "trainer", lambda: trainer_metrics.export(self._metrics, self.parts.loop.status()))
 
     async def status(self) -> trainer_pb2.GetTrainerStatusResponse:
         """GetTrainerStatus's answer, for handle calls (`meshrl train` polls it)."""
@@ -65,6 +70,7 @@ class TrainerDeployment:
             raise RuntimeError(f"trainer loop failed: {self.parts.loop.error}")
 
     async def __del__(self) -> None:
+        self._metrics_task.cancel()
         self._task.cancel()
         await self.parts.close()
 

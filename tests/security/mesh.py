@@ -168,7 +168,7 @@ class PlainMesh:
         from services.trainer.core import TrainerLoop
         from services.trainer.engines.base import get_engine_cls
         from services.trainer.group import LocalTrainGroup
-        from services.trainer.publisher import InProcessPublisher
+        from services.weights.in_process import InProcessPublisher
         from services.trainer.servicer import TrainerServicer
 
         cfg = self.cfg

@@ -48,7 +48,24 @@ def test_fsdp_miniature_trains_on_cpu(recipe: str, tmp_path: Path) -> None:
     model = tiny_model_dir(MINI_ARCH[recipe], tmp_path / "model")
     run = subprocess.run(
         [sys.executable, "-m", "meshrl.cli", "train", str(MINI_DIR / f"{recipe}.yaml"),
-         f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={tmp_path / 'ckpt'}"],
+         f"actor_rollout_ref.model.path={model}", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+         "--run-dir", str(tmp_path / "run")],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    if MINI_ARCH[recipe] == "qwen3_5":  # released layout: the export is the class the run started from
+        import json
+
+        import torch
+        from safetensors.torch import load_file
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        export = tmp_path / "run" / "hf_export"
+        assert json.loads((export / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+        src, out = load_file(str(model / "model.safetensors")), {}
+        for f in export.glob("*.safetensors"):
+            out.update(load_file(str(f)))
+        assert out.keys() == src.keys()
+        assert all(torch.equal(out[k], src[k]) for k in src if k.startswith("model.visual."))
+        assert any(not torch.equal(out[k], src[k]) for k in src if k.startswith("model.language_model."))
+        Qwen3_5ForConditionalGeneration.from_pretrained(export)

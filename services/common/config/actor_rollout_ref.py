@@ -14,10 +14,11 @@ class ModelConfig(ConfigModel):
     """The policy model, shared by actor, rollout and reference."""
 
     path: str | None = None
-    """Local Hugging Face checkpoint directory. Null: the built-in tiny model (built or
-    warm-started by `meshrl pretrain`, cached in the user cache dir)."""
+    """Hugging Face checkpoint: a local directory or a hub id (`Qwen/Qwen3-8B`, resolved by
+    `meshrl train` through huggingface_hub's cache; HF_HUB_OFFLINE honoured). Null: the built-in
+    tiny model (built or warm-started by `meshrl pretrain`, cached in the user cache dir)."""
     tokenizer_path: str | None = None
-    """Tokenizer directory; defaults to `path`."""
+    """Tokenizer directory or hub id; defaults to `path`."""
     override_config: dict[str, Any] = {}
     """Overrides applied to the HF config before building the model (e.g. dropout)."""
     use_remove_padding: bool = True
@@ -200,6 +201,10 @@ class ActorConfig(ConfigModel):
     """Use the rollout's logprobs as old logprobs (bypass mode)."""
     ulysses_sequence_parallel_size: int = Field(default=1, ge=1)
     """Ulysses sequence-parallel degree (all-to-all over attention heads)."""
+    freeze_vision_tower: bool = True
+    """Released multimodal checkpoints (Qwen3.5 as released): keep the vision tower frozen and
+    carry it through to the export (services/common/released.py). meshrl trains on text, which
+    gives the vision tower no gradient, so this must stay true (verl's default is false)."""
     optim: OptimConfig = OptimConfig()
     """Optimizer and schedule."""
     fsdp_config: FSDPConfig = FSDPConfig()

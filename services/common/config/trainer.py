@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import ConfigModel
 
@@ -13,11 +13,14 @@ class TrainerConfig(ConfigModel):
     """verl's `trainer` section."""
 
     project_name: str = "meshrl"
-    """Project name (logs, run directory)."""
+    """Project name: the tracker project (wandb/swanlab/trackio project, mlflow experiment)."""
     experiment_name: str = "default"
-    """Experiment name (logs, run directory)."""
-    logger: list[Literal["console", "jsonl", "tensorboard"]] = ["console", "jsonl"]
-    """Metric sinks."""
+    """Experiment name: the tracker run's name and the run directory's prefix."""
+    logger: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab", "trackio"]] = [
+        "console", "jsonl"]
+    """Metric sinks, verl's names: console (terminal progress), jsonl (metrics/*.jsonl, always
+    written), tensorboard, wandb, mlflow, swanlab, trackio (each needs its extra, e.g.
+    `pip install 'meshrl[wandb]'`; meshrl/trackers.py); a single name is taken as a list."""
     device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
     """Accelerator for training; `auto` picks cuda, then npu, then cpu."""
     nnodes: int = Field(default=1, ge=1)
@@ -42,6 +45,11 @@ class TrainerConfig(ConfigModel):
     """Checkpoint used with `resume_mode=resume_path`."""
     seed: int = 42
     """Seed for model init and training RNG."""
+
+    @field_validator("logger", mode="before")
+    @classmethod
+    def _one_logger(cls, v: object) -> object:
+        return [v] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _check(self) -> TrainerConfig:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -62,11 +62,15 @@ class TransformersEngine(RolloutEngine):
         max_model_len: int | None = None,
         version: int = 0,
         seed: int | None = None,
+        weight_name: Callable[[str], str] | None = None,
     ) -> None:
+        """`weight_name` maps a published weight name to this model's parameter name (a released
+        multimodal checkpoint run as its language model: services/common/released.py)."""
         self._requests: dict[str, Request] = {}
         self._sched = Scheduler(
             model, tokenizer, self._requests, device=device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, version=version, seed=seed,
+            weight_name=weight_name,
         )
         self.model = self._sched.model
         self.tokenizer = tokenizer

@@ -158,6 +158,7 @@ class Scheduler:
         max_model_len: int | None,
         version: int,
         seed: int | None,
+        weight_name: Callable[[str], str] | None = None,
     ) -> None:
         from transformers import DynamicCache
 
@@ -184,6 +185,7 @@ class Scheduler:
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 62)))
         self._params = self._name_map()
+        self._weight_name = weight_name
         self._requests = requests
         # the running batch: touched only by this thread
         self._waiting: deque[Seq] = deque()
@@ -212,6 +214,11 @@ class Scheduler:
         out["running_seqs"] = float(len(self._rows))
         out["waiting_seqs"] = float(len(self._waiting))
         out["kv_columns"] = float(self._mask.shape[1]) if self._mask is not None else 0.0
+        # Share of the batched cache (rows x columns) that holds real tokens, the rest is padding:
+        # this engine's "KV use" (it allocates per batch, not from a fixed pool as vLLM does).
+        rows = list(self._rows)  # the scheduler thread may change the list meanwhile
+        cells = len(rows) * out["kv_columns"]
+        out["kv_cache_usage"] = sum(r.cached for r in rows) / cells if cells else 0.0
         return out
 
     # ---- the thread ------------------------------------------------------------------------------
@@ -326,6 +333,8 @@ class Scheduler:
     def _load_bucket(self, bucket: Bucket) -> int:
         for name, tensor in bucket:
             target = self._params.get(name)
+            if target is None and self._weight_name is not None:
+                target = self._params.get(self._weight_name(name))
             if target is None:
                 raise InvalidArgument("weights", f"unknown parameter {name!r} for {type(self.model).__name__}")
             if tuple(target.shape) != tuple(tensor.shape):

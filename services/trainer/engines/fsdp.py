@@ -38,6 +38,7 @@ from services.common.device import DeviceInfo, collective_backend, import_torch_
 from services.common.device import memory_stats as device_memory_stats
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
+from services.common.released import check_freeze, released_layout
 from services.weights import Bucket
 from services.weights.layout import group_by_bytes
 
@@ -90,6 +91,9 @@ class FSDPEngine(TrainEngine):
                 raise FailedPrecondition("actor_rollout_ref.model.path is null and no built-in model was supplied")
             hf_config = hf_model.config_from_init(model_cfg, spec.model_init)
         hf_model.check_compat(hf_config, model_cfg, actor)
+        # A released multimodal checkpoint trains as its language model (services/common/released.py).
+        self.released = released_layout(model_cfg.path)
+        check_freeze(self.released, actor.freeze_vision_tower)
         self.meshes = build_meshes(spec.device, self.world_size, self.sp, fsdp_cfg.fsdp_size)
         # one rank in full precision: a plain module (FSDP2 would only add its hooks)
         self.sharded = self.world_size > 1 or fsdp_cfg.mixed_precision != "none"
@@ -423,7 +427,8 @@ class FSDPEngine(TrainEngine):
             for name, param in self.model.named_parameters():
                 full = param.full_tensor() if isinstance(param, DTensor) else param  # every rank takes part
                 if self.rank == 0:
-                    yield name, full.detach().to("cpu", copy=True)
+                    out = self.released.to_released(name) if self.released is not None else name
+                    yield out, full.detach().to("cpu", copy=True)
 
         try:
             yield from group_by_bytes(gathered(), bucket_bytes)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from services.common.errors import NotFound
 from services.common.logging import get_logger
+from services.common.released import export_released
 
 if TYPE_CHECKING:
     from .fsdp import FSDPEngine
@@ -113,7 +114,12 @@ def save_hf_weights(engine: FSDPEngine, path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if engine.rank == 0:
+    if engine.rank == 0 and engine.released is not None:
+        # The class the user started from: its config, processor and vision tower, the trained
+        # language model under its released names.
+        counts = export_released(engine.released, full, path)
+        log.info("hf_export_released", path=str(path), model_type=engine.released.model_type, **counts)
+    elif engine.rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         with torch.device("meta"):
             shell = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype)
