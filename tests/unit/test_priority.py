@@ -72,7 +72,9 @@ def test_a_lowering_that_is_not_permitted_keeps_the_niceness_and_names_the_key()
     assert got["kept"] == got["raised"] and got["threads"] == [got["raised"]]
 
 
-def test_the_warning_names_the_key_and_the_fix(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_warning_names_the_key_and_the_fix(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from services.common import priority
 
     def refuse(which: int, who: int, value: int) -> None:
@@ -81,8 +83,9 @@ def test_the_warning_names_the_key_and_the_fix(capsys: pytest.CaptureFixture[str
     monkeypatch.setattr(priority.os, "setpriority", refuse)
     before = os.getpriority(os.PRIO_PROCESS, 0)
     assert priority.set_niceness(0, key="tuning.nice.trainer_ranks") == before
+    # structlog may write through a stream bound before capsys took over (suite order), or through logging
     out = capsys.readouterr()
-    text = out.out + out.err
+    text = out.out + out.err + caplog.text
     assert "niceness_not_permitted" in text and "tuning.nice.trainer_ranks" in text and "CAP_SYS_NICE" in text
     assert priority.set_niceness(None, key="serve.reward.nice") is None
 

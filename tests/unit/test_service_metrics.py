@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from meshrl.v1 import rollout_pb2
+
 from services.common.metrics import ReplicaMetrics
 from services.coordinator import metrics as coordinator_metrics
 from services.coordinator.core import Status, Totals
@@ -92,11 +94,11 @@ def test_rollout_export_rates_and_lag() -> None:
     m = ReplicaMetrics(ROLLOUT, backend=FakeBackend)
     ex = RolloutExporter(m, "r0")
     base: dict[str, Any] = {"tokens_generated": 100, "groups_submitted": 2, "groups_in_flight": 4, "policy_version": 3,
-                            "last_weight_load_s": 0.5, "uptime_s": 10.0, "busy_s_now": 5.0}
-    ex.export(base, {"kv_cache_usage": 0.4}, 5)
+                            "last_weight_load_s": 0.5, "uptime_s": 10.0, "busy_s": 5.0}
+    ex.export(rollout_pb2.GetRolloutStatusResponse(**base), {"kv_cache_usage": 0.4}, 5)
     assert value(m, "meshrl_rollout_version_lag", replica="r0") == 2
     assert value(m, "meshrl_rollout_kv_cache_usage", replica="r0") == 0.4
-    ex.export({**base, "tokens_generated": 300, "uptime_s": 14.0, "busy_s_now": 8.0}, {}, None)
+    ex.export(rollout_pb2.GetRolloutStatusResponse(**{**base, "tokens_generated": 300, "uptime_s": 14.0, "busy_s": 8.0}), {}, None)
     assert value(m, "meshrl_rollout_tokens_per_s", replica="r0") == 50.0
     assert value(m, "meshrl_rollout_idle_ratio", replica="r0") == 0.25
     assert value(m, "meshrl_rollout_tokens_generated", replica="r0") == 300
