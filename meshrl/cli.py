@@ -4,6 +4,7 @@
     meshrl serve-config [CONFIG] [overrides] [--run-dir DIR] > serve.yaml   (then `serve deploy serve.yaml`)
     meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR]
     meshrl reward serve [CONFIG] [overrides] [--host H] [--port P]
+    meshrl environment serve [CONFIG] [overrides] [--host H] [--port P]
     meshrl param-server serve [CONFIG] [overrides] [--run-dir DIR]
     meshrl status|pause|resume|checkpoint|stop --address HOST:PORT [--token T]
     meshrl set-staleness VALUE --address HOST:PORT [--token T]
@@ -127,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(ps)
     ps.add_argument("--host", default="127.0.0.1")
     ps.add_argument("--port", type=int, default=50061, help="0 picks a free port")
+
+    p = sub.add_parser("environment", help="run an environment (the config's verl tools / interactions) without Ray")
+    esub = p.add_subparsers(dest="environment_command", required=True)
+    ps = esub.add_parser("serve", help="serve EnvironmentService on a plain grpc.aio server")
+    _config_args(ps)
+    ps.add_argument("--host", default=None, help="default: environment.host")
+    ps.add_argument("--port", type=int, default=None, help="default: environment.port (0 picks a free port)")
 
     for name, helptext in [
         ("status", "show the run's status"),
@@ -359,6 +367,34 @@ def _reward(args: argparse.Namespace) -> int:
         server = RewardServer(cfg, args.host, args.port)
         await server.start()
         print(f"reward service listening on {server.address}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+@_command("environment")
+def _environment(args: argparse.Namespace) -> int:
+    from services.common.config import load_config
+    from services.common.logging import configure_logging
+    from services.environment.factory import tool_environment
+    from services.environment.server import EnvironmentServer
+
+    config, overrides = _split_config_and_overrides(args)
+    cfg = load_config(config, overrides)
+    configure_logging("environment")
+
+    async def main() -> None:
+        import signal
+
+        server = EnvironmentServer(tool_environment(cfg), cfg.environment, host=args.host, port=args.port)
+        await server.start()
+        print(f"environment service listening on {server.address}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

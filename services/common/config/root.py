@@ -17,6 +17,7 @@ from .algorithm import AlgorithmConfig, CustomRewardFunctionConfig, RewardModelC
 from .async_training import AsyncTrainingConfig
 from .base import ConfigModel
 from .data import DataConfig
+from .environment import EnvironmentConfig
 from .serve import ServeConfig
 from .trainer import RolloutResourcesConfig, TrainerConfig
 
@@ -48,6 +49,8 @@ class MeshConfig(ConfigModel):
     """The param server service."""
     reward: RewardServiceConfig = RewardServiceConfig()
     """The reward service."""
+    environment: EnvironmentConfig = EnvironmentConfig()
+    """Environments of multi-turn trajectories (external EnvironmentService endpoints)."""
     trainer_service: TrainerServiceConfig = TrainerServiceConfig()
     """The trainer service (coordinator link, checkpoints kept, weight publisher)."""
     rollout_worker: RolloutWorkerConfig = RolloutWorkerConfig()
