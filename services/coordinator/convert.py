@@ -65,6 +65,20 @@ def check_count(n: int, field: str, lo: int, hi: int) -> int:
     return n
 
 
+def policy_versions(r: common_pb2.Response, where: str) -> list[int]:
+    """The versions of a response's policy tokens: all of them, or those with loss_mask 1 in a
+    multi-turn trajectory (its environment tokens carry no version, so staleness counts the oldest
+    policy token)."""
+    mask = r.loss_mask
+    if not mask:
+        return list(r.versions)
+    if len(mask) != len(r.token_ids):
+        raise InvalidArgument(f"{where}.loss_mask", f"has {len(mask)} entries for {len(r.token_ids)} tokens")
+    if any(m > 1 for m in mask):
+        raise InvalidArgument(f"{where}.loss_mask", "entries must be 0 (environment token) or 1 (policy token)")
+    return [v for v, m in zip(r.versions, mask, strict=True) if m]
+
+
 def groups_from_request(
     req: coordinator_pb2.SubmitGroupsRequest, *, max_groups: int, max_tokens: int, expected_n: int | None = None
 ) -> list[GroupIn]:
@@ -95,8 +109,9 @@ def groups_from_request(
                 raise InvalidArgument(f"{rw}.versions", f"has {len(r.versions)} entries for {n} tokens")
             if not math.isfinite(r.reward):
                 raise InvalidArgument(f"{rw}.reward", f"must be finite, got {r.reward}")
-            if n:
-                vmin, vmax = min(r.versions), max(r.versions)
+            versions = policy_versions(r, rw)
+            if versions:
+                vmin, vmax = min(versions), max(versions)
                 if vmin < 0:
                     raise InvalidArgument(f"{rw}.versions", f"negative policy version {vmin}")
                 lo = vmin if lo is None else min(lo, vmin)

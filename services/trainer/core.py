@@ -49,7 +49,7 @@ from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
 
 from . import checkpoints
-from .convert import filter_values, groups_to_batch
+from .convert import agent_metrics, filter_values, groups_to_batch
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
 from .publisher import RankZeroPublisher, WeightPublisher
@@ -565,6 +565,7 @@ class TrainerLoop:
             "timing_s/wait_data": wait_s,
             "timing_s/step": step_s,
             **timing,
+            **agent_metrics(batch),
         })
         if not self.s.bypass_mode:
             diff = (batch.tensors["rollout_logprobs"] - batch.tensors["old_logprobs"]) * mask
