@@ -13,6 +13,7 @@
     meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--out FILE]
     meshrl bench trainer [--out FILE]
     meshrl bench rollout [--engines transformers,vllm] [--out FILE]
+    meshrl bench agent [--delay-ms 200] [--json] [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="SFT batch size (default: the example's)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear learning-rate warm-up steps")
     p.add_argument("--stop-loss", type=float, default=None, help="stop once the mean loss of the last 50 steps is below this (default 0.45)")
+    p.add_argument("--tool-fraction", type=float, default=None, help="tool_add: fraction of traces that call the tool (default 0.3)")
     p.add_argument("--device", default="cpu", help="device to train on (cpu, cuda); not part of the cache key")
 
     p = sub.add_parser("plan", help="print the derived run quantities and resource layout; starts nothing")
@@ -199,6 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     pro.add_argument("--slots", type=int, default=64, help="concurrent sequences (engine slots = generate batch)")
     pro.add_argument("--repeats", type=int, default=3, help="interleaved measurement rounds (median reported)")
     pro.add_argument("--device", default="cpu", help="device of the transformers case (cpu, cuda)")
+    pa = bsub.add_parser("agent", help="multi-turn tokens/s with an instant vs a slow (sleeping) environment")
+    pa.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pa.add_argument("--json", action="store_true", help="print JSON (the output is JSON in any case)")
+    pa.add_argument("--delay-ms", type=float, default=200.0, help="sleep of the slow environment per call")
+    pa.add_argument("--groups", type=int, default=48, help="prompt groups per round")
+    pa.add_argument("--n", type=int, default=4, help="trajectories per group")
+    pa.add_argument("--concurrency", type=int, default=24, help="groups in flight (a replica's leases)")
+    pa.add_argument("--slots", type=int, default=64, help="engine slots (max_num_seqs)")
+    pa.add_argument("--repeats", type=int, default=3, help="interleaved rounds per case (median reported)")
     return parser
 
 
@@ -256,8 +267,9 @@ def _pretrain(args: argparse.Namespace) -> int:
 
     from meshrl.pretrain import PretrainSpec, ensure_pretrained
 
-    spec = PretrainSpec(task=args.task, digits=args.digits, length_tail_alpha=args.length_tail_alpha,
-                        max_digits=args.max_digits, warmup_steps=args.warmup_steps)
+    spec = PretrainSpec.for_task(args.task, digits=args.digits, length_tail_alpha=args.length_tail_alpha,
+                                 max_digits=args.max_digits, warmup_steps=args.warmup_steps,
+                                 tool_fraction=args.tool_fraction)
     for name in ("steps", "arch", "lr", "batch_size", "stop_loss"):
         if getattr(args, name) is not None:
             spec = replace(spec, **{name: getattr(args, name)})
@@ -515,6 +527,11 @@ def _bench(args: argparse.Namespace) -> int:
             engines=tuple(e for e in args.engines.split(",") if e), prompts=args.prompts, n=args.n,
             slots=args.slots, repeats=args.repeats, device=args.device,
         )
+    elif args.bench_command == "agent":
+        from meshrl.bench.agent import run_benchmark as run_agent
+
+        result = run_agent(delay_ms=args.delay_ms, groups=args.groups, n=args.n, concurrency=args.concurrency,
+                           slots=args.slots, repeats=args.repeats)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

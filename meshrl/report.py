@@ -7,7 +7,8 @@ side). The report is written into the first run directory unless `out` is given.
 
 Metric keys read (the trainer's names; missing ones simply leave their plot out):
   step, time (unix s), policy_version, critic/rewards/mean, val/score, staleness/mean,
-  perf/throughput_tokens_per_s, perf/idle_ratio (trainer), rollout/idle_ratio, timing_s/publish
+  perf/throughput_tokens_per_s, perf/idle_ratio (trainer), rollout/idle_ratio, timing_s/publish,
+  agent/tool_call_rate, agent/num_turns/mean, agent/tool_error_rate (multi-turn runs)
 Wall time on the x axis is seconds since the run started (summary.json's started_unix_s, else the
 first record).
 """
@@ -29,6 +30,10 @@ PLOTS: list[tuple[str, str, str]] = [
     ("rollout_idle", "rollout/idle_ratio", "rollout idle ratio"),
     ("weight_sync", "timing_s/publish", "weight publish (s)"),
     ("staleness_mean", "staleness/mean", "staleness (versions, mean)"),
+    # multi-turn runs (agents): how the policy uses its tools
+    ("tool_call_rate", "agent/tool_call_rate", "trajectories calling a tool"),
+    ("turns", "agent/num_turns/mean", "assistant turns per trajectory"),
+    ("tool_errors", "agent/tool_error_rate", "tool calls answered with an error"),
 ]
 
 
@@ -146,6 +151,11 @@ def _summary_rows(run: Run) -> list[tuple[str, str]]:
         k = max(1, len(rewards) // 10)
         rows.append(("reward, first 10% of steps", f"{sum(rewards[:k]) / k:.3f}"))
         rows.append(("reward, last 10% of steps", f"{sum(rewards[-k:]) / k:.3f}"))
+    for key, name in (("agent/tool_call_rate", "tool-call rate"), ("agent/num_turns/mean", "turns per trajectory")):
+        values = [r[key] for r in run.steps if r.get(key) is not None]
+        if values:
+            k = max(1, len(values) // 10)
+            rows.append((f"{name}, first / last 10% of steps", f"{sum(values[:k]) / k:.3f} / {sum(values[-k:]) / k:.3f}"))
     if run.steps:
         rows.append(("optimizer steps", str(len(run.steps))))
         rows.append(("wall time (s)", f"{run.steps[-1].get('time_s', float('nan')):.1f}"))

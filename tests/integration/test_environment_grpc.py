@@ -27,6 +27,7 @@ from services.environment.server import EnvironmentServer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "configs" / "examples" / "tool_add_tools.yaml"
+EXAMPLE = ROOT / "examples" / "environment_server" / "server.py"
 PROMPT = EnvPrompt(prompt_id="train:0", data_source="meshrl/tool_add", messages=(Message("user", "123+456="),),
                    ground_truth="579")
 ADD = [ToolCall("call_0_0", "add", '{"a": 123, "b": 456}')]
@@ -58,6 +59,16 @@ async def start_cli_server(*overrides: str, port: int = 0) -> tuple[asyncio.subp
     return proc, line.strip().rsplit(" ", 1)[-1]
 
 
+async def start_example(*args: str) -> tuple[asyncio.subprocess.Process, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(EXAMPLE), "--port", "0", *args,
+                                                stdout=asyncio.subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    assert "listening on" in line, line
+    return proc, line.strip().rsplit(" ", 1)[-1]
+
+
 async def stop(proc: asyncio.subprocess.Process) -> None:
     if proc.returncode is None:
         proc.terminate()
@@ -81,6 +92,34 @@ def test_happy_path_against_a_server_in_another_process() -> None:
             assert (await env.close("L0/0")).reward == 0.0
             st = env.status()
             assert st["state"] == "closed" and st["retries"] == 0 and st["succeeded"] == 6
+        finally:
+            await env.aclose()
+            await stop(proc)
+
+    asyncio.run(go())
+
+
+def test_the_example_server_plays_the_calculator_task() -> None:
+    """examples/environment_server/server.py (another process, no meshrl code but the stubs):
+    tools at Start, the sum for a call, errors answered and counted, idempotent turns, a final
+    reward at Close, a token when it requires one."""
+
+    async def go() -> None:
+        proc, address = await start_example("--token", "s3cret")
+        env = RemoteEnvironment(endpoint(address, token="s3cret"))
+        try:
+            start = await env.start("E/0", PROMPT)
+            assert [t["function"]["name"] for t in start.tools] == ["add"]
+            r0 = await env.step("E/0", 0, "call", ADD)
+            assert r0.messages == (Message("tool", "579"),) and r0.tool_errors == 0 and not r0.done
+            assert await env.step("E/0", 0, "call", ADD) == r0
+            bad = await env.step("E/0", 1, "", [ToolCall("c1", "sub", "{}"), ToolCall("c2", "", "{", parse_error="invalid JSON")])
+            assert bad.tool_errors == 2 and "unknown tool 'sub'" in bad.messages[0].content
+            assert (await env.step("E/0", 2, "579", [])).done
+            assert (await env.close("E/0")).reward == 1.0
+            assert (await env.close("E/0")).reward == 1.0  # idempotent
+            with pytest.raises(Unauthenticated):
+                await RemoteEnvironment(endpoint(address, name="nokey")).start("E/1", PROMPT)
         finally:
             await env.aclose()
             await stop(proc)

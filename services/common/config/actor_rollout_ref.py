@@ -3,6 +3,7 @@ policy. Keys and defaults follow verl's `ppo_trainer.yaml` / `fully_async_ppo_tr
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -271,6 +272,15 @@ class MultiTurnConfig(ConfigModel):
     differences of whitespace only are ignored); never changes the trajectory."""
     format: Literal["hermes"] = "hermes"
     """Tool-call format: hermes / Qwen3 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+
+    @field_validator("tool_config_path", "interaction_config_path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        # Replicas run in other working directories: a relative path that exists here is made
+        # absolute where the config is loaded (the driver, `meshrl train` / `serve-config`).
+        if value and not os.path.isabs(value) and os.path.exists(value):
+            return os.path.abspath(value)
+        return value
 
 
 class RolloutEngineConfig(ConfigModel):
