@@ -337,3 +337,35 @@ def test_reward_sources_and_what_the_reward_service_scores(tok: Any) -> None:
     copy.responses[0].ClearField("env_reward")
     with pytest.raises(InvalidArgument, match="gave no reward"):
         apply_reward_source(copy, "environment")
+
+
+# ---- in the worker ----------------------------------------------------------------------------------
+
+
+def test_an_environment_outage_returns_the_lease_and_the_worker_goes_on(tok: Any) -> None:
+    """After its endpoint's budget an environment fails the group: the lease goes back (the prompt
+    is re-queued and counted by the coordinator), nothing is scored or submitted, the replica stays
+    healthy and takes the prompt again; once the environment answers, the group is submitted."""
+    from services.rollout.worker import RolloutWorker, WorkerSettings
+    from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
+
+    env = ScriptedEnv(done_at=0, fail=True)
+    engine = ScriptedEngine(tok, ["579<|im_end|>"])
+    coord = FakeCoordinator([_prompt()], common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=64))
+    agent = AgentLoop(tok, EnvironmentRouter(env, []), AgentSettings())
+
+    async def go() -> None:
+        worker = RolloutWorker(engine, tok, coord, length_scorer, None,
+                               WorkerSettings(replica_id="w", concurrent_groups=1, idle_poll_s=0.05), agent=agent)
+        worker._synced = True  # no weight fetcher: nothing to wait for
+        worker.start()
+        await wait_for(lambda: len(coord.returned) >= 2, what="the lease returned twice")
+        assert coord.submitted == [] and worker.healthy and worker.counters.groups_failed >= 2
+        env.fail = False
+        await wait_for(lambda: len(coord.submitted) == 1, what="the group submitted once the environment is back")
+        await worker.stop()
+
+    asyncio.run(go())
+    g = coord.submitted[0]
+    assert all(r.loss_mask and r.final_text == "579" for r in g.responses)
+    assert env.open == set()  # every session closed, the failed ones too

@@ -65,8 +65,8 @@ class AgentSettings:
     sanity_mode: SanityMode = "strict"
     max_resubmits: int = 64
     max_prompt_length: int | None = None
-    truncation: str = "error"
-    reward_source: str = "reward_service"
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    reward_source: Literal["reward_service", "environment", "sum"] = "reward_service"
     """environment.reward_source: reward_service, environment or sum."""
 
 
@@ -97,7 +97,8 @@ def truncate_text(text: str, limit: int, side: TruncateSide) -> tuple[str, bool]
     return text[:head] + "...(truncated)..." + text[len(text) - (limit - head) :], True
 
 
-def _truncate_prompt(ids: list[int], limit: int | None, truncation: str, prompt_id: str) -> list[int]:
+def _truncate_prompt(ids: list[int], limit: int | None, truncation: Literal["error", "left", "right", "middle"],
+                     prompt_id: str) -> list[int]:
     if limit is None or len(ids) <= limit:
         return ids
     if truncation == "left":
@@ -217,8 +218,10 @@ class AgentLoop:
         max_turns = min(limits) if limits else None
         generated_end, ended_on_assistant, user_turns = "", False, 0
         ok = False
+        turn = -1
         try:
-            for turn in range(1 << 30):
+            while True:
+                turn += 1
                 left = spec.max_tokens - len(t)
                 if left <= 0:
                     t.finish_reason = Finish.LENGTH
@@ -341,7 +344,8 @@ class AgentLoop:
 
 
 def settings_from_config(
-    multi_turn: Any, *, max_prompt_length: int | None, truncation: str, max_resubmits: int, reward_source: str
+    multi_turn: Any, *, max_prompt_length: int | None, truncation: Literal["error", "left", "right", "middle"],
+    max_resubmits: int, reward_source: Literal["reward_service", "environment", "sum"],
 ) -> AgentSettings:
     mt = multi_turn
     return AgentSettings(
