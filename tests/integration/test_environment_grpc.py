@@ -118,8 +118,10 @@ def test_the_example_server_plays_the_calculator_task() -> None:
             assert (await env.step("E/0", 2, "579", [])).done
             assert (await env.close("E/0")).reward == 1.0
             assert (await env.close("E/0")).reward == 1.0  # idempotent
+            nokey = RemoteEnvironment(endpoint(address, name="nokey"))
             with pytest.raises(Unauthenticated):
-                await RemoteEnvironment(endpoint(address, name="nokey")).start("E/1", PROMPT)
+                await nokey.start("E/1", PROMPT)
+            await nokey.aclose()
         finally:
             await env.aclose()
             await stop(proc)
