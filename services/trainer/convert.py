@@ -13,7 +13,7 @@ mask, so environment tokens carry no gradient and change no metric; lengths are 
     seq_tensors: group_index (group of the sequence in this batch), reward, response_length
                  (policy tokens), min_version (of the policy tokens), plus every reward metric the
                  rollout reported (e.g. "acc"); for multi-turn trajectories also num_turns,
-                 tool_calls, tool_errors and trajectory_length (all response tokens)
+                 tool_calls, tool_errors, trajectory_length (all response tokens), env_latency_s
     tensors:     rollout_logprobs (zeros outside the mask)
 """
 
@@ -64,6 +64,7 @@ def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: 
                 agent["tool_calls"].append(float(r.tool_calls))
                 agent["tool_errors"].append(float(r.tool_errors))
                 agent["trajectory_length"].append(float(len(r.token_ids)))
+                agent["env_latency_s"].append(float(r.env_metrics.get("env_latency_s", 0.0)))
     length = max((len(p) + len(t) for p, t, _, _ in rows), default=1)
     # One tensor per field from nested lists: a row-by-row fill costs ~20x more for many short rows.
     ids_rows, attn_rows, resp_rows, lp_rows, resp_len = [], [], [], [], []
@@ -94,7 +95,7 @@ def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: 
     return SequenceBatch(ids, attn, resp, tensors={"rollout_logprobs": rollout_lp}, seq_tensors=seq)
 
 
-AGENT_SEQ_TENSORS = ("num_turns", "tool_calls", "tool_errors", "trajectory_length")
+AGENT_SEQ_TENSORS = ("num_turns", "tool_calls", "tool_errors", "trajectory_length", "env_latency_s")
 
 
 def _loss_mask(r: common_pb2.Response, where: str, lease_id: str) -> list[float]:
@@ -112,7 +113,8 @@ def _loss_mask(r: common_pb2.Response, where: str, lease_id: str) -> list[float]
 def agent_metrics(batch: SequenceBatch) -> dict[str, float]:
     """Trajectory shape of a multi-turn batch (empty for single-turn batches): turns per
     trajectory, tool calls per trajectory, the fraction of trajectories that called a tool, tool
-    errors per call, and response tokens per trajectory (policy + environment)."""
+    errors per call, response tokens per trajectory (policy + environment), and the seconds a
+    trajectory waited on its environment."""
     st = batch.seq_tensors
     if "num_turns" not in st:
         return {}
@@ -124,6 +126,7 @@ def agent_metrics(batch: SequenceBatch) -> dict[str, float]:
         "agent/tool_call_rate": float((calls > 0).float().mean()),
         "agent/tool_error_rate": float(st["tool_errors"].sum() / calls.sum().clamp(min=1)),
         "agent/trajectory_length/mean": float(st["trajectory_length"].mean()),
+        "agent/env_latency_s/mean": float(st["env_latency_s"].mean()),
     }
 
 
