@@ -271,3 +271,30 @@ def test_step_request_validation() -> None:
     assert err.value.field == "tool_calls[1].id"
     with pytest.raises(InvalidArgument, match="max_tool_calls=1"):
         convert.tool_calls_from_request(req, max_calls=1, max_chars=100)
+
+
+def test_a_verl_tool_file_works_with_its_imports_changed(tmp_path: Path) -> None:
+    """verl's gsm8k demo tool and its YAML: create_kwargs from extra_info.tools_kwargs reach create,
+    step rewards and calc_reward make the environment's reward, the instance is released."""
+    path = tmp_path / "gsm8k_tool_config.yaml"
+    path.write_text(
+        "tools:\n  - class_name: tests.unit.agent_fixtures.verl_style_tool.Gsm8kTool\n    config: {type: native}\n"
+        "    tool_schema:\n      type: function\n      function:\n        name: calc_gsm8k_reward\n"
+        "        description: A tool for calculating the reward of gsm8k\n"
+        "        parameters: {type: object, properties: {answer: {type: string, description: The answer}}, required: [answer]}\n"
+    )
+    (tool,) = load_tools(str(path))
+
+    async def go() -> tuple[StepResult, StepResult, CloseResult]:
+        env = ToolEnvironment([tool])
+        prompt = EnvPrompt(messages=(Message("user", "2+2?"),),
+                           extra_info={"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "4"}}}})
+        await env.start("s", prompt)
+        wrong = await env.step("s", 0, "", [ToolCall("c0", "calc_gsm8k_reward", '{"answer": "5"}')])
+        right = await env.step("s", 1, "", [ToolCall("c1", "calc_gsm8k_reward", '{"answer": "4"}')])
+        return wrong, right, await env.close("s")
+
+    wrong, right, closed = asyncio.run(go())
+    assert "reward=0.0" in wrong.messages[0].content and wrong.reward == -0.05
+    assert "reward=1.0" in right.messages[0].content and right.reward == 0.0
+    assert closed.reward == 1.0 and tool._instance_dict == {}  # type: ignore[attr-defined]
