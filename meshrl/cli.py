@@ -4,6 +4,7 @@
     meshrl serve-config [CONFIG] [overrides] [--run-dir DIR] > serve.yaml   (then `serve deploy serve.yaml`)
     meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR]
     meshrl reward serve [CONFIG] [overrides] [--host H] [--port P]
+    meshrl environment serve [CONFIG] [overrides] [--host H] [--port P]
     meshrl param-server serve [CONFIG] [overrides] [--run-dir DIR]
     meshrl status|pause|resume|checkpoint|stop --address HOST:PORT [--token T | --token-file F] [--tls ...]
     meshrl set-staleness VALUE --address HOST:PORT [--token T | --token-file F] [--tls ...]
@@ -12,6 +13,7 @@
     meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--out FILE]
     meshrl bench trainer [--out FILE]
     meshrl bench rollout [--engines transformers,vllm] [--out FILE]
+    meshrl bench agent [--delay-ms 200] [--json] [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="SFT batch size (default: the example's)")
     p.add_argument("--warmup-steps", type=int, default=None, help="linear learning-rate warm-up steps")
     p.add_argument("--stop-loss", type=float, default=None, help="stop once the mean loss of the last 50 steps is below this (default 0.45)")
+    p.add_argument("--tool-fraction", type=float, default=None, help="tool_add: fraction of traces that call the tool (default 0.3)")
     p.add_argument("--device", default="cpu", help="device to train on (cpu, cuda); not part of the cache key")
 
     p = sub.add_parser("plan", help="print the derived run quantities and resource layout; starts nothing")
@@ -133,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(ps)
     ps.add_argument("--host", default="127.0.0.1")
     ps.add_argument("--port", type=int, default=50061, help="0 picks a free port")
+
+    p = sub.add_parser("environment", help="run an environment (the config's verl tools / interactions) without Ray")
+    esub = p.add_subparsers(dest="environment_command", required=True)
+    ps = esub.add_parser("serve", help="serve EnvironmentService on a plain grpc.aio server")
+    _config_args(ps)
+    ps.add_argument("--host", default=None, help="default: environment.host")
+    ps.add_argument("--port", type=int, default=None, help="default: environment.port (0 picks a free port)")
 
     for name, helptext in [
         ("status", "show the run's status"),
@@ -197,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
     pro.add_argument("--slots", type=int, default=64, help="concurrent sequences (engine slots = generate batch)")
     pro.add_argument("--repeats", type=int, default=3, help="interleaved measurement rounds (median reported)")
     pro.add_argument("--device", default="cpu", help="device of the transformers case (cpu, cuda)")
+    pa = bsub.add_parser("agent", help="multi-turn tokens/s with an instant vs a slow (sleeping) environment")
+    pa.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pa.add_argument("--json", action="store_true", help="print JSON (the output is JSON in any case)")
+    pa.add_argument("--delay-ms", type=float, default=200.0, help="sleep of the slow environment per call")
+    pa.add_argument("--groups", type=int, default=48, help="prompt groups per round")
+    pa.add_argument("--n", type=int, default=4, help="trajectories per group")
+    pa.add_argument("--concurrency", type=int, default=24, help="groups in flight (a replica's leases)")
+    pa.add_argument("--slots", type=int, default=64, help="engine slots (max_num_seqs)")
+    pa.add_argument("--repeats", type=int, default=3, help="interleaved rounds per case (median reported)")
     return parser
 
 
@@ -255,8 +274,9 @@ def _pretrain(args: argparse.Namespace) -> int:
 
     from meshrl.pretrain import PretrainSpec, ensure_pretrained
 
-    spec = PretrainSpec(task=args.task, digits=args.digits, length_tail_alpha=args.length_tail_alpha,
-                        max_digits=args.max_digits, warmup_steps=args.warmup_steps)
+    spec = PretrainSpec.for_task(args.task, digits=args.digits, length_tail_alpha=args.length_tail_alpha,
+                                 max_digits=args.max_digits, warmup_steps=args.warmup_steps,
+                                 tool_fraction=args.tool_fraction)
     for name in ("steps", "arch", "lr", "batch_size", "stop_loss"):
         if getattr(args, name) is not None:
             spec = replace(spec, **{name: getattr(args, name)})
@@ -366,6 +386,34 @@ def _reward(args: argparse.Namespace) -> int:
         server = RewardServer(cfg, args.host, args.port)
         await server.start()
         print(f"reward service listening on {server.address}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+@_command("environment")
+def _environment(args: argparse.Namespace) -> int:
+    from services.common.config import load_config
+    from services.common.logging import configure_logging
+    from services.environment.factory import tool_environment
+    from services.environment.server import EnvironmentServer
+
+    config, overrides = _split_config_and_overrides(args)
+    cfg = load_config(config, overrides)
+    configure_logging("environment")
+
+    async def main() -> None:
+        import signal
+
+        server = EnvironmentServer(tool_environment(cfg), cfg.environment, host=args.host, port=args.port)
+        await server.start()
+        print(f"environment service listening on {server.address}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -491,6 +539,11 @@ def _bench(args: argparse.Namespace) -> int:
             engines=tuple(e for e in args.engines.split(",") if e), prompts=args.prompts, n=args.n,
             slots=args.slots, repeats=args.repeats, device=args.device,
         )
+    elif args.bench_command == "agent":
+        from meshrl.bench.agent import run_benchmark as run_agent
+
+        result = run_agent(delay_ms=args.delay_ms, groups=args.groups, n=args.n, concurrency=args.concurrency,
+                           slots=args.slots, repeats=args.repeats)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

@@ -2,6 +2,19 @@
 fine-tuning on the synthetic task, so that RL starts from a policy that knows the answer format
 and is right some of the time. Nothing is downloaded: the model and tokenizer are built here.
 
+`tool_add` (the agentic task) trains on partly formatted traces: a `tool_fraction` of the examples
+call the calculator and answer with its result,
+
+    <|im_start|>user\n123+456=<|im_end|>\n<|im_start|>assistant\n
+    <tool_call>{"name":"add","arguments":{"a":123,"b":456}}</tool_call><|im_end|>      (trained)
+    \n<|im_start|>user\n<tool_response>\n579\n</tool_response><|im_end|>\n<|im_start|>assistant\n
+                                                                           (environment: not trained)
+    579<|im_end|>                                                                      (trained)
+
+and the others answer in their head (`579<|im_end|>`), which a 0.8M model mostly gets wrong on
+three digits: RL has to discover that calling the tool pays. The traces are tokenized exactly as
+the rollout's agent loop tokenizes a trajectory (services/rollout/agent/chat.py).
+
 The result is cached under `$MESHRL_CACHE_DIR` (default `~/.cache/meshrl`) in a directory named by
 a hash of everything that determines it, so every run (and every Ray worker) with the same
 settings reuses the same files.
@@ -44,6 +57,8 @@ class PretrainSpec:
     """Longest string with `length_tail_alpha` (data.synthetic.max_digits)."""
     warmup_steps: int | None = None
     """Linear learning-rate warm-up over this many steps; null: none."""
+    tool_fraction: float | None = None
+    """`tool_add` only: fraction of the traces that call the tool; null: 0.3."""
     stop_loss: float | None = 0.45
     """Stop before `steps` once the mean loss of the last 50 steps is below this: a partly trained
     warm start, so RL has room to improve (a fully trained copy policy is right ~95% of the time).
@@ -52,13 +67,25 @@ class PretrainSpec:
     steps, the old default, ended at loss 0.74 and a greedy accuracy of 0.12 on a 2026-11-27
     sandbox, where the same code had given ~0.47 before; 0.45 is reached at step ~670 there)."""
 
+    @classmethod
+    def for_task(cls, task: str = "addition", **fields: Any) -> PretrainSpec:
+        """The spec of `task` with its own defaults (TASK_DEFAULTS) for the fields not given."""
+        given = {k: v for k, v in fields.items() if v is not None}
+        return cls(task=task, **{**TASK_DEFAULTS.get(task, {}), **given})
+
     def key(self) -> str:
         # Fields added later are left out while unset, so earlier checkpoints keep their names.
         fields = {k: v for k, v in asdict(self).items() if not (k in _LATER_FIELDS and v is None)}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
-_LATER_FIELDS = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss")
+_LATER_FIELDS = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss", "tool_fraction")
+TOOL_FRACTION = 0.3
+# tool_add's loss is mostly the tool traces' (their template is copied): 0.45 is reached before the
+# digits are copied reliably, 0.2 after (~650 steps; a greedy policy then copies 0.7-0.8 of its
+# calls right). Batches stay mixed: batched by length (traces apart from direct answers) the
+# policy learned neither (reward 0 after 800 steps).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {"tool_add": {"stop_loss": 0.2}}
 
 
 def cache_dir() -> Path:
@@ -70,14 +97,38 @@ def checkpoint_path(spec: PretrainSpec) -> Path:
     return cache_dir() / f"tiny-{spec.arch}-{spec.task}{spec.digits}{tail}-{spec.key()}"
 
 
-def _sft_examples(records: RecordList, tok: Any) -> list[tuple[list[int], int]]:
-    """(prompt + answer + eos token ids, number of prompt tokens)."""
+def _sft_examples(records: RecordList, tok: Any) -> list[tuple[list[int], list[int]]]:
+    """(prompt + answer + eos token ids, loss mask: 1 on the answer)."""
     out = []
     for r in records.records:
         prompt = tok(r.text, add_special_tokens=False)["input_ids"]
         answer = tok(r.ground_truth, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        out.append((prompt + answer, len(prompt)))
+        out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
     return out
+
+
+def tool_add_trace(tok: Any, a: int, b: int, *, use_tool: bool) -> tuple[list[int], list[int]]:
+    """One `tool_add` trace (see the module docstring): (ids, loss mask), tokenized like the
+    rollout tokenizes a trajectory."""
+    from services.rollout.agent.chat import ChatRenderer
+
+    r = ChatRenderer(tok)
+    msgs = [{"role": "user", "content": f"{a}+{b}="}]
+    prompt = r.prompt_ids(msgs)
+    if not use_tool:
+        answer = r.encode(f"{a + b}{tok.eos_token}")
+        return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+    call = f'<tool_call>{{"name":"add","arguments":{{"a":{a},"b":{b}}}}}</tool_call>'
+    call_ids = r.encode(call + tok.eos_token)
+    env = r.env_ids(msgs, {"role": "assistant", "content": call}, [{"role": "tool", "content": str(a + b)}], tok.eos_token)
+    answer = r.encode(f"{a + b}{tok.eos_token}")
+    ids = prompt + call_ids + env + answer
+    return ids, [0] * len(prompt) + [1] * len(call_ids) + [0] * len(env) + [1] * len(answer)
+
+
+def _tool_add_examples(records: RecordList, tok: Any, fraction: float, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+    return [tool_add_trace(tok, int(r.extra_info["a"]), int(r.extra_info["b"]), use_tool=rng.random() < fraction)
+            for r in records.records]
 
 
 def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict[str, float]:
@@ -90,12 +141,17 @@ def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict
 
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
-    tok = build_tokenizer()
+    tools = spec.task == "tool_add"
+    tok = build_tokenizer(tools=tools)
     model = build_tiny_model(spec.arch, tok, seed=spec.seed).to(device)
     # The SFT data uses a seed disjoint from the RL prompts (which use data.synthetic.seed).
     records = synthetic_records(spec.task, spec.num_examples, digits=spec.digits, seed=10_000 + spec.seed, split="sft",
                                 length_tail_alpha=spec.length_tail_alpha, max_digits=spec.max_digits)
-    examples = _sft_examples(records, tok)
+    if tools:
+        fraction = TOOL_FRACTION if spec.tool_fraction is None else spec.tool_fraction
+        examples = _tool_add_examples(records, tok, fraction, random.Random(spec.seed + 7))
+    else:
+        examples = _sft_examples(records, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     warmup = spec.warmup_steps or 0
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
@@ -119,10 +175,10 @@ def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict
         ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (seq, n_prompt) in enumerate(batch):
+        for i, (seq, mask) in enumerate(batch):
             ids[i, : len(seq)] = torch.tensor(seq)
             attn[i, : len(seq)] = 1
-            labels[i, n_prompt : len(seq)] = torch.tensor(seq[n_prompt:])
+            labels[i, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(seq), -100)
         ids, labels, attn = ids.to(device), labels.to(device), attn.to(device)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)

@@ -84,8 +84,8 @@ def ensure_model(cfg: MeshConfig) -> MeshConfig:
     from meshrl.pretrain import PretrainSpec, ensure_pretrained
 
     syn = cfg.data.synthetic
-    spec = (PretrainSpec(task=syn.name, digits=syn.digits, length_tail_alpha=syn.length_tail_alpha,
-                         max_digits=syn.max_digits) if syn is not None else PretrainSpec())
+    spec = (PretrainSpec.for_task(syn.name, digits=syn.digits, length_tail_alpha=syn.length_tail_alpha,
+                                  max_digits=syn.max_digits) if syn is not None else PretrainSpec())
     path = ensure_pretrained(spec)
     return cfg.model_copy(update={"actor_rollout_ref": cfg.actor_rollout_ref.model_copy(
         update={"model": cfg.actor_rollout_ref.model.model_copy(update={"path": str(path)})})})

@@ -109,6 +109,11 @@ async def run_validation(
         [ValPrompt(val[i].data_source or "unknown", [_values(r) for r in rs]) for i, rs in enumerate(groups)],
         n=sampling.n or 1,
     ))
+    agent = [r for r in responses if r.loss_mask]
+    if agent:  # multi-turn: how the policy used its tools
+        record["val/tool_call_rate"] = sum(1 for r in agent if r.tool_calls) / len(agent)
+        record["val/num_turns"] = sum(r.num_turns for r in agent) / len(agent)
+        record["val/tool_errors"] = sum(r.tool_errors for r in agent) / len(agent)
     path = run_dir / "metrics" / "validation.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:

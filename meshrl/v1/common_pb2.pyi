@@ -178,12 +178,39 @@ Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
 class Response(_message.Message):
-    """One sampled response. token_ids, logprobs and versions have the same length."""
+    """One sampled response: a single generation, or a multi-turn trajectory. token_ids, logprobs and
+    versions (and loss_mask, when set) have the same length.
+
+    A multi-turn trajectory (an agent: assistant turns alternating with tool / environment / user
+    messages) is the prompt followed by segments of policy tokens (loss_mask 1, with logprob and
+    version) and environment tokens (loss_mask 0, logprob 0, version -1): exactly the ids the model
+    saw, in order. Staleness counts its oldest policy token.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     @_typing.final
     class RewardMetricsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class EnvMetricsEntry(_message.Message):
         DESCRIPTOR: _descriptor.Descriptor
 
         KEY_FIELD_NUMBER: _builtins.int
@@ -211,6 +238,14 @@ class Response(_message.Message):
     REWARD_FIELD_NUMBER: _builtins.int
     REWARD_METRICS_FIELD_NUMBER: _builtins.int
     NUM_RESUMES_FIELD_NUMBER: _builtins.int
+    LOSS_MASK_FIELD_NUMBER: _builtins.int
+    TURN_STARTS_FIELD_NUMBER: _builtins.int
+    NUM_TURNS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_ERRORS_FIELD_NUMBER: _builtins.int
+    ENV_REWARD_FIELD_NUMBER: _builtins.int
+    ENV_METRICS_FIELD_NUMBER: _builtins.int
+    FINAL_TEXT_FIELD_NUMBER: _builtins.int
     sample_index: _builtins.int
     """Index of this response within its group, 0..n-1."""
     finish_reason: Global___FinishReason.ValueType
@@ -220,6 +255,17 @@ class Response(_message.Message):
     """Scalar reward assigned by the reward service."""
     num_resumes: _builtins.int
     """How many times generation was interrupted and resumed (partial rollout)."""
+    num_turns: _builtins.int
+    """Assistant (policy) turns of the trajectory."""
+    tool_calls: _builtins.int
+    """Tool calls the policy made, and how many of them were answered with an error (malformed,
+    unknown tool, bad arguments, the tool failed).
+    """
+    tool_errors: _builtins.int
+    env_reward: _builtins.float
+    """The environment's reward for the trajectory (sum of its step and final rewards), if it gave one."""
+    final_text: _builtins.str
+    """Text of the last assistant turn: the final answer the reward service scores."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -236,6 +282,23 @@ class Response(_message.Message):
     def reward_metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Named reward metrics (e.g. "acc", "overlong_penalty")."""
 
+    @_builtins.property
+    def loss_mask(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per-token loss mask: 1 = sampled by the policy (trained), 0 = environment, tool or user token
+        (not trained; its logprob is 0 and its version -1). Empty: every token is a policy token.
+        """
+
+    @_builtins.property
+    def turn_starts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Index in token_ids where each segment of the trajectory starts (ascending, the first is 0);
+        a segment is one assistant turn (loss_mask 1) or one block of environment messages (0).
+        Empty for a single-turn response.
+        """
+
+    @_builtins.property
+    def env_metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Named environment metrics (summed over turns), e.g. "env_latency_s", "truncated_messages"."""
+
     def __init__(
         self,
         *,
@@ -248,12 +311,22 @@ class Response(_message.Message):
         reward: _builtins.float = ...,
         reward_metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         num_resumes: _builtins.int = ...,
+        loss_mask: _abc.Iterable[_builtins.int] | None = ...,
+        turn_starts: _abc.Iterable[_builtins.int] | None = ...,
+        num_turns: _builtins.int = ...,
+        tool_calls: _builtins.int = ...,
+        tool_errors: _builtins.int = ...,
+        env_reward: _builtins.float | None = ...,
+        env_metrics: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        final_text: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_env_reward", b"_env_reward", "env_reward", b"env_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_resumes", b"num_resumes", "reward", b"reward", "reward_metrics", b"reward_metrics", "sample_index", b"sample_index", "text", b"text", "token_ids", b"token_ids", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_env_reward", b"_env_reward", "env_metrics", b"env_metrics", "env_reward", b"env_reward", "final_text", b"final_text", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "loss_mask", b"loss_mask", "num_resumes", b"num_resumes", "num_turns", b"num_turns", "reward", b"reward", "reward_metrics", b"reward_metrics", "sample_index", b"sample_index", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "tool_errors", b"tool_errors", "turn_starts", b"turn_starts", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__env_reward: _TypeAlias = _typing.Literal["env_reward"]  # noqa: Y015
+    _WhichOneofArgType__env_reward: _TypeAlias = _typing.Literal["_env_reward", b"_env_reward"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__env_reward) -> _WhichOneofReturnType__env_reward | None: ...
 
 Global___Response: _TypeAlias = Response  # noqa: Y015
 

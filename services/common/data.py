@@ -159,6 +159,7 @@ def load_files(files: Sequence[str], *, split: str, prompt_key: str = "prompt") 
 
 ADDITION_SOURCE = "meshrl/addition"
 COPY_SOURCE = "meshrl/copy"
+TOOL_ADD_SOURCE = "meshrl/tool_add"
 
 
 def tail_length(rng: random.Random, digits: int, alpha: float, max_digits: int) -> int:
@@ -174,7 +175,8 @@ def synthetic_records(
 ) -> RecordList:
     """Prompts with verifiable answers. `addition`: "23+45=" -> "68". `copy`: "copy 3141:" -> "3141";
     with `length_tail_alpha` the copy strings have heavy-tailed lengths (`tail_length`, capped at
-    `max_digits`, default 8 * digits), so the responses do too.
+    `max_digits`, default 8 * digits), so the responses do too. `tool_add`: the chat message
+    "123+456=" -> "579", for a policy with the calculator tool `add(a, b)` (multi-turn).
     Train and val use disjoint seeds (split is folded into the seed)."""
     if length_tail_alpha is not None and name != "copy":
         raise ConfigError(f"length_tail_alpha applies to the copy task only, not {name!r}")
@@ -191,6 +193,14 @@ def synthetic_records(
                     ability="math", ground_truth=str(a + b), extra_info={"a": a, "b": b},
                 )
             )
+        elif name == "tool_add":
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            records.append(
+                PromptRecord(
+                    prompt_id=f"{split}:{i}", messages=(("user", f"{a}+{b}="),), data_source=TOOL_ADD_SOURCE,
+                    ability="math", ground_truth=str(a + b), extra_info={"a": a, "b": b},
+                )
+            )
         elif name == "copy":
             length = digits if length_tail_alpha is None else tail_length(rng, digits, length_tail_alpha, cap)
             s = "".join(rng.choice("0123456789") for _ in range(length))
@@ -201,7 +211,7 @@ def synthetic_records(
                 )
             )
         else:
-            raise ConfigError(f"unknown synthetic task {name!r}; use addition or copy")
+            raise ConfigError(f"unknown synthetic task {name!r}; use addition, copy or tool_add")
     return RecordList(records)
 
 

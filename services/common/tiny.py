@@ -27,8 +27,26 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> Any:
-    """A character-level PreTrainedTokenizerFast (vocab = specials + printable ASCII)."""
+# Tool calling, Qwen3 / hermes style: tool responses go back inside a user turn. The tools
+# themselves are not rendered (a tiny model learns its one tool from its warm start).
+TOOL_CHAT_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+def build_tokenizer(tools: bool = False) -> Any:
+    """A character-level PreTrainedTokenizerFast (vocab = specials + printable ASCII). With
+    `tools`: the hermes tool-call markers as single (non-special) tokens after them, `<|im_end|>`
+    as the end-of-sequence token (an assistant turn ends with it, as in Qwen's chat models) and
+    a chat template that renders `tool` messages like Qwen3's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -39,13 +57,15 @@ def build_tokenizer() -> Any:
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token=BOS,
-        eos_token=EOS,
+        eos_token="<|im_end|>" if tools else EOS,
         pad_token=PAD,
         unk_token=UNK,
         additional_special_tokens=SPECIAL[4:],
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
     )
+    if tools:
+        tok.add_tokens(TOOL_TOKENS)
     return tok
 
 

@@ -80,6 +80,20 @@ def check_count(n: int, field: str, lo: int, hi: int) -> int:
     return n
 
 
+def policy_versions(r: common_pb2.Response, where: str) -> Sequence[int]:
+    """The versions of a response's policy tokens: all of them, or those with loss_mask 1 in a
+    multi-turn trajectory (its environment tokens carry no version, so staleness counts the oldest
+    policy token)."""
+    mask = r.loss_mask
+    if not mask:
+        return r.versions
+    if len(mask) != len(r.token_ids):
+        raise InvalidArgument(f"{where}.loss_mask", f"has {len(mask)} entries for {len(r.token_ids)} tokens")
+    if any(m > 1 for m in mask):
+        raise InvalidArgument(f"{where}.loss_mask", "entries must be 0 (environment token) or 1 (policy token)")
+    return [v for v, m in zip(r.versions, mask, strict=True) if m]
+
+
 def _check_token_ids(ids: Sequence[int], field: str, vocab_size: int | None) -> None:
     if not ids:
         return
@@ -112,8 +126,9 @@ def _check_response(rw: str, r: common_pb2.Response, max_tokens: int, vocab_size
         raise InvalidArgument(f"{rw}.reward", f"must be finite, got {r.reward}")
     _check_token_ids(r.token_ids, f"{rw}.token_ids", vocab_size)
     _check_logprobs(r.logprobs, f"{rw}.logprobs")
-    if n and min(r.versions) < 0:
-        raise InvalidArgument(f"{rw}.versions", f"negative policy version {min(r.versions)}")
+    versions = policy_versions(r, rw)
+    if versions and min(versions) < 0:
+        raise InvalidArgument(f"{rw}.versions", f"negative policy version {min(versions)} on a policy token")
     raise AssertionError(f"{rw}: the fast check failed but no field is wrong")
 
 
@@ -145,13 +160,17 @@ def groups_from_request(
             # The common case in a few C-level passes; the field-by-field check (which names what is
             # wrong) runs only for a response that fails it.
             n = len(r.token_ids)
+            rw = f"{where}.responses[{j}]"
             if n > max_tokens or len(r.logprobs) != n or len(r.versions) != n or not math.isfinite(r.reward):
-                _check_response(f"{where}.responses[{j}]", r, max_tokens, vocab_size)
-            if n:
-                vmin, vmax = min(r.versions), max(r.versions)
-                if (vmin < 0 or min(r.token_ids) < 0 or (vocab_size is not None and max(r.token_ids) >= vocab_size)
-                        or not math.isfinite(sum(r.logprobs))):
-                    _check_response(f"{where}.responses[{j}]", r, max_tokens, vocab_size)
+                _check_response(rw, r, max_tokens, vocab_size)
+            if n and (min(r.token_ids) < 0 or (vocab_size is not None and max(r.token_ids) >= vocab_size)
+                      or not math.isfinite(sum(r.logprobs))):
+                _check_response(rw, r, max_tokens, vocab_size)
+            versions = policy_versions(r, rw)
+            if versions:
+                vmin, vmax = min(versions), max(versions)
+                if vmin < 0:
+                    _check_response(rw, r, max_tokens, vocab_size)
                 lo = vmin if lo is None else min(lo, vmin)
                 hi = vmax if hi is None else max(hi, vmax)
         if lo is None or hi is None:

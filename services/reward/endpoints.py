@@ -1,168 +1,30 @@
-"""Client of an external meshrl.v1.RewardService: batching, deadlines, bounded retries with
-backoff and jitter, a circuit breaker, TLS and a token.
+"""Client of an external meshrl.v1.RewardService: the items are cut into chunks of `batch_size`,
+each chunk is one Score call through the shared resilient endpoint client
+(services/common/endpoints.py: deadlines, bounded retries with backoff and jitter, a circuit
+breaker, TLS and a token).
 
-Timeline of one chunk (`batch_size` items) sent to an endpoint:
-
-    acquire breaker ──> Score(deadline=timeout_s) ──ok──> validate ──> scores
-         ^                   │ transient failure (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
-         │                   v
-         │            retry < max_retries? ── yes ──> sleep U(0, min(backoff_max_s, backoff_initial_s·2^k)) ──┐
-         │                   │ no: the endpoint is down: trip the breaker, the items *wait*             │
-         └───────────────────┴─────────────────────────────────────────────────────────────────────┘
-
-While the breaker is open no call goes out; after `breaker_open_s` one probe is let through
-(half-open): success closes it and every waiting chunk proceeds, failure re-opens it for twice as
-long (up to `breaker_max_open_s`). Waiting items are counted in `status()` and the chunk fails with
-UNAVAILABLE only after `max_wait_s` (null: never). Non-transient answers are errors at once, each
-naming the endpoint: INVALID_ARGUMENT (the endpoint rejected the items, or sent back something
-that is not a valid ScoreResponse for them), UNAUTHENTICATED/PERMISSION_DENIED (token), and the
-rest as INTERNAL. Scores are never invented. Delivery is at-least-once: a call that timed out may
-have been scored by the endpoint before it is sent again, so Score must be a pure function of the
-item (it is, for any sane reward).
+When the endpoint is down its breaker opens and the items *wait* (counted as `waiting_items` in
+`status()`); Score fails with UNAVAILABLE only after `max_wait_s` (null: never). Scores are never
+invented. Delivery is at-least-once: a call that timed out may have been scored by the endpoint
+before it is sent again, so Score must be a pure function of the item (it is, for any sane reward).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
-
-import grpc
-import grpc.aio
-from google.protobuf.message import DecodeError
 
 from meshrl.v1 import reward_pb2
 from services.common.config.reward import RewardEndpointConfig
-from services.common.errors import FailedPrecondition, InvalidArgument, MeshError, Unauthenticated, Unavailable
-from services.common.grpc_util import bearer_metadata, message_options
-from services.common.logging import get_logger
+from services.common.endpoints import ResilientEndpoint
 
 from . import convert
 from .samples import Sample, Score
 
-log = get_logger(__name__)
-
-SCORE_METHOD = "/meshrl.v1.RewardService/Score"
-RETRYABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
-)
-# gRPC's own reconnect backoff grows to 120 s by default; keep it short so a recovered endpoint is
-# seen by the next probe.
-_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-
-
-class EndpointError(MeshError):
-    """An endpoint answered with a non-transient error we have no better class for."""
-
-
-class BreakerState(enum.Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
-
-
-class CircuitBreaker:
-    """closed --(failure_threshold consecutive failures, or trip())--> open --(open_s)--> half-open:
-    one probe --success--> closed / --failure--> open for twice as long (<= max_open_s).
-
-    `acquire()` returns when a call may go out (True: this call is the probe): at once when
-    closed; when open it waits for the probe time; while a probe is in flight everyone else waits
-    for its outcome. The probe's caller must report on_success/on_failure, or `release_probe()` if
-    it ended without an outcome (cancelled). Use from one event loop."""
-
-    def __init__(
-        self, *, failure_threshold: int, open_s: float, max_open_s: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.failure_threshold = failure_threshold
-        self.base_open_s = open_s
-        self.max_open_s = max_open_s
-        self.clock = clock
-        self.state = BreakerState.CLOSED
-        self.consecutive_failures = 0
-        self.open_s = open_s
-        self.opened_at = 0.0
-        self.down_since: float | None = None
-        self.times_opened = 0
-        self._changed: asyncio.Event | None = None
-
-    def _event(self) -> asyncio.Event:
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
-
-    def _notify(self) -> None:
-        self._event().set()
-        self._changed = asyncio.Event()
-
-    async def acquire(self) -> bool:
-        while True:
-            if self.state is BreakerState.CLOSED:
-                return False
-            event = self._event()
-            if self.state is BreakerState.OPEN:
-                wait_s = self.opened_at + self.open_s - self.clock()
-                if wait_s <= 0:
-                    self.state = BreakerState.HALF_OPEN
-                    self._notify()
-                    return True
-                try:
-                    await asyncio.wait_for(event.wait(), wait_s)
-                except TimeoutError:
-                    pass
-            else:  # HALF_OPEN: a probe is out
-                await event.wait()
-
-    def on_success(self) -> None:
-        if self.state is not BreakerState.CLOSED:
-            log.info("reward_endpoint_recovered", down_for_s=round(self.clock() - (self.down_since or self.clock()), 3))
-        self.state = BreakerState.CLOSED
-        self.consecutive_failures = 0
-        self.open_s = self.base_open_s
-        self.down_since = None
-        self._notify()
-
-    def on_failure(self) -> None:
-        self.consecutive_failures += 1
-        if self.state is BreakerState.HALF_OPEN:
-            self._open(min(self.open_s * 2, self.max_open_s))
-        elif self.state is BreakerState.CLOSED and self.consecutive_failures >= self.failure_threshold:
-            self._open(self.base_open_s)
-
-    def release_probe(self) -> None:
-        """The probe ended without an outcome: let the next caller probe at once."""
-        if self.state is BreakerState.HALF_OPEN:
-            self.state = BreakerState.OPEN
-            self.opened_at = self.clock() - self.open_s
-            self._notify()
-
-    def trip(self) -> None:
-        """Open now (a call used up its retries: the endpoint is down)."""
-        if self.state is BreakerState.CLOSED:
-            self._open(self.base_open_s)
-
-    def _open(self, open_s: float) -> None:
-        now = self.clock()
-        self.state = BreakerState.OPEN
-        self.open_s = open_s
-        self.opened_at = now
-        self.times_opened += 1
-        if self.down_since is None:
-            self.down_since = now
-        self._notify()
-
-
-def backoff_s(attempt: int, initial_s: float, max_s: float, rng: random.Random) -> float:
-    """Full-jitter exponential backoff before retry number `attempt` (1-based)."""
-    return rng.uniform(0.0, min(max_s, initial_s * 2 ** (attempt - 1)))
+SERVICE = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 
 
 class EndpointClient:
@@ -179,45 +41,14 @@ class EndpointClient:
         self.cfg = cfg
         self.name = cfg.label
         self.source = f"reward endpoint {cfg.label!r} ({cfg.address}, reward.endpoints[{index}])"
-        self.clock = clock
-        self.rng = rng or random.Random()
-        self.breaker = CircuitBreaker(
-            failure_threshold=cfg.breaker_failure_threshold, open_s=cfg.breaker_open_s,
-            max_open_s=cfg.breaker_max_open_s, clock=clock,
+        self.endpoint = ResilientEndpoint(
+            cfg, source=self.source, service=SERVICE, payloads={"Score": "items"}, rng=rng, clock=clock
         )
-        token = cfg.token or (os.environ.get(cfg.token_env) if cfg.token_env else None)
-        if cfg.token_env and not token:
-            log.warning("reward_endpoint_token_missing", endpoint=self.name, env=cfg.token_env)
-        self._metadata = tuple(bearer_metadata(token))
-        self._channel: grpc.aio.Channel | None = None
-        self._call: Any = None
-        self._slots: asyncio.Semaphore | None = None
-        self.calls = 0
-        self.failed_attempts = 0
-        self.retries = 0
         self.items_scored = 0
-        self.waiting_items = 0
-        self.last_error: str | None = None
 
-    def _channel_for_loop(self) -> Any:
-        if self._call is None:
-            cfg = self.cfg
-            options = [*message_options(), *_RECONNECT_OPTIONS]
-            if cfg.tls:
-                roots = Path(cfg.ca_file).read_bytes() if cfg.ca_file else None
-                if cfg.tls_server_name:
-                    options.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
-                creds = grpc.ssl_channel_credentials(root_certificates=roots)
-                self._channel = grpc.aio.secure_channel(cfg.address, creds, options=options)
-            else:
-                self._channel = grpc.aio.insecure_channel(cfg.address, options=options)
-            # Raw bytes back: a reply that does not decode is the endpoint's fault, reported as such
-            # (a deserializer error would surface as an anonymous INTERNAL).
-            self._call = self._channel.unary_unary(
-                SCORE_METHOD, request_serializer=reward_pb2.ScoreRequest.SerializeToString, response_deserializer=None
-            )
-            self._slots = asyncio.Semaphore(cfg.max_concurrent_calls)
-        return self._call
+    @property
+    def breaker(self) -> Any:
+        return self.endpoint.breaker
 
     async def score(self, samples: Sequence[Sample]) -> list[Score]:
         """Scores for `samples`, in order (see module docstring for waiting and errors)."""
@@ -233,103 +64,31 @@ class EndpointClient:
         return [s for chunk in results for s in chunk]
 
     async def _score_chunk(self, samples: list[Sample]) -> list[Score]:
-        call = self._channel_for_loop()
-        assert self._slots is not None
         request = reward_pb2.ScoreRequest(items=[convert.item_from_sample(s) for s in samples])
-        attempt = 0
-        first_failure: float | None = None
-        waiting = False
-        try:
-            while True:
-                if not waiting and self.breaker.state is not BreakerState.CLOSED:
-                    waiting = True  # held back by an open breaker: these items wait
-                    self.waiting_items += len(samples)
-                probe = await self.breaker.acquire()
-                try:
-                    async with self._slots:
-                        self.calls += 1
-                        raw = await call(request, timeout=self.cfg.timeout_s, metadata=self._metadata)
-                except grpc.aio.AioRpcError as exc:
-                    code, details = exc.code(), exc.details() or ""
-                    if code not in RETRYABLE:
-                        self.breaker.on_success()  # it answered: reachable, but the answer is an error
-                        raise self._fatal(code, details) from None
-                    self.breaker.on_failure()
-                else:
-                    self.breaker.on_success()
-                    scores = self._decode(raw, samples)
-                    self.items_scored += len(scores)
-                    return scores
-                finally:
-                    if probe:
-                        self.breaker.release_probe()  # no-op once an outcome was recorded
-                # A transient failure: retry, or wait for the endpoint to come back.
-                self.failed_attempts += 1
-                self.last_error = f"{code.name}: {details}"
-                now = self.clock()
-                if first_failure is None:
-                    first_failure = now
-                if not waiting:
-                    waiting = True
-                    self.waiting_items += len(samples)
-                if self.cfg.max_wait_s is not None and now - first_failure >= self.cfg.max_wait_s:
-                    raise Unavailable(
-                        f"{self.source} has been failing for {now - first_failure:.1f}s "
-                        f"(max_wait_s={self.cfg.max_wait_s}); last error {self.last_error}"
-                    )
-                attempt += 1
-                if attempt > self.cfg.max_retries:
-                    if self.breaker.state is BreakerState.CLOSED:
-                        log.warning(
-                            "reward_endpoint_down", endpoint=self.name, error=self.last_error,
-                            waiting_items=self.waiting_items,
-                        )
-                    self.breaker.trip()
-                    attempt = 0
-                    continue
-                self.retries += 1
-                await asyncio.sleep(backoff_s(attempt, self.cfg.backoff_initial_s, self.cfg.backoff_max_s, self.rng))
-        finally:
-            if waiting:
-                self.waiting_items -= len(samples)
 
-    def _decode(self, raw: bytes, samples: list[Sample]) -> list[Score]:
-        try:
-            resp = reward_pb2.ScoreResponse.FromString(raw)
-        except DecodeError as exc:
-            raise InvalidArgument(self.source, f"sent a reply that is not a meshrl.v1.ScoreResponse ({exc})") from None
-        return convert.scores_from_response(resp, samples, self.source)
+        def check(reply: reward_pb2.ScoreResponse) -> list[Score]:
+            return convert.scores_from_response(reply, samples, self.source)
 
-    def _fatal(self, code: grpc.StatusCode, details: str) -> MeshError:
-        self.last_error = f"{code.name}: {details}"
-        log.error("reward_endpoint_error", endpoint=self.name, code=code.name, details=details)
-        if code is grpc.StatusCode.INVALID_ARGUMENT:
-            return InvalidArgument(self.source, f"rejected the items: {details}")
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            return Unauthenticated(f"{self.source} refused the call ({code.name}: {details}); check its token / token_env")
-        if code is grpc.StatusCode.UNIMPLEMENTED:
-            return FailedPrecondition(f"{self.source} does not implement meshrl.v1.RewardService/Score ({details})")
-        return EndpointError(f"{self.source} failed with {code.name}: {details}")
+        scores = await self.endpoint.call("Score", request, reward_pb2.ScoreResponse, check, units=len(samples))
+        self.items_scored += len(scores)
+        return scores
 
     def status(self) -> dict[str, Any]:
-        b = self.breaker
+        st = self.endpoint.status()
         return {
-            "name": self.name,
-            "address": self.cfg.address,
-            "state": b.state.value,
-            "consecutive_failures": b.consecutive_failures,
-            "down_for_s": None if b.down_since is None else round(self.clock() - b.down_since, 3),
-            "times_opened": b.times_opened,
-            "waiting_items": self.waiting_items,
-            "calls": self.calls,
-            "failed_attempts": self.failed_attempts,
-            "retries": self.retries,
+            "name": st["name"],
+            "address": st["address"],
+            "state": st["state"],
+            "consecutive_failures": st["consecutive_failures"],
+            "down_for_s": st["down_for_s"],
+            "times_opened": st["times_opened"],
+            "waiting_items": st["waiting"],
+            "calls": st["calls"],
+            "failed_attempts": st["failed_attempts"],
+            "retries": st["retries"],
             "items_scored": self.items_scored,
-            "last_error": self.last_error,
+            "last_error": st["last_error"],
         }
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-            self._call = None
+        await self.endpoint.close()

@@ -3,6 +3,7 @@ to Response / TrajectoryGroup, score items. The only module that knows both side
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -120,22 +121,34 @@ def group(
 
 
 def score_items(group: common_pb2.TrajectoryGroup, prompt_str: str, max_tokens: int) -> list[reward_pb2.ScoreItem]:
+    """One item per response. A multi-turn trajectory (loss_mask set) is scored on its final
+    answer (the last assistant turn) and its policy tokens (what DAPO's overlong shaping counts,
+    as in verl); its extra_info gains verl's `num_turns` and `rollout_reward_scores` (the
+    environment's reward, when it gave one)."""
     p = group.prompt
-    return [
-        reward_pb2.ScoreItem(
+    items = []
+    for r in group.responses:
+        multi = bool(r.loss_mask)
+        items.append(reward_pb2.ScoreItem(
             item_id=f"{group.lease_id}/{r.sample_index}",
             prompt_text=prompt_str,
-            response_text=r.text,
-            response_token_ids=r.token_ids,
+            response_text=r.final_text if multi else r.text,
+            response_token_ids=[t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] if multi else r.token_ids,
             ground_truth=p.ground_truth,
             data_source=p.data_source,
-            extra_info_json=p.extra_info_json,
+            extra_info_json=_agent_extra_info(p.extra_info_json, r) if multi else p.extra_info_json,
             policy_version=max(r.versions) if r.versions else group.max_policy_version,
             max_response_length=max_tokens,
             truncated=r.finish_reason == common_pb2.FINISH_REASON_LENGTH,
-        )
-        for r in group.responses
-    ]
+        ))
+    return items
+
+
+def _agent_extra_info(extra_json: str, r: common_pb2.Response) -> str:
+    extra = json.loads(extra_json) if extra_json else {}
+    extra["num_turns"] = r.num_turns
+    extra["rollout_reward_scores"] = {"env_reward": r.env_reward} if r.HasField("env_reward") else {}
+    return json.dumps(extra, separators=(",", ":"))
 
 
 def apply_scores(group: common_pb2.TrajectoryGroup, results: Sequence[reward_pb2.ScoreResult]) -> None:

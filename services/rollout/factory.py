@@ -118,7 +118,24 @@ def build_worker(
     fetcher: WeightFetcher | None,
     replica_id: str | None = None,
 ) -> RolloutWorker:
-    return RolloutWorker(engine, tokenizer, coordinator, scorer, fetcher, worker_settings(cfg, replica_id))
+    settings = worker_settings(cfg, replica_id)
+    return RolloutWorker(engine, tokenizer, coordinator, scorer, fetcher, settings, agent=build_agent(cfg, tokenizer, settings))
+
+
+def build_agent(cfg: MeshConfig, tokenizer: Any, settings: WorkerSettings) -> Any:
+    """The AgentLoop of a multi-turn run (actor_rollout_ref.rollout.multi_turn.enable), else None.
+    Loads the tool / interaction YAMLs now, so a bad one fails the replica at start."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return None
+    from services.environment.factory import build_router
+
+    from .agent.loop import AgentLoop, settings_from_config
+
+    return AgentLoop(tokenizer, build_router(cfg), settings_from_config(
+        mt, max_prompt_length=settings.max_prompt_length, truncation=settings.truncation,
+        max_resubmits=settings.max_resubmits, reward_source=cfg.environment.reward_source,
+    ))
 
 
 def default_scorer(cfg: MeshConfig) -> Scorer | None:

@@ -16,6 +16,11 @@ Weight updates, by async_training.partial_rollout / partial_rollout_mode:
     False         pause("wait"): running samples finish on the old weights; new ones wait
 Every token carries the version that produced it; no sample is dropped by an update.
 
+Multi-turn (`actor_rollout_ref.rollout.multi_turn.enable`): the group task hands the prompt to the
+AgentLoop (services/rollout/agent), which plays each sample out over turns against its environment
+on this same engine; the lease is renewed by the renew loop while tools run, like any group in
+flight, and an environment failure returns the lease like any failed group.
+
 Shutdown: drain(finish_in_flight) stops leasing, returns the leases of groups the engine has not
 started (and with finish_in_flight=False all others still generating), and waits for the rest to
 submit. A lease is released once: submitted, or returned (by drain, or by its task on a failure).
@@ -41,6 +46,8 @@ from services.common.logging import get_logger
 from services.weights import WeightFetcher
 
 from . import convert
+from .agent import group as agent_group
+from .agent.loop import AgentLoop
 from .engines.base import Finish, GenerationRequest, PauseMode, RolloutEngine, SampleOutput, SamplingSpec
 
 log = get_logger(__name__)
@@ -104,6 +111,9 @@ class _Group:
     when the group goes on to Score and SubmitGroups, or when the task gives the lease back after a
     failure. drain never returns a committed group's lease, so each lease is either submitted or
     returned, once (a failed submit returns it)."""
+    agent_started: bool = False
+    """A multi-turn group began its trajectories (it may sit in a tool call with no engine request
+    live): drain(finish_in_flight=True) lets it finish."""
 
 
 @dataclass
@@ -131,8 +141,10 @@ class RolloutWorker:
         scorer: Scorer | None,
         fetcher: WeightFetcher | None,
         settings: WorkerSettings,
+        agent: AgentLoop | None = None,
     ) -> None:
         assert settings.partial_rollout_mode in ("keep", "abort")
+        self.agent = agent
         self.engine = engine
         self.tokenizer = tokenizer
         self.coordinator = coordinator
@@ -214,7 +226,9 @@ class RolloutWorker:
         self._notify()
         to_return = [
             g for g in self._groups.values()
-            if not g.committed and (not finish_in_flight or not any(self.engine.request_started(r) for r in g.live))
+            if not g.committed and (
+                not finish_in_flight or not (g.agent_started or any(self.engine.request_started(r) for r in g.live))
+            )
         ]
         # Mark them all before the first await: a group that got past its cancel check while an
         # earlier one was being aborted would be submitted by its task and returned here too.
@@ -250,6 +264,8 @@ class RolloutWorker:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self.agent is not None:
+            await self.agent.aclose()
         return result
 
     # ---- lease loop ------------------------------------------------------------------------------
@@ -390,6 +406,8 @@ class RolloutWorker:
         """One group for `prompt` (also the Generate RPC). Returns None when the worker aborted
         it on purpose (lease lost, drain)."""
         rid = request_id or f"{self.replica_id}/gen-{uuid.uuid4().hex[:12]}"
+        if self.agent is not None:
+            return await self._generate_agent_group(prompt, spec, rid, lease_id, group_state, score)
         encoded = convert.encode_prompt(prompt, self.tokenizer, max_prompt_length=self.s.max_prompt_length,
                                         truncation=self.s.truncation)
         ids = encoded.token_ids
@@ -407,10 +425,37 @@ class RolloutWorker:
             fallback_version=self.engine.version, generation_s=gen_s,
         )
         if score and self.scorer is not None:
-            t1 = time.monotonic()
-            results = await self._score(convert.score_items(group, encoded.text, spec.max_tokens))
-            convert.apply_scores(group, results)
-            group.reward_s = time.monotonic() - t1
+            await self._score_group(group, encoded.text, spec)
+        return group
+
+    async def _score_group(self, group: common_pb2.TrajectoryGroup, prompt_text: str, spec: SamplingSpec) -> None:
+        t1 = time.monotonic()
+        text = prompt_text
+        results = await self._score(convert.score_items(group, text, spec.max_tokens))
+        convert.apply_scores(group, results)
+        group.reward_s = time.monotonic() - t1
+
+    async def _generate_agent_group(
+        self, prompt: common_pb2.Prompt, spec: SamplingSpec, rid: str, lease_id: str, g: _Group | None, score: bool
+    ) -> common_pb2.TrajectoryGroup | None:
+        """generate_group for multi-turn trajectories (services/rollout/agent/loop.py)."""
+        assert self.agent is not None
+        if g is not None:
+            g.agent_started = True
+        group = await self.agent.play(
+            prompt, spec, rid, lease_id or rid, self.replica_id, lambda req: self._generate_tracked(req, g),
+            cancelled=lambda: (g is not None and g.cancel_reason is not None) or self._draining,
+            version=lambda: self.engine.version,
+        )
+        if g is not None:
+            if g.cancel_reason is not None:
+                return None
+            g.committed = True  # no await since the check: drain can no longer return it
+        self.counters.tokens_generated += sum(sum(r.loss_mask) for r in group.responses)
+        if score and self.scorer is not None and self.agent.s.reward_source != "environment":
+            await self._score_group(group, self.tokenizer.decode(list(group.prompt_token_ids), skip_special_tokens=False), spec)
+        if score:
+            agent_group.apply_reward_source(group, self.agent.s.reward_source)
         return group
 
     async def _continue_aborted(

@@ -4,9 +4,17 @@ Sequence i = prompt_token_ids + response.token_ids, right-padded; position t con
 the rollout's logprob of response token j (log p(r_j | prompt, r_<j)) lands at position
 len(prompt) + j, exactly where the engine puts log p(x_t | x_<t).
 
-    seq_tensors: group_index (group of the sequence in this batch), reward, response_length,
-                 min_version, plus every reward metric the rollout reported (e.g. "acc")
-    tensors:     rollout_logprobs (zeros outside responses)
+The response mask is the loss mask: 1 on the tokens the policy sampled, 0 on the prompt, padding
+and, in a multi-turn trajectory, the environment's tokens (Response.loss_mask 0). Every loss
+aggregation, entropy, KL, off-policy correction and advantage in services/trainer/algos reads this
+mask, so environment tokens carry no gradient and change no metric; lengths are policy tokens
+(verl's `response_mask`).
+
+    seq_tensors: group_index (group of the sequence in this batch), reward, response_length
+                 (policy tokens), min_version (of the policy tokens), plus every reward metric the
+                 rollout reported (e.g. "acc"); for multi-turn trajectories also num_turns,
+                 tool_calls, tool_errors, trajectory_length (all response tokens), env_latency_s
+    tensors:     rollout_logprobs (zeros outside the mask)
 """
 
 from __future__ import annotations
@@ -20,6 +28,20 @@ from services.common.errors import InvalidArgument
 
 from .engines.base import SequenceBatch
 
+AGENT_SEQ_TENSORS = ("num_turns", "tool_calls", "tool_errors", "trajectory_length", "env_latency_s")
+
+
+def _loss_mask(r: common_pb2.Response, where: str, lease_id: str) -> list[float]:
+    """The response's per-token loss mask as floats (all ones for a single-turn response)."""
+    n = len(r.token_ids)
+    if not r.loss_mask:
+        return [1.0] * n
+    if len(r.loss_mask) != n:
+        raise InvalidArgument(f"{where}.loss_mask", f"{len(r.loss_mask)} entries for {n} tokens (lease {lease_id})")
+    if any(m > 1 for m in r.loss_mask):
+        raise InvalidArgument(f"{where}.loss_mask", f"entries must be 0 or 1 (lease {lease_id})")
+    return [float(m) for m in r.loss_mask]
+
 
 def sequence_tensors(groups: Sequence[common_pb2.TrajectoryGroup]) -> dict[str, torch.Tensor]:
     """The per-sequence tensors of `groups_to_batch` (seq_tensors), without the token tensors:
@@ -30,22 +52,38 @@ def sequence_tensors(groups: Sequence[common_pb2.TrajectoryGroup]) -> dict[str, 
     resp_len: list[int] = []
     metric_names = sorted({k for g in groups for r in g.responses for k in r.reward_metrics})
     metrics: dict[str, list[float]] = {k: [] for k in metric_names}
+    agentic = any(r.loss_mask or r.num_turns for g in groups for r in g.responses)
+    agent: dict[str, list[float]] = {k: [] for k in AGENT_SEQ_TENSORS} if agentic else {}
     for gi, g in enumerate(groups):
         if not g.responses:
             raise InvalidArgument(f"groups[{gi}].responses", f"group {g.lease_id} has no responses")
-        for r in g.responses:
+        for ri, r in enumerate(g.responses):
+            if r.loss_mask:
+                mask = _loss_mask(r, f"groups[{gi}].responses[{ri}]", g.lease_id)
+                versions = [v for v, m in zip(r.versions, mask, strict=False) if m]
+                resp_len.append(int(sum(mask)))
+            else:
+                versions = list(r.versions)
+                resp_len.append(len(r.token_ids))
             group_index.append(gi)
             rewards.append(float(r.reward))
-            min_versions.append(min(r.versions) if len(r.versions) else g.min_policy_version)
-            resp_len.append(len(r.token_ids))
+            min_versions.append(min(versions) if versions else g.min_policy_version)
             for k in metric_names:
                 metrics[k].append(float(r.reward_metrics.get(k, r.reward)))
+            if agentic:
+                agent["num_turns"].append(float(r.num_turns or 1))
+                agent["tool_calls"].append(float(r.tool_calls))
+                agent["tool_errors"].append(float(r.tool_errors))
+                agent["trajectory_length"].append(float(len(r.token_ids)))
+                agent["env_latency_s"].append(float(r.env_metrics.get("env_latency_s", 0.0)))
     seq = {
         "group_index": torch.tensor(group_index, dtype=torch.long),
         "reward": torch.tensor(rewards, dtype=torch.float32),
         "response_length": torch.tensor(resp_len, dtype=torch.float32),
         "min_version": torch.tensor(min_versions, dtype=torch.long),
     }
+    for k, values in agent.items():
+        seq[k] = torch.tensor(values, dtype=torch.float32)
     for k, values in metrics.items():
         seq.setdefault(k, torch.tensor(values, dtype=torch.float32))
     return seq
@@ -54,7 +92,7 @@ def sequence_tensors(groups: Sequence[common_pb2.TrajectoryGroup]) -> dict[str, 
 def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: int) -> SequenceBatch:
     """One row per response, groups in order, responses in sample order."""
     seq = sequence_tensors(groups)
-    rows: list[tuple[list[int], list[int], list[float]]] = []
+    rows: list[tuple[list[int], list[int], list[float], list[float]]] = []
     for gi, g in enumerate(groups):
         prompt = list(g.prompt_token_ids)
         for ri, r in enumerate(g.responses):
@@ -65,17 +103,19 @@ def groups_to_batch(groups: Sequence[common_pb2.TrajectoryGroup], pad_token_id: 
                 )
             if not prompt:
                 raise InvalidArgument(f"groups[{gi}].prompt_token_ids", f"empty prompt (lease {g.lease_id})")
-            rows.append((prompt, list(r.token_ids), list(r.logprobs)))
-    length = max((len(p) + len(t) for p, t, _ in rows), default=1)
+            mask = _loss_mask(r, f"groups[{gi}].responses[{ri}]", g.lease_id)
+            rows.append((prompt, list(r.token_ids), list(r.logprobs), mask))
+    length = max((len(p) + len(t) for p, t, _, _ in rows), default=1)
     # One tensor per field from nested lists: a row-by-row fill costs far more for many short rows.
     ids_rows, attn_rows, resp_rows, lp_rows = [], [], [], []
-    for prompt, tokens, logprobs in rows:
+    for prompt, tokens, logprobs, mask in rows:
         p, t = len(prompt), len(tokens)
         rest = length - p - t
         ids_rows.append(prompt + tokens + [pad_token_id] * rest)
         attn_rows.append([1] * (p + t) + [0] * rest)
-        resp_rows.append([0.0] * p + [1.0] * t + [0.0] * rest)
-        lp_rows.append([0.0] * p + logprobs + [0.0] * rest)
+        resp_rows.append([0.0] * p + mask + [0.0] * rest)
+        # Environment tokens have no behaviour logprob: 0, like the prompt (and masked anyway).
+        lp_rows.append([0.0] * p + [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)] + [0.0] * rest)
     shape = (len(rows), length)
     ids = torch.tensor(ids_rows, dtype=torch.long).reshape(shape)
     attn = torch.tensor(attn_rows, dtype=torch.long).reshape(shape)
@@ -97,3 +137,23 @@ def check_batch(batch: SequenceBatch, vocab_size: int | None) -> None:
     if not bool(torch.isfinite(lp).all()):
         row = int((~torch.isfinite(lp)).any(dim=1).nonzero()[0])
         raise InvalidArgument("groups.responses.logprobs", f"non-finite rollout logprob in batch row {row}")
+
+
+def agent_metrics(batch: SequenceBatch) -> dict[str, float]:
+    """Trajectory shape of a multi-turn batch (empty for single-turn batches): turns per
+    trajectory, tool calls per trajectory, the fraction of trajectories that called a tool, tool
+    errors per call, response tokens per trajectory (policy + environment), and the seconds a
+    trajectory waited on its environment."""
+    st = batch.seq_tensors
+    if "num_turns" not in st:
+        return {}
+    calls = st["tool_calls"]
+    return {
+        "agent/num_turns/mean": float(st["num_turns"].mean()),
+        "agent/num_turns/max": float(st["num_turns"].max()),
+        "agent/tool_calls/mean": float(calls.mean()),
+        "agent/tool_call_rate": float((calls > 0).float().mean()),
+        "agent/tool_error_rate": float(st["tool_errors"].sum() / calls.sum().clamp(min=1)),
+        "agent/trajectory_length/mean": float(st["trajectory_length"].mean()),
+        "agent/env_latency_s/mean": float(st["env_latency_s"].mean()),
+    }

@@ -51,7 +51,7 @@ from services.weights import WeightPublisher
 
 from . import checkpoints
 from .algos.dapo import dynamic_sampling_values
-from .convert import check_batch, groups_to_batch, sequence_tensors
+from .convert import agent_metrics, check_batch, groups_to_batch, sequence_tensors
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
 from .publisher import RankZeroPublisher
@@ -577,6 +577,7 @@ class TrainerLoop:
             "timing_s/wait_data": wait_s,
             "timing_s/step": step_s,
             **timing,
+            **agent_metrics(batch),
         })
         if not self.s.bypass_mode:
             diff = (batch.tensors["rollout_logprobs"] - batch.tensors["old_logprobs"]) * mask

@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from meshrl.v1 import (
     coordinator_pb2,
+    environment_pb2,
     param_server_pb2,
     reward_pb2,
     rollout_pb2,
@@ -38,6 +39,7 @@ SERVICES: dict[str, ServiceDescriptor] = {
     d.services_by_name[n].full_name: d.services_by_name[n]
     for d, n in (
         (coordinator_pb2.DESCRIPTOR, "CoordinatorService"),
+        (environment_pb2.DESCRIPTOR, "EnvironmentService"),
         (param_server_pb2.DESCRIPTOR, "ParamServerService"),
         (reward_pb2.DESCRIPTOR, "RewardService"),
         (rollout_pb2.DESCRIPTOR, "RolloutService"),
@@ -118,6 +120,8 @@ class PlainMesh:
 
     async def _start(self) -> None:
         from services.coordinator.server import CoordinatorServer
+        from services.environment.factory import tool_environment
+        from services.environment.server import EnvironmentServer
         from services.param_server.server import ParamServerServer
         from services.reward.server import RewardServer
 
@@ -128,10 +132,13 @@ class PlainMesh:
         await ps.start()
         reward = RewardServer(cfg)
         await reward.start()
-        self.parts.update(coordinator=coord, param_server=ps, reward=reward)
+        # `meshrl environment serve`'s server, on the mesh's role tokens
+        environment = EnvironmentServer(tool_environment(cfg), cfg.environment, host="127.0.0.1", port=0)
+        await environment.start()
+        self.parts.update(coordinator=coord, param_server=ps, reward=reward, environment=environment)
         self.addresses.update({
             "meshrl.v1.CoordinatorService": coord.address, "meshrl.v1.ParamServerService": ps.address,
-            "meshrl.v1.RewardService": reward.address,
+            "meshrl.v1.RewardService": reward.address, "meshrl.v1.EnvironmentService": environment.address,
         })
         if self.with_rollout:
             await self._start_rollout()
@@ -168,8 +175,8 @@ class PlainMesh:
         from services.trainer.core import TrainerLoop
         from services.trainer.engines.base import get_engine_cls
         from services.trainer.group import LocalTrainGroup
-        from services.weights.in_process import InProcessPublisher
         from services.trainer.servicer import TrainerServicer
+        from services.weights.in_process import InProcessPublisher
 
         cfg = self.cfg
         spec = factory.engine_spec(cfg, "cpu", 64)
@@ -190,7 +197,7 @@ class PlainMesh:
             await self.parts["trainer_client"].close()
         if "rollout_engine" in self.parts:
             await self.parts["rollout_engine"].close()
-        for key in ("reward", "param_server", "coordinator"):
+        for key in ("environment", "reward", "param_server", "coordinator"):
             await self.parts[key].stop(0.5)
 
     # ---- calling --------------------------------------------------------------------------------

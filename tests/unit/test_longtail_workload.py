@@ -76,7 +76,7 @@ def test_pretrain_key_names_the_warm_start_and_the_tail_gets_its_own() -> None:
     from dataclasses import asdict
 
     # Fields added later are left out while unset, so checkpoints made before them keep their names.
-    later = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss")
+    later = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss", "tool_fraction")
     old = {k: v for k, v in asdict(old500).items() if k not in later}
     assert old500.key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
     tail = PretrainSpec(task="copy", digits=4, length_tail_alpha=1.5, max_digits=64)

@@ -54,6 +54,7 @@ def test_buf_lint_catches_a_violation(tmp_path: Path) -> None:
 def test_every_service_is_generated() -> None:
     from meshrl.v1 import (
         coordinator_pb2_grpc,
+        environment_pb2_grpc,
         param_server_pb2_grpc,
         reward_pb2_grpc,
         rollout_pb2_grpc,
@@ -63,7 +64,7 @@ def test_every_service_is_generated() -> None:
     for mod, name in [
         (coordinator_pb2_grpc, "CoordinatorService"), (rollout_pb2_grpc, "RolloutService"),
         (reward_pb2_grpc, "RewardService"), (param_server_pb2_grpc, "ParamServerService"),
-        (trainer_pb2_grpc, "TrainerService"),
+        (trainer_pb2_grpc, "TrainerService"), (environment_pb2_grpc, "EnvironmentService"),
     ]:
         assert hasattr(mod, f"add_{name}Servicer_to_server")
 

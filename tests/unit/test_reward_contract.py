@@ -11,9 +11,9 @@ from pydantic import ValidationError
 
 from meshrl.v1 import reward_pb2 as pb
 from services.common.config.reward import RewardEndpointConfig, RewardServiceConfig
+from services.common.endpoints import BreakerState, CircuitBreaker, backoff_s
 from services.common.errors import InvalidArgument
 from services.reward import convert
-from services.reward.endpoints import BreakerState, CircuitBreaker, backoff_s
 from services.reward.samples import Sample
 
 # ---- request validation --------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -307,3 +308,112 @@ def test_partial_rollout_through_the_worker(engine: Any, model: Any, tok: Any, l
         if spanning:
             break
     assert spanning >= 1, "at least one sample must span the update"
+
+
+class _EchoEnvironment:
+    """A scripted environment for the multi-turn contract: answers turn k with a tool message,
+    done after turn `done_at` (an Environment by shape; the engines do not know environments)."""
+
+    name = "echo"
+
+    def __init__(self, done_at: int = 3) -> None:
+        self.done_at = done_at
+
+    async def start(self, session_id: str, prompt: Any, *, sample_index: int = 0, policy_version: int = 0) -> Any:
+        from services.environment.base import StartResult
+
+        return StartResult()
+
+    async def step(self, session_id: str, turn: int, assistant_text: str, tool_calls: Any, *, policy_version: int = 0) -> Any:
+        from services.environment.base import Message, StepResult
+
+        return StepResult(messages=(Message("tool", f"ok {turn}"),), done=turn >= self.done_at)
+
+    async def close(self, session_id: str) -> Any:
+        from services.environment.base import CloseResult
+
+        return CloseResult()
+
+    async def aclose(self) -> None:
+        return None
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_multi_turn_continues_from_exact_ids_across_updates(engine: Any, model: Any, tok: Any, loop: LoopThread, mode: str) -> None:
+    """Multi-turn trajectories through the worker's agent loop: every turn is generated from exactly
+    the ids so far (the policy tokens' logprobs match a forward pass over the whole trajectory, the
+    environment tokens included), environment tokens are masked with version -1, and a weight
+    update between or inside turns gives policy versions that never go back (with abort, the
+    re-prefilled tokens after the update carry exactly the new weights' logprobs)."""
+    from services.rollout.weights import InMemoryWeightStore
+
+    from meshrl.v1 import common_pb2
+    from services.environment.factory import EnvironmentRouter
+    from services.rollout.agent.loop import AgentLoop, AgentSettings
+    from services.rollout.worker import RolloutWorker, WorkerSettings
+    from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
+
+    new_model = build_tiny_model("qwen3", tok, seed=33)
+    # The transformers engine loads weights into the very module it was given (the `model`
+    # fixture): keep a copy of the weights the old tokens came from.
+    base = copy.deepcopy(model)
+    before = engine.version
+    store = InMemoryWeightStore()
+    ref = store.publish(before + 1, model_named_tensors(new_model))
+
+    async def scenario() -> common_pb2.TrajectoryGroup:
+        prompt = common_pb2.Prompt(prompt_seq=1, prompt_id="mt:1")
+        prompt.messages.add(role="user", content="count with me:")
+        # Digits end a turn: a random tiny model writes one every ~10 tokens.
+        sampling = common_pb2.SamplingParams(n=3, temperature=1.0, max_tokens=160, seed=41, stop=list("0123456789"))
+        coord = FakeCoordinator([prompt], sampling)
+        agent = AgentLoop(tok, EnvironmentRouter(_EchoEnvironment(), []), AgentSettings(max_prompt_length=64))  # type: ignore[arg-type]
+        worker = RolloutWorker(engine, tok, coord, length_scorer, store, WorkerSettings(
+            replica_id="mt", concurrent_groups=1, partial_rollout=True, partial_rollout_mode=mode,  # type: ignore[arg-type]
+            idle_poll_s=0.05, renew_interval_s=5.0,
+        ), agent=agent)
+        worker.start()
+        await wait_for(lambda: engine.stats()["tokens_generated"] > 0 and worker.groups_in_flight == 1, what="generation")
+        await wait_for(lambda: agent.counters.environment_turns >= 1, what="a first environment turn")
+        coord.push_version(ref)
+        await wait_for(lambda: len(coord.submitted) == 1, timeout_s=180, what="the group")
+        await worker.stop()
+        return coord.submitted[0]
+
+    try:
+        g = loop.run(scenario())
+    finally:
+        async def restore() -> None:
+            await engine.pause("abort")
+            await engine.load_weights(engine.version + 1, iterate_buckets([model_named_tensors(model)]))
+            await engine.resume()
+
+        loop.run(restore())
+    prompt_ids = list(g.prompt_token_ids)
+    assert tok.decode(prompt_ids).endswith("<|im_start|>assistant\n")
+    multi = 0
+    for r in g.responses:
+        mask, ids, vers, lps = list(r.loss_mask), list(r.token_ids), list(r.versions), list(r.logprobs)
+        assert len(mask) == len(ids) == len(vers) == len(lps) <= 160
+        assert all(v == -1 and lp == 0.0 for v, lp, m in zip(vers, lps, mask, strict=True) if not m)
+        policy = [v for v, m in zip(vers, mask, strict=True) if m]
+        assert policy == sorted(policy) and set(policy) <= {before, before + 1}
+        assert r.num_turns == sum(1 for s in r.turn_starts if mask[s]) >= 1
+        if 0 in mask:
+            multi += 1
+            env_text = tok.decode([x for x, m in zip(ids, mask, strict=True) if not m])
+            assert "<|im_start|>tool\nok 0<|im_end|>" in env_text
+        # Exact ids: the logprobs of the old weights' tokens match one forward pass over
+        # prompt + trajectory, whatever came between the turns.
+        old = [i for i, (m, v) in enumerate(zip(mask, vers, strict=True)) if m and v == before]
+        ref_old = reference_logprobs(base, prompt_ids, ids, 1.0)
+        if old:
+            assert (ref_old[old] - torch.tensor(lps)[old]).abs().max().item() < TOL[engine.name]
+        new = [i for i, (m, v) in enumerate(zip(mask, vers, strict=True)) if m and v == before + 1]
+        if new and mode == "abort":
+            ref_new = reference_logprobs(new_model, prompt_ids, ids, 1.0)
+            assert (ref_new[new] - torch.tensor(lps)[new]).abs().max().item() < TOL[engine.name]
+    assert multi >= 1, "at least one trajectory had an environment turn"

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from meshrl.v1 import rollout_pb2
-
 from services.common.metrics import ReplicaMetrics
 from services.coordinator import metrics as coordinator_metrics
 from services.coordinator.core import Status, Totals

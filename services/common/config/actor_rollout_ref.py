@@ -3,6 +3,7 @@ policy. Keys and defaults follow verl's `ppo_trainer.yaml` / `fully_async_ppo_tr
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -241,6 +242,52 @@ class CheckpointEngineConfig(ConfigModel):
     """Bucket size for weight transfer."""
 
 
+class MultiTurnConfig(ConfigModel):
+    """Multi-turn trajectories with tools and environments (verl `rollout.multi_turn`, same names
+    and meanings). Environments themselves are configured under `environment.*`."""
+
+    enable: bool = False
+    """Play each prompt out over turns: assistant turns alternate with environment/tool/user
+    messages (loss mask 0), until the environment says done or a limit is reached."""
+    max_assistant_turns: int | None = Field(default=None, ge=1)
+    """Most assistant (policy) turns per trajectory; null: no limit besides the token budget."""
+    max_user_turns: int | None = Field(default=None, ge=1)
+    """Most environment/user turns per trajectory; null: no limit."""
+    max_parallel_calls: int = Field(default=1, ge=1)
+    """Tool calls of one assistant turn run concurrently, at most this many (more are answered
+    with an error message)."""
+    max_tool_response_length: int = Field(default=256, ge=1)
+    """Characters of one environment message kept; longer ones are truncated."""
+    tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
+    """What is kept of a long environment message (verl): `left` its start, `right` its end,
+    `middle` both ends."""
+    tool_config_path: str | None = None
+    """verl tool YAML (`tools: [{class_name, config, tool_schema}]`) for the in-process tool
+    environment."""
+    interaction_config_path: str | None = None
+    """verl interaction YAML (`interaction: [{name, class_name, config}]`): simulated users that
+    answer turns without tool calls."""
+    use_inference_chat_template: bool = False
+    """verl: render the history with the chat template used for inference. meshrl always
+    continues from the exact sampled ids and renders only new messages, so this changes nothing;
+    accepted for verl configs."""
+    tokenization_sanity_check_mode: Literal["disable", "strict", "ignore_strippable"] = "strict"
+    """Compare the incrementally built token ids with a full re-tokenization of the conversation
+    at the end of each trajectory and report drift (`strict`: any difference; `ignore_strippable`:
+    differences of whitespace only are ignored); never changes the trajectory."""
+    format: Literal["hermes"] = "hermes"
+    """Tool-call format: hermes / Qwen3 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+
+    @field_validator("tool_config_path", "interaction_config_path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        # Replicas run in other working directories: a relative path that exists here is made
+        # absolute where the config is loaded (the driver, `meshrl train` / `serve-config`).
+        if value and not os.path.isabs(value) and os.path.exists(value):
+            return os.path.abspath(value)
+        return value
+
+
 class RolloutEngineConfig(ConfigModel):
     """The inference engine (verl `actor_rollout_ref.rollout`)."""
 
@@ -294,6 +341,8 @@ class RolloutEngineConfig(ConfigModel):
     """Weight transport."""
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Micro-batch for recomputing logprobs (decoupled mode)."""
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
+    """Multi-turn trajectories with tools and environments."""
 
 
 

@@ -12,8 +12,10 @@ from .base import ConfigModel
 class SyntheticTaskConfig(ConfigModel):
     """A built-in task with verifiable answers, generated from a seed (no downloads)."""
 
-    name: Literal["addition", "copy"] = "addition"
-    """Task: `addition` (two-number sums, answer after `####`) or `copy` (repeat a digit string)."""
+    name: Literal["addition", "copy", "tool_add"] = "addition"
+    """Task: `addition` (two-number sums, answer after `####`), `copy` (repeat a digit string) or
+    `tool_add` (sums as chat prompts, for a policy with the calculator tool `add(a, b)`;
+    multi-turn)."""
     num_train: int = 4096
     """Training prompts generated."""
     num_val: int = 128

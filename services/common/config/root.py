@@ -13,6 +13,7 @@ from .async_training import AsyncTrainingConfig
 from .base import ConfigModel
 from .coordinator import CoordinatorConfig
 from .data import DataConfig
+from .environment import EnvironmentConfig
 from .param_server import ParamServerConfig
 from .resolve import resolve_tree
 from .reward import RewardServiceConfig
@@ -53,6 +54,8 @@ class MeshConfig(ConfigModel):
     """The param server service."""
     reward: RewardServiceConfig = RewardServiceConfig()
     """The reward service."""
+    environment: EnvironmentConfig = EnvironmentConfig()
+    """Environments of multi-turn trajectories (external EnvironmentService endpoints)."""
     trainer_service: TrainerServiceConfig = TrainerServiceConfig()
     """The trainer service (coordinator link, checkpoints kept, weight publisher)."""
     rollout_worker: RolloutWorkerConfig = RolloutWorkerConfig()

@@ -11,7 +11,7 @@ reward thread pool with a per-item deadline; the others are fast regex checks ru
 | openai/gsm8k | gsm8k (verl strict `####`) | 1 / 0 |
 | lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, numina_*, meshrl/math | math_verify | 1 / 0 |
 | math_dapo, aime* | math_dapo (Math-Verify, DAPO's +1 / -1) | 1 / -1 |
-| meshrl/addition, meshrl/copy | synthetic (leading digits) | 1 / 0 |
+| meshrl/addition, meshrl/copy, meshrl/tool_add | synthetic (leading digits; tool_add: of the final answer) | 1 / 0 |
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.data import ADDITION_SOURCE, COPY_SOURCE
+from services.common.data import ADDITION_SOURCE, COPY_SOURCE, TOOL_ADD_SOURCE
 
 ScoreFn = Callable[..., Any]
 """verl's `compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)` returning
@@ -51,7 +51,7 @@ BUILTINS: tuple[BuiltinScorer, ...] = (
         prefixes=("numina_",),
     ),
     BuiltinScorer("math_dapo", f"{__name__}.math", "compute_score_dapo", True, frozenset({"math_dapo"}), prefixes=("aime",)),
-    BuiltinScorer("synthetic", f"{__name__}.synthetic", "compute_score", False, frozenset({ADDITION_SOURCE, COPY_SOURCE})),
+    BuiltinScorer("synthetic", f"{__name__}.synthetic", "compute_score", False, frozenset({ADDITION_SOURCE, COPY_SOURCE, TOOL_ADD_SOURCE})),
 )
 
 _loaded: dict[str, ScoreFn] = {}

@@ -1,5 +1,7 @@
-"""The built-in synthetic tasks (services/common/data.py): `meshrl/addition` ("23+45=" -> "68")
-and `meshrl/copy` ("copy 3141:" -> "3141").
+"""The built-in synthetic tasks (services/common/data.py): `meshrl/addition` ("23+45=" -> "68"),
+`meshrl/copy` ("copy 3141:" -> "3141") and `meshrl/tool_add` ("123+456=" -> "579", answered by a
+policy that may call the calculator tool; the rollout sends the final assistant turn, so the answer
+must follow the tool's result, not be it).
 
 How a response is read. The tiny policy answers right after the prompt, then emits its
 end-of-sequence token. The answer is the leading run of digits of the response, after optional

@@ -1,0 +1,80 @@
+"""RemoteEnvironment: an `Environment` whose sessions live in an external
+meshrl.v1.EnvironmentService (one `environment.endpoints[i]`), called through the shared
+resilient endpoint client (services/common/endpoints.py: deadlines, retries with jitter, circuit
+breaker, TLS, token).
+
+Retries are safe because the service is idempotent by session id and (session, turn). An
+endpoint that stays down past `max_wait_s` makes the call fail with UNAVAILABLE: the rollout then
+returns the trajectory's lease and its prompt is re-queued (counted), never scored. A reply that
+does not decode or does not fit the request (another session, another turn, a non-finite reward, a
+role an environment may not send) is INVALID_ARGUMENT naming the endpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from meshrl.v1 import environment_pb2
+from services.common.endpoints import ResilientEndpoint
+from services.common.security import default_security
+
+from . import convert
+from .base import CloseResult, Environment, EnvPrompt, StartResult, StepResult, ToolCall
+from .config import EnvironmentEndpointConfig
+
+SERVICE = environment_pb2.DESCRIPTOR.services_by_name["EnvironmentService"].full_name
+
+
+class RemoteEnvironment(Environment):
+    """The environment behind `environment.endpoints[index]`."""
+
+    def __init__(
+        self,
+        cfg: EnvironmentEndpointConfig,
+        *,
+        index: int = 0,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.name = cfg.label
+        self.source = f"environment endpoint {cfg.label!r} ({cfg.address}, environment.endpoints[{index}])"
+        # No token of its own: the process's role token (a rollout replica's), which a
+        # `meshrl environment serve` on the mesh's tokens accepts.
+        self.endpoint = ResilientEndpoint(cfg, source=self.source, service=SERVICE, rng=rng, clock=clock,
+                                          default_token=default_security().token)
+
+    async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
+        req = environment_pb2.StartRequest(
+            session_id=session_id, prompt=convert.prompt_to_proto(prompt), sample_index=sample_index,
+            policy_version=policy_version,
+        )
+        return await self.endpoint.call(
+            "Start", req, environment_pb2.StartResponse, lambda r: convert.start_from_reply(r, session_id, self.source)
+        )
+
+    async def step(
+        self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *, policy_version: int = 0
+    ) -> StepResult:
+        req = environment_pb2.StepRequest(
+            session_id=session_id, turn=turn, assistant_text=assistant_text,
+            tool_calls=[convert.tool_call_to_proto(c) for c in tool_calls], policy_version=policy_version,
+        )
+        return await self.endpoint.call(
+            "Step", req, environment_pb2.StepResponse, lambda r: convert.step_from_reply(r, session_id, turn, self.source)
+        )
+
+    async def close(self, session_id: str) -> CloseResult:
+        req = environment_pb2.CloseRequest(session_id=session_id)
+        return await self.endpoint.call(
+            "Close", req, environment_pb2.CloseResponse, lambda r: convert.close_from_reply(r, self.source)
+        )
+
+    async def aclose(self) -> None:
+        await self.endpoint.close()
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": "remote", **self.endpoint.status()}

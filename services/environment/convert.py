@@ -1,0 +1,160 @@
+"""Proto <-> Python for the environment service (the only module that knows both), with the
+validation of requests (errors name the field: `tool_calls[2].arguments_json`) and of replies
+from an external endpoint (errors name the endpoint)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshrl.v1 import common_pb2, environment_pb2
+from services.common.errors import InvalidArgument
+
+from .base import ROLES, CloseResult, EnvPrompt, Message, StartResult, StepResult, ToolCall
+
+MAX_ID_CHARS = 256
+
+
+def require_session_id(value: str, field: str = "session_id") -> str:
+    if not value:
+        raise InvalidArgument(field, "must be non-empty")
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidArgument(field, f"longer than {MAX_ID_CHARS} characters")
+    return value
+
+
+def _extra_info(text: str, field: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(field, f"is not valid JSON ({exc.msg} at {exc.pos})") from exc
+    if not isinstance(value, dict):
+        raise InvalidArgument(field, f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def prompt_from_proto(p: common_pb2.Prompt, field: str = "prompt") -> EnvPrompt:
+    return EnvPrompt(
+        prompt_id=p.prompt_id, data_source=p.data_source,
+        messages=tuple(Message(m.role, m.content) for m in p.messages), text=p.text, ground_truth=p.ground_truth,
+        extra_info=_extra_info(p.extra_info_json, f"{field}.extra_info_json"),
+    )
+
+
+def prompt_to_proto(p: EnvPrompt) -> common_pb2.Prompt:
+    out = common_pb2.Prompt(prompt_id=p.prompt_id, data_source=p.data_source, text=p.text, ground_truth=p.ground_truth)
+    for m in p.messages:
+        out.messages.add(role=m.role, content=m.content)
+    if p.extra_info:
+        out.extra_info_json = json.dumps(dict(p.extra_info), separators=(",", ":"))
+    return out
+
+
+def tool_call_to_proto(c: ToolCall) -> environment_pb2.ToolCall:
+    return environment_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments_json, parse_error=c.parse_error)
+
+
+def tool_calls_from_request(req: environment_pb2.StepRequest, *, max_calls: int, max_chars: int) -> list[ToolCall]:
+    if len(req.tool_calls) > max_calls:
+        raise InvalidArgument("tool_calls", f"{len(req.tool_calls)} calls exceed environment.max_tool_calls={max_calls}")
+    if len(req.assistant_text) > max_chars:
+        raise InvalidArgument("assistant_text", f"{len(req.assistant_text)} characters exceed environment.max_message_chars={max_chars}")
+    seen: set[str] = set()
+    out = []
+    for i, c in enumerate(req.tool_calls):
+        if not c.id:
+            raise InvalidArgument(f"tool_calls[{i}].id", "must be non-empty")
+        if c.id in seen:
+            raise InvalidArgument(f"tool_calls[{i}].id", f"{c.id!r} repeats an earlier call's id")
+        seen.add(c.id)
+        out.append(ToolCall(c.id, c.name, c.arguments_json, c.parse_error))
+    return out
+
+
+def _messages(msgs: Sequence[Message]) -> list[common_pb2.ChatMessage]:
+    return [common_pb2.ChatMessage(role=m.role, content=m.content) for m in msgs]
+
+
+def start_response(session_id: str, r: StartResult) -> environment_pb2.StartResponse:
+    return environment_pb2.StartResponse(
+        session_id=session_id, messages=_messages(r.messages),
+        tools_json=[json.dumps(dict(t), separators=(",", ":")) for t in r.tools], max_turns=r.max_turns,
+    )
+
+
+def step_response(session_id: str, turn: int, r: StepResult) -> environment_pb2.StepResponse:
+    out = environment_pb2.StepResponse(
+        session_id=session_id, turn=turn, messages=_messages(r.messages), done=r.done, metrics=dict(r.metrics),
+        tool_errors=r.tool_errors,
+    )
+    if r.reward is not None:
+        out.reward = r.reward
+    return out
+
+
+def close_response(r: CloseResult) -> environment_pb2.CloseResponse:
+    out = environment_pb2.CloseResponse(metrics=dict(r.metrics))
+    if r.reward is not None:
+        out.reward = r.reward
+    return out
+
+
+# ---- replies of an external endpoint ---------------------------------------------------------------
+
+
+def _check_metrics(metrics: Mapping[str, float], source: str, where: str) -> dict[str, float]:
+    for k, v in metrics.items():
+        if not math.isfinite(v):
+            raise InvalidArgument(source, f"{where}.metrics[{k!r}] is not finite ({v})")
+    return dict(metrics)
+
+
+def _check_messages(msgs: Sequence[common_pb2.ChatMessage], source: str, where: str, roles: Sequence[str]) -> tuple[Message, ...]:
+    out = []
+    for i, m in enumerate(msgs):
+        if m.role not in roles:
+            raise InvalidArgument(source, f"{where}.messages[{i}].role is {m.role!r}; an environment may send {list(roles)}")
+        out.append(Message(m.role, m.content))
+    return tuple(out)
+
+
+def start_from_reply(resp: environment_pb2.StartResponse, session_id: str, source: str) -> StartResult:
+    if resp.session_id != session_id:
+        raise InvalidArgument(source, f"StartResponse.session_id is {resp.session_id!r}, expected {session_id!r}")
+    tools = []
+    for i, text in enumerate(resp.tools_json):
+        try:
+            tool = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(source, f"StartResponse.tools_json[{i}] is not valid JSON ({exc.msg})") from None
+        if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict) or not tool["function"].get("name"):
+            raise InvalidArgument(source, f"StartResponse.tools_json[{i}] is not an OpenAI function tool "
+                                          '({"type": "function", "function": {"name": ...}})')
+        tools.append(tool)
+    msgs = _check_messages(resp.messages, source, "StartResponse", ("system", "user", "assistant", "tool"))
+    return StartResult(messages=msgs, tools=tuple(tools), max_turns=resp.max_turns)
+
+
+def step_from_reply(resp: environment_pb2.StepResponse, session_id: str, turn: int, source: str) -> StepResult:
+    if resp.session_id != session_id or resp.turn != turn:
+        raise InvalidArgument(
+            source, f"StepResponse is for ({resp.session_id!r}, turn {resp.turn}), expected ({session_id!r}, turn {turn})"
+        )
+    reward = resp.reward if resp.HasField("reward") else None
+    if reward is not None and not math.isfinite(reward):
+        raise InvalidArgument(source, f"StepResponse.reward is not finite ({reward})")
+    return StepResult(
+        messages=_check_messages(resp.messages, source, "StepResponse", ROLES), done=resp.done, reward=reward,
+        metrics=_check_metrics(resp.metrics, source, "StepResponse"), tool_errors=resp.tool_errors,
+    )
+
+
+def close_from_reply(resp: environment_pb2.CloseResponse, source: str) -> CloseResult:
+    reward = resp.reward if resp.HasField("reward") else None
+    if reward is not None and not math.isfinite(reward):
+        raise InvalidArgument(source, f"CloseResponse.reward is not finite ({reward})")
+    return CloseResult(reward=reward, metrics=_check_metrics(resp.metrics, source, "CloseResponse"))

@@ -1,0 +1,193 @@
+"""The session table of an environment server: one `Environment` behind idempotent, bounded,
+expiring sessions. No gRPC (servicer.py is the edge), no Ray; the clock is injected.
+
+    table = SessionTable(env, max_sessions=4096, session_ttl_s=900)
+    await table.start("L7/0", prompt)          # again with "L7/0": the stored answer, env untouched
+    await table.step("L7/0", 0, text, calls)   # again with turn 0: the stored answer
+    await table.step("L7/0", 1, text, calls)   # turn 2 before 1: FailedPrecondition
+    await table.close("L7/0")                  # again: the stored answer
+
+Why: the rollout's calls are delivered at least once (a timed-out call is sent again), so every
+method must act once per key and answer repeats from what it stored. Calls racing on one key
+(a retry while the first attempt still runs) share the first attempt's result. A session that
+sees no call for `session_ttl_s` (its rollout died) is closed by `expire()`. Closed sessions'
+answers are kept for a while (`closed_keep`) so a repeated Close still gets its reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
+from services.common.logging import get_logger
+
+from .base import CloseResult, Environment, EnvPrompt, StartResult, StepResult, ToolCall
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Session:
+    start: asyncio.Future[StartResult]
+    last_seen: float
+    steps: dict[int, asyncio.Future[StepResult]] = field(default_factory=dict)
+    next_turn: int = 0
+    done: bool = False
+    closing: asyncio.Future[CloseResult] | None = None
+
+
+@dataclass
+class SessionCounters:
+    started: int = 0
+    steps: int = 0
+    repeats: int = 0
+    closed: int = 0
+    expired: int = 0
+    errors: int = 0
+
+
+class SessionTable:
+    """Idempotent sessions over one Environment (see the module docstring)."""
+
+    def __init__(
+        self,
+        env: Environment,
+        *,
+        max_sessions: int = 4096,
+        session_ttl_s: float = 900.0,
+        closed_keep: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.env = env
+        self.max_sessions = max_sessions
+        self.session_ttl_s = session_ttl_s
+        self.closed_keep = closed_keep
+        self.clock = clock
+        self._open: dict[str, _Session] = {}
+        self._closed: OrderedDict[str, CloseResult] = OrderedDict()
+        self.counters = SessionCounters()
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._open)
+
+    async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
+        s = self._open.get(session_id)
+        if s is None:
+            if session_id in self._closed:
+                raise FailedPrecondition(f"session {session_id!r} is closed; start a new session id")
+            if len(self._open) >= self.max_sessions:
+                raise ResourceExhausted(
+                    f"{len(self._open)} sessions open (environment.max_sessions={self.max_sessions}); retry later"
+                )
+            fut = asyncio.ensure_future(self.env.start(session_id, prompt, sample_index=sample_index, policy_version=policy_version))
+            s = _Session(start=fut, last_seen=self.clock())
+            self._open[session_id] = s
+            self.counters.started += 1
+        else:
+            self.counters.repeats += 1
+        s.last_seen = self.clock()
+        try:
+            return await asyncio.shield(s.start)
+        except Exception:
+            # A failed start leaves no session behind: the retry starts afresh.
+            if self._open.get(session_id) is s and s.start.done():
+                del self._open[session_id]
+            self.counters.errors += 1
+            raise
+
+    def _session(self, session_id: str) -> _Session:
+        s = self._open.get(session_id)
+        if s is None:
+            if session_id in self._closed:
+                raise FailedPrecondition(f"session {session_id!r} is closed")
+            raise NotFound(f"no session {session_id!r} (never started, or expired after {self.session_ttl_s:g}s idle)")
+        s.last_seen = self.clock()
+        return s
+
+    async def step(
+        self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *, policy_version: int = 0
+    ) -> StepResult:
+        s = self._session(session_id)
+        if not s.start.done() or s.start.exception() is not None:
+            raise FailedPrecondition(f"session {session_id!r} has not finished starting")
+        fut = s.steps.get(turn)
+        if fut is None:
+            if turn != s.next_turn:
+                raise FailedPrecondition(f"session {session_id!r}: turn {turn} out of order; the next turn is {s.next_turn}")
+            if s.done:
+                raise FailedPrecondition(f"session {session_id!r} is done (turn {turn - 1} ended the episode)")
+            # Only the latest answer is kept: a repeat of an older turn cannot arrive once the
+            # caller moved on (it waits for each answer before the next turn).
+            s.steps = {}
+            fut = asyncio.ensure_future(
+                self.env.step(session_id, turn, assistant_text, list(tool_calls), policy_version=policy_version)
+            )
+            s.steps[turn] = fut
+            s.next_turn = turn + 1
+            self.counters.steps += 1
+        else:
+            self.counters.repeats += 1
+        try:
+            result = await asyncio.shield(fut)
+        except Exception:
+            if s.steps.get(turn) is fut and fut.done():
+                # Let the caller retry the turn: forget the failed attempt.
+                del s.steps[turn]
+                s.next_turn = turn
+            self.counters.errors += 1
+            raise
+        s.done = s.done or result.done
+        return result
+
+    async def close(self, session_id: str) -> CloseResult:
+        if session_id in self._closed:
+            self.counters.repeats += 1
+            return self._closed[session_id]
+        s = self._open.get(session_id)
+        if s is None:
+            return CloseResult()  # never started (or expired): nothing to release
+        if s.closing is None:
+            s.closing = asyncio.ensure_future(self._close(session_id, s))
+        return await asyncio.shield(s.closing)
+
+    async def _close(self, session_id: str, s: _Session) -> CloseResult:
+        try:
+            await asyncio.gather(s.start, *s.steps.values(), return_exceptions=True)
+            if s.start.exception() is not None:
+                result = CloseResult()
+            else:
+                result = await self.env.close(session_id)
+        finally:
+            self._open.pop(session_id, None)
+        self._closed[session_id] = result
+        while len(self._closed) > self.closed_keep:
+            self._closed.popitem(last=False)
+        self.counters.closed += 1
+        return result
+
+    async def expire(self) -> int:
+        """Close sessions idle for more than session_ttl_s. Returns how many."""
+        now = self.clock()
+        stale = [sid for sid, s in self._open.items() if s.closing is None and now - s.last_seen > self.session_ttl_s]
+        for sid in stale:
+            try:
+                await self.close(sid)
+            except Exception as exc:  # noqa: BLE001 - one bad session must not stop the sweep
+                log.warning("environment_session_close_failed", session_id=sid, error=repr(exc))
+            self.counters.expired += 1
+        if stale:
+            log.info("environment_sessions_expired", sessions=len(stale))
+        return len(stale)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "open_sessions": len(self._open),
+            "environment": self.env.status(),
+            **self.counters.__dict__,
+        }

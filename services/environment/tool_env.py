@@ -1,0 +1,184 @@
+"""ToolEnvironment: the in-process environment of verl-style tools and interactions (what verl's
+ToolAgentLoop does between generations, as an `Environment`).
+
+Per assistant turn (Step):
+- tool calls present: run up to `max_parallel_calls` of them concurrently; each answer is one
+  `tool` message, in call order. A call that did not parse, names an unknown tool, has arguments
+  that are not a JSON object, or whose tool raises is answered with an error text and counted in
+  `tool_errors` (verl's behaviour); calls beyond `max_parallel_calls` are answered with an error
+  saying so (verl drops them silently). The episode goes on.
+- no tool calls, an interaction configured: the interaction writes the next `user` message and may
+  end the episode with a turn score.
+- otherwise the episode is done.
+
+Tool instances are created lazily, one per (session, tool), with the prompt's
+`extra_info.tools_kwargs[<tool>].create_kwargs`; at Close each instance's `calc_reward` is summed
+into the close reward and the instance released. The environment's reward of a trajectory is the
+sum of the tools' step rewards, the interaction's turn scores and the close reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import InvalidArgument, NotFound
+from services.common.logging import get_logger
+
+from .base import CloseResult, Environment, EnvPrompt, Message, StartResult, StepResult, ToolCall
+from .tools import BaseInteraction, BaseTool, ToolResponse
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _Session:
+    history: list[dict[str, Any]]
+    tools_kwargs: Mapping[str, Any]
+    interaction: BaseInteraction | None = None
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)
+    instances: dict[str, str] = field(default_factory=dict)
+
+
+def _numeric(metrics: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if isinstance(metrics, Mapping):
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
+                out[str(k)] = float(v)
+    return out
+
+
+class ToolEnvironment(Environment):
+    """verl tools (+ interactions) as an Environment (see the module docstring)."""
+
+    def __init__(
+        self,
+        tools: Sequence[BaseTool] = (),
+        interactions: Mapping[str, BaseInteraction] | None = None,
+        *,
+        max_parallel_calls: int = 1,
+        name: str = "tools",
+    ) -> None:
+        self.tools = {t.name: t for t in tools}
+        self.interactions = dict(interactions or {})
+        self.max_parallel_calls = max(1, max_parallel_calls)
+        self.name = name
+        self.schemas = tuple(t.tool_schema.model_dump(exclude_none=True) for t in tools)
+        self._sessions: dict[str, _Session] = {}
+        self.calls = 0
+        self.errors = 0
+
+    async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
+        extra = prompt.extra_info
+        tools_kwargs = extra.get("tools_kwargs") or {}
+        ikw = dict(extra.get("interaction_kwargs") or {})
+        interaction = None
+        if self.interactions:
+            name = ikw.get("name")
+            if name is None and len(self.interactions) == 1:
+                name = next(iter(self.interactions))
+            if name not in self.interactions:
+                raise InvalidArgument(
+                    "prompt.extra_info.interaction_kwargs.name",
+                    f"{name!r} is not a configured interaction ({sorted(self.interactions)}); set it in the data",
+                )
+            interaction = self.interactions[name]
+            await interaction.start_interaction(session_id, **ikw)
+        history = [m.as_dict() for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
+        self._sessions[session_id] = _Session(history, tools_kwargs, interaction, ikw)
+        return StartResult(tools=self.schemas)
+
+    def _session(self, session_id: str) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"no tool session {session_id!r}")
+        return s
+
+    async def step(
+        self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *, policy_version: int = 0
+    ) -> StepResult:
+        s = self._session(session_id)
+        s.history.append({"role": "assistant", "content": assistant_text})
+        if tool_calls:
+            return await self._run_calls(session_id, s, list(tool_calls))
+        if s.interaction is not None:
+            terminate, content, score, metrics = await s.interaction.generate_response(session_id, list(s.history), **s.interaction_kwargs)
+            s.history.append({"role": "user", "content": str(content)})
+            reward = None if score is None else float(score)
+            return StepResult(messages=(Message("user", str(content)),), done=bool(terminate), reward=reward,
+                              metrics=_numeric(metrics))
+        return StepResult(done=True)
+
+    async def _run_calls(self, session_id: str, s: _Session, calls: list[ToolCall]) -> StepResult:
+        run, extra = calls[: self.max_parallel_calls], calls[self.max_parallel_calls :]
+        # Instances first, one at a time: two calls of one tool in a turn share its instance.
+        for c in run:
+            if not c.parse_error and c.name in self.tools and c.name not in s.instances:
+                await self._create(session_id, s, c.name)
+        outcomes = await asyncio.gather(*(self._call(s, c) for c in run))
+        limit = (f"Error: more than {self.max_parallel_calls} tool calls in one turn; "
+                 f"this call was not run (max_parallel_calls={self.max_parallel_calls})")
+        outcomes.extend((limit, 0.0, {}, True) for _ in extra)
+        reward = sum(o[1] for o in outcomes)
+        metrics: dict[str, float] = {}
+        for _, _, m, _ in outcomes:
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        errors = sum(1 for o in outcomes if o[3])
+        self.calls += len(calls)
+        self.errors += errors
+        msgs = tuple(Message("tool", o[0]) for o in outcomes)
+        s.history.extend(m.as_dict() for m in msgs)
+        return StepResult(messages=msgs, done=False, reward=reward, metrics=metrics, tool_errors=errors)
+
+    async def _create(self, session_id: str, s: _Session, name: str) -> None:
+        ck = dict((s.tools_kwargs.get(name) or {}).get("create_kwargs") or {})
+        ck.pop("instance_id", None)
+        ck.pop("create_kwargs", None)
+        instance_id, _ = await self.tools[name].create(f"{session_id}/{name}", create_kwargs=dict(ck), **ck)
+        s.instances[name] = instance_id
+
+    async def _call(self, s: _Session, c: ToolCall) -> tuple[str, float, dict[str, float], bool]:
+        """(response text, step reward, metrics, is_error) of one call; never raises."""
+        if c.parse_error:
+            return f"Error: the tool call could not be parsed: {c.parse_error}", 0.0, {}, True
+        tool = self.tools.get(c.name)
+        if tool is None:
+            return f"Error: unknown tool {c.name!r}; available tools: {sorted(self.tools)}", 0.0, {}, True
+        try:
+            params = c.arguments()
+        except ValueError as exc:
+            return f"Error: invalid arguments for {c.name}: {exc}", 0.0, {}, True
+        try:
+            resp, reward, metrics = await tool.execute(s.instances[c.name], params)
+        except Exception as exc:  # noqa: BLE001 - a failing tool is answered with its error (verl), not raised
+            return f"Error when executing tool {c.name}: {exc}", 0.0, {}, True
+        text = resp if isinstance(resp, str) else (resp.text or "") if isinstance(resp, ToolResponse) else str(resp)
+        value = float(reward) if isinstance(reward, (int, float)) and math.isfinite(float(reward)) else 0.0
+        return text, value, _numeric(metrics), False
+
+    async def close(self, session_id: str) -> CloseResult:
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return CloseResult()
+        reward = 0.0
+        for name, instance_id in s.instances.items():
+            tool = self.tools[name]
+            try:
+                reward += float(await tool.calc_reward(instance_id))
+            finally:
+                await tool.release(instance_id)
+        if s.interaction is not None:
+            fin = s.interaction.finalize_interaction
+            params = inspect.signature(fin).parameters
+            await (fin(session_id) if params else fin())
+        return CloseResult(reward=reward)
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": "tools", "tools": sorted(self.tools), "interactions": sorted(self.interactions),
+                "open_sessions": len(self._sessions), "calls": self.calls, "errors": self.errors}

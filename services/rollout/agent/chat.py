@@ -1,0 +1,110 @@
+"""Chat-template delta tokenization: the token ids of *new* environment messages, to append to a
+trajectory's exact ids (token-in/token-out: the policy's own tokens are never re-tokenized).
+
+Why deltas: decoding the sampled ids and re-tokenizing the whole conversation does not round-trip
+(merges across turn boundaries, whitespace, special tokens), so the trainer would score tokens
+the policy never sampled. Instead, after an assistant turn A that ended with its end-of-turn token:
+
+    new  = render(history + [A] + new_messages, add_generation_prompt=True)
+    base = render(history + [A])
+    delta_text = new[len(base):]                       # when base is a prefix of new
+    env_ids = encode(tail + delta_text)
+
+`tail` is what the template writes after an assistant message's content that the policy did not
+sample: the template's assistant suffix (e.g. "<|im_end|>\\n") minus the end-of-turn token the
+policy generated ("\\n"), or the whole suffix when the turn ended without it. Some templates render
+history differently once later messages exist (Qwen3 drops an earlier turn's empty `<think>`
+block), so base is not always a prefix of new; then the delta starts after the last occurrence of
+A's content + suffix in `new` (counted as `delta_fallbacks`). `check_drift` compares a whole
+trajectory with a full re-tokenization (verl's tokenization_sanity_check_mode) and only reports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from services.common.errors import InvalidArgument
+
+SanityMode = Literal["disable", "strict", "ignore_strippable"]
+_PROBE = "\x00meshrl-probe\x00"
+_WS = re.compile(r"\s+")
+
+
+class ChatRenderer:
+    """Renders and tokenizes one trajectory's messages with the tokenizer's chat template (and the
+    tools the environment offers, which templates render into the system prompt)."""
+
+    def __init__(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] = ()) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise InvalidArgument("actor_rollout_ref.model.tokenizer_path",
+                                  "multi-turn needs a tokenizer with a chat template")
+        self.tok = tokenizer
+        self.tools = [dict(t) for t in tools] or None
+        self.assistant_suffix = self._assistant_suffix()
+        self.delta_fallbacks = 0
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool) -> str:
+        return str(self.tok.apply_chat_template(
+            [dict(m) for m in messages], tools=self.tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        ))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def _assistant_suffix(self) -> str:
+        text = self.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": _PROBE}], add_generation_prompt=False)
+        at = text.rfind(_PROBE)
+        return "" if at < 0 else text[at + len(_PROBE) :]
+
+    def tail(self, generated_end: str) -> str:
+        """What closes an assistant turn whose sampled text ends with `generated_end` (the decoded
+        last token, special tokens kept): the template's suffix minus what the policy already wrote."""
+        suffix = self.assistant_suffix
+        if generated_end and suffix.startswith(generated_end):
+            return suffix[len(generated_end) :]
+        return suffix
+
+    def env_text(self, history: Sequence[Mapping[str, Any]], assistant: Mapping[str, Any],
+                 new_messages: Sequence[Mapping[str, Any]], generated_end: str) -> str:
+        """The text to append after an assistant turn: its tail, the new messages, and the next
+        generation prompt (see the module docstring)."""
+        before = [*history, assistant]
+        new = self.render([*before, *new_messages], add_generation_prompt=True)
+        base = self.render(before, add_generation_prompt=False)
+        if new.startswith(base):
+            delta = new[len(base) :]
+        else:
+            self.delta_fallbacks += 1
+            anchor = str(assistant.get("content", "")) + self.assistant_suffix
+            at = new.rfind(anchor)
+            if at < 0:
+                raise InvalidArgument(
+                    "chat template", "cannot find the assistant turn in the rendered conversation; the template rewrites "
+                    "assistant content (set actor_rollout_ref.rollout.multi_turn.enable=false or use a ChatML template)",
+                )
+            delta = new[at + len(anchor) :]
+        return self.tail(generated_end) + delta
+
+    def env_ids(self, history: Sequence[Mapping[str, Any]], assistant: Mapping[str, Any],
+                new_messages: Sequence[Mapping[str, Any]], generated_end: str) -> list[int]:
+        return self.encode(self.env_text(history, assistant, new_messages, generated_end))
+
+    def check_drift(self, ids: Sequence[int], messages: Sequence[Mapping[str, Any]], *, ended_on_assistant: bool,
+                    generated_end: str, mode: SanityMode) -> bool:
+        """True when the incrementally built `ids` (prompt + trajectory) differ from a full
+        re-tokenization of `messages` under `mode` (never for `disable`)."""
+        if mode == "disable":
+            return False
+        got = list(ids)
+        if ended_on_assistant:
+            got += self.encode(self.tail(generated_end))
+        expected = self.encode(self.render(messages, add_generation_prompt=not ended_on_assistant))
+        if mode == "strict":
+            return got != expected
+        strip = lambda x: _WS.sub("", str(self.tok.decode(x, skip_special_tokens=False)))  # noqa: E731
+        return strip(got) != strip(expected)

@@ -1,0 +1,357 @@
+"""AgentLoop: one leased prompt played out over turns, for each of its n samples, on any
+RolloutEngine (the contract in engines/base.py; nothing engine-specific here).
+
+    for each sample i (concurrently):       env = router.route(prompt.data_source)
+      Start(session "<rid>/<i>")            -> messages to start from, tools, turn limit
+      loop:
+        engine.generate(exact ids so far)   -> an assistant turn (loss mask 1, logprobs, versions)
+        parse <tool_call> blocks            -> Step(session, turn, text, calls)
+        Step says done / a limit is hit     -> stop
+        tokenize only the new messages      -> environment tokens (loss mask 0), appended
+      Close(session)                        -> final reward, metrics
+
+Each turn continues from the exact token ids generated so far (token-in/token-out, chat.py); the
+policy's tokens are never re-tokenized. While one trajectory waits for its environment, the
+engine keeps decoding the others (its continuous batching sees only the turns that are ready), so
+no slot idles on I/O. A weight update inside a turn: with partial rollout `keep` the engine carries
+on; with `abort` the turn comes back cut and is continued from prompt + everything so far (its new
+tokens carry the new version); between turns nothing special happens. Limits (verl's meanings):
+the response budget (`data.max_response_length`, policy + environment tokens; environment tokens
+that would cross it are not appended and the trajectory ends with `length`),
+`max_assistant_turns` (and the environment's own), `max_user_turns`. Environment messages longer
+than `max_tool_response_length` characters are truncated (`tool_response_truncate_side`).
+
+Failures: an environment error (after its endpoint's retry budget) fails the group; the worker
+returns the lease and the prompt is re-queued (counted), never scored. Sessions are always closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from meshrl.v1 import common_pb2
+from services.common.errors import InvalidArgument
+from services.common.logging import get_logger
+from services.environment import convert as env_convert
+from services.environment.base import Environment, Message, StartResult
+from services.environment.factory import EnvironmentRouter
+
+from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec
+from .chat import ChatRenderer, SanityMode
+from .group import build_group
+from .parser import parse_tool_calls
+from .trajectory import Trajectory
+
+log = get_logger(__name__)
+
+GenerateFn = Callable[[GenerationRequest], Awaitable[list[SampleOutput]]]
+"""The worker's engine.generate (tracked per group, so aborts and drains reach it)."""
+TruncateSide = Literal["left", "middle", "right"]
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """`actor_rollout_ref.rollout.multi_turn` plus the worker's prompt rules."""
+
+    max_assistant_turns: int | None = None
+    max_user_turns: int | None = None
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: TruncateSide = "middle"
+    sanity_mode: SanityMode = "strict"
+    max_resubmits: int = 64
+    max_prompt_length: int | None = None
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    reward_source: Literal["reward_service", "environment", "sum"] = "reward_service"
+    """environment.reward_source: reward_service, environment or sum."""
+
+
+@dataclass
+class AgentCounters:
+    trajectories: int = 0
+    assistant_turns: int = 0
+    environment_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated_messages: int = 0
+    env_calls: int = 0
+    env_seconds: float = 0.0
+    tokenization_drift: int = 0
+    delta_fallbacks: int = 0
+
+
+def truncate_text(text: str, limit: int, side: TruncateSide) -> tuple[str, bool]:
+    """verl's truncation of a long tool response: keep `limit` characters of its start (left), end
+    (right) or both ends (middle), marked."""
+    if len(text) <= limit:
+        return text, False
+    if side == "left":
+        return text[:limit] + "...(truncated)", True
+    if side == "right":
+        return "(truncated)..." + text[-limit:], True
+    head = limit // 2
+    return text[:head] + "...(truncated)..." + text[len(text) - (limit - head) :], True
+
+
+def _truncate_prompt(ids: list[int], limit: int | None, truncation: Literal["error", "left", "right", "middle"],
+                     prompt_id: str) -> list[int]:
+    if limit is None or len(ids) <= limit:
+        return ids
+    if truncation == "left":
+        return ids[-limit:]
+    if truncation == "right":
+        return ids[:limit]
+    if truncation == "middle":
+        head = limit // 2
+        return ids[:head] + ids[len(ids) - (limit - head) :]
+    raise InvalidArgument(
+        "prompt", f"{prompt_id or 'prompt'} has {len(ids)} tokens (chat template and tools applied) > "
+        f"data.max_prompt_length={limit}; raise it or set data.truncation=left|right|middle",
+    )
+
+
+def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
+    first = rows[0]
+    n = min(len(r) for r in rows)
+    for k in range(n):
+        if any(r[k] != first[k] for r in rows[1:]):
+            return k
+    return n
+
+
+@dataclass
+class _Sample:
+    index: int
+    sid: str
+    start: StartResult
+    messages: list[dict[str, Any]]
+    renderer: ChatRenderer
+    ids: list[int]
+
+
+class AgentLoop:
+    """Plays groups out over turns (see the module docstring). One per rollout replica."""
+
+    def __init__(self, tokenizer: Any, router: EnvironmentRouter, settings: AgentSettings) -> None:
+        self.tok = tokenizer
+        self.router = router
+        self.s = settings
+        self.counters = AgentCounters()
+
+    async def run_group(
+        self,
+        prompt: common_pb2.Prompt,
+        spec: SamplingSpec,
+        rid: str,
+        generate: GenerateFn,
+        cancelled: Callable[[], bool],
+        version: Callable[[], int],
+    ) -> tuple[list[int], list[Trajectory]]:
+        """(the group's prompt ids, one trajectory per sample). `cancelled()` true stops continuing
+        turns cut by an abort (the caller then drops the group). Raises what an environment raised
+        (every session closed)."""
+        env = self.router.route(prompt.data_source)
+        env_prompt = env_convert.prompt_from_proto(prompt)
+        messages = [m.as_dict() for m in env_prompt.messages] or [{"role": "user", "content": prompt.text}]
+        sids = [f"{rid}/{i}" for i in range(spec.n)]
+        starts = await asyncio.gather(
+            *(env.start(sid, env_prompt, sample_index=i, policy_version=version()) for i, sid in enumerate(sids)),
+            return_exceptions=True,
+        )
+        failed = next((s for s in starts if isinstance(s, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(env.close(sid) for sid, s in zip(sids, starts, strict=True)
+                                   if not isinstance(s, BaseException)), return_exceptions=True)
+            raise failed
+        samples = []
+        for i, (sid, start) in enumerate(zip(sids, starts, strict=True)):
+            assert isinstance(start, StartResult)
+            msgs = [m.as_dict() for m in start.messages] or [dict(m) for m in messages]
+            renderer = ChatRenderer(self.tok, start.tools)
+            ids = _truncate_prompt(renderer.prompt_ids(msgs), self.s.max_prompt_length, self.s.truncation, prompt.prompt_id)
+            samples.append(_Sample(i, sid, start, msgs, renderer, ids))
+        # Samples whose environment starts them differently share the common prefix as the
+        # group's prompt; each one's remainder opens its trajectory as environment tokens.
+        prompt_ids = samples[0].ids[: _common_prefix([s.ids for s in samples])]
+        tasks = [asyncio.ensure_future(self._run_one(s, env, prompt_ids, spec, generate, cancelled, version)) for s in samples]
+        try:
+            trajectories = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        self.counters.trajectories += len(trajectories)
+        return prompt_ids, list(trajectories)
+
+    async def play(
+        self,
+        prompt: common_pb2.Prompt,
+        spec: SamplingSpec,
+        rid: str,
+        lease_id: str,
+        replica_id: str,
+        generate: GenerateFn,
+        *,
+        cancelled: Callable[[], bool],
+        version: Callable[[], int],
+    ) -> common_pb2.TrajectoryGroup:
+        """run_group, as the TrajectoryGroup the coordinator takes (rewards not set yet)."""
+        t0 = time.monotonic()
+        prompt_ids, trajectories = await self.run_group(prompt, spec, rid, generate, cancelled, version)
+        return build_group(lease_id=lease_id, prompt=prompt, prompt_ids=prompt_ids, trajectories=trajectories,
+                           replica_id=replica_id, fallback_version=version(), generation_s=time.monotonic() - t0)
+
+    async def _run_one(
+        self, s: _Sample, env: Environment, prompt_ids: list[int], spec: SamplingSpec, generate: GenerateFn,
+        cancelled: Callable[[], bool], version: Callable[[], int],
+    ) -> Trajectory:
+        t = Trajectory(index=s.index)
+        t.add_environment(s.ids[len(prompt_ids) :])
+        ctx = list(s.ids)
+        history = list(s.messages)
+        limits = [x for x in (self.s.max_assistant_turns, s.start.max_turns) if x]
+        max_turns = min(limits) if limits else None
+        generated_end, ended_on_assistant, user_turns = "", False, 0
+        ok = False
+        turn = -1
+        try:
+            while True:
+                turn += 1
+                left = spec.max_tokens - len(t)
+                if left <= 0:
+                    t.finish_reason = Finish.LENGTH
+                    break
+                ids, lps, vers, finish, resumes = await self._generate_turn(s, turn, ctx, left, spec, generate, cancelled)
+                t.num_resumes += resumes
+                if ids:
+                    t.add_policy(ids, lps, vers)
+                    ctx += ids
+                    t.num_turns += 1
+                    self.counters.assistant_turns += 1
+                text = str(self.tok.decode(ids, skip_special_tokens=True))
+                t.final_text = text
+                history.append({"role": "assistant", "content": text})
+                generated_end = str(self.tok.decode(ids[-1:], skip_special_tokens=False)) if ids else ""
+                ended_on_assistant = True
+                t.finish_reason = finish
+                if finish is not Finish.STOP:
+                    break  # length: the budget or the context is full; abort: cancelled
+                if max_turns is not None and t.num_turns >= max_turns:
+                    break
+                if self.s.max_user_turns is not None and user_turns >= self.s.max_user_turns:
+                    break
+                _, calls = parse_tool_calls(text, turn)
+                t0 = time.monotonic()
+                step = await env.step(s.sid, turn, text, calls, policy_version=max(vers) if vers else version())
+                dt = time.monotonic() - t0
+                self.counters.env_calls += 1
+                self.counters.env_seconds += dt
+                t.add_metrics({"env_latency_s": dt})
+                parse_errors = sum(1 for c in calls if c.parse_error)
+                t.tool_calls += len(calls)
+                t.tool_errors += max(step.tool_errors, parse_errors)
+                self.counters.tool_calls += len(calls)
+                self.counters.tool_errors += max(step.tool_errors, parse_errors)
+                t.add_reward(step.reward)
+                t.add_metrics(step.metrics)
+                if step.done:
+                    break
+                new = self._truncated(step.messages, t)
+                env_ids = s.renderer.env_ids(history[:-1], history[-1], new, generated_end)
+                if len(t) + len(env_ids) >= spec.max_tokens:
+                    t.finish_reason = Finish.LENGTH  # verl: what does not fit is not appended
+                    break
+                t.add_environment(env_ids)
+                ctx += env_ids
+                history.extend(new)
+                ended_on_assistant = False
+                user_turns += 1
+                self.counters.environment_turns += 1
+            ok = True
+        finally:
+            await self._close(env, s.sid, t, raise_errors=ok)
+        t.text = str(self.tok.decode(t.token_ids, skip_special_tokens=False))
+        if s.renderer.check_drift(prompt_ids + t.token_ids, history, ended_on_assistant=ended_on_assistant,
+                                  generated_end=generated_end, mode=self.s.sanity_mode):
+            self.counters.tokenization_drift += 1
+            if self.counters.tokenization_drift in (1, 10, 100, 1000):
+                log.warning("tokenization_drift", trajectories=self.counters.tokenization_drift,
+                            hint="the incremental ids differ from a full re-tokenization (multi_turn.tokenization_sanity_check_mode)")
+        self.counters.delta_fallbacks += s.renderer.delta_fallbacks
+        s.renderer.delta_fallbacks = 0
+        return t
+
+    async def _generate_turn(
+        self, s: _Sample, turn: int, ctx: list[int], left: int, spec: SamplingSpec, generate: GenerateFn,
+        cancelled: Callable[[], bool],
+    ) -> tuple[list[int], list[float], list[int], Finish, int]:
+        """One assistant turn: generate, and continue it after an abort (partial rollout, mode
+        abort: re-prefilled on the new weights) until it stops, runs out of budget or is cancelled."""
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        resumes = 0
+        for round_ in range(self.s.max_resubmits + 1):
+            remaining = left - len(ids)
+            if remaining <= 0:
+                return ids, lps, vers, Finish.LENGTH, resumes
+            seed = None if spec.seed is None else (spec.seed + s.index + 7919 * turn + 104_729 * round_ + len(ids)) % (1 << 63)
+            sub = dataclasses.replace(spec, n=1, max_tokens=remaining, seed=seed)
+            rid = f"{s.sid}/t{turn}" + (f"/r{round_}" if round_ else "")
+            (out,) = await generate(GenerationRequest(rid, ctx + ids, sub))
+            ids += out.token_ids
+            lps += out.logprobs
+            vers += out.versions
+            resumes += out.num_resumes
+            if out.finish_reason is not Finish.ABORT:
+                return ids, lps, vers, out.finish_reason, resumes
+            if cancelled():
+                break
+            resumes += 1
+        return ids, lps, vers, Finish.ABORT, resumes
+
+    def _truncated(self, messages: Sequence[Message], t: Trajectory) -> list[dict[str, Any]]:
+        out = []
+        for m in messages:
+            content, cut = truncate_text(m.content, self.s.max_tool_response_length, self.s.tool_response_truncate_side)
+            if cut:
+                self.counters.truncated_messages += 1
+                t.add_metrics({"truncated_messages": 1.0})
+            out.append({"role": m.role, "content": content})
+        return out
+
+    async def _close(self, env: Environment, sid: str, t: Trajectory, *, raise_errors: bool) -> None:
+        try:
+            closed = await env.close(sid)
+        except Exception as exc:
+            if raise_errors:
+                raise
+            log.warning("environment_close_failed", session_id=sid, error=repr(exc))
+            return
+        t.add_reward(closed.reward)
+        t.add_metrics(closed.metrics)
+
+    async def aclose(self) -> None:
+        await self.router.aclose()
+
+    def status(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self.counters), "environments": self.router.status()}
+
+
+def settings_from_config(
+    multi_turn: Any, *, max_prompt_length: int | None, truncation: Literal["error", "left", "right", "middle"],
+    max_resubmits: int, reward_source: Literal["reward_service", "environment", "sum"],
+) -> AgentSettings:
+    mt = multi_turn
+    return AgentSettings(
+        max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
+        max_tool_response_length=mt.max_tool_response_length, tool_response_truncate_side=mt.tool_response_truncate_side,
+        sanity_mode=mt.tokenization_sanity_check_mode, max_resubmits=max_resubmits, max_prompt_length=max_prompt_length,
+        truncation=truncation, reward_source=reward_source,
+    )
+

@@ -1,0 +1,55 @@
+"""The hermes / Qwen3 tool-call format: an assistant turn holds zero or more
+
+    <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>
+
+blocks (whitespace around the JSON is allowed; `arguments` may also be a JSON string that holds an
+object, as some models emit). Parsing never raises: a block that is not valid JSON, has no string
+`name`, or whose arguments are not an object becomes a ToolCall with `parse_error` set, which the
+environment answers with an error message (verl's behaviour) and the rollout counts. A `<tool_call>`
+without its closing tag is such an error too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from services.environment.base import ToolCall
+
+START, END = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.DOTALL)
+
+
+def parse_tool_calls(text: str, turn: int = 0) -> tuple[str, list[ToolCall]]:
+    """(the text without its tool-call blocks, the calls in order). Ids are `call_<turn>_<i>`."""
+    calls: list[ToolCall] = []
+    for i, m in enumerate(_BLOCK.finditer(text)):
+        calls.append(_parse_one(m.group(1), f"call_{turn}_{i}"))
+    content = _BLOCK.sub("", text)
+    if START in content:  # opened, never closed (the policy stopped inside its call)
+        raw = content[content.index(START) + len(START) :]
+        calls.append(ToolCall(f"call_{turn}_{len(calls)}", "", raw.strip(), parse_error=f"{START} without {END}"))
+        content = content[: content.index(START)]
+    return content.strip(), calls
+
+
+def _parse_one(raw: str, call_id: str) -> ToolCall:
+    body = raw.strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return ToolCall(call_id, "", body, parse_error=f"invalid JSON ({exc.msg} at character {exc.pos})")
+    if not isinstance(obj, dict):
+        return ToolCall(call_id, "", body, parse_error=f"expected a JSON object with name and arguments, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall(call_id, "", body, parse_error='no "name" (a non-empty string)')
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as exc:
+            return ToolCall(call_id, name, args, parse_error=f"arguments are not valid JSON ({exc.msg})")
+    if not isinstance(args, dict):
+        return ToolCall(call_id, name, json.dumps(args), parse_error=f'"arguments" must be an object, got {type(args).__name__}')
+    return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False, separators=(",", ":")))

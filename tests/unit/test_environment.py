@@ -1,0 +1,300 @@
+"""Environments without a network: the session table's idempotency and bounds, the verl-style tool
+environment (malformed calls answered and counted), the tool / interaction YAML loaders, the
+environment config rules, and reply validation naming the endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from meshrl.v1 import environment_pb2 as pb
+from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.environment import convert
+from services.environment.base import CloseResult, Environment, EnvPrompt, Message, StartResult, StepResult, ToolCall
+from services.environment.config import EnvironmentConfig, EnvironmentEndpointConfig
+from services.environment.core import SessionTable
+from services.environment.tool_env import ToolEnvironment
+from services.environment.tools import load_interactions, load_tools
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = str(ROOT / "configs" / "examples" / "tool_add_tools.yaml")
+
+
+class CountingEnv(Environment):
+    """Counts what reaches it; a step may be told to fail once or to wait for a gate."""
+
+    def __init__(self) -> None:
+        self.starts: list[str] = []
+        self.steps: list[tuple[str, int]] = []
+        self.closes: list[str] = []
+        self.fail_next_step = False
+        self.gate: asyncio.Event | None = None
+
+    async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
+        self.starts.append(session_id)
+        return StartResult(tools=({"type": "function", "function": {"name": "f"}},), max_turns=3)
+
+    async def step(self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *,
+                   policy_version: int = 0) -> StepResult:
+        self.steps.append((session_id, turn))
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("flaky")
+        return StepResult(messages=(Message("user", f"turn {turn}: {assistant_text}"),), done=turn >= 1, reward=0.5)
+
+    async def close(self, session_id: str) -> CloseResult:
+        self.closes.append(session_id)
+        return CloseResult(reward=1.0, metrics={"x": 2.0})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_session_table_acts_once_per_key() -> None:
+    async def go() -> None:
+        env = CountingEnv()
+        table = SessionTable(env)
+        a = await table.start("s", EnvPrompt())
+        b = await table.start("s", EnvPrompt())
+        assert a == b and env.starts == ["s"]
+        r0 = await table.step("s", 0, "hi", [])
+        assert await table.step("s", 0, "hi", []) == r0  # the retry gets the stored answer
+        assert env.steps == [("s", 0)]
+        with pytest.raises(FailedPrecondition, match="out of order"):
+            await table.step("s", 2, "x", [])
+        r1 = await table.step("s", 1, "again", [])
+        assert r1.done
+        with pytest.raises(FailedPrecondition, match="done"):
+            await table.step("s", 2, "x", [])
+        c1, c2 = await table.close("s"), await table.close("s")
+        assert c1 == c2 and env.closes == ["s"] and c1.reward == 1.0
+        with pytest.raises(FailedPrecondition, match="closed"):
+            await table.step("s", 2, "x", [])
+        with pytest.raises(NotFound):
+            await table.step("never", 0, "x", [])
+        assert (await table.close("never")) == CloseResult()
+
+    asyncio.run(go())
+
+
+def test_concurrent_repeats_share_one_attempt_and_a_failure_can_be_retried() -> None:
+    async def go() -> None:
+        env = CountingEnv()
+        table = SessionTable(env)
+        await table.start("s", EnvPrompt())
+        env.gate = asyncio.Event()
+        first = asyncio.ensure_future(table.step("s", 0, "a", []))
+        second = asyncio.ensure_future(table.step("s", 0, "a", []))
+        await asyncio.sleep(0.01)
+        env.gate.set()
+        assert await first == await second and env.steps == [("s", 0)]
+        env.fail_next_step = True
+        with pytest.raises(RuntimeError):
+            await table.step("s", 1, "b", [])
+        assert (await table.step("s", 1, "b", [])).done  # the failed turn runs again
+        assert env.steps == [("s", 0), ("s", 1), ("s", 1)]
+
+    asyncio.run(go())
+
+
+def test_session_table_bounds_and_expiry() -> None:
+    async def go() -> None:
+        env, clock = CountingEnv(), Clock()
+        table = SessionTable(env, max_sessions=2, session_ttl_s=10, clock=clock)
+        await table.start("a", EnvPrompt())
+        await table.start("b", EnvPrompt())
+        with pytest.raises(ResourceExhausted, match="max_sessions=2"):
+            await table.start("c", EnvPrompt())
+        clock.t = 5
+        await table.step("b", 0, "x", [])
+        clock.t = 12
+        assert await table.expire() == 1  # a idle 12 s; b seen 7 s ago
+        assert env.closes == ["a"] and table.open_sessions == 1
+        await table.start("c", EnvPrompt())
+
+    asyncio.run(go())
+
+
+# ---- the tool environment --------------------------------------------------------------------------
+
+
+def _calls(*specs: tuple[str, str]) -> list[ToolCall]:
+    return [ToolCall(f"c{i}", name, args) for i, (name, args) in enumerate(specs)]
+
+
+def test_tool_environment_answers_good_and_malformed_calls() -> None:
+    async def go() -> None:
+        env = ToolEnvironment(load_tools(TOOLS), max_parallel_calls=4)
+        start = await env.start("s", EnvPrompt(messages=(Message("user", "123+456="),)))
+        assert start.tools[0]["function"]["name"] == "add"
+        calls = [*_calls(("add", '{"a": 123, "b": 456}'), ("sub", '{"a": 1}'), ("add", '{"a": "x", "b": 1}'),
+                         ("add", "[1, 2]")), ToolCall("c4", "", "{not json", parse_error="invalid JSON")]
+        r = await env.step("s", 0, "<tool_call>...</tool_call>", calls)
+        texts = [m.content for m in r.messages]
+        assert [m.role for m in r.messages] == ["tool"] * 5
+        assert texts[0] == "579"
+        assert "unknown tool 'sub'" in texts[1]
+        assert "a must be an integer" in texts[2]
+        assert "JSON object" in texts[3]
+        assert "max_parallel_calls=4" in texts[4]  # the 5th call is over the limit: not run
+        assert r.tool_errors == 4 and not r.done and r.reward == 0.0
+        parse = await env.step("s", 1, "?", [ToolCall("c5", "", "{not json", parse_error="invalid JSON")])
+        assert "could not be parsed: invalid JSON" in parse.messages[0].content and parse.tool_errors == 1
+        done = await env.step("s", 2, "579", [])
+        assert done.done and done.messages == ()
+        closed = await env.close("s")
+        assert closed.reward == 0.0 and env.status()["open_sessions"] == 0
+
+    asyncio.run(go())
+
+
+class EchoUser:
+    """A verl-style interaction (duck-typed like a user's class): ends the episode at turn 2."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.turns: dict[str, int] = {}
+
+    async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        self.turns[str(instance_id)] = 0
+        return str(instance_id)
+
+    async def generate_response(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> tuple[bool, str, float, dict[str, Any]]:
+        self.turns[instance_id] += 1
+        return self.turns[instance_id] >= 2, f"you said {messages[-1]['content']}", 0.25, {"turn": 1.0}
+
+    async def finalize_interaction(self, instance_id: str) -> None:
+        self.turns.pop(instance_id)
+
+
+def test_interaction_answers_turns_without_tool_calls(tmp_path: Path) -> None:
+    path = tmp_path / "interaction.yaml"
+    path.write_text(f"interaction:\n  - name: echo\n    class_name: {__name__}.EchoUser\n    config: {{}}\n")
+    interactions = load_interactions(str(path))
+
+    async def go() -> None:
+        env = ToolEnvironment([], interactions)
+        await env.start("s", EnvPrompt(messages=(Message("user", "hi"),), extra_info={"interaction_kwargs": {"name": "echo"}}))
+        r0 = await env.step("s", 0, "hello", [])
+        assert r0.messages == (Message("user", "you said hello"),) and not r0.done and r0.reward == 0.25
+        assert (await env.step("s", 1, "bye", [])).done
+        await env.close("s")
+        assert interactions["echo"].turns == {}  # type: ignore[attr-defined]
+        with pytest.raises(InvalidArgument, match=r"interaction_kwargs\.name"):
+            await env.start("t", EnvPrompt(extra_info={"interaction_kwargs": {"name": "nobody"}}))
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("tools: []\n", "non-empty list under `tools:`"),
+        ("tools:\n  - class_name: no.such.module.Tool\n    config: {type: native}\n", r"tools\[0\].class_name 'no.such.module.Tool': cannot import"),
+        ("tools:\n  - class_name: services.environment.builtin.Nope\n", "has no class 'Nope'"),
+        ("tools:\n  - class_name: services.environment.builtin.AddTool\n    config: {type: mcp}\n", r"tools\[0\].config.type='mcp'"),
+        ("tools:\n  - class_name: services.environment.builtin.AddTool\n    tool_schema: {type: function, function: {description: x}}\n",
+         r"tools\[0\].tool_schema.function.name"),
+        ("tools:\n  - class_name: services.environment.builtin.AddTool\n    tool_schema: {function: {name: add}}\n"
+         "  - class_name: services.environment.builtin.AddTool\n    tool_schema: {function: {name: add}}\n", r"tools\[1\] is called 'add'"),
+        ("tools:\n  - class_name: services.environment.builtin.AddTool\n    schema: {}\n", "unknown keys"),
+        ("tools:\n  - class_name: json.JSONDecoder\n", "lacks async"),
+    ],
+)
+def test_bad_tool_yaml_names_the_entry_and_the_fix(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "tools.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match) as err:
+        load_tools(str(path))
+    assert "tool_config_path" in str(err.value)
+
+
+def test_missing_yaml_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_tools("/nonexistent/tools.yaml")
+
+
+def test_environment_config_rules() -> None:
+    with pytest.raises(ValidationError, match="already routed"):
+        EnvironmentConfig(endpoints=[EnvironmentEndpointConfig(address="h:1", data_sources=["a"]),
+                                     EnvironmentEndpointConfig(address="h:2", data_sources=["a"])])
+    with pytest.raises(ValidationError, match="environment endpoint address"):
+        EnvironmentEndpointConfig(address="nohost")
+    assert EnvironmentEndpointConfig(address="h:1").max_wait_s == 60.0  # finite: the prompt goes back
+
+
+# ---- what an endpoint sends back -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("resp", "reason"),
+    [
+        (pb.StepResponse(session_id="other", turn=0), "expected ('s', turn 0)"),
+        (pb.StepResponse(session_id="s", turn=1), "expected ('s', turn 0)"),
+        (pb.StepResponse(session_id="s", turn=0, reward=float("nan")), "reward is not finite"),
+        (pb.StepResponse(session_id="s", turn=0, metrics={"m": float("inf")}), "not finite"),
+        (pb.StepResponse(session_id="s", turn=0, messages=[{"role": "assistant", "content": "x"}]), "role is 'assistant'"),
+    ],
+)
+def test_garbage_step_replies_name_the_endpoint(resp: pb.StepResponse, reason: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        convert.step_from_reply(resp, "s", 0, "environment endpoint 'calc'")
+    assert err.value.field == "environment endpoint 'calc'" and reason in err.value.reason
+
+
+def test_start_reply_tools_must_be_function_json() -> None:
+    with pytest.raises(InvalidArgument, match="not valid JSON"):
+        convert.start_from_reply(pb.StartResponse(session_id="s", tools_json=["{"]), "s", "ep")
+    with pytest.raises(InvalidArgument, match="OpenAI function tool"):
+        convert.start_from_reply(pb.StartResponse(session_id="s", tools_json=['{"type": "function"}']), "s", "ep")
+    ok = convert.start_from_reply(pb.StartResponse(session_id="s", tools_json=[json.dumps({"function": {"name": "f"}})]), "s", "ep")
+    assert ok.tools[0]["function"]["name"] == "f"
+
+
+def test_step_request_validation() -> None:
+    req = pb.StepRequest(session_id="s", tool_calls=[pb.ToolCall(id="a"), pb.ToolCall(id="a")])
+    with pytest.raises(InvalidArgument) as err:
+        convert.tool_calls_from_request(req, max_calls=8, max_chars=100)
+    assert err.value.field == "tool_calls[1].id"
+    with pytest.raises(InvalidArgument, match="max_tool_calls=1"):
+        convert.tool_calls_from_request(req, max_calls=1, max_chars=100)
+
+
+def test_a_verl_tool_file_works_with_its_imports_changed(tmp_path: Path) -> None:
+    """verl's gsm8k demo tool and its YAML: create_kwargs from extra_info.tools_kwargs reach create,
+    step rewards and calc_reward make the environment's reward, the instance is released."""
+    path = tmp_path / "gsm8k_tool_config.yaml"
+    path.write_text(
+        "tools:\n  - class_name: tests.unit.agent_fixtures.verl_style_tool.Gsm8kTool\n    config: {type: native}\n"
+        "    tool_schema:\n      type: function\n      function:\n        name: calc_gsm8k_reward\n"
+        "        description: A tool for calculating the reward of gsm8k\n"
+        "        parameters: {type: object, properties: {answer: {type: string, description: The answer}}, required: [answer]}\n"
+    )
+    (tool,) = load_tools(str(path))
+
+    async def go() -> tuple[StepResult, StepResult, CloseResult]:
+        env = ToolEnvironment([tool])
+        prompt = EnvPrompt(messages=(Message("user", "2+2?"),),
+                           extra_info={"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "4"}}}})
+        await env.start("s", prompt)
+        wrong = await env.step("s", 0, "", [ToolCall("c0", "calc_gsm8k_reward", '{"answer": "5"}')])
+        right = await env.step("s", 1, "", [ToolCall("c1", "calc_gsm8k_reward", '{"answer": "4"}')])
+        return wrong, right, await env.close("s")
+
+    wrong, right, closed = asyncio.run(go())
+    assert "reward=0.0" in wrong.messages[0].content and wrong.reward == -0.05
+    assert "reward=1.0" in right.messages[0].content and right.reward == 0.0
+    assert closed.reward == 1.0 and tool._instance_dict == {}  # type: ignore[attr-defined]
