@@ -94,3 +94,23 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, (TimeoutError,)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def first_cause(exc: BaseException, limit: int = 500) -> str:
+    """The error a person must read, on one line: the exception a Ray task or Serve replica
+    raised (not the RayTaskError around it and its remote traceback), a gRPC error's code and
+    details, whitespace collapsed, cut at `limit` characters."""
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError: what the task raised
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if isinstance(exc, grpc.RpcError) and callable(code) and callable(details):
+        text = f"{getattr(code(), 'name', code())}: {details()}"
+    else:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -158,6 +158,8 @@ async def fail(context: Any, exc: BaseException) -> None:
     code, details = status_for(exc)
     if code == grpc.StatusCode.INTERNAL and not isinstance(exc, MeshError):
         log.error("rpc_internal_error", exc_info=exc)
+    if context is None:  # an in-process call (a Serve handle passes no gRPC context): the caller gets exc itself
+        raise exc
     if hasattr(context, "abort"):
         await context.abort(code, details)  # raises grpc.aio.AbortError
     context.set_code(code)

@@ -33,8 +33,13 @@ from typing import Any
 from services.common.config.root import max_required_samples
 from services.common.data import PromptRecord, PromptStream
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.logging import get_logger
 
+from .failures import FailureLog, FailureReport
 from .ledger import GroupRow, GroupState, LeaseRow, LeaseState, Ledger, RetryReason
+from .liveness import ReplicaLiveness
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,10 @@ class CoordinatorSettings:
     # replica keep it). A Stop belongs to the session that asked for it: a later session that
     # continues the same ledger (`meshrl train --resume`) starts un-stopped.
     session: str = ""
+    replica_ttl_s: float | None = None
+    """A replica holding leases and silent this long is taken for dead (see liveness.py); None: off."""
+    max_consecutive_failures: int | None = None
+    """Failed groups in a row that halt leasing (see failures.py); None: never."""
 
     def fingerprint(self) -> dict[str, Any]:
         """Facts a ledger must agree with to be continued by this config."""
@@ -158,6 +167,8 @@ class Totals:
     rejected_expired: int = 0
     late_accepted: int = 0
     submitted: int = 0
+    leases_replica_lost: int = 0
+    """Of leases_expired: those expired early because their replica went silent (replica_ttl_s)."""
 
 
 @dataclass
@@ -221,6 +232,8 @@ class Status:
     checkpoint_requested: bool
     active_replicas: list[str]
     weights: dict[str, Any]
+    failures: list[FailureReport] = field(default_factory=list)
+    halted_reason: str = ""
 
 
 class CoordinatorCore:
@@ -246,6 +259,8 @@ class CoordinatorCore:
         self._ahead = 0
         self._next_group_id = 1
         self._replica_seen: dict[str, float] = {}
+        self._liveness = ReplicaLiveness(self._replica_seen, settings.replica_ttl_s)
+        self.failures = FailureLog(settings.max_consecutive_failures)
         snap = ledger.load()
         if snap.state is None:
             self._s = _State(
@@ -341,7 +356,7 @@ class CoordinatorCore:
         self._replica_seen[replica_id] = now
         if self._s.stopping:
             return LeaseGrant([], LeaseLimit.STOPPING, self._s.policy_version)
-        if self._s.paused:
+        if self._s.paused or self.failures.halted:
             return LeaseGrant([], LeaseLimit.PAUSED, self._s.policy_version)
         room = self.max_required_samples - self._s.budget_used
         granted: list[GrantedLease] = []
@@ -417,7 +432,9 @@ class CoordinatorCore:
         return len(rows)
 
     def expire(self, now: float) -> int:
-        """Expire leases whose deadline passed; their prompts go to the retry queue."""
+        """Expire leases whose deadline passed, and those of silent replicas; their prompts go to
+        the retry queue."""
+        self._expire_silent(now)
         expired: list[LeaseRow] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, _, lease_id = heapq.heappop(self._deadlines)
@@ -438,6 +455,37 @@ class CoordinatorCore:
             self.ledger.push_retry([r.seq for r in expired], RetryReason.EXPIRED)
             self._persist()
         return len(expired)
+
+    def _expire_silent(self, now: float) -> None:
+        """Leases of replicas silent for replica_ttl_s (liveness.py) get `now` as their deadline,
+        so the expire() that called this re-queues them in its transaction; their prompts stop
+        counting against the staleness budget there (expire gives their units back)."""
+        silent = self._liveness.silent(now, {lease.replica_id for lease in self._leases.values()})
+        if not silent:
+            return
+        lost: dict[str, list[LeaseRow]] = {}
+        for lease in self._leases.values():
+            if lease.replica_id in silent:
+                lost.setdefault(lease.replica_id, []).append(lease)
+        for replica_id, leases in lost.items():
+            for lease in leases:
+                lease.deadline = now
+                heapq.heappush(self._deadlines, (now, lease.seq, lease.lease_id))
+            self._s.totals.leases_replica_lost += len(leases)
+            log.warning("replica_lost", replica_id=replica_id, leases=len(leases),
+                        silent_s=round(now - self._replica_seen[replica_id], 1),
+                        hint="its leases are re-issued now (coordinator.replica_ttl_s)")
+
+    def report_failure(self, replica_id: str, error: str, groups: int, now: float) -> bool:
+        """A replica says `groups` of its groups failed with `error` (ReturnLeases `error`; the
+        leases themselves are returned by return_leases). True when this halts leasing
+        (coordinator.max_consecutive_failures, failures.py)."""
+        self._replica_seen[replica_id] = now
+        halted = self.failures.failed(replica_id, error, max(1, groups), now)
+        if halted:
+            log.error("leasing_halted", reason=self.failures.halted_reason,
+                      hint="fix the cause, then `meshrl resume` (or `meshrl train --resume RUN_DIR`)")
+        return halted
 
     def submit(self, replica_id: str, groups: list[GroupIn], now: float) -> list[SubmitStatus]:
         """Record finished groups; idempotent by lease id. All-or-nothing validation: an unknown
@@ -515,6 +563,8 @@ class CoordinatorCore:
         for lease_id in refused:
             del self._expired[lease_id]
             self._refused.add(lease_id)
+        if accepted:
+            self.failures.succeeded()
         for row in accepted:
             self._submitted.add(row.lease_id)
             self._expired.pop(row.lease_id, None)
@@ -677,7 +727,10 @@ class CoordinatorCore:
     # ---- control ---------------------------------------------------------------------------
 
     def set_paused(self, paused: bool) -> None:
+        """Pause or resume leasing; resuming also lifts a halt on failures."""
         self._s.paused = paused
+        if not paused:
+            self.failures.clear()
         with self.ledger.transaction():
             self._persist()
 
@@ -749,6 +802,8 @@ class CoordinatorCore:
             checkpoint_requested=self._s.checkpoint_requested,
             active_replicas=sorted(r for r, t in self._replica_seen.items() if now - t <= window),
             weights=dict(self._s.weights),
+            failures=self.failures.reports(),
+            halted_reason=self.failures.halted_reason,
         )
 
     def audit(self) -> dict[str, Any]:

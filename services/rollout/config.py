@@ -24,7 +24,8 @@ class RolloutWorkerConfig(ConfigModel):
     """Policy version of the weights the engine starts with (the checkpoint in
     actor_rollout_ref.model.path)."""
     lease_renew_interval_s: float | None = Field(default=None, gt=0)
-    """Seconds between RenewLeases calls for in-flight groups; null: coordinator.lease_timeout_s / 3."""
+    """Seconds between RenewLeases calls for in-flight groups (the replica's heartbeat); null:
+    coordinator.replica_ttl_s / 4 (coordinator.lease_timeout_s / 3 without a replica TTL)."""
     idle_poll_s: float = Field(default=0.5, gt=0)
     """First wait before leasing again when no prompt was granted (doubles up to 8x)."""
     rpc_timeout_s: float = Field(default=30.0, gt=0)

@@ -6,7 +6,8 @@ No Ray, no gRPC server: the coordinator, the scorer and the weight fetcher are i
                                                  └─ an aborted sample (weight update, mode abort)
                                                     is continued: prompt + its tokens, max_tokens
                                                     reduced by what it has
-    renew loop    RenewLeases(in-flight) every lease_timeout/3; a lost lease aborts its group
+    renew loop    RenewLeases(in-flight) every lease_renew_interval_s: the heartbeat that keeps the
+                  coordinator from taking the replica for dead; a lost lease aborts its group
     watch loop    WatchVersions: a newer version → pause → fetch → load → resume
 
 Weight updates, by async_training.partial_rollout / partial_rollout_mode:
@@ -36,6 +37,7 @@ import grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2
 from services.common.coalesce import Coalescer
+from services.common.errors import first_cause
 from services.common.logging import get_logger
 
 from . import convert
@@ -57,7 +59,7 @@ class Coordinator(Protocol):
 
     async def renew(self, replica_id: str, lease_ids: Sequence[str]) -> coordinator_pb2.RenewLeasesResponse: ...
 
-    async def return_leases(self, replica_id: str, lease_ids: Sequence[str]) -> int: ...
+    async def return_leases(self, replica_id: str, lease_ids: Sequence[str], error: str = "") -> int: ...
 
     async def submit(
         self, replica_id: str, groups: Sequence[common_pb2.TrajectoryGroup]
@@ -155,6 +157,8 @@ class RolloutWorker:
         self._draining = False
         self._stopping = False
         self._run_error: BaseException | None = None
+        self.last_error = ""
+        """The last group failure, one line (status(); the coordinator has it too)."""
         # The newest version the coordinator announced, and whether loading it failed: then this
         # replica leases nothing (it would only make ever staler data) and retries with backoff.
         self._latest_ref: common_pb2.WeightsRef | None = None
@@ -302,7 +306,9 @@ class RolloutWorker:
             await self._submit(group)
         except Exception as exc:
             self.counters.groups_failed += 1
-            log.error("group_failed", lease_id=g.lease.lease_id, error=repr(exc), exc_info=exc)
+            error = first_cause(exc)
+            self.last_error = error
+            log.error("group_failed", lease_id=g.lease.lease_id, error=error, exc_info=exc)
             if isinstance(exc, ValueError):
                 # Bad input that will fail again anywhere (e.g. an overlong prompt with
                 # data.truncation=error): stop this replica so the operator sees it.
@@ -310,7 +316,7 @@ class RolloutWorker:
                 self._draining = True
             if g.cancel_reason != "drain":  # a drained group's lease is drain's to return
                 g.committed = True
-                await self._give_back(g)
+                await self._give_back(g, error)
         finally:
             if self._groups.pop(g.lease.lease_id, None) is not None and not self._groups:
                 self.counters.busy_s += time.monotonic() - self._busy_since
@@ -333,12 +339,16 @@ class RolloutWorker:
             await self._wait_change(1.0)
         return g.cancel_reason is None
 
-    async def _give_back(self, g: _Group) -> None:
-        """Return a failed group's lease now, so its prompt is re-issued without waiting for expiry."""
+    async def _give_back(self, g: _Group, error: str = "") -> None:
+        """Return a failed group's lease now, so its prompt is re-issued without waiting for expiry.
+        ERROR (the group's failure, one line) goes with it: the coordinator counts failures in a
+        row and halts leasing with the reason (coordinator.max_consecutive_failures)."""
         if self.coordinator is None:
             return
         try:
-            self.counters.leases_returned += await self.coordinator.return_leases(self.replica_id, [g.lease.lease_id])
+            self.counters.leases_returned += await self.coordinator.return_leases(
+                self.replica_id, [g.lease.lease_id], error=error
+            )
         except grpc.RpcError as exc:  # it expires instead: nothing is lost
             log.warning("return_lease_failed", lease_id=g.lease.lease_id, code=str(exc.code()))  # type: ignore[attr-defined]
 
@@ -589,5 +599,6 @@ class RolloutWorker:
             "draining": self._draining,
             "weights_failed": self._weights_failed,
             "weights_synced": self._synced,
+            "last_error": self.last_error,
             **dataclasses.asdict(self.counters),
         }
