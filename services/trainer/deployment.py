@@ -52,10 +52,12 @@ class TrainerDeployment:
         )
         self._servicer = self.parts.servicer
         self._task = asyncio.get_running_loop().create_task(self.parts.loop.run())
+        # Which replica answers: after a failure, `meshrl train` tells the failed one from its replacement.
+        self._replica = str(getattr(getattr(serve.get_replica_context(), "replica_id", None), "unique_id", ""))
 
     async def status(self) -> dict[str, Any]:
-        """The loop's status (handle calls)."""
-        return self.parts.loop.status()
+        """The loop's status and this replica's id (handle calls)."""
+        return {**self.parts.loop.status(), "replica": self._replica}
 
     def check_health(self) -> None:
         if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
