@@ -149,7 +149,7 @@ class Watchdog:
                 self._incident(now, "trainer_restarted", f"training again from step {status.get('step', 0)}",
                                step=int(status.get("step", 0)))
             return "restarting" if self._restart_deadline is not None else state
-        error = str(status.get("error") or "unknown error")
+        error = " ".join(str(status.get("error") or "unknown error").split())[:500]
         if replica in self._failed_replicas:  # the failed replica has not been replaced yet
             if self._restart_deadline is not None and now > self._restart_deadline:
                 self.stop(now, f"the trainer failed ({error}) and was not restarted within "

@@ -45,7 +45,7 @@ import grpc
 import torch
 
 from meshrl.v1 import common_pb2, coordinator_pb2
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, first_cause
 from services.common.logging import get_logger
 
 from . import checkpoints
@@ -192,7 +192,7 @@ class TrainerLoop:
             log.info("trainer_finished", step=self.step, policy_version=self.policy_version)
         except BaseException as exc:
             self.state = "failed"
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = first_cause(exc)
             await self._cancel_background()
             for fut in self._ckpt_waiters:
                 if not fut.done():
