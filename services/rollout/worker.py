@@ -37,7 +37,7 @@ import grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2
 from services.common.coalesce import Coalescer
-from services.common.errors import first_cause
+from services.common.errors import first_cause, transient
 from services.common.logging import get_logger
 
 from . import convert
@@ -49,7 +49,6 @@ log = get_logger(__name__)
 Scorer = Callable[[list[reward_pb2.ScoreItem]], Awaitable[list[reward_pb2.ScoreResult]]]
 """Scores a batch of responses (one result per item, matched by item_id)."""
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class Coordinator(Protocol):
@@ -158,6 +157,8 @@ class RolloutWorker:
         self._stopping = False
         self._run_error: BaseException | None = None
         self.last_error = ""
+        self._to_return: dict[str, str] = {}
+        """Leases whose return failed (lease id -> error), retried by the renew loop."""
         """The last group failure, one line (status(); the coordinator has it too)."""
         # The newest version the coordinator announced, and whether loading it failed: then this
         # replica leases nothing (it would only make ever staler data) and retries with backoff.
@@ -308,6 +309,8 @@ class RolloutWorker:
             self.counters.groups_failed += 1
             error = first_cause(exc)
             self.last_error = error
+            # The coordinator being away (a restart) is not this group's failure: no error goes with the lease.
+            reported = "" if isinstance(exc, grpc.RpcError) and transient(exc) else error
             log.error("group_failed", lease_id=g.lease.lease_id, error=error, exc_info=exc)
             if isinstance(exc, ValueError):
                 # Bad input that will fail again anywhere (e.g. an overlong prompt with
@@ -316,7 +319,7 @@ class RolloutWorker:
                 self._draining = True
             if g.cancel_reason != "drain":  # a drained group's lease is drain's to return
                 g.committed = True
-                await self._give_back(g, error)
+                await self._give_back(g, reported)
         finally:
             if self._groups.pop(g.lease.lease_id, None) is not None and not self._groups:
                 self.counters.busy_s += time.monotonic() - self._busy_since
@@ -349,7 +352,10 @@ class RolloutWorker:
             self.counters.leases_returned += await self.coordinator.return_leases(
                 self.replica_id, [g.lease.lease_id], error=error
             )
-        except grpc.RpcError as exc:  # it expires instead: nothing is lost
+        except grpc.RpcError as exc:
+            # Returned by the renew loop once the coordinator answers again: this replica is alive
+            # and heartbeats, so the lease would otherwise wait for coordinator.lease_timeout_s.
+            self._to_return[g.lease.lease_id] = error
             log.warning("return_lease_failed", lease_id=g.lease.lease_id, code=str(exc.code()))  # type: ignore[attr-defined]
 
     async def _submit(self, group: common_pb2.TrajectoryGroup) -> None:
@@ -370,7 +376,7 @@ class RolloutWorker:
                 resp = await self.coordinator.submit(self.replica_id, groups)
                 return list(resp.statuses)
             except grpc.RpcError as exc:
-                if exc.code() not in _RETRYABLE or attempt == self.s.submit_max_retries:  # type: ignore[attr-defined]
+                if not transient(exc) or attempt == self.s.submit_max_retries:
                     raise
                 log.warning("submit_retry", groups=len(groups), attempt=attempt + 1, code=str(exc.code()))  # type: ignore[attr-defined]
                 await asyncio.sleep(delay)
@@ -493,6 +499,7 @@ class RolloutWorker:
         assert self.coordinator is not None
         while True:
             await asyncio.sleep(self.s.renew_interval_s)
+            await self._retry_returns()
             ids = [lid for lid, g in self._groups.items() if g.cancel_reason is None]
             if not ids:
                 continue
@@ -507,6 +514,19 @@ class RolloutWorker:
                     self.counters.leases_lost += 1
                     log.warning("lease_lost", lease_id=lid)
                     await self._abort_group(g, "lost")
+
+    async def _retry_returns(self) -> None:
+        """Return the leases whose ReturnLeases failed (idempotent: one submitted or expired since is ignored)."""
+        assert self.coordinator is not None
+        for error in sorted(set(self._to_return.values())):
+            ids = [lid for lid, e in self._to_return.items() if e == error]
+            try:
+                self.counters.leases_returned += await self.coordinator.return_leases(self.replica_id, ids, error=error)
+            except grpc.RpcError as exc:
+                log.warning("return_leases_failed", code=str(exc.code()), leases=len(ids))  # type: ignore[attr-defined]
+                return
+            for lid in ids:
+                del self._to_return[lid]
 
     # ---- weights ---------------------------------------------------------------------------------
 

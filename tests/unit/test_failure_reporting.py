@@ -12,7 +12,7 @@ import pytest
 from ray.exceptions import RayTaskError
 
 from meshrl.v1 import common_pb2, coordinator_pb2
-from services.common.errors import InvalidArgument, first_cause
+from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable, first_cause, transient
 from services.common.grpc_util import LocalContext, rpc_method
 from services.coordinator.servicer import CoordinatorServicer
 from tests.unit.test_coordinator_liveness import _core
@@ -76,3 +76,16 @@ def test_failed_groups_reach_get_status_and_halt_leasing(tmp_path: Path) -> None
     assert "3 prompt groups failed in a row" in status.halted_reason and "item_id is ''" in status.halted_reason
     assert [(f.source, f.count) for f in status.failures] == [("r", 3)]
     assert status.totals.leases_returned == 4 and status.totals.in_flight == 0
+
+
+def test_transient_failures_are_those_of_the_service_not_of_the_request() -> None:
+    def err(code: grpc.StatusCode, details: str = "") -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+    assert transient(err(grpc.StatusCode.UNAVAILABLE)) and transient(err(grpc.StatusCode.DEADLINE_EXCEEDED))
+    assert transient(Unavailable("PublishWeights: stream removed")) and transient(DeadlineExceeded("slow"))
+    # Serve's proxy when the replica serving the call died: INTERNAL, naming the dead actor.
+    assert transient(err(grpc.StatusCode.INTERNAL, "The actor died unexpectedly before finishing this task."))
+    assert not transient(err(grpc.StatusCode.INTERNAL, "KeyError: 'x'"))
+    assert not transient(err(grpc.StatusCode.INVALID_ARGUMENT, "groups[0].lease_id: unknown"))
+    assert not transient(InvalidArgument("f", "bad")) and not transient(RuntimeError("Unavailable"))
