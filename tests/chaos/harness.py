@@ -54,13 +54,16 @@ class Kill:
     in_flight: int | None = None
     """Leases in flight at the coordinator just before it (rollout kills)."""
     replica_id: str = ""
-    """The rollout replica's id (from its log file), for the ledger's lease rows."""
+    """The rollout replica's id (from the ledger), for its lease rows."""
+    replaced_by: list[int] = field(default_factory=list)
+    """Pids of the live processes of this kind once the run recovered (Serve's replacement)."""
     result: dict[str, Any] = field(default_factory=dict)
     """What was measured afterwards (recovery, re-queue times)."""
 
     def record(self) -> dict[str, Any]:
         return {"kind": self.kind, "pid": self.pid, "title": self.title, "at": self.at, "step": self.step,
-                "in_flight": self.in_flight, "replica_id": self.replica_id, **self.result}
+                "in_flight": self.in_flight, "replica_id": self.replica_id, "replaced_by": self.replaced_by,
+                **self.result}
 
 
 class TrainRun:
@@ -99,19 +102,7 @@ class TrainRun:
         victim = procs[0]
         title = " ".join(victim.cmdline())[:80]
         victim.send_signal(signal.SIGKILL)
-        k = Kill(kind, victim.pid, title, time.time(), len(self.steps()), in_flight)
-        if kind == "rollout":
-            k.replica_id = self.replica_of(victim.pid)
-        return k
-
-    def replica_of(self, pid: int) -> str:
-        """The rollout replica id a process logged under (logs/rollout.<pid>.jsonl)."""
-        path = self.run_dir / "logs" / f"rollout.{pid}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            rec = json.loads(line)
-            if rec.get("replica"):
-                return str(rec["replica"])
-        return ""
+        return Kill(kind, victim.pid, title, time.time(), len(self.steps()), in_flight)
 
     # ---- what the run has done -----------------------------------------------------------------
 
@@ -208,13 +199,24 @@ def lease_rows(run_dir: Path, replica_id: str) -> list[tuple[str, int, int, floa
         db.close()
 
 
-def regranted_at(run_dir: Path, seqs: list[int], after: float) -> list[float]:
-    """When each of SEQS was leased again after AFTER."""
+def last_replica_before(run_dir: Path, at: float) -> str:
+    """The replica that was granted the last lease before AT (the run's one rollout replica then)."""
+    db = sqlite3.connect(run_dir / "ledger.sqlite")
+    try:
+        row = db.execute("SELECT replica_id FROM leases WHERE granted_at < ? ORDER BY granted_at DESC LIMIT 1",
+                         (at,)).fetchone()
+        return str(row[0]) if row else ""
+    finally:
+        db.close()
+
+
+def regranted_at(run_dir: Path, seqs: list[int], replica_id: str) -> list[float]:
+    """When each of SEQS was leased to a replica other than REPLICA_ID."""
     db = sqlite3.connect(run_dir / "ledger.sqlite")
     try:
         out = []
         for s in seqs:
-            row = db.execute("SELECT MIN(granted_at) FROM leases WHERE seq = ? AND granted_at > ?", (s, after)).fetchone()
+            row = db.execute("SELECT MIN(granted_at) FROM leases WHERE seq = ? AND replica_id != ?", (s, replica_id)).fetchone()
             if row and row[0] is not None:
                 out.append(float(row[0]))
         return out

@@ -31,6 +31,7 @@ import pytest
 from tests.chaos.harness import (
     Kill,
     TrainRun,
+    last_replica_before,
     lease_rows,
     rate,
     regranted_at,
@@ -121,12 +122,15 @@ def test_service_replicas_die_one_after_another_and_the_run_goes_on(tmp_path: Pa
             kills.append(kill)
             print(f"killed {kind} pid {kill.pid} at step {kill.step}", flush=True)
             kill.result |= _recovery(run, kill, baseline, min_after_s=15.0, limit_s=60.0)
+            kill.replaced_by = [p.pid for p in run.processes(kind)]
         rc = run.wait(900)
     finally:
         run.stop()
+        _record(tmp_path, "services", {"kills": [k.record() for k in kills]})
     out = run.output()
     summary = run.summary()
     rollout = kills[0]
+    rollout.replica_id = last_replica_before(run_dir, rollout.at)
     lost = run.log_events("coordinator", "replica_lost")
     mine = [e for e in lost if e.get("replica_id") == rollout.replica_id]
     rows = lease_rows(run_dir, rollout.replica_id)
@@ -136,7 +140,7 @@ def test_service_replicas_die_one_after_another_and_the_run_goes_on(tmp_path: Pa
 
         at = datetime.fromisoformat(mine[0]["timestamp"].replace("Z", "+00:00")).timestamp()
         rollout.result |= {"leases_lost": int(mine[0]["leases"]), "requeued_s": round(at - rollout.at, 1)}
-    again = regranted_at(run_dir, [r[1] for r in expired], rollout.at)
+    again = regranted_at(run_dir, [r[1] for r in expired], rollout.replica_id)
     if again:
         rollout.result |= {"regranted_s_max": round(max(again) - rollout.at, 1)}
     _record(tmp_path, "services", {"kills": [k.record() for k in kills], "summary_totals": summary.get("totals"),
@@ -147,16 +151,15 @@ def test_service_replicas_die_one_after_another_and_the_run_goes_on(tmp_path: Pa
     assert summary["audit"]["balanced"] and summary["audit"]["issued"] == BATCH * STEPS, summary["audit"]
     once = trained_once(run_dir)
     assert len(once) == BATCH * STEPS and all(n == 1 for _, n in once)
-    # Every kind: the step rate was back within a minute.
+    # Every kind: Serve replaced the process, and the step rate was back within a minute.
     for k in kills:
+        assert k.replaced_by and k.pid not in k.replaced_by, k.record()
         assert k.result["recovered_s"] <= 60.0, k.record()
     # The rollout's leases came back through its liveness, within ~30 s, not lease_timeout_s (600 s).
     assert rollout.replica_id, "the killed rollout replica's id was not found in its log"
     assert expired and mine, f"the killed replica's leases did not expire early: rows {rows}, events {lost}"
     assert rollout.result["requeued_s"] <= 30.0 and len(expired) == rollout.result["leases_lost"], rollout.record()
-    # The coordinator came back on its ledger: the driver saw it go and return.
-    kinds = [i["kind"] for i in summary["incidents"]]
-    assert "coordinator_unreachable" in kinds and "coordinator_back" in kinds, summary["incidents"]
+    assert rollout.result["regranted_s_max"] <= 35.0, rollout.record()
 
 
 TRAINER_STEPS = 120
@@ -183,6 +186,7 @@ def test_trainer_rank_death_restarts_once_then_stops_clearly_and_resume_finishes
         rc = run.wait(600)
     finally:
         run.stop()
+        _record(tmp_path, "trainer", {"kills": [k.record() for k in kills]})
     out = run.output()
     first = run.summary()
     _record(tmp_path, "trainer", {"kills": [k.record() for k in kills], "incidents": first.get("incidents"),
