@@ -460,7 +460,7 @@ class CoordinatorCore:
         """Leases of replicas silent for replica_ttl_s (liveness.py) get `now` as their deadline,
         so the expire() that called this re-queues them in its transaction; their prompts stop
         counting against the staleness budget there (expire gives their units back)."""
-        silent = self._liveness.silent(now, {lease.replica_id for lease in self._leases.values()})
+        silent = self._liveness.silent(now, lambda: {lease.replica_id for lease in self._leases.values()})
         if not silent:
             return
         lost: dict[str, list[LeaseRow]] = {}

@@ -22,7 +22,7 @@ No clock: every call takes `now`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 
 class ReplicaLiveness:
@@ -35,17 +35,19 @@ class ReplicaLiveness:
         self.interval_s = min(interval_s, ttl_s / 8) if ttl_s is not None else interval_s
         self._checked_at: float | None = None
 
-    def silent(self, now: float, holders: Collection[str]) -> set[str]:
-        """Replicas among `holders` (those holding active leases) not heard from for more than
-        ttl_s at `now`. Empty without a ttl, and between checks closer than interval_s."""
+    def silent(self, now: float, holders: Callable[[], Collection[str]]) -> set[str]:
+        """Replicas among `holders()` (those holding active leases: called only when a check is
+        due, it may cost a pass over the leases) not heard from for more than ttl_s at `now`.
+        Empty without a ttl, and between checks closer than interval_s."""
         if self.ttl_s is None:
             return set()
         last = self._checked_at
         if last is not None and now - last < self.interval_s:
             return set()
         self._checked_at = now
+        holding = holders()
         if last is None:
-            for r in holders:
+            for r in holding:
                 self.last_heard.setdefault(r, now)
             return set()
         gap = now - last
@@ -53,7 +55,7 @@ class ReplicaLiveness:
             for r, t in self.last_heard.items():
                 self.last_heard[r] = min(t + gap, now)
         out = set()
-        for r in holders:
+        for r in holding:
             heard = self.last_heard.setdefault(r, now)
             if now - heard > self.ttl_s:
                 out.add(r)

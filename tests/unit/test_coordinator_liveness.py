@@ -6,6 +6,7 @@ and a failure that repeats halts leasing with its reason until the operator resu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from services.common.data import PromptStream, synthetic_records
 from services.coordinator.core import CoordinatorCore, CoordinatorSettings, LeaseLimit, SubmitStatus
@@ -126,13 +127,21 @@ def test_liveness_checks_are_spaced_and_new_holders_start_heard() -> None:
     heard: dict[str, float] = {}
     live = ReplicaLiveness(heard, ttl_s=8.0)
     assert live.interval_s == 1.0
-    assert live.silent(0.0, {"a"}) == set() and heard == {"a": 0.0}
-    assert live.silent(0.5, {"a"}) == set()  # within the check interval: not even looked at
+    looked: list[float] = []
+
+    def holders(now: float, *names: str) -> Any:
+        def get() -> set[str]:
+            looked.append(now)
+            return set(names)
+        return get
+
+    assert live.silent(0.0, holders(0.0, "a")) == set() and heard == {"a": 0.0}
+    assert live.silent(0.5, holders(0.5, "a")) == set()  # within the check interval: not even looked at
     for t in range(1, 9):
-        assert live.silent(float(t), {"a"}) == set()
-    assert live.silent(9.0, {"a", "b"}) == {"a"}  # b was never heard of: it starts now
-    assert heard["b"] == 9.0
-    assert ReplicaLiveness({}, ttl_s=None).silent(1e9, {"a"}) == set()
+        assert live.silent(float(t), holders(float(t), "a")) == set()
+    assert live.silent(9.0, holders(9.0, "a", "b")) == {"a"}  # b was never heard of: it starts now
+    assert heard["b"] == 9.0 and 0.5 not in looked and len(looked) == 10
+    assert ReplicaLiveness({}, ttl_s=None).silent(1e9, holders(0.0, "a")) == set()
 
 
 def test_failures_in_a_row_halt_leasing_with_the_reason_until_resumed(tmp_path: Path) -> None:
