@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from meshrl.watchdog import RunFailed
 from services.common.errors import MeshError
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
@@ -242,6 +243,9 @@ def _train(args: argparse.Namespace) -> int:
                                                "reward_last_10pct", "max_staleness_seen", "audit")}, indent=2))
     if not args.no_report:
         print(f"report: {Path(summary['run_dir']) / 'report.html'}")
+    if summary.get("failure"):
+        print(f"error: {summary['failure']}\nresume: {summary['resume']}", file=sys.stderr)
+        return 1
     return 0 if summary["audit"]["balanced"] else 4
 
 
@@ -559,6 +563,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
+    except RunFailed as exc:  # `meshrl train`: the cause, where the details are, how to go on
+        print(f"error: {exc.reason}", file=sys.stderr)
+        print(f"details: {exc.run_dir / 'logs'}", file=sys.stderr)
+        if exc.resume:
+            print(f"resume: {exc.resume}", file=sys.stderr)
+        return 1
     except MeshError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -31,15 +31,20 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import MeshConfig, derive, load_config, write_resolved_config
+from services.common.errors import first_cause
 from services.common.logging import get_logger
 from services.common.serve_util import free_port, port_is_free
 
 from .tokens import prepare_run_secrets
+from .watchdog import RunFailed, RunFailure, Watchdog
 
 log = get_logger(__name__)
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parent / "configs" / "example.yaml"
 APPS = ("coordinator", "param_server", "reward", "rollout", "trainer")
+HANDLE_TIMEOUT_S = 10.0
+"""Deadline of the driver's status calls on a Serve handle: a replica being replaced does not
+hold up the watch loop (the watchdog bounds how long it may stay away)."""
 
 MODE_OVERRIDES: dict[str, list[str]] = {
     "fully_async": ["async_training.mode=fully_async"],
@@ -157,6 +162,14 @@ class MeshRun:
         self._stop_reported = 0.0
         self.interrupts = 0
         self._rollout_prev: dict[str, Any] = {}  # replica id -> its last GetRolloutStatusResponse
+        ts = cfg.trainer_service
+        self.watchdog = Watchdog(str(run_dir), max_restarts=ts.max_restarts, restart_timeout_s=ts.restart_timeout_s,
+                                 started=self.started)
+        self.deployed = False
+        self.final_status: Any = None
+        self._last_status: Any = None
+        self._last_trainer: dict[str, Any] = {}
+        self._serve_checked = 0.0
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -196,7 +209,8 @@ class MeshRun:
             try:
                 serve.run(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)
             except RuntimeError as exc:
-                raise RuntimeError(f"{exc}\n{name}: {_last_error(self.run_dir, name)}") from None
+                raise RuntimeError(f"{name} did not start: {_last_error(self.run_dir, name)}") from exc
+        self.deployed = True
         from meshrl.prometheus import write_service_discovery
 
         sd = write_service_discovery(self.run_dir, {"job": "meshrl", "run": self.run_dir.name})
@@ -220,22 +234,64 @@ class MeshRun:
     # ---- watching ------------------------------------------------------------------------------
 
     async def poll(self, client: Any) -> Progress:
+        """One look at the run. A coordinator or trainer being restarted by Serve is waited for
+        (the watchdog says so and bounds the wait); the last answer stands in meanwhile."""
+        import grpc
         from ray import serve
 
-        status = await client.status()
-        trainer = await serve.get_app_handle("trainer").status.remote()
-        m = trainer.metrics
+        now = time.time()
+        try:
+            status = await client.status()
+        except grpc.RpcError as exc:
+            self.watchdog.coordinator_failed(now, first_cause(exc))
+            status = self._last_status
+        else:
+            self._last_status = status
+            self.watchdog.coordinator_ok(now, status)
+        try:
+            reply = await asyncio.wait_for(serve.get_app_handle("trainer").status.remote(), HANDLE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- any failure of the handle call: the replica is being replaced
+            self.watchdog.trainer_unreachable(now, first_cause(exc))
+            trainer = {**self._last_trainer, "state": "restarting"}
+        else:
+            trainer = {"state": reply.state, "step": int(reply.step), "error": reply.error, "replica": reply.replica,
+                       "metrics": dict(reply.metrics)}
+            self._last_trainer = trainer
+        state = self.watchdog.trainer_state(now, trainer) if trainer.get("state") != "restarting" else "restarting"
+        m = trainer.get("metrics", {})
+        totals = status.totals if status is not None else None
         p = Progress(
-            step=int(trainer.step), total_steps=self.derived.total_local_steps,
-            policy_version=int(status.policy_version), reward_mean=m.get("critic/rewards/mean"),
-            staleness_mean=m.get("staleness/mean"), tokens_per_s=m.get("perf/throughput_tokens_per_s"),
-            trainer_state=trainer.state or "?", elapsed_s=time.time() - self.started,
-            queued=int(status.totals.queued), in_flight=int(status.totals.in_flight),
+            step=int(trainer.get("step", 0)), total_steps=self.derived.total_local_steps,
+            policy_version=int(status.policy_version) if status is not None else 0,
+            reward_mean=m.get("critic/rewards/mean"), staleness_mean=m.get("staleness/mean"),
+            tokens_per_s=m.get("perf/throughput_tokens_per_s"), trainer_state=state,
+            elapsed_s=time.time() - self.started,
+            queued=int(totals.queued) if totals is not None else 0,
+            in_flight=int(totals.in_flight) if totals is not None else 0,
         )
-        if trainer.state == "failed":
-            raise RuntimeError(f"the trainer failed: {trainer.error}")
-        await self._sample_rollout()
+        await self._check_serve(now)
+        try:
+            await asyncio.wait_for(self._sample_rollout(), HANDLE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- metrics only: a replica being replaced is sampled next time
+            log.debug("rollout_sample_failed", error=first_cause(exc))
         return p
+
+    async def _check_serve(self, now: float) -> None:
+        """Every 10 s: Serve's view of each application (a replica crash-looping shows here)."""
+        if now - self._serve_checked < 10.0:
+            return
+        self._serve_checked = now
+        from ray import serve
+
+        try:
+            st = await asyncio.wait_for(asyncio.to_thread(serve.status), HANDLE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- reporting only
+            log.debug("serve_status_failed", error=first_cause(exc))
+            return
+        self.watchdog.serve_status(now, {
+            name: (str(getattr(app.status, "value", app.status)), " ".join(str(app.message or "").split())[:300])
+            for name, app in st.applications.items()
+        })
 
     async def _sample_rollout(self) -> None:
         """One rollout replica's counters -> metrics/rollout.jsonl (idle ratio since the last
@@ -276,6 +332,8 @@ class MeshRun:
         return await run_validation(self.cfg, val, version, self.run_dir, self.started)
 
     async def watch(self, on_progress: Callable[[Progress], None]) -> Progress:
+        """Poll until the trainer finishes; a failure the watchdog cannot wait out stops the run
+        (a clean stop where the trainer still runs: it checkpoints at its next step)."""
         from services.coordinator.client import CoordinatorClient
 
         test_freq = self.cfg.trainer.test_freq
@@ -285,12 +343,16 @@ class MeshRun:
             progress = await self.poll(client)
             val_due = 0
             while progress.trainer_state not in ("finished", "failed"):
+                if self.watchdog.failure is not None and self._stop_sent_at is None:
+                    self._stop_requested = True
                 if self._stop_requested:
-                    await client.stop()
-                    self._stop_requested = False
-                    self._stop_sent_at = time.monotonic()
+                    await self._send_stop(client)
                 await asyncio.sleep(1.0)
-                progress = await self.poll(client)
+                try:
+                    progress = await self.poll(client)
+                except RunFailure as exc:
+                    self.watchdog.stop(time.time(), str(exc))
+                    break
                 self._report_slow_stop(progress)
                 self._check_time_limit(progress)
                 # Every test_freq versions: at the first poll past each multiple (a poll can
@@ -299,10 +361,24 @@ class MeshRun:
                     val_due = progress.policy_version // test_freq
                     await self._maybe_validate(progress.policy_version)
                 on_progress(progress)
-            if test_freq > 0:
+            if self.watchdog.failure is not None:
+                await self._send_stop(client)  # rollouts stop leasing; the stop is this session's only
+            elif test_freq > 0:
                 await self._maybe_validate(progress.policy_version)
-            self.final_status = await client.status()
+            try:
+                self.final_status = await client.status()
+            except Exception as exc:  # noqa: BLE001 -- a failed run's summary uses the last status seen
+                log.warning("final_status_failed", error=first_cause(exc))
+                self.final_status = self._last_status
             return progress
+
+    async def _send_stop(self, client: Any) -> None:
+        self._stop_requested = False
+        try:
+            await client.stop()
+        except Exception as exc:  # noqa: BLE001 -- the coordinator may be the part that failed
+            log.warning("stop_failed", error=first_cause(exc))
+        self._stop_sent_at = self._stop_sent_at or time.monotonic()
 
     def _report_slow_stop(self, progress: Progress) -> None:
         """After a stop, say every 30 s what the run still waits for (the trainer's last step
@@ -332,7 +408,15 @@ class MeshRun:
         if version in self._val_versions:
             return
         self._val_versions.add(version)
-        rec = await self.validate(version)
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        try:
+            rec = await self.validate(version)
+        except (RayActorError, ActorUnavailableError) as exc:
+            # A rollout replica died under the call: Serve replaces it; this validation is skipped
+            # (any other error is the run's: it fails with the cause).
+            log.warning("validation_skipped", policy_version=version, error=first_cause(exc))
+            return
         if rec is not None:
             log.info("validation", policy_version=version, score=rec["val/score"])
 
@@ -345,8 +429,16 @@ class MeshRun:
         from google.protobuf.json_format import MessageToDict
         from ray import serve
 
-        audit = serve.get_app_handle("coordinator").audit.remote().result(timeout_s=120)
-        status = MessageToDict(self.final_status, preserving_proto_field_name=True)
+        try:
+            audit = serve.get_app_handle("coordinator").audit.remote().result(timeout_s=120)
+        except Exception as exc:  # noqa: BLE001 -- a failed run still gets its summary
+            audit = {"balanced": False, "error": first_cause(exc), "lost": [], "duplicated": []}
+        final = self.final_status
+        if final is None:
+            from meshrl.v1 import coordinator_pb2
+
+            final = coordinator_pb2.GetStatusResponse()
+        status = MessageToDict(final, preserving_proto_field_name=True)
         rewards = _rewards(self.run_dir)
         k = max(1, len(rewards) // 10)
         summary = {
@@ -355,14 +447,15 @@ class MeshRun:
             "started_unix_s": self.started,
             "wall_s": round(time.time() - self.started, 2),
             "steps": progress.step,
-            "policy_versions": int(self.final_status.policy_version),
+            "policy_versions": int(final.policy_version),
             "reward_first_10pct": sum(rewards[:k]) / k if rewards else None,
             "reward_last_10pct": sum(rewards[-k:]) / k if rewards else None,
-            "staleness_histogram": {str(b.staleness): int(b.groups) for b in self.final_status.staleness_histogram},
-            "max_staleness_seen": max((b.staleness for b in self.final_status.staleness_histogram), default=0),
+            "staleness_histogram": {str(b.staleness): int(b.groups) for b in final.staleness_histogram},
+            "max_staleness_seen": max((b.staleness for b in final.staleness_histogram), default=0),
             "audit": {k2: v for k2, v in audit.items() if k2 not in ("lost", "duplicated")}
             | {"lost": len(audit["lost"]), "duplicated": len(audit["duplicated"])},
             "totals": status.get("totals", {}),
+            **self.watchdog.summary(),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
@@ -430,6 +523,25 @@ def _watch(run: MeshRun, on_progress: Callable[[Progress], None]) -> Progress:
         loop.close()
 
 
+def _failed(run: MeshRun, exc: Exception) -> RunFailed:
+    """The run broke off on EXC: its traceback goes to logs/driver-error.txt, the cause (one line)
+    into summary.json with the resume command when the mesh had started."""
+    import traceback
+
+    reason = first_cause(exc)
+    logs = run.run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "driver-error.txt").write_text("".join(traceback.format_exception(exc)))
+    resume = run.watchdog.resume_command if run.deployed else ""
+    if run.deployed:
+        run.watchdog.stop(time.time(), reason)
+        try:
+            run.summarize(Progress(step=int(run._last_trainer.get("step", 0))))
+        except Exception as summary_exc:  # noqa: BLE001 -- the cause above is what matters
+            log.warning("summary_failed", error=first_cause(summary_exc))
+    return RunFailed(reason, run.run_dir, resume)
+
+
 def new_run_dir(cfg: MeshConfig, mode: str) -> Path:
     return Path("runs") / f"{cfg.trainer.experiment_name}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -478,6 +590,12 @@ def train(
         run.deploy()
         progress = _watch(run, progressed)
         summary = run.summarize(progress)
+    except KeyboardInterrupt:
+        if run.deployed:
+            log.warning("aborted", resume=run.watchdog.resume_command)
+        raise
+    except Exception as exc:
+        raise _failed(run, exc) from exc
     finally:
         run.shutdown()
         restore_env()

@@ -96,7 +96,16 @@ async def run_validation(
         used.extend((int(resp.group.min_policy_version), int(resp.group.max_policy_version)))
         return list(resp.group.responses)
 
-    groups = await asyncio.gather(*[one(i) for i in range(len(val))])
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(val))]
+    try:
+        groups = await asyncio.gather(*tasks)
+    except BaseException:
+        # One call failed: the others must not outlive the driver's event loop (each would print
+        # a traceback as it is collected); the first error is the run's.
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     responses = [r for rs in groups for r in rs]
     # policy_version: the version that triggered this validation; the rollout may already hold a
     # newer one while it answers (the trainer does not wait), so the versions used are recorded too.

@@ -85,6 +85,8 @@ class FakeCoordinator:
         self.sampling = sampling
         self.submitted: list[common_pb2.TrajectoryGroup] = []
         self.returned: list[str] = []
+        self.errors: list[str] = []
+        """ReturnLeases `error`s: why the worker gave leases back."""
         self.renewed: list[str] = []
         self.lost: set[str] = set()
         self.active: dict[str, common_pb2.Prompt] = {}
@@ -110,7 +112,9 @@ class FakeCoordinator:
         lost = [i for i in lease_ids if i in self.lost]
         return coordinator_pb2.RenewLeasesResponse(renewed=[i for i in lease_ids if i not in self.lost], lost=lost)
 
-    async def return_leases(self, replica_id: str, lease_ids: Sequence[str]) -> int:
+    async def return_leases(self, replica_id: str, lease_ids: Sequence[str], error: str = "") -> int:
+        if error:
+            self.errors.append(error)
         done = {g.lease_id for g in self.submitted} | set(self.returned)
         twice = [lid for lid in lease_ids if lid in done]
         assert not twice, f"leases {twice} returned after they were submitted or returned"

@@ -190,6 +190,9 @@ class RenewLeasesRequest(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     LEASE_IDS_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
+    """Also the replica's heartbeat: a replica that holds leases and makes no call for
+    coordinator.replica_ttl_s is taken for dead and its leases expire at once.
+    """
     @_builtins.property
     def lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -243,7 +246,13 @@ class ReturnLeasesRequest(_message.Message):
 
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     LEASE_IDS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
+    error: _builtins.str
+    """Why the leases come back: empty for a drain or a shutdown; otherwise the error that failed
+    their groups (one line). Counted towards coordinator.max_consecutive_failures and shown in
+    GetStatusResponse.failures.
+    """
     @_builtins.property
     def lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -251,10 +260,11 @@ class ReturnLeasesRequest(_message.Message):
         *,
         replica_id: _builtins.str = ...,
         lease_ids: _abc.Iterable[_builtins.str] | None = ...,
+        error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ids", b"lease_ids", "replica_id", b"replica_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "lease_ids", b"lease_ids", "replica_id", b"replica_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -667,6 +677,7 @@ class RunTotals(_message.Message):
     REJECTED_EXPIRED_FIELD_NUMBER: _builtins.int
     RETRY_PENDING_FIELD_NUMBER: _builtins.int
     DELIVERED_UNCHECKPOINTED_FIELD_NUMBER: _builtins.int
+    LEASES_REPLICA_LOST_FIELD_NUMBER: _builtins.int
     prompts_total: _builtins.int
     prompts_issued: _builtins.int
     in_flight: _builtins.int
@@ -681,6 +692,10 @@ class RunTotals(_message.Message):
     rejected_expired: _builtins.int
     retry_pending: _builtins.int
     delivered_uncheckpointed: _builtins.int
+    leases_replica_lost: _builtins.int
+    """Of leases_expired: those expired early because their replica went silent
+    (coordinator.replica_ttl_s).
+    """
     def __init__(
         self,
         *,
@@ -698,14 +713,50 @@ class RunTotals(_message.Message):
         rejected_expired: _builtins.int = ...,
         retry_pending: _builtins.int = ...,
         delivered_uncheckpointed: _builtins.int = ...,
+        leases_replica_lost: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "delivered_uncheckpointed", b"delivered_uncheckpointed", "duplicates", b"duplicates", "filtered", b"filtered", "in_flight", b"in_flight", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "leases_returned", b"leases_returned", "prompts_issued", b"prompts_issued", "prompts_total", b"prompts_total", "queued", b"queued", "regenerated", b"regenerated", "rejected_expired", b"rejected_expired", "retry_pending", b"retry_pending"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "delivered_uncheckpointed", b"delivered_uncheckpointed", "duplicates", b"duplicates", "filtered", b"filtered", "in_flight", b"in_flight", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "leases_replica_lost", b"leases_replica_lost", "leases_returned", b"leases_returned", "prompts_issued", b"prompts_issued", "prompts_total", b"prompts_total", "queued", b"queued", "regenerated", b"regenerated", "rejected_expired", b"rejected_expired", "retry_pending", b"retry_pending"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunTotals: _TypeAlias = RunTotals  # noqa: Y015
+
+@_typing.final
+class FailureReport(_message.Message):
+    """One distinct error rollout replicas reported (ReturnLeasesRequest.error)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SOURCE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    FIRST_UNIX_S_FIELD_NUMBER: _builtins.int
+    LAST_UNIX_S_FIELD_NUMBER: _builtins.int
+    source: _builtins.str
+    """The replica that reported it last."""
+    error: _builtins.str
+    count: _builtins.int
+    """Prompt groups that failed with it."""
+    first_unix_s: _builtins.float
+    last_unix_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        source: _builtins.str = ...,
+        error: _builtins.str = ...,
+        count: _builtins.int = ...,
+        first_unix_s: _builtins.float = ...,
+        last_unix_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "error", b"error", "first_unix_s", b"first_unix_s", "last_unix_s", b"last_unix_s", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FailureReport: _TypeAlias = FailureReport  # noqa: Y015
 
 @_typing.final
 class StalenessBucket(_message.Message):
@@ -748,6 +799,8 @@ class GetStatusResponse(_message.Message):
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     CHECKPOINT_REQUESTED_FIELD_NUMBER: _builtins.int
     ACTIVE_REPLICAS_FIELD_NUMBER: _builtins.int
+    FAILURES_FIELD_NUMBER: _builtins.int
+    HALTED_REASON_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     policy_version: _builtins.int
     paused: _builtins.bool
@@ -760,6 +813,10 @@ class GetStatusResponse(_message.Message):
     trainer_step: _builtins.int
     last_checkpoint_step: _builtins.int
     checkpoint_requested: _builtins.bool
+    halted_reason: _builtins.str
+    """Non-empty while no lease is granted because prompt groups kept failing
+    (coordinator.max_consecutive_failures): the count and the last error. Resume lifts it.
+    """
     @_builtins.property
     def totals(self) -> Global___RunTotals: ...
     @_builtins.property
@@ -767,6 +824,10 @@ class GetStatusResponse(_message.Message):
     @_builtins.property
     def active_replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Replica ids that leased or submitted in the last lease timeout window."""
+
+    @_builtins.property
+    def failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailureReport]:
+        """The newest distinct errors rollout replicas reported, newest first (at most 8)."""
 
     def __init__(
         self,
@@ -786,10 +847,12 @@ class GetStatusResponse(_message.Message):
         last_checkpoint_step: _builtins.int = ...,
         checkpoint_requested: _builtins.bool = ...,
         active_replicas: _abc.Iterable[_builtins.str] | None = ...,
+        failures: _abc.Iterable[Global___FailureReport] | None = ...,
+        halted_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_staleness_versions", b"_max_staleness_versions", "max_staleness_versions", b"max_staleness_versions", "totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness_versions", b"_max_staleness_versions", "active_replicas", b"active_replicas", "budget_used", b"budget_used", "checkpoint_requested", b"checkpoint_requested", "last_checkpoint_step", b"last_checkpoint_step", "max_required_samples", b"max_required_samples", "max_staleness_versions", b"max_staleness_versions", "paused", b"paused", "policy_version", b"policy_version", "required_samples", b"required_samples", "run_id", b"run_id", "staleness_histogram", b"staleness_histogram", "staleness_threshold", b"staleness_threshold", "stopping", b"stopping", "totals", b"totals", "trainer_step", b"trainer_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_staleness_versions", b"_max_staleness_versions", "active_replicas", b"active_replicas", "budget_used", b"budget_used", "checkpoint_requested", b"checkpoint_requested", "failures", b"failures", "halted_reason", b"halted_reason", "last_checkpoint_step", b"last_checkpoint_step", "max_required_samples", b"max_required_samples", "max_staleness_versions", b"max_staleness_versions", "paused", b"paused", "policy_version", b"policy_version", "required_samples", b"required_samples", "run_id", b"run_id", "staleness_histogram", b"staleness_histogram", "staleness_threshold", b"staleness_threshold", "stopping", b"stopping", "totals", b"totals", "trainer_step", b"trainer_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_staleness_versions: _TypeAlias = _typing.Literal["max_staleness_versions"]  # noqa: Y015
     _WhichOneofArgType__max_staleness_versions: _TypeAlias = _typing.Literal["_max_staleness_versions", b"_max_staleness_versions"]  # noqa: Y015

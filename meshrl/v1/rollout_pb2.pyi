@@ -175,6 +175,7 @@ class GetRolloutStatusResponse(_message.Message):
     RESUBMITS_FIELD_NUMBER: _builtins.int
     WEIGHT_UPDATES_FIELD_NUMBER: _builtins.int
     WEIGHT_UPDATE_FAILURES_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     engine: _builtins.str
     policy_version: _builtins.int
@@ -200,6 +201,8 @@ class GetRolloutStatusResponse(_message.Message):
     resubmits: _builtins.int
     weight_updates: _builtins.int
     weight_update_failures: _builtins.int
+    last_error: _builtins.str
+    """The first cause of the last group that failed on this replica (empty: none yet)."""
     @_builtins.property
     def engine_stats(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Engine-specific numbers (memory, KV usage, ...)."""
@@ -228,10 +231,11 @@ class GetRolloutStatusResponse(_message.Message):
         resubmits: _builtins.int = ...,
         weight_updates: _builtins.int = ...,
         weight_update_failures: _builtins.int = ...,
+        last_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_s", b"busy_s", "draining", b"draining", "engine", b"engine", "engine_stats", b"engine_stats", "groups_expired", b"groups_expired", "groups_failed", b"groups_failed", "groups_in_flight", b"groups_in_flight", "groups_submitted", b"groups_submitted", "last_weight_load_s", b"last_weight_load_s", "leases_lost", b"leases_lost", "leases_returned", b"leases_returned", "paused", b"paused", "policy_version", b"policy_version", "replica_id", b"replica_id", "resubmits", b"resubmits", "tokens_generated", b"tokens_generated", "uptime_s", b"uptime_s", "weight_update_failures", b"weight_update_failures", "weight_updates", b"weight_updates", "weights_failed", b"weights_failed", "weights_synced", b"weights_synced"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_s", b"busy_s", "draining", b"draining", "engine", b"engine", "engine_stats", b"engine_stats", "groups_expired", b"groups_expired", "groups_failed", b"groups_failed", "groups_in_flight", b"groups_in_flight", "groups_submitted", b"groups_submitted", "last_error", b"last_error", "last_weight_load_s", b"last_weight_load_s", "leases_lost", b"leases_lost", "leases_returned", b"leases_returned", "paused", b"paused", "policy_version", b"policy_version", "replica_id", b"replica_id", "resubmits", b"resubmits", "tokens_generated", b"tokens_generated", "uptime_s", b"uptime_s", "weight_update_failures", b"weight_update_failures", "weight_updates", b"weight_updates", "weights_failed", b"weights_failed", "weights_synced", b"weights_synced"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

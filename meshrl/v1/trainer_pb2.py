@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/trainer.proto\x12\tmeshrl.v1\"\x19\n\x17GetTrainerStatusRequest\"\xd8\x02\n\x18GetTrainerStatusResponse\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x41\n\x07metrics\x18\x06 \x03(\x0b\x32\x30.meshrl.v1.GetTrainerStatusResponse.MetricsEntry\x12\x1c\n\x14last_checkpoint_step\x18\x07 \x01(\x04\x12\r\n\x05state\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x17\n\x0foptimizer_steps\x18\n \x01(\x04\x12\x16\n\x0etokens_trained\x18\x0b \x01(\x04\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t2\xc4\x01\n\x0eTrainerService\x12[\n\x10GetTrainerStatus\x12\".meshrl.v1.GetTrainerStatusRequest\x1a#.meshrl.v1.GetTrainerStatusResponse\x12U\n\x0eSaveCheckpoint\x12 .meshrl.v1.SaveCheckpointRequest\x1a!.meshrl.v1.SaveCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17meshrl/v1/trainer.proto\x12\tmeshrl.v1\"\x19\n\x17GetTrainerStatusRequest\"\xe9\x02\n\x18GetTrainerStatusResponse\x12\x12\n\ntrainer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\r\x12\x41\n\x07metrics\x18\x06 \x03(\x0b\x32\x30.meshrl.v1.GetTrainerStatusResponse.MetricsEntry\x12\x1c\n\x14last_checkpoint_step\x18\x07 \x01(\x04\x12\r\n\x05state\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x17\n\x0foptimizer_steps\x18\n \x01(\x04\x12\x16\n\x0etokens_trained\x18\x0b \x01(\x04\x12\x0f\n\x07replica\x18\x0c \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x17\n\x15SaveCheckpointRequest\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t2\xc4\x01\n\x0eTrainerService\x12[\n\x10GetTrainerStatus\x12\".meshrl.v1.GetTrainerStatusRequest\x1a#.meshrl.v1.GetTrainerStatusResponse\x12U\n\x0eSaveCheckpoint\x12 .meshrl.v1.SaveCheckpointRequest\x1a!.meshrl.v1.SaveCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=38
   _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=63
   _globals['_GETTRAINERSTATUSRESPONSE']._serialized_start=66
-  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_end=410
-  _globals['_GETTRAINERSTATUSRESPONSE_METRICSENTRY']._serialized_start=364
-  _globals['_GETTRAINERSTATUSRESPONSE_METRICSENTRY']._serialized_end=410
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=412
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=435
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=437
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=489
-  _globals['_TRAINERSERVICE']._serialized_start=492
-  _globals['_TRAINERSERVICE']._serialized_end=688
+  _globals['_GETTRAINERSTATUSRESPONSE']._serialized_end=427
+  _globals['_GETTRAINERSTATUSRESPONSE_METRICSENTRY']._serialized_start=381
+  _globals['_GETTRAINERSTATUSRESPONSE_METRICSENTRY']._serialized_end=427
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=429
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=452
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=454
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=506
+  _globals['_TRAINERSERVICE']._serialized_start=509
+  _globals['_TRAINERSERVICE']._serialized_end=705
 # @@protoc_insertion_point(module_scope)

@@ -68,6 +68,7 @@ class GetTrainerStatusResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     OPTIMIZER_STEPS_FIELD_NUMBER: _builtins.int
     TOKENS_TRAINED_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     engine: _builtins.str
     step: _builtins.int
@@ -82,6 +83,10 @@ class GetTrainerStatusResponse(_message.Message):
     """Optimizer steps taken (the LR schedule's position), across restarts."""
     tokens_trained: _builtins.int
     """Tokens trained on since the loop started (x ppo_epochs)."""
+    replica: _builtins.str
+    """The Ray Serve replica that answered (empty outside Serve): after a failure, `meshrl train`
+    tells the failed replica from its replacement.
+    """
     @_builtins.property
     def metrics(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Latest step metrics (loss parts, grad norm, lr, tokens/s, idle ratio ...)."""
@@ -100,10 +105,11 @@ class GetTrainerStatusResponse(_message.Message):
         error: _builtins.str = ...,
         optimizer_steps: _builtins.int = ...,
         tokens_trained: _builtins.int = ...,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "last_checkpoint_step", b"last_checkpoint_step", "metrics", b"metrics", "optimizer_steps", b"optimizer_steps", "policy_version", b"policy_version", "state", b"state", "step", b"step", "tokens_trained", b"tokens_trained", "trainer_id", b"trainer_id", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "error", b"error", "last_checkpoint_step", b"last_checkpoint_step", "metrics", b"metrics", "optimizer_steps", b"optimizer_steps", "policy_version", b"policy_version", "replica", b"replica", "state", b"state", "step", b"step", "tokens_trained", b"tokens_trained", "trainer_id", b"trainer_id", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

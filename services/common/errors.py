@@ -102,3 +102,43 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, (TimeoutError,)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def first_cause(exc: BaseException, limit: int = 500) -> str:
+    """The error a person must read, on one line: the exception a Ray task or Serve replica
+    raised (not the RayTaskError around it and its remote traceback), a gRPC error's code and
+    details, whitespace collapsed, cut at `limit` characters."""
+    seen: set[int] = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError: what the task raised
+        if not isinstance(inner, BaseException):
+            break
+        exc = inner
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if isinstance(exc, grpc.RpcError) and callable(code) and callable(details):
+        text = f"{getattr(code(), 'name', code())}: {details()}"
+    else:
+        text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_TRANSIENT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_REPLICA_DIED = ("The actor died unexpectedly", "ActorDiedError", "ActorUnavailableError", "RayActorError")
+
+
+def transient(exc: BaseException) -> bool:
+    """True for a failure of the service called, not of the request: UNAVAILABLE or DEADLINE_EXCEEDED
+    (a gRPC error or their MeshError), and INTERNAL from Serve's gRPC proxy when the replica
+    serving the call died under it (Serve then starts another). Worth a bounded retry; a request
+    that is not idempotent needs a way to learn what the dead call did (see its caller)."""
+    code = exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None  # type: ignore[attr-defined]
+    if code is None and isinstance(exc, MeshError):
+        code = exc.code
+    if code in _TRANSIENT_CODES:
+        return True
+    if code == grpc.StatusCode.INTERNAL:
+        details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)  # type: ignore[attr-defined]
+        return any(s in str(details) for s in _REPLICA_DIED)
+    return False

@@ -244,6 +244,8 @@ async def fail(context: Any, exc: BaseException) -> None:
     if code == grpc.StatusCode.INTERNAL and not isinstance(exc, MeshError):
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=12))
         log.error("rpc_internal_error", error=_truncate(f"{type(exc).__name__}: {exc}", 500), traceback=_truncate(tb, 8000))
+    if context is None:  # an in-process call (a Serve handle passes no gRPC context): the caller gets exc itself
+        raise exc
     if hasattr(context, "abort"):
         await context.abort(code, details)  # raises grpc.aio.AbortError
     context.set_code(code)

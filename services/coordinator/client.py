@@ -82,8 +82,9 @@ class CoordinatorClient:
         req = coordinator_pb2.RenewLeasesRequest(replica_id=replica_id, lease_ids=list(lease_ids))
         return await self.stub.RenewLeases(req, **self._kw())
 
-    async def return_leases(self, replica_id: str, lease_ids: Sequence[str]) -> int:
-        req = coordinator_pb2.ReturnLeasesRequest(replica_id=replica_id, lease_ids=list(lease_ids))
+    async def return_leases(self, replica_id: str, lease_ids: Sequence[str], error: str = "") -> int:
+        """ERROR: why their groups failed (empty for a drain); the coordinator reports it."""
+        req = coordinator_pb2.ReturnLeasesRequest(replica_id=replica_id, lease_ids=list(lease_ids), error=error)
         return (await self.stub.ReturnLeases(req, **self._kw())).returned
 
     async def submit(

@@ -243,12 +243,19 @@ def status_response(s: Status) -> coordinator_pb2.GetStatusResponse:
             rejected_expired=t.rejected_expired,
             retry_pending=s.retry_pending,
             delivered_uncheckpointed=s.delivered_uncheckpointed,
+            leases_replica_lost=t.leases_replica_lost,
         ),
         staleness_histogram=[coordinator_pb2.StalenessBucket(staleness=k, groups=v) for k, v in s.histogram.items()],
         trainer_step=s.trainer_step,
         last_checkpoint_step=max(s.last_checkpoint_step, 0),
         checkpoint_requested=s.checkpoint_requested,
         active_replicas=s.active_replicas,
+        failures=[
+            coordinator_pb2.FailureReport(source=f.source, error=f.error, count=f.count, first_unix_s=f.first_unix_s,
+                                          last_unix_s=f.last_unix_s)
+            for f in s.failures
+        ],
+        halted_reason=s.halted_reason,
     )
     if s.max_staleness_versions is not None:
         resp.max_staleness_versions = s.max_staleness_versions

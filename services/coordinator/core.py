@@ -39,8 +39,13 @@ from services.common.config.root import max_required_samples
 from services.common.data import PromptRecord, PromptStream
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.limits import RecentlySeen
+from services.common.logging import get_logger
 
+from .failures import FailureLog, FailureReport
 from .ledger import GroupRow, GroupState, LeaseRow, LeaseState, Ledger, RetryReason
+from .liveness import ReplicaLiveness
+
+log = get_logger(__name__)
 
 MAX_REPLICAS_SEEN = 4096
 INT64_MAX = (1 << 63) - 1
@@ -80,6 +85,10 @@ class CoordinatorSettings:
     # replica keep it). A Stop belongs to the session that asked for it: a later session that
     # continues the same ledger (`meshrl train --resume`) starts un-stopped.
     session: str = ""
+    replica_ttl_s: float | None = None
+    """A replica holding leases and silent this long is taken for dead (see liveness.py); None: off."""
+    max_consecutive_failures: int | None = None
+    """Failed groups in a row that halt leasing (see failures.py); None: never."""
 
     def fingerprint(self) -> dict[str, Any]:
         """Facts a ledger must agree with to be continued by this config."""
@@ -186,6 +195,8 @@ class Totals:
     rejected_expired: int = 0
     late_accepted: int = 0
     submitted: int = 0
+    leases_replica_lost: int = 0
+    """Of leases_expired: those expired early because their replica went silent (replica_ttl_s)."""
 
 
 @dataclass
@@ -278,6 +289,8 @@ class Status:
     checkpoint_requested: bool
     active_replicas: list[str]
     weights: bytes
+    failures: list[FailureReport] = field(default_factory=list)
+    halted_reason: str = ""
 
 
 class CoordinatorCore:
@@ -304,6 +317,9 @@ class CoordinatorCore:
         self._next_group_id = 1
         # Replica ids come from callers: bounded in number and age (GetStatus lists them).
         self._replica_seen: dict[str, float] = RecentlySeen(MAX_REPLICAS_SEEN, settings.lease_timeout_s)
+        self._liveness = ReplicaLiveness(self._replica_seen, settings.replica_ttl_s)
+        self._silent_leases: set[str] = set()  # leases due now because their replica went silent
+        self.failures = FailureLog(settings.max_consecutive_failures)
         snap = ledger.load()
         if snap.state is None:
             self._state = _State(
@@ -407,7 +423,7 @@ class CoordinatorCore:
         if max_groups < 1:
             raise InvalidArgument("max_groups", "must be >= 1")
         self.expire(now)
-        if self._state.stopping or self._state.paused:
+        if self._state.stopping or self._state.paused or self.failures.halted:
             self._replica_seen[replica_id] = now
             limit = LeaseLimit.STOPPING if self._state.stopping else LeaseLimit.PAUSED
             return LeaseGrant([], limit, self._state.policy_version)
@@ -512,7 +528,9 @@ class CoordinatorCore:
             self._expired[r.lease_id] = r.seq
 
     def expire(self, now: float) -> int:
-        """Expire leases whose deadline passed; their prompts go to the retry queue."""
+        """Expire leases whose deadline passed, and those of silent replicas; their prompts go to
+        the retry queue."""
+        self._expire_silent(now)
         popped: list[tuple[float, int, str]] = []
         expired: list[LeaseRow] = []
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -526,6 +544,8 @@ class CoordinatorCore:
             return 0
         s = self._state.copy()
         s.totals.leases_expired += len(expired)
+        lost = [r.lease_id for r in expired if r.lease_id in self._silent_leases]
+        s.totals.leases_replica_lost += len(lost)
         s.budget_used = max(self._floor() - len(expired), s.budget_used - len(expired))
         try:
             with self.ledger.transaction():
@@ -537,8 +557,41 @@ class CoordinatorCore:
                 heapq.heappush(self._deadlines, entry)
             raise
         self._state = s
+        self._silent_leases.difference_update(lost)
         self._requeue_leases(expired)
         return len(expired)
+
+    def _expire_silent(self, now: float) -> None:
+        """Leases of replicas silent for replica_ttl_s (liveness.py) get `now` as their deadline,
+        so the expire() that called this re-queues them in its transaction; their prompts stop
+        counting against the staleness budget there (expire gives their units back). Memory only:
+        if that transaction fails, the leases are simply due (and counted) at the next expire."""
+        silent = self._liveness.silent(now, lambda: {lease.replica_id for lease in self._leases.values()})
+        if not silent:
+            return
+        lost: dict[str, list[LeaseRow]] = {}
+        for lease in self._leases.values():
+            if lease.replica_id in silent:
+                lost.setdefault(lease.replica_id, []).append(lease)
+        for replica_id, leases in lost.items():
+            for lease in leases:
+                lease.deadline = now
+                heapq.heappush(self._deadlines, (now, lease.seq, lease.lease_id))
+                self._silent_leases.add(lease.lease_id)
+            log.warning("replica_lost", replica_id=replica_id, leases=len(leases),
+                        silent_s=round(now - self._replica_seen[replica_id], 1),
+                        hint="its leases are re-issued now (coordinator.replica_ttl_s)")
+
+    def report_failure(self, replica_id: str, error: str, groups: int, now: float) -> bool:
+        """A replica says `groups` of its groups failed with `error` (ReturnLeases `error`; the
+        leases themselves are returned by return_leases). True when this halts leasing
+        (coordinator.max_consecutive_failures, failures.py)."""
+        self._replica_seen[replica_id] = now
+        halted = self.failures.failed(replica_id, error, max(1, groups), now)
+        if halted:
+            log.error("leasing_halted", reason=self.failures.halted_reason,
+                      hint="fix the cause, then `meshrl resume` (or `meshrl train --resume RUN_DIR`)")
+        return halted
 
     def submit(self, replica_id: str, groups: list[GroupIn], now: float) -> list[SubmitStatus]:
         """Record finished groups; idempotent by lease id. All-or-nothing validation: an unknown
@@ -622,6 +675,8 @@ class CoordinatorCore:
         for lease_id in refused:
             del self._expired[lease_id]
             self._refused.add(lease_id)
+        if accepted:
+            self.failures.succeeded()
         for row in accepted:
             self._submitted.add(row.lease_id)
             self._expired.pop(row.lease_id, None)
@@ -830,9 +885,12 @@ class CoordinatorCore:
     # ---- control ---------------------------------------------------------------------------
 
     def set_paused(self, paused: bool) -> None:
+        """Pause or resume leasing; resuming also lifts a halt on failures (after the ledger took it)."""
         s = self._state.copy()
         s.paused = paused
         self._save(s)
+        if not paused:
+            self.failures.clear()
 
     def set_staleness(self, threshold: float) -> int:
         check_staleness_threshold(threshold)
@@ -901,6 +959,8 @@ class CoordinatorCore:
             checkpoint_requested=self._state.checkpoint_requested,
             active_replicas=sorted(r for r, t in self._replica_seen.items() if now - t <= window),
             weights=self._state.weights,
+            failures=self.failures.reports(),
+            halted_reason=self.failures.halted_reason,
         )
 
     def audit(self) -> dict[str, Any]:

@@ -46,6 +46,8 @@ def build_core(
         trigger_parameter_sync_step=at.trigger_parameter_sync_step,
         prompts_total=derived.total_rollout_steps,
         lease_timeout_s=cfg.coordinator.lease_timeout_s,
+        replica_ttl_s=cfg.coordinator.replica_ttl_s,
+        max_consecutive_failures=cfg.coordinator.max_consecutive_failures,
         max_staleness_versions=at.max_staleness_versions,
         keep_delivered_payloads=cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable",
         run_id=run_id,

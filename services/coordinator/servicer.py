@@ -104,7 +104,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def ReturnLeases(self, request: coordinator_pb2.ReturnLeasesRequest, context: Any) -> coordinator_pb2.ReturnLeasesResponse:
         convert.require_id(request.replica_id, "replica_id")
         convert.check_count(len(request.lease_ids), "lease_ids", 1, self.max_groups)
-        n = self.core.return_leases(request.replica_id, list(request.lease_ids), self.clock())
+        now = self.clock()
+        if request.error:
+            self.core.report_failure(request.replica_id, request.error, len(set(request.lease_ids)), now)
+        n = self.core.return_leases(request.replica_id, list(request.lease_ids), now)
         if n:
             self._notify()
         return coordinator_pb2.ReturnLeasesResponse(returned=n)

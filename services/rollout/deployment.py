@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from ray import serve
 from meshrl.v1 import reward_pb2, rollout_pb2
 from services.common.config import MeshConfig
 from services.common.config.serve import AppDeployConfig
+from services.common.errors import first_cause
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
@@ -42,12 +44,29 @@ log = get_logger(__name__)
 FetcherFactory = Callable[[MeshConfig], WeightFetcher]
 
 
-def _handle_scorer(handle: Any) -> Scorer:
+SCORE_RETRY_S = 60.0
+"""How long a Score call is retried while the reward replica that took it died and Serve replaces it
+(scoring has no side effects); an error of the reward service itself is never retried here."""
+
+
+def _handle_scorer(handle: Any, retry_s: float = SCORE_RETRY_S) -> Scorer:
     """A scorer that calls a reward deployment's `Score` method (ScoreRequest -> ScoreResponse)."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
 
     async def score(items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
-        resp = await handle.Score.remote(reward_pb2.ScoreRequest(items=items))
-        return list(resp.results)
+        deadline = time.monotonic() + retry_s
+        delay = 0.5
+        while True:
+            try:
+                resp = await handle.Score.remote(reward_pb2.ScoreRequest(items=items))
+                return list(resp.results)
+            except (RayActorError, ActorUnavailableError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("score_retry", items=len(items), error=first_cause(exc), retry_in_s=delay,
+                            hint="the reward replica died; Serve replaces it")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     return score
 

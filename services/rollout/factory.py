@@ -76,6 +76,15 @@ def build_engine(cfg: MeshConfig, *, model: Any = None, tokenizer: Any = None) -
     raise ConfigError(f"no builder for rollout engine {r.name!r}")
 
 
+def renew_interval_s(cfg: MeshConfig) -> float:
+    """The heartbeat: rollout_worker.lease_renew_interval_s, else a quarter of the coordinator's
+    replica TTL (a third of the lease timeout without one)."""
+    c = cfg.coordinator
+    if cfg.rollout_worker.lease_renew_interval_s is not None:
+        return cfg.rollout_worker.lease_renew_interval_s
+    return min(c.lease_timeout_s / 3, c.replica_ttl_s / 4) if c.replica_ttl_s is not None else c.lease_timeout_s / 3
+
+
 def worker_settings(cfg: MeshConfig, replica_id: str | None = None) -> WorkerSettings:
     at, w = cfg.async_training, cfg.rollout_worker
     return WorkerSettings(
@@ -83,7 +92,7 @@ def worker_settings(cfg: MeshConfig, replica_id: str | None = None) -> WorkerSet
         concurrent_groups=at.concurrent_samples_per_replica,
         partial_rollout=at.partial_rollout,
         partial_rollout_mode=at.partial_rollout_mode,
-        renew_interval_s=w.lease_renew_interval_s or cfg.coordinator.lease_timeout_s / 3,
+        renew_interval_s=renew_interval_s(cfg),
         idle_poll_s=w.idle_poll_s,
         submit_max_retries=w.submit_max_retries,
         weight_load_timeout_s=w.weight_load_timeout_s,

@@ -6,7 +6,8 @@ No Ray, no gRPC server: the coordinator, the scorer and the weight fetcher are i
                                                  └─ an aborted sample (weight update, mode abort)
                                                     is continued: prompt + its tokens, max_tokens
                                                     reduced by what it has
-    renew loop    RenewLeases(in-flight) every lease_timeout/3; a lost lease aborts its group
+    renew loop    RenewLeases(in-flight) every lease_renew_interval_s: the heartbeat that keeps the
+                  coordinator from taking the replica for dead; a lost lease aborts its group
     watch loop    WatchVersions: a newer version → pause → fetch → load → resume
 
 Weight updates, by async_training.partial_rollout / partial_rollout_mode:
@@ -41,7 +42,7 @@ import grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2, rollout_pb2
 from services.common.coalesce import Coalescer
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, first_cause, transient
 from services.common.logging import get_logger
 from services.weights import WeightFetcher
 
@@ -55,7 +56,6 @@ log = get_logger(__name__)
 Scorer = Callable[[list[reward_pb2.ScoreItem]], Awaitable[list[reward_pb2.ScoreResult]]]
 """Scores a batch of responses (one result per item, matched by item_id)."""
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class Coordinator(Protocol):
@@ -65,7 +65,7 @@ class Coordinator(Protocol):
 
     async def renew(self, replica_id: str, lease_ids: Sequence[str]) -> coordinator_pb2.RenewLeasesResponse: ...
 
-    async def return_leases(self, replica_id: str, lease_ids: Sequence[str]) -> int: ...
+    async def return_leases(self, replica_id: str, lease_ids: Sequence[str], error: str = "") -> int: ...
 
     async def submit(
         self, replica_id: str, groups: Sequence[common_pb2.TrajectoryGroup]
@@ -168,6 +168,10 @@ class RolloutWorker:
         self._draining = False
         self._stopping = False
         self._run_error: BaseException | None = None
+        self.last_error = ""
+        self._to_return: dict[str, str] = {}
+        """Leases whose return failed (lease id -> error), retried by the renew loop."""
+        """The last group failure, one line (status(); the coordinator has it too)."""
         # The newest version the coordinator announced, and whether loading it failed: then this
         # replica leases nothing (it would only make ever staler data) and retries with backoff.
         self._latest_ref: common_pb2.WeightsRef | None = None
@@ -319,7 +323,11 @@ class RolloutWorker:
             await self._submit(group)
         except Exception as exc:
             self.counters.groups_failed += 1
-            log.error("group_failed", lease_id=g.lease.lease_id, error=repr(exc), exc_info=exc)
+            error = first_cause(exc)
+            self.last_error = error
+            # The coordinator being away (a restart) is not this group's failure: no error goes with the lease.
+            reported = "" if isinstance(exc, grpc.RpcError) and transient(exc) else error
+            log.error("group_failed", lease_id=g.lease.lease_id, error=error, exc_info=exc)
             if isinstance(exc, InvalidArgument):
                 # Bad input that fails again on any replica (an overlong prompt with
                 # data.truncation=error, sampling or a reward item the service rejects): stop
@@ -329,7 +337,7 @@ class RolloutWorker:
                 self._draining = True
             if g.cancel_reason != "drain":  # a drained group's lease is drain's to return
                 g.committed = True
-                await self._give_back(g)
+                await self._give_back(g, reported)
         finally:
             if self._groups.pop(g.lease.lease_id, None) is not None and not self._groups:
                 self.counters.busy_s += time.monotonic() - self._busy_since
@@ -352,13 +360,20 @@ class RolloutWorker:
             await self._wait_change(1.0)
         return g.cancel_reason is None
 
-    async def _give_back(self, g: _Group) -> None:
-        """Return a failed group's lease now, so its prompt is re-issued without waiting for expiry."""
+    async def _give_back(self, g: _Group, error: str = "") -> None:
+        """Return a failed group's lease now, so its prompt is re-issued without waiting for expiry.
+        ERROR (the group's failure, one line) goes with it: the coordinator counts failures in a
+        row and halts leasing with the reason (coordinator.max_consecutive_failures)."""
         if self.coordinator is None:
             return
         try:
-            self.counters.leases_returned += await self.coordinator.return_leases(self.replica_id, [g.lease.lease_id])
-        except grpc.RpcError as exc:  # it expires instead: nothing is lost
+            self.counters.leases_returned += await self.coordinator.return_leases(
+                self.replica_id, [g.lease.lease_id], error=error
+            )
+        except grpc.RpcError as exc:
+            # Returned by the renew loop once the coordinator answers again: this replica is alive
+            # and heartbeats, so the lease would otherwise wait for coordinator.lease_timeout_s.
+            self._to_return[g.lease.lease_id] = error
             log.warning("return_lease_failed", lease_id=g.lease.lease_id, code=str(exc.code()))  # type: ignore[attr-defined]
 
     async def _submit(self, group: common_pb2.TrajectoryGroup) -> None:
@@ -379,7 +394,7 @@ class RolloutWorker:
                 resp = await self.coordinator.submit(self.replica_id, groups)
                 return list(resp.statuses)
             except grpc.RpcError as exc:
-                if exc.code() not in _RETRYABLE or attempt == self.s.submit_max_retries:  # type: ignore[attr-defined]
+                if not transient(exc) or attempt == self.s.submit_max_retries:
                     raise
                 log.warning("submit_retry", groups=len(groups), attempt=attempt + 1, code=str(exc.code()))  # type: ignore[attr-defined]
                 await asyncio.sleep(delay)
@@ -531,6 +546,7 @@ class RolloutWorker:
         assert self.coordinator is not None
         while True:
             await asyncio.sleep(self.s.renew_interval_s)
+            await self._retry_returns()
             ids = [lid for lid, g in self._groups.items() if g.cancel_reason is None]
             if not ids:
                 continue
@@ -545,6 +561,19 @@ class RolloutWorker:
                     self.counters.leases_lost += 1
                     log.warning("lease_lost", lease_id=lid)
                     await self._abort_group(g, "lost")
+
+    async def _retry_returns(self) -> None:
+        """Return the leases whose ReturnLeases failed (idempotent: one submitted or expired since is ignored)."""
+        assert self.coordinator is not None
+        for error in sorted(set(self._to_return.values())):
+            ids = [lid for lid, e in self._to_return.items() if e == error]
+            try:
+                self.counters.leases_returned += await self.coordinator.return_leases(self.replica_id, ids, error=error)
+            except grpc.RpcError as exc:
+                log.warning("return_leases_failed", code=str(exc.code()), leases=len(ids))  # type: ignore[attr-defined]
+                return
+            for lid in ids:
+                del self._to_return[lid]
 
     # ---- weights ---------------------------------------------------------------------------------
 
@@ -641,5 +670,5 @@ class RolloutWorker:
             last_weight_load_s=c.last_weight_load_s, weights_failed=self._weights_failed, weights_synced=self._synced,
             groups_expired=c.groups_expired, groups_failed=c.groups_failed, leases_returned=c.leases_returned,
             leases_lost=c.leases_lost, resubmits=c.resubmits, weight_updates=c.weight_updates,
-            weight_update_failures=c.weight_update_failures,
+            weight_update_failures=c.weight_update_failures, last_error=self.last_error,
         )

@@ -45,7 +45,7 @@ import grpc
 import torch
 
 from meshrl.v1 import common_pb2, coordinator_pb2, trainer_pb2
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, first_cause, transient
 from services.common.logging import get_logger
 from services.weights import WeightPublisher
 
@@ -55,6 +55,7 @@ from .convert import agent_metrics, check_batch, groups_to_batch, sequence_tenso
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
 from .publisher import RankZeroPublisher
+from .retry import retry_transient
 
 log = get_logger(__name__)
 
@@ -129,7 +130,8 @@ class LoopSettings:
     """Where the final policy is written as a Hugging Face checkpoint when the run ends; None: not."""
     coordinator_wait_s: float = 600.0
     """How long ResumeTrainer is retried while the coordinator is not up yet (unreachable, or its
-    Serve application not deployed yet); 0: fail at once."""
+    Serve application not deployed yet), and any call while a service is replaced (retry.py);
+    0: fail at once."""
     overlap: bool = False
     """Fetch the next step's groups and publish the last version while the group trains (see the
     module docstring); False: every step fetches, trains and publishes in turn."""
@@ -184,6 +186,8 @@ class TrainerLoop:
         """Version of the group's weights: policy_version, or the version being published."""
         self._publishing: asyncio.Task[float] | None = None
         self._prefetch: tuple[int, asyncio.Task[tuple[coordinator_pb2.FetchBatchResponse, float]]] | None = None
+        self._training: asyncio.Future[list[StepResult]] | None = None
+        """The optimizer steps in flight while a publish settles (overlap): a re-export waits for them."""
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -199,7 +203,7 @@ class TrainerLoop:
             log.info("trainer_finished", step=self.step, policy_version=self.policy_version)
         except BaseException as exc:
             self.state = "failed"
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = first_cause(exc)
             await self._cancel_background()
             for fut in self._ckpt_waiters:
                 if not fut.done():
@@ -355,7 +359,7 @@ class TrainerLoop:
         """`_update` while the version in flight commits and then the next step's groups are
         fetched. Returns the results and the seconds the loop still waited on the publish once
         training had ended."""
-        train = asyncio.ensure_future(self._update(batch))
+        train = self._training = asyncio.ensure_future(self._update(batch))
         ended: list[float] = []
         train.add_done_callback(lambda _: ended.append(self.clock()))
         try:
@@ -387,7 +391,31 @@ class TrainerLoop:
         return resp, self.clock() - t
 
     async def _collect(self, step: int) -> _Collected:
-        """Fetch until `groups_per_step` groups are kept (fewer only at the end of the data)."""
+        """Fetch until `groups_per_step` groups are kept (fewer only at the end of the data). A
+        FetchBatch that failed transiently (the coordinator restarting) may have delivered groups
+        whose answer was lost: re-sync (retry.py) and collect the step again from scratch."""
+        while True:
+            filtered = list(self.pending_filtered)
+            try:
+                return await self._collect_once(step)
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                # Groups filtered in this collection go back to the queue with the others; those of
+                # earlier steps are reported again (a repeat is ignored).
+                self.pending_filtered = filtered
+                await self._resync(step - 1, exc)
+
+    async def _resync(self, trained_step: int, error: BaseException) -> None:
+        """ResumeTrainer(trained_step): every group delivered for a later step goes back to the head
+        of the queue in order (none of them was trained), so a lost FetchBatch answer loses nothing."""
+        resp = await retry_transient(
+            "ResumeTrainer", lambda: self.coordinator.resume_trainer(self.s.trainer_id, trained_step),
+            wait_s=self.s.coordinator_wait_s, first_error=error,
+        )
+        log.warning("fetch_resynced", step=trained_step + 1, requeued=resp.requeued, error=first_cause(error))
+
+    async def _collect_once(self, step: int) -> _Collected:
         out = _Collected()
         need = self.s.groups_per_step
         productive = 0
@@ -494,14 +522,38 @@ class TrainerLoop:
 
     async def _publish_and_commit(self, version: int, published: Awaitable[common_pb2.WeightsRef]) -> float:
         t = self.clock()
-        ref = await published
+        try:
+            ref = await published
+        except Exception as exc:
+            if isinstance(self.publisher, RankZeroPublisher) or not transient(exc):
+                raise
+            ref = await self._republish(version, exc)
         if ref.policy_version != version:
             raise FailedPrecondition(f"publisher returned version {ref.policy_version} for {version}")
-        resp = await self.coordinator.commit_version(self.s.trainer_id, ref)
+        resp = await retry_transient(
+            "CommitVersion", lambda: self.coordinator.commit_version(self.s.trainer_id, ref),
+            wait_s=self.s.coordinator_wait_s,
+        )
         self.policy_version = resp.policy_version
         seconds = self.clock() - t
         log.info("weights_published", policy_version=version, bytes=ref.total_bytes, seconds=round(seconds, 3))
         return seconds
+
+    async def _republish(self, version: int, error: BaseException) -> common_pb2.WeightsRef:
+        """The param server went away during the upload (Serve replaces it, empty): publish
+        `version` again to the replacement, from the group's weights once the steps in flight are
+        done (with the overlap, one step newer than the first export: never older)."""
+        publisher = self.publisher
+        assert not isinstance(publisher, RankZeroPublisher)
+
+        async def steps_done() -> None:
+            if self._training is not None:
+                await asyncio.wait([self._training])
+
+        return await retry_transient(
+            f"publish of version {version}", lambda: publisher.publish(version, self.group.export_weights(self.s.bucket_bytes)),
+            wait_s=self.s.coordinator_wait_s, first_error=error, before=steps_done,
+        )
 
     async def _settle_publish(self) -> None:
         """Wait for the publish in flight, if any (its failure fails the loop)."""
@@ -524,7 +576,11 @@ class TrainerLoop:
         await self.group.save_checkpoint(tmp)
         state = checkpoints.LoopState(step, self.policy_version, self.group.step, list(self.pending_filtered))
         final = checkpoints.commit(root, step, state)
-        await self.coordinator.report_checkpoint(self.s.trainer_id, step, self.policy_version, str(final))
+        await retry_transient(
+            "ReportCheckpoint",
+            lambda: self.coordinator.report_checkpoint(self.s.trainer_id, step, self.policy_version, str(final)),
+            wait_s=self.s.coordinator_wait_s,
+        )
         self.last_checkpoint_step, self.last_checkpoint_path = step, str(final)
         removed = checkpoints.rotate(root, self.s.max_checkpoints_to_keep)
         log.info("checkpoint_saved", step=step, path=str(final), removed=[p.name for p in removed])

@@ -60,10 +60,14 @@ class TrainerDeployment:
         self._metrics = ReplicaMetrics(trainer_metrics.FAMILIES)
         self._metrics_task = export_periodically(
             "trainer", lambda: trainer_metrics.export(self._metrics, self.parts.loop.status()))
+        # Which replica answers: after a failure, `meshrl train` tells the failed one from its replacement.
+        self._replica = str(getattr(getattr(serve.get_replica_context(), "replica_id", None), "unique_id", ""))
 
     async def status(self) -> trainer_pb2.GetTrainerStatusResponse:
-        """GetTrainerStatus's answer, for handle calls (`meshrl train` polls it)."""
-        return self.parts.servicer.status()
+        """GetTrainerStatus's answer and this replica's id, for handle calls (`meshrl train` polls it)."""
+        status = self.parts.servicer.status()
+        status.replica = self._replica
+        return status
 
     def check_health(self) -> None:
         if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:

@@ -193,6 +193,29 @@ def test_a_publisher_that_stops_sending_gets_deadline_exceeded_and_leaves_nothin
     run(main())
 
 
+def test_an_export_that_fails_mid_publish_raises_its_own_error_and_leaves_nothing() -> None:
+    """A rank that dies while its weights stream out: the trainer must see why (grpc.aio only
+    says CancelledError when the request iterator raises), and no part of the version is kept."""
+
+    async def main() -> None:
+        server = await start_server()
+        try:
+            pub = GrpcPublisher(server.address, chunk_bytes=64 * 1024)
+
+            async def dies() -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
+                yield buckets(1)[0]
+                raise RuntimeError("ActorDiedError: the actor died unexpectedly (TrainWorker)")
+
+            with pytest.raises(RuntimeError, match="TrainWorker"):
+                await pub.publish(4, dies())
+            assert server.servicer.store.versions() == []
+            await pub.close()
+        finally:
+            await server.stop()
+
+    run(main())
+
+
 def test_retention_keeps_a_version_while_it_is_being_fetched() -> None:
     async def main() -> None:
         server = await start_server(retain_versions=1)

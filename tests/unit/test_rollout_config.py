@@ -47,7 +47,17 @@ def test_worker_settings_follow_async_training() -> None:
     ])
     s = factory.worker_settings(cfg, "r1")
     assert (s.replica_id, s.concurrent_groups, s.partial_rollout_mode) == ("r1", 5, "keep")
-    assert s.renew_interval_s == 30 and s.truncation == "left"
+    assert s.truncation == "left"
+    # The renewal is the replica's heartbeat: a quarter of the coordinator's replica TTL (20 s),
+    # or a third of the lease timeout when the TTL is off.
+    assert s.renew_interval_s == 5
+    assert factory.worker_settings(load_config(None, ["coordinator.lease_timeout_s=90", "coordinator.replica_ttl_s=null"]),
+                                   "r1").renew_interval_s == 30
+
+
+def test_heartbeat_slower_than_half_the_replica_ttl_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"lease_renew_interval_s=15.0 is the replicas. heartbeat and must be at most half of coordinator.replica_ttl_s=20.0"):
+        load_config(None, ["rollout_worker.lease_renew_interval_s=15"])
 
 
 def test_unknown_engine_names_the_key() -> None:

@@ -348,12 +348,11 @@ def test_multi_turn_continues_from_exact_ids_across_updates(engine: Any, model: 
     environment tokens included), environment tokens are masked with version -1, and a weight
     update between or inside turns gives policy versions that never go back (with abort, the
     re-prefilled tokens after the update carry exactly the new weights' logprobs)."""
-    from services.rollout.weights import InMemoryWeightStore
-
     from meshrl.v1 import common_pb2
     from services.environment.factory import EnvironmentRouter
     from services.rollout.agent.loop import AgentLoop, AgentSettings
     from services.rollout.worker import RolloutWorker, WorkerSettings
+    from services.weights.in_process import InMemoryWeightStore
     from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
 
     new_model = build_tiny_model("qwen3", tok, seed=33)

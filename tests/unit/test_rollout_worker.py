@@ -282,6 +282,8 @@ def test_failed_group_returns_its_lease_and_bad_input_marks_unhealthy(tok: Any) 
     healthy_after_drain, healthy_bad = asyncio.run(scenario())
     assert healthy_after_drain and not healthy_bad
     assert coord.submitted == []
+    # The lease came back with the reason, on one line: the coordinator counts and reports it.
+    assert coord.errors and coord.errors[0] == "ConnectionError: reward service down"
 
 
 class _ScriptedEngine:

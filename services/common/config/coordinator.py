@@ -18,7 +18,18 @@ class CoordinatorConfig(ConfigModel):
     """Port of the plain grpc.aio server; 0 picks a free one."""
     lease_timeout_s: float = Field(default=600.0, gt=0)
     """A lease not submitted, renewed or returned within this time expires and its prompt is
-    re-issued."""
+    re-issued. The bound for a live replica that is slow; a dead one is found by
+    `replica_ttl_s`."""
+    replica_ttl_s: float | None = Field(default=20.0, gt=0)
+    """A rollout replica that holds leases and has made no call for this long (it renews every
+    `rollout_worker.lease_renew_interval_s`, a few seconds: its heartbeat) is taken for dead: its
+    leases expire at once and their prompts are re-issued. null: leases end only at
+    `lease_timeout_s`."""
+    max_consecutive_failures: int | None = Field(default=32, ge=1)
+    """Prompt groups that failed in a row (a replica gave the lease back with an error: a reward
+    endpoint or engine that keeps failing), with no accepted group in between, after which no
+    lease is granted and GetStatus reports the reason (`halted_reason`): `meshrl train` stops the
+    run with it, an operator lifts it with `meshrl resume`. null: never halt."""
     ledger_path: str | None = None
     """SQLite ledger file; null: `<run_dir>/ledger.sqlite`. Restarting on the same file resumes the run."""
     ledger_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"

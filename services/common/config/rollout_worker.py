@@ -24,14 +24,17 @@ class RolloutWorkerConfig(ConfigModel):
     """Policy version of the weights the engine starts with (the checkpoint in
     actor_rollout_ref.model.path)."""
     lease_renew_interval_s: float | None = Field(default=None, gt=0)
-    """Seconds between RenewLeases calls for in-flight groups; null: coordinator.lease_timeout_s / 3."""
+    """Seconds between RenewLeases calls for in-flight groups (the replica's heartbeat); null:
+    coordinator.replica_ttl_s / 4 (coordinator.lease_timeout_s / 3 without a replica TTL)."""
     idle_poll_s: float = Field(default=0.5, gt=0)
     """First wait before leasing again when no prompt was granted (doubles up to 8x)."""
     rpc_timeout_s: float = Field(default=30.0, gt=0)
     """Deadline of one coordinator call."""
-    submit_max_retries: int = Field(default=5, ge=0)
-    """Retries of a SubmitGroups call that failed with UNAVAILABLE / DEADLINE_EXCEEDED
-    (idempotent by lease id); after that the lease expires and its prompt is re-issued."""
+    submit_max_retries: int = Field(default=10, ge=0)
+    """Retries of a SubmitGroups call that failed with UNAVAILABLE / DEADLINE_EXCEEDED, or whose
+    coordinator replica died under it (idempotent by lease id; backoff from 0.2 s doubling to 5 s:
+    10 retries span ~30 s, a coordinator restart); after that the lease is given back (once the
+    coordinator answers) and its prompt re-issued."""
     weight_load_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline of one weight update (fetch + load)."""
     reward_application: str | None = "reward"

@@ -88,6 +88,13 @@ class MeshConfig(ConfigModel):
             raise ValueError("no prompt data: set data.train_files or data.synthetic")
         if self.algorithm.filter_groups.enable and arr.rollout.n < 2:
             raise ValueError("algorithm.filter_groups needs actor_rollout_ref.rollout.n >= 2")
+        ttl, renew = self.coordinator.replica_ttl_s, self.rollout_worker.lease_renew_interval_s
+        if ttl is not None and renew is not None and renew > ttl / 2:
+            raise ValueError(
+                f"rollout_worker.lease_renew_interval_s={renew} is the replicas' heartbeat and must be at most half "
+                f"of coordinator.replica_ttl_s={ttl} (else a live replica is taken for dead); lower it, or leave it "
+                "unset (replica_ttl_s / 4)"
+            )
         if self.reward_model.overlong_buffer.enable:
             ob = self.reward_model.overlong_buffer
             if ob.len <= 0 or ob.len > self.data.max_response_length:

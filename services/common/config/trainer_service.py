@@ -25,6 +25,15 @@ class TrainerServiceConfig(ConfigModel):
     fetch_timeout_ms: int = Field(default=5_000, ge=0, le=600_000)
     """How long one FetchBatch waits for groups before returning what is queued (the loop then
     fetches again; operator requests are checked between fetches)."""
+    max_restarts: int = Field(default=1, ge=0)
+    """Times `meshrl train` lets Serve restart a trainer replica whose loop failed (a rank died,
+    an engine error): the new replica rebuilds its ranks and resumes from the newest checkpoint,
+    and groups delivered after it are trained again. Past this, or 0, the run stops with the
+    cause and prints `meshrl train --resume RUN_DIR`. (A `serve deploy` has no driver: Serve
+    restarts the replica every time.)"""
+    restart_timeout_s: float = Field(default=300.0, gt=0)
+    """How long `meshrl train` waits for a restarted trainer replica to train again before it
+    stops the run."""
     max_checkpoints_to_keep: int | None = Field(default=3, ge=1)
     """Newest checkpoints kept under the checkpoint directory; null: keep all."""
     publisher: str = "in_process"

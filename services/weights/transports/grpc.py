@@ -95,7 +95,17 @@ class GrpcPublisher:
             buf = self._bufs.get(slot, planned.nbytes)
             return planned, buf, loop.run_in_executor(self._io, _pack, planned, buf, self.sha256)
 
+        failed: list[BaseException] = []
+
         async def items() -> AsyncIterator[Any]:
+            try:
+                async for item in _items():
+                    yield item
+            except BaseException as exc:
+                failed.append(exc)  # grpc.aio cancels the call and the caller sees only CancelledError
+                raise
+
+        async def _items() -> AsyncIterator[Any]:
             planned_iter = plan_buckets(buckets).__aiter__()
             slot = 0
             pending = start(await anext(planned_iter, None), slot)
@@ -119,6 +129,8 @@ class GrpcPublisher:
             while True:
                 done, _ = await asyncio.wait({call}, timeout=min(self.stall_timeout_s, max(deadline.remaining(), 0.01)))
                 if done:
+                    if failed and (call.cancelled() or call.exception() is not None):
+                        raise failed[0]  # the export failed (e.g. a rank died): that is the cause
                     resp = call.result()
                     break
                 if time.monotonic() - last_progress[0] > self.stall_timeout_s or deadline.expired():

@@ -1,0 +1,62 @@
+"""Which rollout replicas holding leases went silent (the coordinator's failure detector).
+
+A rollout replica calls the coordinator all the time (LeasePrompts, SubmitGroups) and, while it
+holds leases, RenewLeases every `rollout_worker.lease_renew_interval_s` (a few seconds): that is
+its heartbeat. A replica that holds leases and has not been heard from for
+`coordinator.replica_ttl_s` is taken for dead (kill -9, a lost node, a wedged process) and its
+leases expire at once, so their prompts are re-issued within seconds, not at the lease deadline.
+`coordinator.lease_timeout_s` stays the bound for a live replica that keeps renewing but never
+answers.
+
+    replica   lease ── renew ── renew ──✝
+    coord.          heard     heard        ...silent...  heard + ttl: its leases expire
+                                                         (checks at most every `interval_s`)
+
+Time the coordinator itself did not run is not held against anyone: when two checks are further
+apart than ttl / 4 (a coordinator restart, a stalled event loop), the heartbeats that arrived in
+between may still be queued behind the check, so every replica is credited with the gap. The
+holders of leases restored from the ledger count as heard when the first check runs.
+
+No clock: every call takes `now`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+
+class ReplicaLiveness:
+    """Tracks last-heard times in `last_heard` (shared with the caller, which updates it on every
+    call from a replica) and answers which lease holders are silent. One owner; not thread-safe."""
+
+    def __init__(self, last_heard: dict[str, float], ttl_s: float | None, *, interval_s: float = 1.0) -> None:
+        self.last_heard = last_heard
+        self.ttl_s = ttl_s
+        self.interval_s = min(interval_s, ttl_s / 8) if ttl_s is not None else interval_s
+        self._checked_at: float | None = None
+
+    def silent(self, now: float, holders: Callable[[], Collection[str]]) -> set[str]:
+        """Replicas among `holders()` (those holding active leases: called only when a check is
+        due, it may cost a pass over the leases) not heard from for more than ttl_s at `now`.
+        Empty without a ttl, and between checks closer than interval_s."""
+        if self.ttl_s is None:
+            return set()
+        last = self._checked_at
+        if last is not None and now - last < self.interval_s:
+            return set()
+        self._checked_at = now
+        holding = holders()
+        if last is None:
+            for r in holding:
+                self.last_heard.setdefault(r, now)
+            return set()
+        gap = now - last
+        if gap > self.ttl_s / 4:
+            for r, t in list(self.last_heard.items()):
+                self.last_heard[r] = min(t + gap, now)
+        out = set()
+        for r in holding:
+            heard = self.last_heard.setdefault(r, now)
+            if now - heard > self.ttl_s:
+                out.add(r)
+        return out

@@ -1,0 +1,217 @@
+"""Chaos: kill -9 a part of a real `meshrl train` (the built-in example, shortened) at a random
+point (seeded: MESHRL_CHAOS_SEED, printed and written to chaos.json), and check the documented
+outcome (README "Failure model") and the books: nothing lost, nothing trained twice.
+
+    rollout replica    Serve replaces it; its leases expire within coordinator.replica_ttl_s
+                       (the ledger and the coordinator's `replica_lost` line say when) and are
+                       re-issued; the run goes on and its step rate is back within a minute
+    reward replica     Serve replaces it; the scores in flight are retried; the run goes on
+    param server       Serve replaces it (empty); the trainer's next publish goes to the new one
+                       and the rollouts move to that version; the run goes on
+    coordinator        Serve restarts it on its ledger; the others retry; the run goes on
+    trainer rank       the trainer replica fails; Serve restarts it from its newest checkpoint
+                       (trainer_service.max_restarts=1) and the run goes on; a second death is a
+                       clear stop (summary.json, the resume command), and `--resume` finishes
+
+The service kinds share one run (one after the other, each once the step rate is back); the
+trainer kills, the stop and the resume are a second. Run with `pytest -m chaos tests/chaos`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.chaos.harness import (
+    Kill,
+    TrainRun,
+    last_replica_before,
+    lease_rows,
+    rate,
+    regranted_at,
+    trained_once,
+    wait_until,
+)
+
+pytestmark = pytest.mark.chaos
+
+SEED = int(os.environ.get("MESHRL_CHAOS_SEED") or random.SystemRandom().randrange(1 << 31))
+BATCH = 32  # the example's prompts per step (ppo_mini_batch_size)
+WINDOW_S = 10.0
+"""Step rates are taken over windows this long."""
+RECOVERED = 0.5
+"""A window at this fraction of the rate before the kill counts as normal again (the machine is
+shared; the point is no stall and no lasting loss of a replica)."""
+
+
+def _record(tmp_path: Path, name: str, data: dict[str, Any]) -> None:
+    text = json.dumps({"seed": SEED, **data}, indent=2)
+    (tmp_path / f"chaos-{name}.json").write_text(text)
+    print(f"chaos {name} (MESHRL_CHAOS_SEED={SEED}):\n{text}")
+
+
+def _recovery(run: TrainRun, kill: Kill, baseline: float, *, min_after_s: float, limit_s: float) -> dict[str, Any]:
+    """Wait for the first WINDOW_S window starting min_after_s or later after the kill whose step
+    rate is RECOVERED x baseline; returns when it ended (recovered_s) and the worst window and
+    the longest gap between steps since the kill."""
+
+    def normal() -> float | None:
+        steps = run.steps()
+        t = kill.at + min_after_s
+        while t + WINDOW_S <= time.time():
+            if rate(steps, t, t + WINDOW_S) >= RECOVERED * baseline:
+                return t + WINDOW_S
+            t += 1.0
+        return None
+
+    end = wait_until(normal, limit_s + 15, f"the step rate after killing the {kill.kind} to be back")
+    steps = [t for _, t in run.steps() if kill.at <= t <= end]
+    gaps = [b - a for a, b in zip([kill.at, *steps], [*steps, end], strict=True)]
+    worst = min(rate(run.steps(), t, t + WINDOW_S) for t in _frange(kill.at, end - WINDOW_S))
+    return {"recovered_s": round(end - kill.at, 1), "longest_gap_s": round(max(gaps), 1),
+            "worst_window_steps_per_s": round(worst, 2), "baseline_steps_per_s": round(baseline, 2)}
+
+
+def _frange(a: float, b: float) -> list[float]:
+    return [a + i for i in range(int(max(0.0, b - a)) + 1)]
+
+
+def _baseline(run: TrainRun) -> float:
+    steps = run.steps()
+    end = steps[-1][1]
+    return rate(steps, end - 2 * WINDOW_S, end)
+
+
+def _kill_rollout_with_leases(run: TrainRun, rng: random.Random) -> Kill:
+    """At a random moment, then as soon as the coordinator shows leases in flight (the replica
+    holds some: those are what must come back)."""
+    time.sleep(rng.uniform(1.0, 6.0))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = run.status()
+        if st is not None and st.totals.in_flight > 0:
+            return run.kill("rollout", in_flight=int(st.totals.in_flight))
+        time.sleep(0.05)
+    raise AssertionError("the rollout never held a lease for 60 s")
+
+
+STEPS = 600
+
+
+def test_service_replicas_die_one_after_another_and_the_run_goes_on(tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    run_dir = tmp_path / "run"
+    run = TrainRun(run_dir, [f"rollout.total_rollout_steps={BATCH * STEPS}", "trainer.test_freq=-1"])
+    kills: list[Kill] = []
+    try:
+        wait_until(lambda: len(run.steps()) >= 40, 600, "40 trainer steps")
+        for kind in ("rollout", "reward", "param_server", "coordinator"):
+            assert run.proc.poll() is None, f"the run ended before the {kind} was killed; raise STEPS"
+            baseline = _baseline(run)
+            if kind == "rollout":
+                kill = _kill_rollout_with_leases(run, rng)
+            else:
+                time.sleep(rng.uniform(1.0, 6.0))
+                kill = run.kill(kind)
+            kills.append(kill)
+            print(f"killed {kind} pid {kill.pid} at step {kill.step}", flush=True)
+            kill.result |= _recovery(run, kill, baseline, min_after_s=15.0, limit_s=60.0)
+            kill.replaced_by = [p.pid for p in run.processes(kind)]
+        rc = run.wait(900)
+    finally:
+        run.stop()
+        _record(tmp_path, "services", {"kills": [k.record() for k in kills]})
+    out = run.output()
+    summary = run.summary()
+    rollout = kills[0]
+    rollout.replica_id = last_replica_before(run_dir, rollout.at)
+    lost = run.log_events("coordinator", "replica_lost")
+    mine = [e for e in lost if e.get("replica_id") == rollout.replica_id]
+    rows = lease_rows(run_dir, rollout.replica_id)
+    expired = [r for r in rows if r[2] == 2]  # LeaseState.EXPIRED
+    if mine:
+        from datetime import datetime
+
+        at = datetime.fromisoformat(mine[0]["timestamp"].replace("Z", "+00:00")).timestamp()
+        rollout.result |= {"leases_lost": int(mine[0]["leases"]), "requeued_s": round(at - rollout.at, 1)}
+    again = regranted_at(run_dir, [r[1] for r in expired], rollout.replica_id)
+    if again:
+        rollout.result |= {"regranted_s_max": round(max(again) - rollout.at, 1)}
+    _record(tmp_path, "services", {"kills": [k.record() for k in kills], "summary_totals": summary.get("totals"),
+                                   "incidents": summary.get("incidents"), "wall_s": summary.get("wall_s")})
+    assert rc == 0, out[-4000:]
+    # The run finished every step, and the books balance: nothing lost, nothing trained twice.
+    assert summary["steps"] == STEPS and "failure" not in summary, summary
+    assert summary["audit"]["balanced"] and summary["audit"]["issued"] == BATCH * STEPS, summary["audit"]
+    once = trained_once(run_dir)
+    assert len(once) == BATCH * STEPS and all(n == 1 for _, n in once)
+    # Every kind: Serve replaced the process, and the step rate was back within a minute.
+    for k in kills:
+        assert k.replaced_by and k.pid not in k.replaced_by, k.record()
+        assert k.result["recovered_s"] <= 60.0, k.record()
+    # The rollout's leases came back through its liveness, within ~30 s, not lease_timeout_s (600 s).
+    assert rollout.replica_id, "the killed rollout replica's id was not found in its log"
+    assert expired and mine, f"the killed replica's leases did not expire early: rows {rows}, events {lost}"
+    assert rollout.result["requeued_s"] <= 30.0 and len(expired) == rollout.result["leases_lost"], rollout.record()
+    assert rollout.result["regranted_s_max"] <= 35.0, rollout.record()
+
+
+TRAINER_STEPS = 120
+
+
+def test_trainer_rank_death_restarts_once_then_stops_clearly_and_resume_finishes(tmp_path: Path) -> None:
+    rng = random.Random(SEED + 1)
+    run_dir = tmp_path / "run"
+    overrides = [f"rollout.total_rollout_steps={BATCH * TRAINER_STEPS}", "trainer.test_freq=-1", "trainer.save_freq=10",
+                 "trainer_service.max_restarts=1"]
+    run = TrainRun(run_dir, overrides)
+    kills: list[Kill] = []
+    try:
+        first_at = rng.randint(15, 35)
+        wait_until(lambda: len(run.steps()) >= first_at, 600, f"{first_at} trainer steps")
+        kills.append(run.kill("trainer_rank"))
+        # Serve restarts the trainer replica: new ranks, resumed from the newest checkpoint.
+        before = len(run.steps())
+        wait_until(lambda: len(run.steps()) >= before + 5 and run.proc.poll() is None, 300,
+                   "steps from the restarted trainer")
+        second_at = len(run.steps()) + rng.randint(3, 15)
+        wait_until(lambda: len(run.steps()) >= second_at, 300, f"{second_at} trainer steps")
+        kills.append(run.kill("trainer_rank"))
+        rc = run.wait(600)
+    finally:
+        run.stop()
+        _record(tmp_path, "trainer", {"kills": [k.record() for k in kills]})
+    out = run.output()
+    first = run.summary()
+    _record(tmp_path, "trainer", {"kills": [k.record() for k in kills], "incidents": first.get("incidents"),
+                                  "steps": first.get("steps")})
+    # The second death is past trainer_service.max_restarts: a clear stop, the cause on one line,
+    # the resume command, and a summary.json that says so.
+    assert rc == 1, out[-4000:]
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the trainer failed: " in errors[0] and "TrainWorker" in errors[0], out[-3000:]
+    assert f"resume: meshrl train --resume {run_dir}" in out
+    assert "AttributeError" not in out and "Traceback" not in out, out[-3000:]
+    assert first["failure"].startswith("the trainer failed: ") and first["resume"] == f"meshrl train --resume {run_dir}"
+    kinds = [i["kind"] for i in first["incidents"]]
+    assert kinds.count("trainer_failed") == 1 and "trainer_restarted" in kinds and first["trainer_restarts"] == 1
+    assert first["audit"]["balanced"], first["audit"]
+    assert first["steps"] < TRAINER_STEPS
+    # `meshrl train --resume RUN_DIR` finishes the run with the queue intact.
+    resumed = TrainRun(run_dir, [], extra=("--resume", str(run_dir)))
+    try:
+        rc = resumed.wait(600)
+    finally:
+        resumed.stop()
+    assert rc == 0, resumed.output()[-4000:]
+    second = resumed.summary()
+    assert second["steps"] == TRAINER_STEPS and "failure" not in second
+    assert second["audit"]["balanced"] and second["audit"]["issued"] == BATCH * TRAINER_STEPS, second["audit"]
+    once = trained_once(run_dir)
+    assert len(once) == BATCH * TRAINER_STEPS and all(n == 1 for _, n in once)
