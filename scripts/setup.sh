@@ -14,7 +14,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -q --upgrade pip
   # torch first and exactly pinned: the CPU wheel (a looser pin pulls a multi-GB CUDA build).
   python -m pip install -q -c requirements/cpu.txt torch==2.13.0
-  python -m pip install -q -c requirements/cpu.txt -e '.[dev,megatron]'
+  python -m pip install -q -c requirements/cpu.txt -e '.[dev,megatron,lora]'
   echo "$want" > "$stamp"
 fi
 # buf (protobuf lint) comes from npm, pinned in package.json.

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from meshrl.v1 import common_pb2
 from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 
+from ..adapter import AdapterSpec, split_descriptor
 from ..layout import BucketMeta, Manifest, TensorMeta, build_manifest, group_by_bytes, plan_bucket
 from ..protocols import Bucket, Buckets, iterate_buckets
 
@@ -79,16 +80,19 @@ class ManifestBuilder:
         self.policy_version = policy_version
         self.tensors: list[TensorMeta] = []
         self.buckets: list[BucketMeta] = []
+        self.adapter: AdapterSpec | None = None
 
     def add(self, bucket: PlannedBucket, fingerprint: str, sha256: str = "") -> BucketMeta:
         meta = BucketMeta(index=bucket.index, nbytes=bucket.nbytes, fingerprint=fingerprint, sha256=sha256)
+        if bucket.index == 0:  # an adapter-only version says so in its first tensor (adapter.py)
+            self.adapter = split_descriptor(bucket.named)[0]
         self.tensors.extend(bucket.metas)
         self.buckets.append(meta)
         return meta
 
     def build(self, transports: Iterable[str]) -> Manifest:
         return build_manifest(self.policy_version, self.tensors, self.buckets, created_unix_s=time.time(),
-                              transports=transports)
+                              transports=transports, adapter=self.adapter)
 
 
 def check_against_manifest(manifest: Manifest, ref: common_pb2.WeightsRef, where: str) -> None:
