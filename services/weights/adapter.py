@@ -11,12 +11,15 @@ the manifest's `adapter` field is read from it when the manifest is built (servi
 transports/base.py), so the param server and `GetManifest` say what the version is.
 
 Base identity. An adapter only makes sense on the exact base weights it was trained against. The
-base is named by `label:digest`, where the digest is a sha256 over the sorted sha256s of every
-one-dimensional floating tensor of the base (norm weights, biases) rounded to bfloat16: a full
-fine-tune of the same architecture changes them, they are a small fraction of the bytes, and the
-rounding makes the digest the same whether a side holds the weights in fp32, bf16 or fp16 or
-reads them from the checkpoint files (names do not enter, so checkpoint and in-memory names may
-differ). Consumers compare digests only; the label (checkpoint directory name) is for people.
+base is named by `label:digest`, where the digest is a sha256 over the sorted, distinct sha256s
+of a sample of every floating tensor of the base, rounded to bfloat16: one-dimensional tensors
+(norm weights, biases) whole, others by their first row. A fine-tune changes them; they are a
+small fraction of the bytes (a checkpoint's files are read only there); the rounding makes the
+digest the same whether a side holds the weights in fp32, bf16 or fp16; names do not enter and
+repeats count once (a tied output head is its embedding). Both sides take the same source: the
+checkpoint directory's safetensors files when the model has one (`base_identity_for`), else the
+in-memory weights (a model built in code, as the built-in tiny one). Consumers compare digests
+only; the label (checkpoint directory name) is for people.
 """
 
 from __future__ import annotations
@@ -116,19 +119,24 @@ def digest_of(base_model: str) -> str:
 # ---- base identity ------------------------------------------------------------------------------
 
 
-def base_identity(tensors: Iterable[torch.Tensor], label: str) -> str:
-    """`label:digest` over the one-dimensional floating tensors among `tensors` (see the module
-    docstring); other tensors are skipped."""
-    digests = []
-    for t in tensors:
-        if t.dim() != 1 or not t.is_floating_point():
+def base_identity(samples: Iterable[torch.Tensor], label: str) -> str:
+    """`label:digest` over tensor samples (`sample(t)` of each weight; see the module docstring);
+    non-floating samples are skipped."""
+    digests = set()
+    for t in samples:
+        if t.dim() == 0 or not t.is_floating_point():
             continue
         rounded = t.detach().to("cpu", torch.bfloat16).contiguous()
-        digests.append(hashlib.sha256(rounded.view(torch.uint8).numpy().tobytes()).hexdigest())
+        digests.add(hashlib.sha256(rounded.view(torch.uint8).numpy().tobytes()).hexdigest())
     if not digests:
-        raise InvalidArgument("base model", "has no one-dimensional weights to identify it by")
+        raise InvalidArgument("base model", "has no floating-point weights to identify it by")
     total = hashlib.sha256("".join(sorted(digests)).encode()).hexdigest()[:32]
     return f"{label}:{total}"
+
+
+def sample(t: torch.Tensor) -> torch.Tensor:
+    """What of a weight enters its base's identity: a vector whole, else its first row."""
+    return t if t.dim() <= 1 else t[0]
 
 
 def model_label(path: str | os.PathLike[str] | None) -> str:
@@ -139,27 +147,40 @@ def model_label(path: str | os.PathLike[str] | None) -> str:
 
 
 def base_identity_of_module(model: Any, label: str) -> str:
-    """The identity of an in-memory (HF) model's weights."""
-    return base_identity((t for _, t in model.state_dict().items()), label)
+    """The identity of an in-memory (HF) model's weights (LoRA weights injected into it skipped)."""
+    return base_identity((sample(t) for k, t in model.state_dict().items() if ".lora_" not in k), label)
 
 
 def base_identity_of_dir(path: str | os.PathLike[str]) -> str:
-    """The identity of a checkpoint directory, read from its safetensors files (one-dimensional
-    tensors only, so only those bytes are read)."""
+    """The identity of a checkpoint directory, read from its safetensors files (only the sampled
+    rows are read)."""
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FailedPrecondition(f"{path}: no *.safetensors files to identify the base model by")
 
-    def ones() -> Iterable[torch.Tensor]:
+    def samples() -> Iterable[torch.Tensor]:
         for f in files:
             with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                    if len(st.get_slice(key).get_shape()) == 1:
-                        yield st.get_tensor(key)
+                for key in st.keys():
+                    sl = st.get_slice(key)
+                    yield sl[:] if len(sl.get_shape()) <= 1 else sl[0:1][0]
 
-    return base_identity(ones(), model_label(path))
+    return base_identity(samples(), model_label(path))
+
+
+def has_checkpoint_files(path: str | os.PathLike[str] | None) -> bool:
+    return bool(path) and Path(str(path)).is_dir() and any(Path(str(path)).glob("*.safetensors"))
+
+
+def base_identity_for(model: Any, path: str | os.PathLike[str] | None) -> str:
+    """The rule both sides follow: the checkpoint's files when `path` holds them, else `model`
+    in memory."""
+    if has_checkpoint_files(path):
+        assert path is not None
+        return base_identity_of_dir(path)
+    return base_identity_of_module(model, model_label(path))
 
 
 # ---- PEFT names and files -----------------------------------------------------------------------

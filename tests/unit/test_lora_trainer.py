@@ -20,7 +20,7 @@ from tests.unit.fsdp_helpers import build, fixed_batch, full_weights, make_spec,
 
 pytestmark = pytest.mark.unit
 
-LORA: dict[str, Any] = {"lora_rank": 8, "lora_alpha": 16.0}
+LORA: dict[str, Any] = {"lora_rank": 8, "lora_alpha": 16}
 
 
 def _train(engine: Any, batch: SequenceBatch, steps: int) -> list[Any]:

@@ -31,7 +31,7 @@ class ModelConfig(ConfigModel):
     lora_rank: int = Field(default=0, ge=0)
     """LoRA rank (verl's name); 0: train the full weights. > 0: the `fsdp` engine trains a PEFT
     adapter of this rank on the frozen base, and every weight version is the adapter alone."""
-    lora_alpha: float = Field(default=16.0, gt=0)
+    lora_alpha: int = Field(default=16, gt=0)
     """LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B @ A."""
     target_modules: str | list[str] = "all-linear"
     """Modules that get an adapter: `all-linear` (every linear layer but the output head) or a

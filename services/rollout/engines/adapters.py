@@ -19,7 +19,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, MissingDependency
 from services.weights import Bucket
-from services.weights.adapter import AdapterSpec, base_identity_of_module, check_base, model_label, module_param_name
+from services.weights.adapter import AdapterSpec, base_identity_for, check_base, module_param_name
 
 # peft LoraConfig fields an adapter's saved config may set that shape the injected layers.
 _LAYER_FIELDS = (
@@ -42,7 +42,7 @@ class InPlaceLoRA:
     def base_model(self) -> str:
         """This model's base identity (computed once, before any adapter is injected)."""
         if self._base is None:
-            self._base = base_identity_of_module(self.model, model_label(getattr(self.model.config, "_name_or_path", None)))
+            self._base = base_identity_for(self.model, getattr(self.model.config, "_name_or_path", None))
         return self._base
 
     def load(self, spec: AdapterSpec, bucket: Bucket, *, first: bool, last: bool) -> int:
@@ -76,13 +76,22 @@ class InPlaceLoRA:
             raise InvalidArgument("weights", f"adapter version lacks {len(missing)} LoRA tensors, e.g. {missing[:3]}")
         return len(bucket)
 
+    def base_replaced(self) -> None:
+        """Full weights are being loaded: the adapter stops acting (lora_B = 0 makes it the
+        identity) and the base's identity is taken again at the next adapter."""
+        for key, t in self._params.items():
+            if ".lora_B." in key:
+                t.zero_()
+        self._base = None
+
     def _inject(self, spec: AdapterSpec) -> None:
         try:
             import peft
         except ImportError as exc:  # pragma: no cover - depends on the environment
             raise MissingDependency("LoRA adapters in the transformers rollout engine", f"install meshrl[lora]; {exc}") from exc
         extra = {k: spec.peft_config[k] for k in _LAYER_FIELDS if spec.peft_config.get(k) is not None}
-        config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.target_modules),
+        alpha: Any = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha  # peft types it int
+        config = peft.LoraConfig(r=spec.rank, lora_alpha=alpha, target_modules=list(spec.target_modules),
                                  lora_dropout=0.0, bias="none", **extra)
         _ = self.base_model  # fixed before the model changes
         peft.inject_adapter_in_model(config, self.model)

@@ -304,6 +304,7 @@ class Scheduler:
                 self.paused = False
                 self._pause_mode = None
             case LoadBucket(bucket=bucket):
+                self.lora.base_replaced()
                 return self._load_bucket(bucket)
             case LoadAdapter(spec=spec, bucket=bucket, first=first, last=last):
                 return self.lora.load(spec, bucket, first=first, last=last)

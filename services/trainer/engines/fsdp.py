@@ -40,7 +40,7 @@ from services.common.device import memory_stats as device_memory_stats
 from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
 from services.weights import Bucket
-from services.weights.adapter import AdapterSpec, base_identity_of_module, model_label
+from services.weights.adapter import AdapterSpec, base_identity_for
 from services.weights.layout import group_by_bytes
 
 from . import attention, fsdp_lora, hf_model, ulysses
@@ -117,7 +117,7 @@ class FSDPEngine(TrainEngine):
         self.lora = model_cfg.lora_rank > 0
         self.base_model = ""
         if self.lora:  # the base's identity before peft wraps it (rank 0 holds real weights)
-            self.base_model = base_identity_of_module(model, model_label(model_cfg.path)) if materialize else ""
+            self.base_model = base_identity_for(model, model_cfg.path) if materialize else ""
             model = fsdp_lora.wrap(model, model_cfg)
         full_state: dict[str, Any] = {k: v.detach() for k, v in model.state_dict().items()} if materialize else {}
         if model_cfg.enable_gradient_checkpointing:

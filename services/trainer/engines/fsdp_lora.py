@@ -128,7 +128,7 @@ def save_adapter(engine: FSDPEngine, path: Path, *, merged: bool) -> None:
         _save_merged(engine, full, path / "merged")
 
 
-def _save_merged(engine: FSDPEngine, full: dict[str, torch.Tensor], path: Path) -> None:
+def _save_merged(engine: FSDPEngine, full: dict[str, Any], path: Path) -> None:
     """Rebuild base + adapter on the host from the gathered state, merge with peft, save."""
     from transformers import AutoModelForCausalLM
 
