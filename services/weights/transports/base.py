@@ -82,10 +82,16 @@ class ManifestBuilder:
         self.buckets: list[BucketMeta] = []
         self.adapter: AdapterSpec | None = None
 
+    def note(self, bucket: PlannedBucket) -> None:
+        """Read what the manifest says about the version from a bucket's tensors, for callers
+        that `add` buckets after releasing them: an adapter-only version opens with its
+        descriptor (adapter.py)."""
+        if bucket.index == 0 and bucket.named:
+            self.adapter = split_descriptor(bucket.named)[0]
+
     def add(self, bucket: PlannedBucket, fingerprint: str, sha256: str = "") -> BucketMeta:
         meta = BucketMeta(index=bucket.index, nbytes=bucket.nbytes, fingerprint=fingerprint, sha256=sha256)
-        if bucket.index == 0:  # an adapter-only version says so in its first tensor (adapter.py)
-            self.adapter = split_descriptor(bucket.named)[0]
+        self.note(bucket)
         self.tensors.extend(bucket.metas)
         self.buckets.append(meta)
         return meta
