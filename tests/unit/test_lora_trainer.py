@@ -151,3 +151,25 @@ def test_target_and_exclude_modules() -> None:
     spec, tensors = _version(engine)
     assert {m.rsplit(".", 1)[-1] for m in spec.target_modules} == {"q_proj", "v_proj"}
     assert {k.split(".")[-3] for k in tensors} == {"q_proj", "v_proj"}
+
+
+def test_two_sharded_ranks_train_the_adapter_as_one_rank(tmp_path: Path) -> None:
+    """FSDP2 shards frozen base and trainable adapter in the same units; two gloo ranks give one
+    rank's logprobs, grad norm and adapter update (GRAD_PROBE_OPTIM: the update is linear in the
+    gradient), and rank 0 alone exports the adapter version."""
+    from tests.unit.fsdp_helpers import GRAD_PROBE_OPTIM, run_ranks, run_scenario
+
+    kw: dict[str, Any] = {"optim": GRAD_PROBE_OPTIM, "grad_clip": 1e9, "model_extra": LORA}
+    ranks = run_ranks(2, {"lora": kw}, tmp_path)
+    ref = run_scenario(build(make_spec(**kw)), fixed_batch())
+    got = torch.zeros_like(ref["logprobs"])
+    for r in ranks:
+        part = r["lora"]
+        got[torch.as_tensor(part["index"]), : part["logprobs"].shape[1]] = part["logprobs"]
+        assert part["steps"][0]["grad_norm"] == pytest.approx(ref["steps"][0]["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(got, ref["logprobs"], atol=2e-5, rtol=1e-4)
+    delta, want = ranks[0]["lora"]["delta"], ref["delta"]
+    assert delta.keys() == want.keys() and DESCRIPTOR_NAME in want and ranks[1]["lora"]["delta"] == {}
+    for k in want:
+        torch.testing.assert_close(delta[k].float(), want[k].float(), atol=2e-7, rtol=2e-3, msg=k)
+    assert any(float(want[k].float().abs().max()) > 1e-6 for k in want if ".lora_B." in k)
