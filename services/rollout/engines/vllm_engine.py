@@ -9,9 +9,9 @@ tokens, weight loading through `collective_rpc` into the model runner, and versi
                cache is reset so no request reuses KV computed with the old weights
     versions   per token, from the final output's `weight_versions` spans
     LoRA       an adapter-only version (services/weights/adapter.py) is written as a PEFT directory
-               and becomes the engine's one LoRA request (a fixed id and directory: the old
-               adapter is removed, the new one added); every request runs with it, and requests
-               kept across the update continue under the new adapter, as with full weights
+               and loaded in place under the engine's one LoRA id (a fixed id and directory);
+               every request runs with it, and requests kept across the update continue under
+               the new adapter, as with full weights
 
 Logprobs are vLLM's `processed_logprobs` with the sampler patched (vllm_ext.py) so that they are
 log_softmax(logits / temperature) before top-k / top-p, the trainer's definition.
@@ -66,6 +66,7 @@ log = get_logger(__name__)
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 LORA_ID = 1
 """The one LoRA id the engine serves (every version replaces the adapter under it)."""
+LORA_NAME = "meshrl-policy"
 
 
 @register_engine("vllm")
@@ -326,12 +327,14 @@ class VLLMEngine(RolloutEngine):
         if self._lora_dir is None:
             self._lora_dir = tempfile.mkdtemp(prefix="meshrl-lora-")
         write_peft_dir(spec, tensors, self._lora_dir)
-        if self._lora is not None:
-            await llm.remove_lora(LORA_ID)
-        request = LoRARequest(lora_name="meshrl-policy", lora_int_id=LORA_ID, lora_path=self._lora_dir)
-        if not await llm.add_lora(request):
+        # load_inplace: vLLM loads (and validates) the new adapter, then replaces the one cached
+        # under the same id; requests hold a LoRARequest without it, so a step only looks the id
+        # up, and requests kept across the update continue on the new adapter.
+        replace = LoRARequest(lora_name=LORA_NAME, lora_int_id=LORA_ID, lora_path=self._lora_dir, load_inplace=True)
+        if not await llm.add_lora(replace):
             raise Unavailable(f"vllm did not load the adapter of version {version}")
-        self._lora, self._lora_spec = request, spec
+        self._lora = LoRARequest(lora_name=LORA_NAME, lora_int_id=LORA_ID, lora_path=self._lora_dir)
+        self._lora_spec = spec
         await llm.update_weight_version(str(version))
         if self.engine_args.get("enable_prefix_caching", True):
             await llm.reset_prefix_cache()  # one LoRA id for every version: cached blocks would match
