@@ -173,3 +173,17 @@ def test_two_sharded_ranks_train_the_adapter_as_one_rank(tmp_path: Path) -> None
     for k in want:
         torch.testing.assert_close(delta[k].float(), want[k].float(), atol=2e-7, rtol=2e-3, msg=k)
     assert any(float(want[k].float().abs().max()) > 1e-6 for k in want if ".lora_B." in k)
+
+
+def test_proximal_snapshot_holds_the_adapter() -> None:
+    """Decoupled PPO's proximal policy with LoRA: the snapshot is the adapter's parameters (the
+    base never changes), and its logprobs are the policy's at the snapshot."""
+    batch = fixed_batch()
+    engine: Any = build(make_spec(model_extra=LORA, optim={"lr": 1e-2}))
+    _train(engine, batch, 1)
+    engine.snapshot_proximal()
+    assert len(engine._proximal) == sum(1 for p in engine.model.parameters() if p.requires_grad)
+    at_snapshot = engine.compute_logprobs(batch).logprobs
+    _train(engine, batch, 2)
+    assert not torch.allclose(engine.compute_logprobs(batch).logprobs, at_snapshot)
+    torch.testing.assert_close(engine.compute_proximal_logprobs(batch).logprobs, at_snapshot, atol=0, rtol=0)
