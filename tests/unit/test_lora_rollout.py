@@ -141,6 +141,27 @@ def test_an_adapter_for_another_base_is_refused_without_a_trace(engine: Any, tok
     assert sample() == first, "a refused adapter must change nothing"
 
 
+def test_the_worker_reports_the_refusal_and_keeps_serving(engine: Any, tok: Any, loop: LoopThread) -> None:
+    """UpdateWeights (the worker's update_weights) with an adapter for another base: the error is
+    FailedPrecondition (the servicer's FAILED_PRECONDITION), the engine is resumed on its old version."""
+    from meshrl.v1 import common_pb2
+    from services.rollout.worker import RolloutWorker, WorkerSettings
+    from services.weights.in_process import InMemoryWeightStore
+    from tests.rollout_helpers import FakeCoordinator, length_scorer
+
+    bucket, _ = random_adapter(build_tiny_model("qwen3", tok, seed=5), seed=4)
+    store = InMemoryWeightStore()
+    ref = store.publish(engine.version + 1, bucket)
+    worker = RolloutWorker(engine, tok, FakeCoordinator([], common_pb2.SamplingParams()), length_scorer, store,
+                           WorkerSettings(replica_id="w-refuse"))
+    before = engine.version
+    with pytest.raises(FailedPrecondition, match="for base model"):
+        loop.run(worker.update_weights(ref))
+    assert engine.version == before and not engine.paused
+    out = loop.run(engine.generate(GenerationRequest("after", _prompt(tok, "ok"), SamplingSpec(max_tokens=4))))
+    assert set(out[0].versions) == {before}
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_partial_rollout_across_adapter_versions(engine: Any, model: Any, tok: Any, loop: LoopThread, mode: str) -> None:
     """A sample spanning an adapter update: tokens of both versions in order; where the engine
