@@ -157,6 +157,12 @@ def _rank_main(rank: int, world: int, port: int, scenarios: dict[str, dict[str, 
     except Exception:
         results["error"] = traceback.format_exc()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "error" not in results:
+        # leave together: a rank exiting with the group's threads alive can abort the other
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_ranks(world: int, scenarios: dict[str, dict[str, Any]], out_dir: Path) -> list[dict[str, Any]]:
