@@ -160,7 +160,18 @@ def test_two_sharded_ranks_train_the_adapter_as_one_rank(tmp_path: Path) -> None
     from tests.unit.fsdp_helpers import GRAD_PROBE_OPTIM, run_ranks, run_scenario
 
     kw: dict[str, Any] = {"optim": GRAD_PROBE_OPTIM, "grad_clip": 1e9, "model_extra": LORA}
-    ranks = run_ranks(2, {"lora": kw}, tmp_path)
+    trained: Any = build(make_spec(model_extra=LORA, optim={"lr": 1e-2}))
+    _train(trained, fixed_batch(), 2)
+    trained.save_hf(tmp_path / "adapter")
+    from_adapter = {"model_extra": {**LORA, "lora_adapter_path": str(tmp_path / "adapter")}}
+    ranks = run_ranks(2, {"lora": kw, "from_adapter": from_adapter}, tmp_path)
+    # lora_adapter_path on ranks that build on the meta device: rank 0's adapter reaches them
+    want_lp = trained.compute_logprobs(fixed_batch()).logprobs
+    got_lp = torch.zeros_like(want_lp)
+    for r in ranks:
+        part = r["from_adapter"]
+        got_lp[torch.as_tensor(part["index"]), : part["logprobs"].shape[1]] = part["logprobs"]
+    torch.testing.assert_close(got_lp, want_lp, atol=2e-5, rtol=1e-4)
     ref = run_scenario(build(make_spec(**kw)), fixed_batch())
     got = torch.zeros_like(ref["logprobs"])
     for r in ranks:
