@@ -11,6 +11,7 @@
     meshrl bench coordinator [--out FILE]
     meshrl bench reward [--out FILE]
     meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--out FILE]
+    meshrl bench weights --model qwen3_small --lora-rank 8     # full vs LoRA adapter versions
     meshrl bench trainer [--out FILE]
     meshrl bench rollout [--engines transformers,vllm] [--out FILE]
     meshrl bench agent [--delay-ms 200] [--json] [--out FILE]
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--rounds", type=int, default=2, help="steady-state rounds after the cold one")
     pw.add_argument("--transports", default="grpc,object_store,disk,gloo",
                     help="comma list of grpc, object_store, disk, gloo, nccl (nccl needs 2 GPUs)")
+    pw.add_argument("--model", default=None,
+                    help="adapter case: a real model's versions (a tiny arch, e.g. qwen3_small: 25M), full vs LoRA")
+    pw.add_argument("--lora-rank", type=int, default=8, help="adapter case: LoRA rank of the adapter version")
     pt = bsub.add_parser("trainer", help="training tokens/s: the fsdp engine vs a plain PyTorch loop (CPU, one rank)")
     pt.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
@@ -512,8 +516,15 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.bench_command == "weights":
         from meshrl.bench.weights import run_benchmark as run_weights_benchmark
 
-        result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
-                                       transports=tuple(t for t in args.transports.split(",") if t))
+        chosen = tuple(t for t in args.transports.split(",") if t)
+        if args.model:
+            from meshrl.bench.weights_lora import run_model_benchmark
+
+            result = run_model_benchmark(arch=args.model, lora_rank=args.lora_rank, bucket_mb=args.bucket_mb,
+                                         rounds=args.rounds, transports=chosen)
+        else:
+            result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
+                                           transports=chosen)
     elif args.bench_command == "trainer":
         from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
 

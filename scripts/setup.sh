@@ -32,7 +32,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   step "pip" python -m pip install -q --upgrade pip
   # torch first and exactly pinned: the CPU wheel (a looser pin pulls a multi-GB CUDA build).
   step "torch (CPU)" python -m pip install -q -c requirements/cpu.txt torch==2.13.0
-  step "meshrl and its dev tools" python -m pip install -q -c requirements/cpu.txt -e '.[dev,megatron,trackers]'
+  step "meshrl and its dev tools" python -m pip install -q -c requirements/cpu.txt -e '.[dev,megatron,trackers,lora]'
   # swanlab declares protobuf<7; meshrl's generated code needs protobuf 7, on which swanlab runs
   # (its other requirements came with the `swanlab` extra above).
   step "swanlab (without its protobuf pin)" python -m pip install -q --no-deps -c requirements/cpu.txt swanlab

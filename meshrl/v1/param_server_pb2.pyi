@@ -139,6 +139,7 @@ class Manifest(_message.Message):
     CHECKSUM_FIELD_NUMBER: _builtins.int
     CREATED_UNIX_S_FIELD_NUMBER: _builtins.int
     TRANSPORTS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     policy_version: _builtins.int
     total_bytes: _builtins.int
     checksum: _builtins.str
@@ -154,6 +155,13 @@ class Manifest(_message.Message):
         "object_store", "nccl", "hccl", "gloo", "disk"). Not covered by `checksum`.
         """
 
+    @_builtins.property
+    def adapter(self) -> Global___AdapterInfo:
+        """Set when the version is a LoRA adapter alone (no base weights): what it applies to. Read from
+        the version's descriptor tensor (services/weights/adapter.py), which `checksum` covers through
+        its bucket's fingerprint; not covered by `checksum` itself.
+        """
+
     def __init__(
         self,
         *,
@@ -164,14 +172,51 @@ class Manifest(_message.Message):
         checksum: _builtins.str = ...,
         created_unix_s: _builtins.float = ...,
         transports: _abc.Iterable[_builtins.str] | None = ...,
+        adapter: Global___AdapterInfo | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "checksum", b"checksum", "created_unix_s", b"created_unix_s", "policy_version", b"policy_version", "tensors", b"tensors", "total_bytes", b"total_bytes", "transports", b"transports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "buckets", b"buckets", "checksum", b"checksum", "created_unix_s", b"created_unix_s", "policy_version", b"policy_version", "tensors", b"tensors", "total_bytes", b"total_bytes", "transports", b"transports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Manifest: _TypeAlias = Manifest  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """An adapter-only version: the base it was trained on and its shape."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BASE_MODEL_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    base_model: _builtins.str
+    """Identity of the base model, "<label>:<digest>" (digest over the base's 1-D weights)."""
+    rank: _builtins.int
+    """LoRA rank r."""
+    alpha: _builtins.float
+    """LoRA alpha (the update is alpha / r * B @ A)."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Module names that carry an adapter (e.g. q_proj, v_proj)."""
+
+    def __init__(
+        self,
+        *,
+        base_model: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "base_model", b"base_model", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
 
 @_typing.final
 class WeightsChunk(_message.Message):

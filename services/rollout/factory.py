@@ -71,7 +71,8 @@ def build_engine(cfg: MeshConfig, *, model: Any = None, tokenizer: Any = None) -
 
         path = cfg.actor_rollout_ref.model.path or save_model_dir(model, tokenizer)
         device = "cpu" if w.device == "cpu" else None
-        args = engine_args_from_config(path, r, max_model_len=max_model_len(cfg), seed=r.seed, device=device)
+        args = engine_args_from_config(path, r, max_model_len=max_model_len(cfg), seed=r.seed, device=device,
+                                       lora_rank=cfg.actor_rollout_ref.model.lora_rank)
         return cls(args, tokenizer, version=w.initial_policy_version, free_cache_engine=r.free_cache_engine), tokenizer  # type: ignore[call-arg]
     raise ConfigError(f"no builder for rollout engine {r.name!r}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from meshrl.v1 import common_pb2, param_server_pb2
 from services.common.errors import InvalidArgument
 
+from .adapter import AdapterSpec
 from .layout import BucketMeta, Manifest, TensorMeta, dtype_from_proto, dtype_to_proto
 
 
@@ -23,6 +24,7 @@ def manifest_to_proto(m: Manifest) -> param_server_pb2.Manifest:
         checksum=m.checksum,
         created_unix_s=m.created_unix_s,
         transports=list(m.transports),
+        adapter=adapter_to_proto(m.adapter) if m.adapter is not None else None,
     )
 
 
@@ -45,7 +47,18 @@ def manifest_from_proto(p: param_server_pb2.Manifest) -> Manifest:
         checksum=p.checksum,
         created_unix_s=p.created_unix_s,
         transports=tuple(p.transports),
+        adapter=adapter_from_proto(p.adapter) if p.HasField("adapter") else None,
     )
+
+
+def adapter_to_proto(a: AdapterSpec) -> param_server_pb2.AdapterInfo:
+    return param_server_pb2.AdapterInfo(
+        base_model=a.base_model, rank=a.rank, alpha=a.alpha, target_modules=list(a.target_modules)
+    )
+
+
+def adapter_from_proto(p: param_server_pb2.AdapterInfo) -> AdapterSpec:
+    return AdapterSpec(base_model=p.base_model, rank=p.rank, alpha=p.alpha, target_modules=tuple(p.target_modules))
 
 
 def bucket_to_proto(b: BucketMeta) -> param_server_pb2.BucketMeta:

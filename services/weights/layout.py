@@ -36,6 +36,8 @@ import torch
 
 from services.common.errors import DataLoss, InvalidArgument
 
+from .adapter import AdapterSpec
+
 FINGERPRINT_COLUMNS = 509
 _MASK64 = (1 << 64) - 1
 
@@ -118,6 +120,9 @@ class Manifest:
     checksum: str
     created_unix_s: float = 0.0
     transports: tuple[str, ...] = field(default=())
+    adapter: AdapterSpec | None = None
+    """Set for an adapter-only (LoRA) version: read from its descriptor tensor (adapter.py),
+    which the checksum covers through its bucket's fingerprint."""
 
     def bucket_tensors(self, index: int) -> list[TensorMeta]:
         return [t for t in self.tensors if t.bucket_index == index]
@@ -372,6 +377,7 @@ def build_manifest(
     *,
     created_unix_s: float = 0.0,
     transports: Iterable[str] = (),
+    adapter: AdapterSpec | None = None,
 ) -> Manifest:
     return Manifest(
         policy_version=policy_version,
@@ -381,6 +387,7 @@ def build_manifest(
         checksum=manifest_checksum(policy_version, tensors, buckets),
         created_unix_s=created_unix_s,
         transports=tuple(sorted(set(transports))),
+        adapter=adapter,
     )
 
 

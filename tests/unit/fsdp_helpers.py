@@ -74,6 +74,7 @@ def make_spec(
     model_init: Callable[[], Any] = tiny_init,
     device: str = "cpu",
     mixed_precision: str = "none",
+    model_extra: dict[str, Any] | None = None,
 ) -> EngineSpec:
     actor = ActorConfig(
         optim=optim or {"lr": 1e-3},
@@ -89,7 +90,7 @@ def make_spec(
     )
     model = ModelConfig(
         use_remove_padding=remove_padding, override_config=override_config or {},
-        enable_gradient_checkpointing=grad_ckpt,
+        enable_gradient_checkpointing=grad_ckpt, **(model_extra or {}),
     )
     return EngineSpec(
         model=model, actor=actor, device=device, total_training_steps=total_steps,
@@ -156,6 +157,12 @@ def _rank_main(rank: int, world: int, port: int, scenarios: dict[str, dict[str, 
     except Exception:
         results["error"] = traceback.format_exc()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "error" not in results:
+        # leave together: a rank exiting with the group's threads alive can abort the other
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_ranks(world: int, scenarios: dict[str, dict[str, Any]], out_dir: Path) -> list[dict[str, Any]]:

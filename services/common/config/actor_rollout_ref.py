@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import ConfigModel
 
@@ -30,6 +30,41 @@ class ModelConfig(ConfigModel):
     """Allow custom modeling code from the checkpoint directory."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype for training (mixed precision is engine-specific)."""
+    lora_rank: int = Field(default=0, ge=0)
+    """LoRA rank (verl's name); 0: train the full weights. > 0: the `fsdp` engine trains a PEFT
+    adapter of this rank on the frozen base, and every weight version is the adapter alone."""
+    lora_alpha: int = Field(default=16, gt=0)
+    """LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B @ A."""
+    target_modules: str | list[str] = "all-linear"
+    """Modules that get an adapter: `all-linear` (every linear layer but the output head) or a
+    list of module names / suffixes (e.g. [q_proj, v_proj])."""
+    exclude_modules: str | list[str] | None = None
+    """Modules never adapted (a regex string or a list of names), applied after `target_modules`."""
+    lora_adapter_path: str | None = None
+    """Start from this PEFT adapter directory (adapter_config.json + adapter_model.safetensors)
+    instead of a fresh adapter; its rank must equal `lora_rank`."""
+    lora_export_merged: bool = False
+    """With LoRA: the final HF export also holds the base with the adapter merged in (a plain
+    Hugging Face checkpoint, loadable without peft) under `merged/`, beside the PEFT adapter."""
+
+    @model_validator(mode="after")
+    def _lora(self) -> ModelConfig:
+        where = "actor_rollout_ref.model"
+        if self.lora_rank == 0:
+            if self.lora_adapter_path is not None:
+                raise ValueError(
+                    f"{where}.lora_adapter_path is set but {where}.lora_rank=0 (LoRA off); set {where}.lora_rank "
+                    "to the adapter's rank (its adapter_config.json `r`)"
+                )
+            return self
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            raise ValueError(f"{where}.target_modules is an empty list: no module would train; use all-linear or name modules")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ValueError(
+                f"{where}.target_modules={self.target_modules!r}: use all-linear or a list of module names "
+                "(e.g. [q_proj, k_proj, v_proj, o_proj])"
+            )
+        return self
 
 
 class OptimConfig(ConfigModel):

@@ -95,6 +95,12 @@ class MeshConfig(ConfigModel):
                 f"of coordinator.replica_ttl_s={ttl} (else a live replica is taken for dead); lower it, or leave it "
                 "unset (replica_ttl_s / 4)"
             )
+        if arr.model.lora_rank > 0 and arr.actor.strategy in ("megatron", "mindspeed"):
+            raise ValueError(
+                f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: LoRA is not supported by the "
+                f"{arr.actor.strategy} engine (it would train the full weights); use "
+                "actor_rollout_ref.actor.strategy=fsdp2 for LoRA, or set actor_rollout_ref.model.lora_rank=0"
+            )
         if self.reward_model.overlong_buffer.enable:
             ob = self.reward_model.overlong_buffer
             if ob.len <= 0 or ob.len > self.data.max_response_length:

@@ -7,7 +7,8 @@ its continuous-batching API (`generate_batch` / `ContinuousBatchingManager`) is 
 sequences into free slots, decodes one token for every row, and retires finished rows at once, so
 a short answer frees its slot for the next request instead of idling until the longest one in its
 batch ends. Weights load in place by Hugging Face name (`param.copy_`), no rebuild; with
-pause("keep") the KV computed with the old weights is kept and generation continues.
+pause("keep") the KV computed with the old weights is kept and generation continues. LoRA
+adapter versions are applied in place too (adapters.py).
 
 This module is the asyncio facade: it validates, hands typed commands to the scheduler thread
 and awaits their answers.
@@ -26,6 +27,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.weights import Bucket
+from services.weights.adapter import split_descriptor
 
 from .base import EngineHealth, GenerationRequest, PauseMode, RolloutEngine, SampleOutput, register_engine
 from .transformers_scheduler import (
@@ -34,6 +36,7 @@ from .transformers_scheduler import (
     Add,
     Close,
     Command,
+    LoadAdapter,
     LoadBucket,
     Pause,
     Request,
@@ -163,9 +166,15 @@ class TransformersEngine(RolloutEngine):
         self._check_alive()
         if not self._sched.paused:
             raise FailedPrecondition("load_weights needs a paused engine; call pause() first")
-        loaded = 0
+        loaded, spec, first = 0, None, True
         async for bucket in buckets:
-            loaded += await self._command(LoadBucket(bucket))
+            if first:  # an adapter-only version opens with its descriptor (services/weights/adapter.py)
+                spec, bucket = split_descriptor(bucket)
+            command = LoadAdapter(spec, bucket, first) if spec is not None else LoadBucket(bucket)
+            loaded += await self._command(command)
+            first = False
+        if spec is not None:
+            await self._command(LoadAdapter(spec, [], first=False, last=True))
         await self._command(SetVersion(int(version)))
         return loaded
 

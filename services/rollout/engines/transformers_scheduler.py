@@ -32,7 +32,9 @@ import torch
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.logging import get_logger
 from services.weights import Bucket
+from services.weights.adapter import AdapterSpec
 
+from .adapters import InPlaceLoRA
 from .base import Finish, GenerationRequest, PauseMode, SampleOutput
 from .sampling import sample
 
@@ -127,6 +129,16 @@ class LoadBucket:
 
 
 @dataclass(frozen=True)
+class LoadAdapter:
+    """Copy a bucket of a LoRA adapter version into the model (paused only; adapters.py)."""
+
+    spec: AdapterSpec
+    bucket: Bucket
+    first: bool
+    last: bool = False
+
+
+@dataclass(frozen=True)
 class SetVersion:
     """Tokens sampled from now on carry this policy version."""
 
@@ -138,7 +150,7 @@ class Close:
     """Stop the thread (every request is aborted)."""
 
 
-Command = Add | Abort | AbortAll | Pause | Resume | LoadBucket | SetVersion | Close
+Command = Add | Abort | AbortAll | Pause | Resume | LoadBucket | LoadAdapter | SetVersion | Close
 _DEFERRED = object()  # the command's future is answered later (Pause("wait"))
 
 
@@ -186,6 +198,7 @@ class Scheduler:
         self._rng.manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 62)))
         self._params = self._name_map()
         self._weight_name = weight_name
+        self.lora = InPlaceLoRA(self.model)
         self._requests = requests
         # the running batch: touched only by this thread
         self._waiting: deque[Seq] = deque()
@@ -298,7 +311,10 @@ class Scheduler:
                 self.paused = False
                 self._pause_mode = None
             case LoadBucket(bucket=bucket):
+                self.lora.base_replaced()
                 return self._load_bucket(bucket)
+            case LoadAdapter(spec=spec, bucket=bucket, first=first, last=last):
+                return self.lora.load(spec, bucket, first=first, last=last)
             case SetVersion(version=version):
                 self.version = version
             case Close():

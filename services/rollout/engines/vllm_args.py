@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 EXTENSION = "services.rollout.engines.vllm_ext.MeshrlWorkerExtension"
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def engine_args_from_config(
@@ -14,8 +15,10 @@ def engine_args_from_config(
     max_model_len: int | None = None,
     seed: int | None = None,
     device: str | None = None,
+    lora_rank: int = 0,
 ) -> dict[str, Any]:
-    """AsyncEngineArgs keyword arguments from actor_rollout_ref.rollout (RolloutEngineConfig)."""
+    """AsyncEngineArgs keyword arguments from actor_rollout_ref.rollout (RolloutEngineConfig);
+    `lora_rank` (actor_rollout_ref.model.lora_rank) > 0 turns on vLLM's LoRA support."""
     kwargs: dict[str, Any] = dict(
         model=model_path,
         dtype=rollout.dtype,
@@ -35,6 +38,10 @@ def engine_args_from_config(
         # on CUDA/ROCm (and vllm-ascend), on CPU it is a no-op.
         enable_sleep_mode=bool(rollout.free_cache_engine) and device not in (None, "cpu"),
     )
+    if lora_rank > 0:
+        # One adapter at a time: every version replaces it (vllm_engine.py); vLLM sizes its LoRA
+        # buffers by max_lora_rank, which must be one of its supported ranks.
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next((r for r in _VLLM_LORA_RANKS if r >= lora_rank), lora_rank))
     if seed is not None:
         kwargs["seed"] = seed
     kwargs.update(rollout.engine_kwargs.get("vllm", {}))

@@ -8,6 +8,10 @@ tokens, weight loading through `collective_rpc` into the model runner, and versi
                model.load_weights (HF names); then update_weight_version(str(v)); the prefix
                cache is reset so no request reuses KV computed with the old weights
     versions   per token, from the final output's `weight_versions` spans
+    LoRA       an adapter-only version (services/weights/adapter.py) is written as a PEFT directory
+               and loaded in place under the engine's one LoRA id (a fixed id and directory);
+               every request runs with it, and requests kept across the update continue under
+               the new adapter, as with full weights
 
 Logprobs are vLLM's `processed_logprobs` with the sampler patched (vllm_ext.py) so that they are
 log_softmax(logits / temperature) before top-k / top-p, the trainer's definition.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,6 +39,7 @@ import torch
 from services.common.errors import FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
 from services.common.logging import get_logger
 from services.weights import Bucket
+from services.weights.adapter import AdapterSpec, base_identity_of_dir, check_base, split_descriptor, write_peft_dir
 
 from .base import (
     EngineHealth,
@@ -58,6 +64,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 log = get_logger(__name__)
 
 _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
+LORA_ID = 1
+"""The one LoRA id the engine serves (every version replaces the adapter under it)."""
+LORA_NAME = "meshrl-policy"
 
 
 @register_engine("vllm")
@@ -89,6 +98,11 @@ class VLLMEngine(RolloutEngine):
         self._started: set[str] = set()
         self._error: BaseException | None = None
         self._counters = {"tokens_generated": 0.0, "requests_finished": 0.0, "weight_loads": 0.0}
+        self._lora: Any = None  # the LoRARequest every request runs with, once an adapter is loaded
+        self._lora_spec: AdapterSpec | None = None
+        self._lora_dir: str | None = None
+        self._base: str | None = None
+        self._base_replaced_at: int | None = None
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -158,7 +172,7 @@ class VLLMEngine(RolloutEngine):
         spans: dict[int, list[Any]] = {}
         finish: dict[int, str] = {}
         prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-        async for ro in llm.generate(prompt, params, request.request_id):
+        async for ro in llm.generate(prompt, params, request.request_id, lora_request=self._lora):
             for c in ro.outputs:
                 out = outs[c.index]
                 if c.token_ids:
@@ -240,6 +254,19 @@ class VLLMEngine(RolloutEngine):
             raise FailedPrecondition("load_weights needs a paused engine; call pause() first")
         from safetensors.torch import save as save_safetensors
 
+        it = aiter(buckets)
+        first = await anext(it, None)
+        spec, head = split_descriptor(first) if first is not None else (None, [])
+        if spec is not None:
+            return await self._load_adapter(llm, version, spec, head, it)
+
+        async def chained() -> AsyncIterator[Bucket]:
+            if first is not None:
+                yield first
+            async for b in it:
+                yield b
+
+        buckets = chained()
         sleeping = False
         if self.free_cache_engine and self.engine_args.get("enable_sleep_mode"):
             await llm.sleep(level=1)
@@ -254,12 +281,66 @@ class VLLMEngine(RolloutEngine):
         await llm.collective_rpc("meshrl_finish_update")
         if sleeping:
             await llm.wake_up(["kv_cache"])
+        if self._lora is not None:  # full weights replace the base: the adapter no longer applies
+            await llm.remove_lora(LORA_ID)
+            self._lora = self._lora_spec = None
+        self._base_replaced_at = version
         await llm.update_weight_version(str(version))
         if self.engine_args.get("enable_prefix_caching", True):
             await llm.reset_prefix_cache()
         self._version = version
         self._counters["weight_loads"] += 1
         return loaded
+
+    @property
+    def base_model(self) -> str:
+        """The identity of the base weights vLLM loaded (from the model directory's files)."""
+        if self._base_replaced_at is not None:
+            raise FailedPrecondition(
+                f"full weights (version {self._base_replaced_at}) replaced the base this vLLM engine loaded from "
+                f"{self.engine_args['model']}; an adapter cannot be checked against them: restart the rollout"
+            )
+        if self._base is None:
+            self._base = base_identity_of_dir(self.engine_args["model"])
+        return self._base
+
+    async def _load_adapter(
+        self, llm: Any, version: int, spec: AdapterSpec, head: Bucket, rest: AsyncIterator[Bucket]
+    ) -> int:
+        """An adapter version: checked against the base and the engine's LoRA limits before
+        anything changes, written as a PEFT directory, swapped in under the fixed LoRA id."""
+        from vllm.lora.request import LoRARequest
+
+        check_base(spec, self.base_model)
+        max_rank = int(self.engine_args.get("max_lora_rank") or 0)
+        if not self.engine_args.get("enable_lora") or spec.rank > max_rank:
+            raise FailedPrecondition(
+                f"adapter of rank {spec.rank} but this vLLM engine was built with enable_lora="
+                f"{bool(self.engine_args.get('enable_lora'))}, max_lora_rank={max_rank}; set "
+                f"actor_rollout_ref.model.lora_rank={spec.rank} for the rollout too"
+            )
+        if self._lora_spec is not None and not self._lora_spec.same_shape(spec):
+            raise FailedPrecondition("the adapter's rank, alpha or targets changed; restart the rollout to change them")
+        tensors = [(n, t.detach().to("cpu", copy=True)) for n, t in head]  # fetcher buffers are reused
+        async for bucket in rest:
+            tensors.extend((n, t.detach().to("cpu", copy=True)) for n, t in bucket)
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="meshrl-lora-")
+        write_peft_dir(spec, tensors, self._lora_dir)
+        # load_inplace: vLLM loads (and validates) the new adapter, then replaces the one cached
+        # under the same id; requests hold a LoRARequest without it, so a step only looks the id
+        # up, and requests kept across the update continue on the new adapter.
+        replace = LoRARequest(lora_name=LORA_NAME, lora_int_id=LORA_ID, lora_path=self._lora_dir, load_inplace=True)
+        if not await llm.add_lora(replace):
+            raise Unavailable(f"vllm did not load the adapter of version {version}")
+        self._lora = LoRARequest(lora_name=LORA_NAME, lora_int_id=LORA_ID, lora_path=self._lora_dir)
+        self._lora_spec = spec
+        await llm.update_weight_version(str(version))
+        if self.engine_args.get("enable_prefix_caching", True):
+            await llm.reset_prefix_cache()  # one LoRA id for every version: cached blocks would match
+        self._version = version
+        self._counters["weight_loads"] += 1
+        return len(tensors)
 
     async def health(self) -> EngineHealth:
         if self._llm is None:
@@ -282,6 +363,9 @@ class VLLMEngine(RolloutEngine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
 
 
 def save_model_dir(model: Any, tokenizer: Any, path: str | None = None) -> str:

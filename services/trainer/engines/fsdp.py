@@ -7,7 +7,8 @@ Per rank:
               and the root are fully_shard-ed; weights (and buffers) are broadcast from rank 0.
               One rank in full precision stays a plain module: nothing to shard, and FSDP2's
               hooks alone cost 12% of a step on small batches.
-              The reference policy (if any) is a second sharded copy of the initial weights.
+              The reference policy (if any) is a second sharded copy of the initial weights;
+              with LoRA (fsdp_lora.py) it is the base with the adapter disabled.
     forward   a micro-batch is either packed into one varlen row (use_remove_padding) or kept as
               right-padded rows; with Ulysses SP each rank of an SP group runs 1/S of the row and
               the per-token logprobs are gathered back, so every SP rank sees the whole batch.
@@ -40,9 +41,10 @@ from services.common.errors import FailedPrecondition
 from services.common.logging import get_logger
 from services.common.released import check_freeze, released_layout
 from services.weights import Bucket
+from services.weights.adapter import AdapterSpec, base_identity_for
 from services.weights.layout import group_by_bytes
 
-from . import attention, hf_model, ulysses
+from . import attention, fsdp_lora, hf_model, ulysses
 from .base import EngineSpec, ForwardOutput, LossFn, LossScale, SequenceBatch, StepResult, TrainEngine, register_engine
 from .batching import dummy_batch, micro_batch_indices, pack, token_budget, trim, unpack_next_token
 from .dist import all_gather_objects, all_reduce_cpu, build_meshes, init_process_group
@@ -116,16 +118,21 @@ class FSDPEngine(TrainEngine):
             model_cfg, hf_config, dtype=self.dtype, attn=attn, materialize=materialize, model_init=spec.model_init
         )
         self.generation_config = getattr(model, "generation_config", None)
+        self.lora = model_cfg.lora_rank > 0
+        self.base_model = ""
+        if self.lora:  # the base's identity before peft wraps it (rank 0 holds real weights)
+            self.base_model = base_identity_for(model, model_cfg.path) if materialize else ""
+            model = fsdp_lora.wrap(model, model_cfg)
         full_state: dict[str, Any] = {k: v.detach() for k, v in model.state_dict().items()} if materialize else {}
         if model_cfg.enable_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = self._shard(model, full_state)
         del full_state
         self.ref_model: Any = None
-        if spec.ref is not None:
+        if spec.ref is not None and not self.lora:  # with LoRA the reference is the adapter disabled
             self.ref_model = self._clone_frozen()
         self.optimizer, self.scheduler = build_optimizer(
-            self.model.parameters(), actor.optim, spec.total_training_steps, spec.device
+            [p for p in self.model.parameters() if p.requires_grad], actor.optim, spec.total_training_steps, spec.device
         )
         self._step = 0
         self._proximal: list[torch.Tensor] | None = None
@@ -133,7 +140,7 @@ class FSDPEngine(TrainEngine):
         random.seed(spec.seed + self.rank)
         self._param_offload = fsdp_cfg.param_offload
         self._optim_offload = fsdp_cfg.optimizer_offload
-        self._ref_offload = spec.ref is not None and spec.ref.fsdp_config.param_offload
+        self._ref_offload = self.ref_model is not None and spec.ref is not None and spec.ref.fsdp_config.param_offload
         if self._param_offload:
             self._move(self.model, "cpu")
         if self._ref_offload:
@@ -142,6 +149,7 @@ class FSDPEngine(TrainEngine):
             "fsdp_engine_ready", rank=self.rank, world_size=self.world_size, sp=self.sp, device=str(self.device),
             model_type=getattr(hf_config, "model_type", "?"), params=sum(p.numel() for p in self.model.parameters()),
             remove_padding=self.remove_padding, reference=spec.ref is not None, sharded=self.sharded,
+            lora_rank=model_cfg.lora_rank, trainable=sum(p.numel() for p in self.model.parameters() if p.requires_grad),
         )
 
     # ---- construction ----------------------------------------------------------------------
@@ -328,6 +336,16 @@ class FSDPEngine(TrainEngine):
     def compute_logprobs(
         self, batch: SequenceBatch, *, temperature: float = 1.0, with_entropy: bool = False, reference: bool = False
     ) -> ForwardOutput:
+        if reference and self.lora and self.spec.ref is not None:
+            self._load_actor(with_optimizer=False)
+            self.model.eval()
+            try:
+                with self.model.disable_adapter():  # the base policy, from the same parameters
+                    return self._no_grad_logprobs(self.model, batch, temperature, with_entropy,
+                                                  self.spec.ref.log_prob_micro_batch_size_per_gpu)
+            finally:
+                if self._param_offload:
+                    self._move(self.model, "cpu")
         if reference:
             if self.ref_model is None:
                 raise FailedPrecondition(
@@ -419,11 +437,19 @@ class FSDPEngine(TrainEngine):
                 acc[1] += n
         return {k: total / n for k, (total, n) in merged.items() if n}
 
+    def adapter_spec(self) -> AdapterSpec:
+        """The trained adapter's descriptor (rank 0: it knows the base's identity)."""
+        return fsdp_lora.spec_of(self.model, self.base_model, self.spec.model.path)
+
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
-        """Full CPU tensors by HF name (tied weights once, as save_pretrained writes them)."""
+        """Full CPU tensors by HF name (tied weights once, as save_pretrained writes them); with
+        LoRA the adapter alone, opened by its descriptor (fsdp_lora.export)."""
         self._load_actor(with_optimizer=False)
 
         def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+            if self.lora:
+                yield from fsdp_lora.export(self)
+                return
             for name, param in self.model.named_parameters():
                 full = param.full_tensor() if isinstance(param, DTensor) else param  # every rank takes part
                 if self.rank == 0:
@@ -453,7 +479,10 @@ class FSDPEngine(TrainEngine):
     def save_hf(self, path: Path) -> None:
         self._load_actor(with_optimizer=False)
         try:
-            save_hf_weights(self, Path(path))
+            if self.lora:
+                fsdp_lora.save_adapter(self, Path(path), merged=self.spec.model.lora_export_merged)
+            else:
+                save_hf_weights(self, Path(path))
         finally:
             if self._param_offload:
                 self._move(self.model, "cpu")
@@ -465,13 +494,13 @@ class FSDPEngine(TrainEngine):
 
     def snapshot_proximal(self) -> None:
         with torch.no_grad():
-            self._proximal = [_local(p).detach().to("cpu", copy=True) for p in self.model.parameters()]
+            self._proximal = [_local(p).detach().to("cpu", copy=True) for p in self._trained_params()]
 
     def compute_proximal_logprobs(self, batch: SequenceBatch, *, temperature: float = 1.0) -> ForwardOutput:
         if self._proximal is None:
             raise FailedPrecondition("no proximal snapshot yet: call snapshot_proximal() at the start of the sync window")
         self._load_actor(with_optimizer=False)
-        params = list(self.model.parameters())
+        params = self._trained_params()
         with torch.no_grad():
             current = [_local(p).detach().to("cpu", copy=True) for p in params]
             for p, saved in zip(params, self._proximal, strict=True):
@@ -485,6 +514,10 @@ class FSDPEngine(TrainEngine):
                     _local(p).copy_(saved)
             if self._param_offload:
                 self._move(self.model, "cpu")
+
+    def _trained_params(self) -> list[torch.Tensor]:
+        """The parameters the optimizer changes (all of them, or the adapter's with LoRA)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def close(self) -> None:
         self._proximal = None

@@ -6,6 +6,8 @@ Layout of a checkpoint directory (every rank writes its shard; rank 0 writes the
     <path>/extra_rank{r}.pt  scheduler, step, RNG states of rank r (python, torch, device)
     <path>/huggingface/    only with checkpoint.save_contents containing "hf_model"
 
+With LoRA (fsdp_lora.py) model and optimizer state are the adapter's alone.
+
 Resuming with the same world size restores every RNG stream, so a run continues bit-for-bit on
 CPU; with another world size model and optimizer reshard and RNG is reseeded (logged).
 """
@@ -56,15 +58,32 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _options(engine: FSDPEngine) -> StateDictOptions:
+    """With LoRA a checkpoint holds the adapter (and its optimizer state) only: the frozen base
+    comes from actor_rollout_ref.model.path on resume, so it is neither saved nor expected."""
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if engine.lora else StateDictOptions()
+
+
+def _trained_only(engine: FSDPEngine, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """With LoRA, the adapter's entries only: `ignore_frozen_params` filters parameters, but a
+    tied alias of a frozen weight (lm_head.weight of tied embeddings) is not a parameter name and
+    would still be saved."""
+    if not engine.lora:
+        return model_sd
+    trained = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in trained}
+
+
 def save_state(engine: FSDPEngine, path: Path) -> None:
     contents = set(engine.spec.actor.checkpoint.save_contents)
     path.mkdir(parents=True, exist_ok=True)
     if "model" in contents or "optimizer" in contents:
+        opts = _options(engine)
         if "optimizer" in contents:
-            model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+            model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=opts)
+            state: dict[str, Any] = {"model": _trained_only(engine, model_sd), "optim": optim_sd}
         else:
-            state = {"model": get_model_state_dict(engine.model)}
+            state = {"model": _trained_only(engine, get_model_state_dict(engine.model, options=opts))}
         dcp.save(state, checkpoint_id=str(path / "dcp"))
     if "extra" in contents:
         extra = {
@@ -83,15 +102,17 @@ def load_state(engine: FSDPEngine, path: Path) -> None:
     contents = set(engine.spec.actor.checkpoint.load_contents)
     if not (path / "dcp").exists():
         raise NotFound(f"{path} is not a trainer checkpoint (no dcp/ directory)")
+    opts = _options(engine)
     if "optimizer" in contents:
-        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer, options=opts)
+        state: dict[str, Any] = {"model": _trained_only(engine, model_sd), "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=opts)
     elif "model" in contents:
-        state = {"model": get_model_state_dict(engine.model)}
+        state = {"model": _trained_only(engine, get_model_state_dict(engine.model, options=opts))}
         dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_model_state_dict(engine.model, state["model"])
+        set_model_state_dict(engine.model, state["model"], options=opts)
     if "extra" in contents:
         mine = path / f"extra_rank{engine.rank}.pt"
         same_world = mine.exists()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from meshrl.v1 import common_pb2
 from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 
+from ..adapter import AdapterSpec, split_descriptor
 from ..layout import BucketMeta, Manifest, TensorMeta, build_manifest, group_by_bytes, plan_bucket
 from ..protocols import Bucket, Buckets, iterate_buckets
 
@@ -79,16 +80,25 @@ class ManifestBuilder:
         self.policy_version = policy_version
         self.tensors: list[TensorMeta] = []
         self.buckets: list[BucketMeta] = []
+        self.adapter: AdapterSpec | None = None
+
+    def note(self, bucket: PlannedBucket) -> None:
+        """Read what the manifest says about the version from a bucket's tensors, for callers
+        that `add` buckets after releasing them: an adapter-only version opens with its
+        descriptor (adapter.py)."""
+        if bucket.index == 0 and bucket.named:
+            self.adapter = split_descriptor(bucket.named)[0]
 
     def add(self, bucket: PlannedBucket, fingerprint: str, sha256: str = "") -> BucketMeta:
         meta = BucketMeta(index=bucket.index, nbytes=bucket.nbytes, fingerprint=fingerprint, sha256=sha256)
+        self.note(bucket)
         self.tensors.extend(bucket.metas)
         self.buckets.append(meta)
         return meta
 
     def build(self, transports: Iterable[str]) -> Manifest:
         return build_manifest(self.policy_version, self.tensors, self.buckets, created_unix_s=time.time(),
-                              transports=transports)
+                              transports=transports, adapter=self.adapter)
 
 
 def check_against_manifest(manifest: Manifest, ref: common_pb2.WeightsRef, where: str) -> None:

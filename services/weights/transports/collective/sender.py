@@ -348,6 +348,7 @@ class _SendSession:
             await self.group.wait(self.works.pop(nxt.slot), self.deadline, "sending a bucket")
         if any(r.slot == nxt.slot for r in self.pending):  # its host copy of the columns is reused
             await self._digest_ready(wait=True)
+        self.builder.note(nxt.planned)  # the tensors are gone by the time the manifest is built
         nxt.rec = self.held[nxt.slot] = self.pub._pack(nxt.slot, nxt.planned, nxt.meta)
         nxt.planned = None
 

@@ -1,0 +1,102 @@
+"""LoRA adapter versions in the transformers engine: applied in place to the running model.
+
+The first adapter version injects peft's LoRA layers into the model (`inject_adapter_in_model`,
+the same layers the trainer's PeftModel runs, so trainer and rollout compute the same function);
+every version after it copies its lora_A / lora_B tensors into those layers, by name, as full
+weights are copied (no rebuild; with pause("keep") the KV computed under the old adapter is kept).
+
+Before anything is copied the version's descriptor (services/weights/adapter.py) is checked: an
+adapter trained on another base is refused with FailedPrecondition naming both bases, and one of
+another shape (rank, alpha, targets) than the layers already injected likewise; a refused version
+changes nothing. Called only from the scheduler thread (transformers_scheduler.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument, MissingDependency
+from services.weights import Bucket
+from services.weights.adapter import AdapterSpec, base_identity_for, check_base, module_param_name
+
+# peft LoraConfig fields an adapter's saved config may set that shape the injected layers.
+_LAYER_FIELDS = (
+    "exclude_modules", "fan_in_fan_out", "use_rslora", "use_dora", "layers_to_transform", "layers_pattern",
+    "rank_pattern", "alpha_pattern", "lora_bias",
+)
+
+
+class InPlaceLoRA:
+    """The adapter state of one in-memory HF model (see the module docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.spec: AdapterSpec | None = None
+        self._base: str | None = None
+        self._params: dict[str, torch.Tensor] = {}
+        self._seen: set[str] = set()
+
+    @property
+    def base_model(self) -> str:
+        """This model's base identity (computed once, before any adapter is injected)."""
+        if self._base is None:
+            self._base = base_identity_for(self.model, getattr(self.model.config, "_name_or_path", None))
+        return self._base
+
+    def load(self, spec: AdapterSpec, bucket: Bucket, *, first: bool, last: bool) -> int:
+        """Copy one bucket of adapter `spec` into the model. `first`: the version's first bucket
+        (checks, injects on first use); `last`: the version is complete (checks every adapter
+        weight arrived)."""
+        if first:
+            check_base(spec, self.base_model)
+            if self.spec is None:
+                self._inject(spec)
+            elif not self.spec.same_shape(spec):
+                raise FailedPrecondition(
+                    f"adapter of rank {spec.rank}, alpha {spec.alpha} on {sorted(spec.target_modules)} does not fit the "
+                    f"injected one (rank {self.spec.rank}, alpha {self.spec.alpha} on {sorted(self.spec.target_modules)}); "
+                    "restart the rollout to change the LoRA shape"
+                )
+            self._seen = set()
+        for name, tensor in bucket:
+            key = module_param_name(name)
+            target = self._params.get(key)
+            if target is None:
+                raise InvalidArgument("weights", f"adapter tensor {name!r} has no LoRA layer in {type(self.model).__name__}")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise InvalidArgument(
+                    "weights", f"{name}: shape {tuple(tensor.shape)} does not match the layer's {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            self._seen.add(key)
+        if last and len(self._seen) != len(self._params):
+            missing = sorted(set(self._params) - self._seen)
+            raise InvalidArgument("weights", f"adapter version lacks {len(missing)} LoRA tensors, e.g. {missing[:3]}")
+        return len(bucket)
+
+    def base_replaced(self) -> None:
+        """Full weights are being loaded: the adapter stops acting (lora_B = 0 makes it the
+        identity) and the base's identity is taken again at the next adapter."""
+        for key, t in self._params.items():
+            if ".lora_B." in key:
+                t.zero_()
+        self._base = None
+
+    def _inject(self, spec: AdapterSpec) -> None:
+        try:
+            import peft
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise MissingDependency("LoRA adapters in the transformers rollout engine", f"install meshrl[lora]; {exc}") from exc
+        extra = {k: spec.peft_config[k] for k in _LAYER_FIELDS if spec.peft_config.get(k) is not None}
+        alpha: Any = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha  # peft types it int
+        config = peft.LoraConfig(r=spec.rank, lora_alpha=alpha, target_modules=list(spec.target_modules),
+                                 lora_dropout=0.0, bias="none", **extra)
+        _ = self.base_model  # fixed before the model changes
+        peft.inject_adapter_in_model(config, self.model)
+        named = dict(self.model.named_parameters())
+        self._params = {k: p.data for k, p in named.items() if ".lora_A." in k or ".lora_B." in k}
+        for k in self._params:
+            named[k].requires_grad_(False)
+        self.spec = spec
