@@ -6,7 +6,7 @@ entropy bonus, plus the KL-to-reference loss (verl `dp_actor.update_policy`).
 Every term is aggregated with `actor.loss_agg_mode` and the step's `LossScale`, following the
 micro-batch convention of `agg.py` (sum over micro-batches and ranks / dp_size = mini-batch loss;
 each micro-batch loss is multiplied by dp_size because DDP/FSDP average gradients). GSPO's pg term
-always uses `seq-mean-token-mean` (verl).
+follows `loss_agg_mode` too (verl 0.9.1; set `seq-mean-token-mean` for the paper's objective).
 
 Masks: the pg term uses the response mask minus tokens rejected by `rollout_rs`; the entropy and KL
 terms use `batch.response_mask` (in decoupled mode that mask already lost the rejected tokens when
@@ -60,7 +60,6 @@ def build_loss_fn(actor: ActorConfig, algo: AlgorithmConfig) -> LossFn:
     clip_c = actor.clip_ratio_c
     mode = actor.loss_agg_mode
     loss_mode = actor.policy_loss.loss_mode
-    pg_mode = "seq-mean-token-mean" if loss_mode == "gspo" else mode
     factor = actor.loss_scale_factor
     if "seq-mean-token-sum-norm" == mode and factor is None:
         raise InvalidArgument(
@@ -127,8 +126,8 @@ def build_loss_fn(actor: ActorConfig, algo: AlgorithmConfig) -> LossFn:
         else:
             pg_mat, pg_metrics = ppo_clip_loss(old, logp, adv, pg_mask, clip_low, clip_high, clip_c, is_weights)
         metrics.update(pg_metrics)
-        loss = agg_loss(pg_mat, pg_mask, pg_mode, scale, factor)
-        metrics["actor/pg_loss"] = agg_loss(pg_mat.detach(), pg_mask, pg_mode, None, factor)
+        loss = agg_loss(pg_mat, pg_mask, mode, scale, factor)
+        metrics["actor/pg_loss"] = agg_loss(pg_mat.detach(), pg_mask, mode, None, factor)
 
         if out.entropy is not None:
             entropy = out.entropy.float()
