@@ -97,3 +97,13 @@ def check_batch(batch: SequenceBatch, vocab_size: int | None) -> None:
     if not bool(torch.isfinite(lp).all()):
         row = int((~torch.isfinite(lp)).any(dim=1).nonzero()[0])
         raise InvalidArgument("groups.responses.logprobs", f"non-finite rollout logprob in batch row {row}")
+
+
+def token_versions(groups: Sequence[common_pb2.TrajectoryGroup]) -> list[tuple[int, list[int]]]:
+    """(prompt length, policy version of each response token) per batch row of `groups_to_batch`
+    (a response without per-token versions counts at its group's min_policy_version)."""
+    return [
+        (len(g.prompt_token_ids), list(r.versions) if len(r.versions) else [g.min_policy_version] * len(r.token_ids))
+        for g in groups
+        for r in g.responses
+    ]

@@ -16,8 +16,10 @@ verl, only the pg term drops the rejected tokens).
 Metrics are the micro-batch's own values (its own normalizers, not multiplied by dp_size), so their
 mean over micro-batches and ranks, which the engine reports, estimates the mini-batch value:
 `actor/pg_loss`, `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl`, `actor/entropy`
-(when the engine returned entropy), `actor/kl_loss` and `actor/kl_coef` (with `use_kl_loss`), and
-`rollout_corr/*` (see correction.py).
+(when the engine returned entropy), `actor/kl_loss` and `actor/kl_coef` (with `use_kl_loss`),
+`rollout_corr/*` (see correction.py), and in bypass mode, when the batch carries
+`at_trainer_version`, the token sums that `mismatch.finish_loss_sums` turns into the engine
+mismatch and the off-policy KL (see mismatch.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from services.trainer.engines.base import ForwardOutput, LossFn, LossScale, Sequ
 from .agg import agg_loss, metrics_to_floats
 from .correction import IS_WEIGHTS_KEY, compute_rollout_correction, diagnose_mismatch
 from .kl import kl_penalty
+from .mismatch import VERSION_MASK_KEY, loss_sums
 from .policy_loss import gspo_loss, ppo_clip_loss, reinforce_loss
 
 
@@ -100,6 +103,8 @@ def build_loss_fn(actor: ActorConfig, algo: AlgorithmConfig) -> LossFn:
             metrics.update(corr.metrics)
             if reinforce:
                 is_weights = corr.weights
+            if VERSION_MASK_KEY in batch.tensors:  # engine vs off-policy mismatch (algos/mismatch.py)
+                metrics.update(loss_sums(logp, old, mask, _tensor(batch, VERSION_MASK_KEY, "")))
         elif IS_WEIGHTS_KEY in batch.tensors:
             is_weights = _tensor(batch, IS_WEIGHTS_KEY, "written by apply_rollout_correction")
             if "rollout_logprobs" in batch.tensors:
