@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the derived run quantities and resource layout; starts nothing")
     _config_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="per-device link speed in Gbit/s: also estimate weight-sync seconds per version")
 
     p = sub.add_parser("coordinator", help="run the coordinator without Ray")
     csub = p.add_subparsers(dest="coordinator_command", required=True)
@@ -262,7 +264,7 @@ def _plan(args: argparse.Namespace) -> int:
     from meshrl.plan import make_plan
 
     config, overrides = _split_config_and_overrides(args)
-    plan = make_plan(config, overrides)
+    plan = make_plan(config, overrides, link_gbps=args.link_gbps)
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
