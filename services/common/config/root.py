@@ -82,6 +82,17 @@ class MeshConfig(ConfigModel):
             raise ValueError("no prompt data: set data.train_files or data.synthetic")
         if self.algorithm.filter_groups.enable and arr.rollout.n < 2:
             raise ValueError("algorithm.filter_groups needs actor_rollout_ref.rollout.n >= 2")
+        if self.param_server.collective_sharded:
+            if arr.rollout.checkpoint_engine.backend not in ("nccl", "hccl", "gloo"):
+                raise ValueError(
+                    "param_server.collective_sharded needs a collective transport; set "
+                    "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or hccl, gloo)"
+                )
+            if arr.actor.strategy not in ("fsdp", "fsdp2"):
+                raise ValueError(
+                    f"param_server.collective_sharded sends FSDP shards; actor_rollout_ref.actor.strategy={arr.actor.strategy} "
+                    "cannot send its own part yet: set param_server.collective_sharded=false"
+                )
         if self.reward_model.overlong_buffer.enable:
             ob = self.reward_model.overlong_buffer
             if ob.len <= 0 or ob.len > self.data.max_response_length:
