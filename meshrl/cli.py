@@ -164,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--rounds", type=int, default=2, help="steady-state rounds after the cold one")
     pw.add_argument("--transports", default="grpc,object_store,disk,gloo",
                     help="comma list of grpc, object_store, disk, gloo, nccl (nccl needs 2 GPUs)")
+    pws = bsub.add_parser("weights-sharded", help="nccl sync from trainer rank 0 vs from every rank (needs S+R GPUs)")
+    pws.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pws.add_argument("--size-gb", type=float, default=4.0, help="bytes of one version, in GiB")
+    pws.add_argument("--bucket-mb", type=int, default=512, help="bucket size")
+    pws.add_argument("--rounds", type=int, default=3, help="steady-state rounds after the cold one")
+    pws.add_argument("--senders", type=int, default=2, help="trainer ranks")
+    pws.add_argument("--receivers", type=int, default=2, help="rollout ranks")
+    pws.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU processes (a check, not a measurement)")
     pt = bsub.add_parser("trainer", help="training tokens/s: the fsdp engine vs a plain PyTorch loop (CPU, one rank)")
     pt.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
@@ -452,6 +460,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
                                        transports=tuple(t for t in args.transports.split(",") if t))
+    elif args.bench_command == "weights-sharded":
+        from meshrl.bench.weights_sharded import run_benchmark as run_sharded_benchmark
+
+        result = run_sharded_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
+                                       senders=args.senders, receivers=args.receivers, backend=args.backend)
     elif args.bench_command == "trainer":
         from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
 
