@@ -13,7 +13,7 @@
 #              transports (grpc, object_store: 0.5 GiB), each against its baseline in the same run
 #   warmstart  one SFT warm start per stop loss in MESHRL_STOP_LOSSES (in parallel, one GPU each),
 #              then the sampled reward of each (one step of the plain loop: 256 samples at T=1)
-#   probe      MESHRL_PROBES ("lr:GPUS ...") fully_async runs of MESHRL_PROBE_S seconds each, at once
+#   probe      MESHRL_PROBES ("LR:GPUS[:OVERRIDE] ...") fully_async runs of MESHRL_PROBE_S seconds each, at once
 #   e2e        MESHRL_RUNS ("MODE:SEED:GPUS ...") at once, each `meshrl bench e2e` in its own
 #              process and Ray with CUDA_VISIBLE_DEVICES=GPUS (rollout on one, the rank on the other),
 #              stopped MESHRL_TRAIN_S seconds after its first step
@@ -167,10 +167,10 @@ PYEOF
     [ -z "$ck" ] && { say "no warm start"; continue; }
     pids=()
     if [ "$phase" = probe ]; then
-      for p in ${MESHRL_PROBES:-1e-4:0,1 2e-4:2,3}; do
-        lr=${p%%:*}; gpus=${p#*:}
+      for p in ${MESHRL_PROBES:-1e-4:0,1 2e-4:2,3:serve.parallel_deploy=false}; do  # LR:GPUS[:OVERRIDE]
+        IFS=: read -r lr gpus extra <<< "$p"
         run_case "probe_lr$lr" "$gpus" $((${MESHRL_PROBE_S:-120} + 150)) fully_async "${MESHRL_PROBE_S:-120}" "$ck" \
-          "actor_rollout_ref.actor.optim.lr=$lr" ${MESHRL_OVERRIDES:-} &
+          "actor_rollout_ref.actor.optim.lr=$lr" ${extra:+"$extra"} ${MESHRL_OVERRIDES:-} &
         pids+=($!)
       done
     else
