@@ -143,7 +143,7 @@ for phase in $PHASES; do
     capped w_host 120 "$PY" -m meshrl.cli bench weights --size-gb 0.5 --bucket-mb 256 --rounds 3 \
       --transports grpc,object_store --out "$L/w_host.json" &
     host_pid=$!
-    [[ " $PHASES " == *" warmstart "* ]] && warmstart && PHASES=${PHASES/warmstart/}
+    if [[ " $PHASES " == *" warmstart "* ]]; then warmstart; WARM_DONE=1; fi
     wait $host_pid
     "$PY" - "$L" > "$OUT/weights.json" <<'PYEOF'
 import json, pathlib, sys
@@ -160,7 +160,7 @@ PYEOF
         > "$OUT/cpu_tests.log" 2>&1; echo "cpu tests rc=$?" >> "$OUT/cpu_tests.log" ) &
     ;;
   warmstart)
-    warmstart
+    [ -z "${WARM_DONE:-}" ] && warmstart
     ;;
   probe|e2e)
     ck=$(pretrain "${MESHRL_STOP_LOSS:-0.5}" 0)
