@@ -91,8 +91,7 @@ def _worker(rank: int, senders: int, receivers: int, address: str, total: int, b
         res[key] = times
 
     # raw baselines: the same buckets as flat bytes
-    shard_sizes = [[sum(t.numel() * t.element_size() for _, t in b) for b in _shard_plan(total, bucket, s, senders)]
-                   for s in range(senders)]
+    shard_sizes = [[sum(b) for b in _shard_plan(total, bucket, s, senders)] for s in range(senders)]
     if full is not None:
         flat_full = [torch.cat([t.reshape(-1).view(torch.uint8) for _, t in b]) for b in full]
     elif not is_sender:
@@ -186,15 +185,20 @@ def _bucket_sizes(total: int, bucket: int) -> list[int]:
     return [sum(n for _, _, n in b) for b in plan_sizes(total, bucket)]
 
 
-def _shard_plan(total: int, bucket: int, rank: int, senders: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Meta tensors with the shapes of `rank`'s rows (sizes only, no memory)."""
+def _shard_plan(total: int, bucket: int, rank: int, senders: int) -> list[list[int]]:
+    """Bytes of `rank`'s rows of each tensor, per bucket (the shapes make_weights gives)."""
+    from .weights import plan_sizes
+
     out = []
-    for b in make_weights(total, bucket, "meta"):
+    for b in plan_sizes(total, bucket):
         part = []
-        for name, t in b:
-            a, z = _rows(t.shape[0], rank, senders)
+        for _, dtype, n in b:
+            size = torch.empty(0, dtype=dtype).element_size()
+            numel = n // size
+            rows, width = (numel // 1024, 1024) if numel % 1024 == 0 else (numel, 1)
+            a, z = _rows(rows, rank, senders)
             if z > a:
-                part.append((name, t[a:z]))
+                part.append((z - a) * width * size)
         out.append(part)
     return out
 

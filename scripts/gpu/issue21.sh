@@ -84,11 +84,17 @@ pretrain() {  # pretrain STOP_LOSS GPU -> prints the checkpoint directory
 }
 
 # A case: its own process and Ray on two GPUs; `bench e2e --no-baseline` stops it cleanly.
+CASE_INDEX=0
 run_case() {  # run_case NAME GPUS CAP_S MODE TRAIN_S CKPT OVERRIDES...
   local name=$1 gpus=$2 cap=$3 mode=$4 train_s=$5 ckpt=$6
   shift 6
+  # Ports of its own per case: cases start at once, and a check-then-bind of the default ports
+  # races; below the ephemeral range and above Ray's worker ports (10002-19999).
+  local ports=("serve.http_port=$((21000 + CASE_INDEX))" "serve.grpc_port=$((22000 + CASE_INDEX))"
+               "param_server.port=$((23000 + CASE_INDEX))")
+  CASE_INDEX=$((CASE_INDEX + 1))
   CUDA_VISIBLE_DEVICES=$gpus capped "e2e_$name" "$cap" "$PY" -m meshrl.cli bench e2e --config "$CONFIG" \
-    "actor_rollout_ref.model.path=$ckpt" "${DEV_OVR[@]}" "$@" \
+    "actor_rollout_ref.model.path=$ckpt" "${DEV_OVR[@]}" "${ports[@]}" "$@" \
     --run-root "$W/runs/$name" --modes "$mode" --no-baseline --max-train-s "$train_s" --label "$name" \
     --target-reward 0.85 --targets 0.5,0.6,0.7,0.75,0.8,0.85,0.9 --window 10 --out "$L/e2e_$name.json"
 }
@@ -155,9 +161,19 @@ PYEOF
   cputests)  # the new CPU code paths (gloo), on this host's cores, while the GPUs work
     ( timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" tests/unit/test_weights_shards.py \
         tests/unit/test_algos_mismatch.py tests/unit/test_algos_losses.py tests/unit/test_plan_sync.py \
-        tests/integration/test_param_server_collective_sharded.py tests/unit/test_fsdp_multirank.py \
+        tests/integration/test_param_server_collective_sharded.py \
         "tests/integration/test_bench_weights.py::test_bench_weights_sharded_runs_every_case_on_gloo" \
-        > "$OUT/cpu_tests.log" 2>&1; echo "cpu tests rc=$?" >> "$OUT/cpu_tests.log" ) &
+        > "$OUT/cpu_tests.log" 2>&1; echo "cpu tests rc=$?" >> "$OUT/cpu_tests.log"
+      # the collective transport inside a training run, on CPU (gloo: the nccl code path), logs at INFO
+      CUDA_VISIBLE_DEVICES= MESHRL_LOG_LEVEL=INFO timeout 300 "$PY" -m meshrl.cli bench e2e --config "$CONFIG" \
+        trainer.device=cpu rollout_worker.device=cpu actor_rollout_ref.rollout.checkpoint_engine.backend=gloo \
+        --modes fully_async --no-baseline --max-train-s 40 --run-root "$W/runs/gloo_probe" \
+        --out "$L/gloo_probe.json" > "$L/gloo_probe.log" 2>&1; echo "gloo probe rc=$?" >> "$OUT/cpu_tests.log" ) &
+    ;;
+  sharded)  # the 4-GPU weight-sync comparison alone
+    capped w_sharded 170 "$PY" -m meshrl.cli bench weights-sharded --size-gb 4 --bucket-mb 512 --rounds 4 \
+      --out "$L/w_sharded.json"
+    cp "$L/w_sharded.json" "$OUT/weights_sharded.json" 2>/dev/null
     ;;
   warmstart)
     [ -z "${WARM_DONE:-}" ] && warmstart
@@ -174,10 +190,13 @@ PYEOF
         pids+=($!)
       done
     else
-      for r in ${MESHRL_RUNS:-fully_async:0:0,1 sync:0:2,3 one_step_off:0:1,2}; do
-        mode=${r%%:*}; rest=${r#*:}; seed=${rest%%:*}; gpus=${rest#*:}
-        run_case "${mode}_s$seed" "$gpus" $((${MESHRL_TRAIN_S:-300} + 170)) "$mode" "${MESHRL_TRAIN_S:-300}" "$ck" \
-          "trainer.seed=$seed" "data.seed=$seed" ${MESHRL_OVERRIDES:-} &
+      for r in ${MESHRL_RUNS:-fully_async:0:0,1 sync:0:2,3 one_step_off:0:1,2}; do  # MODE:SEED:GPUS[:TAG]
+        IFS=: read -r mode seed gpus tag <<< "$r"
+        variant=MESHRL_VARIANT_${tag:-none}  # TAG: the overrides in MESHRL_VARIANT_TAG, case MODE_sSEED_TAG
+        # shellcheck disable=SC2086
+        MESHRL_LOG_LEVEL=$([ -n "$tag" ] && echo INFO || echo "$MESHRL_LOG_LEVEL") \
+        run_case "${mode}_s$seed${tag:+_$tag}" "$gpus" $((${MESHRL_TRAIN_S:-300} + 170)) "$mode" "${MESHRL_TRAIN_S:-300}" "$ck" \
+          "trainer.seed=$seed" "data.seed=$seed" ${MESHRL_OVERRIDES:-} ${!variant:-} &
         pids+=($!)
       done
     fi
