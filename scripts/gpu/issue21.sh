@@ -84,7 +84,7 @@ pretrain() {  # pretrain STOP_LOSS GPU -> prints the checkpoint directory
 }
 
 # A case: its own process and Ray on two GPUs; `bench e2e --no-baseline` stops it cleanly.
-CASE_INDEX=0
+CASE_INDEX=0  # set by the caller per case (a case runs in a subshell: it cannot count for itself)
 run_case() {  # run_case NAME GPUS CAP_S MODE TRAIN_S CKPT OVERRIDES...
   local name=$1 gpus=$2 cap=$3 mode=$4 train_s=$5 ckpt=$6
   shift 6
@@ -92,7 +92,6 @@ run_case() {  # run_case NAME GPUS CAP_S MODE TRAIN_S CKPT OVERRIDES...
   # races; below the ephemeral range and above Ray's worker ports (10002-19999).
   local ports=("serve.http_port=$((21000 + CASE_INDEX))" "serve.grpc_port=$((22000 + CASE_INDEX))"
                "param_server.port=$((23000 + CASE_INDEX))")
-  CASE_INDEX=$((CASE_INDEX + 1))
   CUDA_VISIBLE_DEVICES=$gpus capped "e2e_$name" "$cap" "$PY" -m meshrl.cli bench e2e --config "$CONFIG" \
     "actor_rollout_ref.model.path=$ckpt" "${DEV_OVR[@]}" "${ports[@]}" "$@" \
     --run-root "$W/runs/$name" --modes "$mode" --no-baseline --max-train-s "$train_s" --label "$name" \
@@ -185,6 +184,7 @@ PYEOF
     if [ "$phase" = probe ]; then
       for p in ${MESHRL_PROBES:-1e-4:0,1 2e-4:2,3:serve.parallel_deploy=false}; do  # LR:GPUS[:OVERRIDE]
         IFS=: read -r lr gpus extra <<< "$p"
+        CASE_INDEX=$((CASE_INDEX + 1))
         run_case "probe_lr$lr" "$gpus" $((${MESHRL_PROBE_S:-120} + 150)) fully_async "${MESHRL_PROBE_S:-120}" "$ck" \
           "actor_rollout_ref.actor.optim.lr=$lr" ${extra:+"$extra"} ${MESHRL_OVERRIDES:-} &
         pids+=($!)
@@ -194,6 +194,7 @@ PYEOF
         IFS=: read -r mode seed gpus tag <<< "$r"
         variant=MESHRL_VARIANT_${tag:-none}  # TAG: the overrides in MESHRL_VARIANT_TAG, case MODE_sSEED_TAG
         # shellcheck disable=SC2086
+        CASE_INDEX=$((CASE_INDEX + 1))
         MESHRL_LOG_LEVEL=$([ -n "$tag" ] && echo INFO || echo "$MESHRL_LOG_LEVEL") \
         run_case "${mode}_s$seed${tag:+_$tag}" "$gpus" $((${MESHRL_TRAIN_S:-300} + 170)) "$mode" "${MESHRL_TRAIN_S:-300}" "$ck" \
           "trainer.seed=$seed" "data.seed=$seed" ${MESHRL_OVERRIDES:-} ${!variant:-} &
