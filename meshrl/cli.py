@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the derived run quantities and resource layout; starts nothing")
     _config_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="per-device link speed in Gbit/s: also estimate weight-sync seconds per version")
 
     p = sub.add_parser("coordinator", help="run the coordinator without Ray")
     csub = p.add_subparsers(dest="coordinator_command", required=True)
@@ -183,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--model", default=None,
                     help="adapter case: a real model's versions (a tiny arch, e.g. qwen3_small: 25M), full vs LoRA")
     pw.add_argument("--lora-rank", type=int, default=8, help="adapter case: LoRA rank of the adapter version")
+    pws = bsub.add_parser("weights-sharded", help="nccl sync from trainer rank 0 vs from every rank (needs S+R GPUs)")
+    pws.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pws.add_argument("--size-gb", type=float, default=4.0, help="bytes of one version, in GiB")
+    pws.add_argument("--bucket-mb", type=int, default=512, help="bucket size")
+    pws.add_argument("--rounds", type=int, default=3, help="steady-state rounds after the cold one")
+    pws.add_argument("--senders", type=int, default=2, help="trainer ranks")
+    pws.add_argument("--receivers", type=int, default=2, help="rollout ranks")
+    pws.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU processes (a check, not a measurement)")
     pt = bsub.add_parser("trainer", help="training tokens/s: the fsdp engine vs a plain PyTorch loop (CPU, one rank)")
     pt.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
@@ -297,7 +307,7 @@ def _plan(args: argparse.Namespace) -> int:
     from meshrl.plan import make_plan
 
     config, overrides = _split_config_and_overrides(args)
-    plan = make_plan(config, overrides)
+    plan = make_plan(config, overrides, link_gbps=args.link_gbps)
     if args.json:
         print(json.dumps(plan, indent=2))
     else:
@@ -525,6 +535,11 @@ def _bench(args: argparse.Namespace) -> int:
         else:
             result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
                                            transports=chosen)
+    elif args.bench_command == "weights-sharded":
+        from meshrl.bench.weights_sharded import run_benchmark as run_sharded_benchmark
+
+        result = run_sharded_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
+                                       senders=args.senders, receivers=args.receivers, backend=args.backend)
     elif args.bench_command == "trainer":
         from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
 

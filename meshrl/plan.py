@@ -71,7 +71,8 @@ def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
     }
 
 
-def make_plan(config: str | None, overrides: list[str]) -> dict[str, Any]:
+def make_plan(config: str | None, overrides: list[str], link_gbps: float | None = None) -> dict[str, Any]:
+    """The plan of a config; with `link_gbps`, also the weight-sync estimate (plan_sync.py)."""
     cfg = load_config(resolve_config_path(config), overrides)
     dataset_size: int | None
     try:
@@ -91,6 +92,11 @@ def make_plan(config: str | None, overrides: list[str]) -> dict[str, Any]:
     if errors:
         raise ConfigError("the plan is not runnable:\n  - " + "\n  - ".join(errors))
     counts = arch.param_counts()
+    extra: dict[str, Any] = {}
+    if link_gbps is not None:
+        from .plan_sync import weight_sync_estimate
+
+        extra["weight_sync"] = weight_sync_estimate(cfg, arch, link_gbps)
     return {
         "derived": {**derived.as_dict(), "dataset_size": dataset_size},
         "async_training": cfg.async_training.model_dump(mode="json"),
@@ -111,5 +117,6 @@ def make_plan(config: str | None, overrides: list[str]) -> dict[str, Any]:
         },
         "layout": layout,
         "memory": memory_estimate(cfg, arch),
+        **extra,
         "warnings": warnings,
     }

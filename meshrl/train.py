@@ -170,6 +170,8 @@ class MeshRun:
         self._last_status: Any = None
         self._last_trainer: dict[str, Any] = {}
         self._serve_checked = 0.0
+        self.startup: dict[str, float] = {}
+        """Seconds of each start-up phase (Ray and Serve, each deploy wave): in summary.json."""
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -190,26 +192,40 @@ class MeshRun:
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         # Logical CPUs for a local Ray: Serve replicas and rank actors reserve CPU shares to be
         # placed, not to be fast; 8 lets the five services fit on a 2-core laptop.
+        t0 = time.monotonic()
         init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
                  log_to_driver=False, env=self.secret_env)
         start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
                     else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
         if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
             renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
+        self.startup["ray_and_serve_s"] = round(time.monotonic() - t0, 2)
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
                 "session": uuid.uuid4().hex}
         quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
-        # Order: what others call first (serve.run blocks until the replicas are healthy), then
-        # the rollout before the trainer: it generates the first batches while the ranks build
-        # (neither calls the other; a resumed trainer republishes its weights and the rollout
-        # moves to them). The other way round the first step waited ~5 s for the rollout to start.
-        for name, builder in (("coordinator", coordinator_app), ("param_server", param_server_app),
-                              ("reward", reward_app), ("rollout", rollout_app), ("trainer", trainer_app)):
+        # Two waves, each deployed at once (serve.run_many returns when every replica of the wave
+        # is healthy): first what the others call (coordinator, param server, reward), then the
+        # rollout and the trainer together, which call those but not each other (a resumed
+        # trainer republishes its weights and the rollout moves to them), so the engine load of
+        # the one overlaps the rank start-up and model build of the other. One app at a time,
+        # those two alone took most of a GPU case's start-up.
+        waves: list[list[tuple[str, Callable[..., Any]]]] = [
+            [("coordinator", coordinator_app), ("param_server", param_server_app), ("reward", reward_app)],
+            [("rollout", rollout_app), ("trainer", trainer_app)],
+        ]
+        if not self.cfg.serve.parallel_deploy:
+            waves = [[app] for wave in waves for app in wave]
+        for wave in waves:
+            t0 = time.monotonic()
+            targets = [serve.RunTarget(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)
+                       for name, builder in wave]
             try:
-                serve.run(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)
+                serve.run_many(targets)
             except RuntimeError as exc:
-                raise RuntimeError(f"{name} did not start: {_last_error(self.run_dir, name)}") from exc
+                errors = "\n".join(f"{name} did not start: {_last_error(self.run_dir, name)}" for name, _ in wave)
+                raise RuntimeError(f"{exc}\n{errors}") from None
+            self.startup["deploy_" + "+".join(name for name, _ in wave) + "_s"] = round(time.monotonic() - t0, 2)
         self.deployed = True
         from meshrl.prometheus import write_service_discovery
 
@@ -455,6 +471,7 @@ class MeshRun:
             "audit": {k2: v for k2, v in audit.items() if k2 not in ("lost", "duplicated")}
             | {"lost": len(audit["lost"]), "duplicated": len(audit["duplicated"])},
             "totals": status.get("totals", {}),
+            "startup_s": self.startup,
             **self.watchdog.summary(),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -110,6 +110,7 @@ def _mesh_case(config: str | None, mode: str, overrides: list[str], targets: Seq
         "mode": mode,
         "steps": len(steps),
         "startup_s": round(start - t0, 2),
+        "startup_phases_s": summary.get("startup_s", {}),
         "train_loop_s": loop,
         "per_step_s": round(loop / len(steps), 4) if loop is not None and steps else None,
         "loop_start_unix": start,

@@ -157,3 +157,11 @@ def agent_metrics(batch: SequenceBatch) -> dict[str, float]:
         "agent/trajectory_length/mean": float(st["trajectory_length"].mean()),
         "agent/env_latency_s/mean": float(st["env_latency_s"].mean()),
     }
+def token_versions(groups: Sequence[common_pb2.TrajectoryGroup]) -> list[tuple[int, list[int]]]:
+    """(prompt length, policy version of each response token) per batch row of `groups_to_batch`
+    (a response without per-token versions counts at its group's min_policy_version)."""
+    return [
+        (len(g.prompt_token_ids), list(r.versions) if len(r.versions) else [g.min_policy_version] * len(r.token_ids))
+        for g in groups
+        for r in g.responses
+    ]

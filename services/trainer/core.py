@@ -32,6 +32,7 @@ Operator requests (checkpoint, stop) arrive as FetchBatch flags or through `requ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -51,7 +52,8 @@ from services.weights import WeightPublisher
 
 from . import checkpoints
 from .algos.dapo import dynamic_sampling_values
-from .convert import agent_metrics, check_batch, groups_to_batch, sequence_tensors
+from .algos.mismatch import VERSION_MASK_KEY, finish_loss_sums, split_metrics, version_mask
+from .convert import agent_metrics, check_batch, groups_to_batch, sequence_tensors, token_versions
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
 from .publisher import RankZeroPublisher
@@ -309,10 +311,12 @@ class TrainerLoop:
         batch = groups_to_batch(got.groups, self.s.pad_token_id)
         check_batch(batch, self.s.vocab_size)
         timing: dict[str, float] = {}
+        at_version = version_mask(token_versions(got.groups), (batch.num_seqs, int(batch.input_ids.shape[1])), self.weights_version)
         batch.tensors["advantages"] = self.algorithm.compute_advantages(batch).float() * batch.response_mask
         t = self.clock()
         if self.s.bypass_mode:
             batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"]
+            batch.tensors[VERSION_MASK_KEY] = at_version  # the loss splits the mismatch (first mini-batch)
         else:
             # at the first step of a window the current parameters are the proximal ones
             old, _ = await self.group.compute_logprobs(
@@ -320,6 +324,7 @@ class TrainerLoop:
             )
             batch.tensors["old_logprobs"] = old
             timing["timing_s/old_logprob"] = self.clock() - t
+            timing.update(split_metrics(old, batch.tensors["rollout_logprobs"], batch.response_mask, at_version))
         correction: dict[str, float] = {}
         if not self.s.bypass_mode and self.algorithm.correct is not None:
             correction = self.algorithm.correct(batch)
@@ -494,8 +499,11 @@ class TrainerLoop:
             for part in range(k):
                 chosen = set(order[part * n_groups // k : (part + 1) * n_groups // k])
                 idx = [i for i in range(batch.num_seqs) if int(gi[i]) in chosen]
-                results.append(await self.group.train(batch.select(idx), self.algorithm.loss_fn, temperature=self.s.temperature))
-        return results
+                mini = batch.select(idx)
+                if results:  # after an optimizer step no token is at the trainer's weights
+                    mini.tensors.pop(VERSION_MASK_KEY, None)
+                results.append(await self.group.train(mini, self.algorithm.loss_fn, temperature=self.s.temperature))
+        return [dataclasses.replace(r, metrics=finish_loss_sums(r.metrics)) for r in results]
 
     # ---- weights and checkpoints -------------------------------------------------------------
 
@@ -648,3 +656,4 @@ class TrainerLoop:
         log.info("train_step", step=self.step, policy_version=self.weights_version,
                  grad_norm=round(m["actor/grad_norm"], 4), reward=round(m["critic/rewards/mean"], 4),
                  idle_ratio=round(m["perf/idle_ratio"], 3))
+

@@ -251,7 +251,8 @@ def _publisher(
     if ts.publisher != "param_server":
         return build_publisher(ts.publisher, retain_versions=cfg.param_server.retain_versions)
     if cfg.actor_rollout_ref.rollout.checkpoint_engine.backend in COLLECTIVE_BACKENDS:
-        return RankZeroPublisher(functools.partial(collective_sender, cfg, str(run_dir)))
+        every_rank = functools.partial(collective_sender, cfg, str(run_dir)) if cfg.param_server.collective_sharded else None
+        return RankZeroPublisher(functools.partial(collective_sender, cfg, str(run_dir)), every_rank)
     from services.weights.transports import make_publisher
 
     async def announce(ref: Any) -> bool:
@@ -260,9 +261,10 @@ def _publisher(
     return make_publisher(cfg, run_dir=run_dir, announce=announce)
 
 
-def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
-    """Rank 0's collective publisher, announcing each version through a coordinator client of its
-    own. Called on rank 0's publishing event loop (RankZeroPublisher)."""
+def collective_sender(cfg: MeshConfig, run_dir: str, rank: int | None = None) -> WeightPublisher:
+    """Rank 0's collective publisher (or, with `rank`, that rank's sender of its own shards),
+    announcing each version through a coordinator client of its own. Called on the rank's
+    publishing event loop (RankZeroPublisher)."""
     from services.common.auth import TRAINER
     from services.common.security import use_role
     from services.weights.transports import make_publisher
@@ -274,7 +276,7 @@ def collective_sender(cfg: MeshConfig, run_dir: str) -> WeightPublisher:
     async def announce(ref: Any) -> bool:
         return not (await client.commit_version(ts.trainer_id, ref)).stopping
 
-    return make_publisher(cfg, run_dir=run_dir, announce=announce)
+    return make_publisher(cfg, run_dir=run_dir, announce=announce, sender_rank=rank)
 
 
 async def build_trainer(
@@ -309,7 +311,7 @@ async def build_trainer(
     )
     if isinstance(pub, RankZeroPublisher):
         try:
-            await group.start_sender(pub.make)
+            await group.start_sender(pub.make, pub.every_rank)
         except BaseException:
             await group.close()
             raise

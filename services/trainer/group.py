@@ -52,13 +52,16 @@ class TrainGroup(Protocol):
         after it returns, so training may go on while the buckets are consumed."""
         ...
 
-    async def start_sender(self, make: Callable[[], WeightPublisher]) -> None:
-        """Build the publisher `make` returns where rank 0 runs (see RankZeroPublisher)."""
+    async def start_sender(
+        self, make: Callable[[], WeightPublisher], every_rank: Callable[[int], WeightPublisher] | None = None
+    ) -> None:
+        """Build the publisher `make` returns where rank 0 runs, or `every_rank(r)` on every rank r
+        (see RankZeroPublisher)."""
         ...
 
     def publish_weights(self, version: int, bucket_bytes: int) -> Awaitable[common_pb2.WeightsRef]:
-        """Publish the weights as they are at this call through rank 0's sender (ordered as
-        export_weights is); the awaitable gives the publisher's ref."""
+        """Publish the weights as they are at this call through rank 0's sender, or every rank's
+        (ordered as export_weights is); the awaitable gives rank 0's ref once every sender is done."""
         ...
 
     async def save_checkpoint(self, path: Path) -> None: ...
@@ -136,8 +139,11 @@ class LocalTrainGroup:
 
         return buckets()
 
-    async def start_sender(self, make: Callable[[], WeightPublisher]) -> None:
-        self._sender = make()
+    async def start_sender(
+        self, make: Callable[[], WeightPublisher], every_rank: Callable[[int], WeightPublisher] | None = None
+    ) -> None:
+        # one rank owns every row: its shard export is the whole export, sent in rank 0's group
+        self._sender = every_rank(0) if every_rank is not None else make()
 
     def publish_weights(self, version: int, bucket_bytes: int) -> Awaitable[common_pb2.WeightsRef]:
         assert self._sender is not None, "start_sender was not called"

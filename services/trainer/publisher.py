@@ -26,6 +26,9 @@ class RankZeroPublisher:
     loop then publishes with TrainGroup.publish_weights."""
 
     make: Callable[[], WeightPublisher]
+    every_rank: Callable[[int], WeightPublisher] | None = None
+    """Set (`param_server.collective_sharded`): every rank r builds `every_rank(r)` instead and
+    sends the rows it owns (TrainEngine.export_shards); the receivers rebuild whole tensors."""
 
 
 _PUBLISHERS: dict[str, str] = {"in_process": "services.weights.in_process:InProcessPublisher"}

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import os
 import socket
 import threading
@@ -115,6 +116,7 @@ class TrainWorker:
         self.engine: TrainEngine | None = None
         self.spec: EngineSpec | None = None
         self.sender: RankSender | None = None
+        self.own_shards = False
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port (asked of rank 0 for MASTER_ADDR/PORT)."""
@@ -161,15 +163,19 @@ class TrainWorker:
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         yield from self._engine().export_weights(bucket_bytes)
 
-    def start_sender(self, make: Callable[[], WeightPublisher]) -> None:
-        """Rank 0: become the weight sender (`make` builds the publisher, e.g. the collective one)."""
-        assert self.rank == 0, "only rank 0 sends weights"
+    def start_sender(self, make: Callable[[], WeightPublisher], own_shards: bool = False) -> None:
+        """Become a weight sender (`make` builds the publisher, e.g. the collective one): rank 0
+        of the whole weights, or with `own_shards` any rank of the rows it owns."""
+        assert own_shards or self.rank == 0, "only rank 0 sends the whole weights"
         self.sender = RankSender(make)
+        self.own_shards = own_shards
 
     def publish_weights(self, version: int, bucket_bytes: int) -> None:
-        """Every rank exports (the all-gathers); rank 0 hands the buckets to its sender. Returns
-        once the export is done: the broadcast goes on while later calls run."""
-        buckets = self._engine().export_weights(bucket_bytes)
+        """Every rank exports (the all-gathers); rank 0 hands the buckets to its sender (with
+        `own_shards`, every rank exports and sends its own rows, no all-gather). Returns once the
+        export is done: the broadcast goes on while later calls run."""
+        engine = self._engine()
+        buckets = engine.export_shards(bucket_bytes) if self.own_shards else engine.export_weights(bucket_bytes)
         if self.sender is None:  # the all-gathers only: run the export to its end, keep nothing
             collections.deque(buckets, maxlen=0)
             return
@@ -177,7 +183,7 @@ class TrainWorker:
 
     @ray.method(concurrency_group=WEIGHTS_GROUP)
     def published(self, version: int) -> bytes:
-        """Rank 0: blocks until version's publish finished; its WeightsRef, serialized."""
+        """A sender: blocks until version's publish finished; its WeightsRef, serialized."""
         assert self.sender is not None, "start_sender was not called"
         return self.sender.result(version).SerializeToString()
 
@@ -212,6 +218,7 @@ class RayTrainGroup:
         self.pg = pg
         self.layout = layout
         self._step = step
+        self._senders: list[Any] = workers[:1]
         self.dp_size = layout[0]["dp_size"]
         self.sp_size = len(workers) // self.dp_size
 
@@ -315,17 +322,26 @@ class RayTrainGroup:
                 if not task.done():
                     task.cancel()
 
-    async def start_sender(self, make: Callable[[], WeightPublisher]) -> None:
-        await self.workers[0].start_sender.remote(make)
+    async def start_sender(
+        self, make: Callable[[], WeightPublisher], every_rank: Callable[[int], WeightPublisher] | None = None
+    ) -> None:
+        if every_rank is None:
+            await self.workers[0].start_sender.remote(make)
+            self._senders = self.workers[:1]
+            return
+        await asyncio.gather(*[w.start_sender.remote(functools.partial(every_rank, r), True)
+                               for r, w in enumerate(self.workers)])
+        self._senders = list(self.workers)
 
     def publish_weights(self, version: int, bucket_bytes: int) -> Awaitable[common_pb2.WeightsRef]:
         # Submitted now, as export_weights: the export is ordered before any later call.
         exports = [w.publish_weights.remote(version, bucket_bytes) for w in self.workers]
-        result = self.workers[0].published.remote(version)
+        results = [w.published.remote(version) for w in self._senders]
 
         async def published() -> common_pb2.WeightsRef:
             await asyncio.gather(*exports)
-            return common_pb2.WeightsRef.FromString(await result)
+            refs = await asyncio.gather(*results)  # a version is out once every sender is done
+            return common_pb2.WeightsRef.FromString(refs[0])
 
         return published()
 
@@ -341,7 +357,7 @@ class RayTrainGroup:
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):  # best effort: the actors are killed next anyway
-            await asyncio.wait_for(self.workers[0].stop_sender.remote(), timeout=30.0)
+            await asyncio.wait_for(asyncio.gather(*[w.stop_sender.remote() for w in self._senders]), timeout=30.0)
         for w in self.workers:
             ray.kill(w)
         remove_placement_group(self.pg)

@@ -30,3 +30,16 @@ def test_run_benchmark_reports_a_failing_transport_without_losing_the_others() -
 
     if not torch.cuda.is_available():
         assert "error" in r["transports"]["nccl"]
+
+
+def test_bench_weights_sharded_runs_every_case_on_gloo(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The 4-process bench of rank-0 vs every-rank sync (meshrl/bench/weights_sharded.py), on CPU:
+    the same code the GPU machine runs with nccl, so a broken case shows here first."""
+    out = tmp_path / "sharded.json"
+    assert main(["bench", "weights-sharded", "--backend", "gloo", "--size-gb", str(8 / 1024), "--bucket-mb", "4",
+                 "--rounds", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["senders"] == 2 and r["receivers"] == 2 and r["bytes"] == 8 << 20
+    for case in ("raw_rank0", "raw_sharded", "rank0", "sharded", "gather"):
+        assert r["cases"][case]["best_GBps"] > 0, case
+    assert set(r["ratios"]) >= {"sharded_vs_rank0_speedup_median", "sharded_of_raw_best"}

@@ -120,7 +120,10 @@ def run_scenario(engine: TrainEngine, batch: SequenceBatch, steps: int = 1) -> d
         r = engine.train_step(micro_batches_for(engine.spec.actor, mine), nll_loss)  # type: ignore[attr-defined]
         results.append({"grad_norm": r.grad_norm, "lr": r.lr, "num_tokens": r.num_tokens})
     w1 = full_weights(engine)
+    own = [(n, t.cpu()) for b in engine.export_shards(1 << 20) for n, t in b]
     return {
+        "shards": own,
+        "final": w1,
         "index": shards[engine.dp_rank],
         "logprobs": before.logprobs,
         "entropy": before.entropy,

@@ -184,7 +184,7 @@ def test_decoupled_precomputed_rejection_leaves_the_normalizers() -> None:
     assert batch.tensors[IS_WEIGHTS_KEY].tolist() == [pytest.approx([0, 0, 0]), pytest.approx([0, 0.5, 2.0])]
     assert metrics["rollout_corr/rs_masked_fraction"] == pytest.approx(0.5)
     tokens, seqs = loss_scale_counts(batch)
-    assert (tokens, seqs) == (2, 1)
+    assert (tokens, seqs) == (2, 2)  # every sequence of the mini-batch counts (verl, the engines)
     loss, _ = build_loss_fn(ActorConfig(), algo)(ForwardOutput(logp, None), batch, LossScale(tokens, seqs, 1))
     assert loss.item() == pytest.approx((1.0 + 4.0) / 2, abs=1e-6)
     with pytest.raises(InvalidArgument, match="already applied"):

@@ -189,14 +189,35 @@ def test_composed_loss_seq_mean_token_sum_norm_and_dp_factor() -> None:
     assert m["actor/pg_loss"] == pytest.approx(seq_sums / 2 / 8, abs=1e-6)  # own normalizers, no dp factor
 
 
-def test_composed_loss_gspo_uses_seq_mean_token_mean() -> None:
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_composed_loss_gspo_follows_loss_agg_mode(mode: str) -> None:
+    """verl 0.9.1: compute_policy_loss_gspo aggregates with the actor's loss_agg_mode."""
     batch, logp, _ = loss_batch()
-    actor = ActorConfig(policy_loss=PolicyLossConfig(loss_mode="gspo"), loss_agg_mode="token-mean")
-    loss, _ = build_loss_fn(actor, AlgorithmConfig())(ForwardOutput(logp, None), batch, LossScale(4, 2, 1))
-    s0 = math.sqrt(1.1 * 1.5)  # 1.2845 > 1.2: clipped for A=+1 -> -1.2
-    s1 = math.sqrt(0.5 * 5.0)  # 1.5811, A=-1: max(1.5811, 1.2) = 1.5811 (no dual clip)
+    actor = ActorConfig(policy_loss=PolicyLossConfig(loss_mode="gspo"), loss_agg_mode=mode)  # type: ignore[arg-type]
+    loss, m = build_loss_fn(actor, AlgorithmConfig())(ForwardOutput(logp, None), batch, LossScale(4, 2, 1))
+    s0 = math.sqrt(1.1 * 1.5)  # 1.2845 > 1.2: clipped for A=+1 -> -1.2 on each token of seq 0
+    s1 = math.sqrt(0.5 * 5.0)  # 1.5811, A=-1: max(1.5811, 1.2) = 1.5811 (no dual clip) on seq 1
     assert s0 > 1.2
-    assert loss.item() == pytest.approx((-1.2 + s1) / 2, abs=1e-6)
+    mat = torch.tensor([[0.0, -1.2, -1.2], [0.0, s1, s1]])
+    assert loss.item() == pytest.approx(agg_loss(mat, batch.response_mask, mode, LossScale(4, 2, 1)).item(), abs=1e-6)
+    assert m["actor/pg_loss"] == pytest.approx(loss.item(), abs=1e-6)
+    expected = {"token-mean": (-2.4 + 2 * s1) / 4, "seq-mean-token-mean": (-1.2 + s1) / 2, "seq-mean-token-sum": (-2.4 + 2 * s1) / 2}
+    assert loss.item() == pytest.approx(expected[mode], abs=1e-6)
+
+
+def test_gspo_token_mean_and_seq_mean_differ_on_ragged_sequences() -> None:
+    """On sequences of unequal length the two modes weigh tokens differently: the switch acts."""
+    mask = mask_rows([[1, 1, 1], [1, 0, 0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    batch = make_batch(mask, advantages=adv, old_logprobs=torch.zeros(2, 3))
+    logp = torch.zeros(2, 3)
+    out = {}
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        actor = ActorConfig(policy_loss=PolicyLossConfig(loss_mode="gspo"), loss_agg_mode=mode)  # type: ignore[arg-type]
+        loss, _ = build_loss_fn(actor, AlgorithmConfig())(ForwardOutput(logp, None), batch, LossScale(4, 2, 1))
+        out[mode] = loss.item()
+    assert out["token-mean"] == pytest.approx((-3 + 1) / 4)  # ratio 1: l = -A per token
+    assert out["seq-mean-token-mean"] == pytest.approx((-1 + 1) / 2)
 
 
 def test_loss_fn_errors_name_the_problem() -> None:

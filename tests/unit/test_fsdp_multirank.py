@@ -97,6 +97,26 @@ def test_non_zero_ranks_export_nothing(two_ranks: list[dict[str, Any]]) -> None:
     assert two_ranks[1]["dp2_packed"]["delta"] == {}
 
 
+@pytest.mark.parametrize("name", ["dp2_packed", "sp2_padded"])
+def test_each_rank_exports_its_own_rows_and_they_rebuild_the_weights(name: str, two_ranks: list[dict[str, Any]]) -> None:
+    """param_server.collective_sharded: every rank sends only what it owns (no all-gather); the
+    receivers' assembler rebuilds exactly what rank 0's full export gives."""
+    from services.weights.shards import ShardAssembler, parse_shard
+
+    want = two_ranks[0][name]["final"]
+    shards = [two_ranks[r][name]["shards"] for r in (0, 1)]
+    assert shards[0] and shards[1]
+    for own in shards:  # each rank sends about half of the bytes
+        sent = sum(t.numel() * t.element_size() for _, t in own)
+        assert sent < 0.75 * sum(t.numel() * t.element_size() for t in want.values())
+        assert all(parse_shard(n) is not None for n, _ in own)  # every parameter of >= 2 rows is split
+    asm = ShardAssembler("cpu")
+    got = dict(x for own in shards for n, t in own for x in asm.add(n, t))
+    assert asm.finish() == sorted(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
 def test_scenarios_do_split_the_work(two_ranks: list[dict[str, Any]], tmp_path: Path) -> None:
     dp = two_ranks[0]["dp2_packed"]["index"], two_ranks[1]["dp2_packed"]["index"]
     assert sorted(dp[0] + dp[1]) == [0, 1, 2, 3] and dp[0] and dp[1]

@@ -73,6 +73,9 @@ def test_trains_publishes_every_trigger_steps_and_checkpoints_at_the_end(tmp_pat
     # bypass mode: old = rollout logprobs; advantages are zero outside responses
     t = loss.seen[0]
     assert torch.equal(t["old_logprobs"], t["rollout_logprobs"])
+    # the tokens at the trainer's version (all at 0 in step 1; none in step 3, at version 1) go to the loss
+    assert torch.equal(loss.seen[0]["at_trainer_version"], t["rollout_logprobs"].ne(0).float())
+    assert loss.seen[-1]["at_trainer_version"].sum() == 0
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "perf/throughput_tokens_per_s", "perf/idle_ratio",
@@ -292,6 +295,11 @@ def test_decoupled_mode_uses_window_start_parameters_and_reference(tmp_path: Pat
     assert not torch.allclose(current, second["old_logprobs"], atol=1e-4)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "rollout_corr/mismatch_kl_k3" in lines[0] and "timing_s/old_logprob" in lines[0]
+    # every token of step 1 was generated at version 0, the trainer's: all of it is engine mismatch
+    assert lines[0]["rollout_corr/engine_token_fraction"] == 1.0
+    assert lines[0]["rollout_corr/engine_mismatch_k3_kl"] == pytest.approx(lines[0]["rollout_corr/mismatch_kl_k3"], rel=1e-5)
+    assert "rollout_corr/offpolicy_kl" not in lines[0]
+    assert all("at_trainer_version" not in t for t in loss.seen)  # decoupled: measured in the loop, not the loss
 
 
 def _batch_of(loop: TrainerLoop, seen: dict[str, torch.Tensor]) -> SequenceBatch:

@@ -175,7 +175,8 @@ class PolicyLossConfig(ConfigModel):
     """verl `actor.policy_loss`."""
 
     loss_mode: Literal["vanilla", "gspo"] = "vanilla"
-    """`vanilla` = PPO clip (with dual clip); `gspo` = sequence-level ratio."""
+    """`vanilla` = PPO clip (with dual clip); `gspo` = sequence-level ratio, aggregated with
+    `loss_agg_mode` as in verl 0.9.1 (`seq-mean-token-mean` gives the paper's objective)."""
 
 
 class CheckpointContentsConfig(ConfigModel):

@@ -62,6 +62,10 @@ class ParamServerConfig(ConfigModel):
     """Ranks that receive the broadcast; null: rollout.nnodes * rollout.n_gpus_per_node."""
     collective_master_address: str | None = None
     """Address the trainer's rank 0 listens on for the broadcast group; null: this host's IP."""
+    collective_sharded: bool = False
+    """nccl/hccl/gloo: every trainer rank broadcasts the rows it owns (its FSDP shard) in a group of
+    its own and the rollout ranks rebuild whole tensors, instead of rank 0 gathering and sending
+    every byte (services/weights/transports/collective/sharded.py); fsdp engine only."""
 
     @model_validator(mode="after")
     def _check(self) -> ParamServerConfig:

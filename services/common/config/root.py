@@ -101,6 +101,22 @@ class MeshConfig(ConfigModel):
                 f"{arr.actor.strategy} engine (it would train the full weights); use "
                 "actor_rollout_ref.actor.strategy=fsdp2 for LoRA, or set actor_rollout_ref.model.lora_rank=0"
             )
+        if self.param_server.collective_sharded:
+            if arr.rollout.checkpoint_engine.backend not in ("nccl", "hccl", "gloo"):
+                raise ValueError(
+                    "param_server.collective_sharded needs a collective transport; set "
+                    "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or hccl, gloo)"
+                )
+            if arr.actor.strategy not in ("fsdp", "fsdp2"):
+                raise ValueError(
+                    f"param_server.collective_sharded sends FSDP shards; actor_rollout_ref.actor.strategy={arr.actor.strategy} "
+                    "cannot send its own part yet: set param_server.collective_sharded=false"
+                )
+            if arr.model.lora_rank > 0:
+                raise ValueError(
+                    "param_server.collective_sharded sends full-weight FSDP shards; a LoRA run's versions are the "
+                    "adapter alone (small): set param_server.collective_sharded=false with actor_rollout_ref.model.lora_rank>0"
+                )
         if self.reward_model.overlong_buffer.enable:
             ob = self.reward_model.overlong_buffer
             if ob.len <= 0 or ob.len > self.data.max_response_length:

@@ -69,6 +69,9 @@ class ServeConfig(ConfigModel):
     """Ray cluster address; null: start a local Ray."""
     num_cpus: int | None = None
     """CPUs given to a local Ray; null: all."""
+    parallel_deploy: bool = True
+    """`meshrl train` deploys in two waves, each at once (coordinator, param server and reward;
+    then rollout and trainer); false: one application after the other (the start-up baseline)."""
     coordinator: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
     """The coordinator (always one replica)."""
     rollout: AppDeployConfig = AppDeployConfig()

@@ -98,10 +98,12 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def loss_scale_counts(batch: SequenceBatch) -> tuple[int, int]:
-    """(response tokens, sequences with at least one response token) of a batch: what the trainer
-    sums over all micro-batches of all ranks to build a `LossScale` for one optimizer step."""
-    mask = batch.response_mask
-    return int(mask.sum().item()), int((mask.sum(dim=-1) > 0).sum().item())
+    """(response tokens, sequences) of a batch: what the trainer sums over all micro-batches of all
+    ranks to build a `LossScale` for one optimizer step. Every sequence counts, also one whose
+    response is fully masked (rejected by rollout correction, or a prompt with no reply): verl
+    divides the seq-mean modes by `ppo_mini_batch_size * rollout.n`, and meshrl's engines sum
+    `SequenceBatch.num_seqs`; this helper is the same rule for callers outside an engine."""
+    return int(batch.response_mask.sum().item()), batch.num_seqs
 
 
 def agg_loss(

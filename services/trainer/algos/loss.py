@@ -6,7 +6,7 @@ entropy bonus, plus the KL-to-reference loss (verl `dp_actor.update_policy`).
 Every term is aggregated with `actor.loss_agg_mode` and the step's `LossScale`, following the
 micro-batch convention of `agg.py` (sum over micro-batches and ranks / dp_size = mini-batch loss;
 each micro-batch loss is multiplied by dp_size because DDP/FSDP average gradients). GSPO's pg term
-always uses `seq-mean-token-mean` (verl).
+follows `loss_agg_mode` too (verl 0.9.1; set `seq-mean-token-mean` for the paper's objective).
 
 Masks: the pg term uses the response mask minus tokens rejected by `rollout_rs`; the entropy and KL
 terms use `batch.response_mask` (in decoupled mode that mask already lost the rejected tokens when
@@ -16,8 +16,10 @@ verl, only the pg term drops the rejected tokens).
 Metrics are the micro-batch's own values (its own normalizers, not multiplied by dp_size), so their
 mean over micro-batches and ranks, which the engine reports, estimates the mini-batch value:
 `actor/pg_loss`, `actor/pg_clipfrac`, `actor/pg_clipfrac_lower`, `actor/ppo_kl`, `actor/entropy`
-(when the engine returned entropy), `actor/kl_loss` and `actor/kl_coef` (with `use_kl_loss`), and
-`rollout_corr/*` (see correction.py).
+(when the engine returned entropy), `actor/kl_loss` and `actor/kl_coef` (with `use_kl_loss`),
+`rollout_corr/*` (see correction.py), and in bypass mode, when the batch carries
+`at_trainer_version`, the token sums that `mismatch.finish_loss_sums` turns into the engine
+mismatch and the off-policy KL (see mismatch.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from services.trainer.engines.base import ForwardOutput, LossFn, LossScale, Sequ
 from .agg import agg_loss, metrics_to_floats
 from .correction import IS_WEIGHTS_KEY, compute_rollout_correction, diagnose_mismatch
 from .kl import kl_penalty
+from .mismatch import VERSION_MASK_KEY, loss_sums
 from .policy_loss import gspo_loss, ppo_clip_loss, reinforce_loss
 
 
@@ -60,7 +63,6 @@ def build_loss_fn(actor: ActorConfig, algo: AlgorithmConfig) -> LossFn:
     clip_c = actor.clip_ratio_c
     mode = actor.loss_agg_mode
     loss_mode = actor.policy_loss.loss_mode
-    pg_mode = "seq-mean-token-mean" if loss_mode == "gspo" else mode
     factor = actor.loss_scale_factor
     if "seq-mean-token-sum-norm" == mode and factor is None:
         raise InvalidArgument(
@@ -101,6 +103,8 @@ def build_loss_fn(actor: ActorConfig, algo: AlgorithmConfig) -> LossFn:
             metrics.update(corr.metrics)
             if reinforce:
                 is_weights = corr.weights
+            if VERSION_MASK_KEY in batch.tensors:  # engine vs off-policy mismatch (algos/mismatch.py)
+                metrics.update(loss_sums(logp, old, mask, _tensor(batch, VERSION_MASK_KEY, "")))
         elif IS_WEIGHTS_KEY in batch.tensors:
             is_weights = _tensor(batch, IS_WEIGHTS_KEY, "written by apply_rollout_correction")
             if "rollout_logprobs" in batch.tensors:
@@ -127,8 +131,8 @@ def build_loss_fn(actor: ActorConfig, algo: AlgorithmConfig) -> LossFn:
         else:
             pg_mat, pg_metrics = ppo_clip_loss(old, logp, adv, pg_mask, clip_low, clip_high, clip_c, is_weights)
         metrics.update(pg_metrics)
-        loss = agg_loss(pg_mat, pg_mask, pg_mode, scale, factor)
-        metrics["actor/pg_loss"] = agg_loss(pg_mat.detach(), pg_mask, pg_mode, None, factor)
+        loss = agg_loss(pg_mat, pg_mask, mode, scale, factor)
+        metrics["actor/pg_loss"] = agg_loss(pg_mat.detach(), pg_mask, mode, None, factor)
 
         if out.entropy is not None:
             entropy = out.entropy.float()

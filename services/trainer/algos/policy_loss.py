@@ -11,8 +11,10 @@ one set of normalizers serves every term) and metrics (verl names, micro-batch v
   arXiv 1912.09729, c = `clip_ratio_c` > 1). eps_high > eps_low is DAPO's clip-higher.
 - `gspo_loss` (arXiv 2507.18071): sequence ratio s = exp(mean_t (log pi - log pi_old)); each token
   carries s with the gradient of its own log pi: log s_t = sg(log s) + log pi - sg(log pi), clamped
-  to <= 10; l = max(-A s_t, -A clip(s_t, 1 - eps_low, 1 + eps_high)); no dual clip. verl always
-  aggregates GSPO with `seq-mean-token-mean`, whatever `loss_agg_mode` says; so does meshrl.
+  to <= 10; l = max(-A s_t, -A clip(s_t, 1 - eps_low, 1 + eps_high)); no dual clip. Aggregated
+  with `actor.loss_agg_mode` like every other term, as verl 0.9.1 does (its GSPO loss passes
+  `loss_agg_mode` to `agg_loss`; verl 0.8/0.9.0 forced `seq-mean-token-mean`). The paper's
+  sequence-level objective is `loss_agg_mode=seq-mean-token-mean`; verl's default is token-mean.
 - `reinforce_loss` (verl `compute_policy_loss_reinforce`, bypass mode): l = -A w log pi, w the
   detached IS weight (1 when IS is off).
 """

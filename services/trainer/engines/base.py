@@ -210,6 +210,14 @@ class TrainEngine(ABC):
         """Full (unsharded) weights by Hugging Face name, in buckets of at most bucket_bytes
         (a larger tensor travels alone). Every rank must iterate; only rank 0 yields data."""
 
+    def export_shards(self, bucket_bytes: int) -> Iterator[Bucket]:
+        """This rank's own part of the weights (every rank yields; wire names and reassembly:
+        services/weights/shards.py), for `param_server.collective_sharded`. Engines that cannot
+        say what they own keep this default."""
+        raise ConfigError(
+            f"the {type(self).__name__} engine cannot send its own shards; set param_server.collective_sharded=false"
+        )
+
     @abstractmethod
     def save_checkpoint(self, path: Path) -> None:
         """Model, optimizer, scheduler, RNG and step, enough to continue bit-for-bit."""

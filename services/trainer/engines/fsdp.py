@@ -48,6 +48,7 @@ from . import attention, fsdp_lora, hf_model, ulysses
 from .base import EngineSpec, ForwardOutput, LossFn, LossScale, SequenceBatch, StepResult, TrainEngine, register_engine
 from .batching import dummy_batch, micro_batch_indices, pack, token_budget, trim, unpack_next_token
 from .dist import all_gather_objects, all_reduce_cpu, build_meshes, init_process_group
+from .fsdp_shards import local_shards
 from .fsdp_state import load_state, save_hf_weights, save_state
 from .optim import build_optimizer
 
@@ -458,6 +459,15 @@ class FSDPEngine(TrainEngine):
 
         try:
             yield from group_by_bytes(gathered(), bucket_bytes)
+        finally:
+            if self._param_offload:
+                self._move(self.model, "cpu")
+
+    def export_shards(self, bucket_bytes: int) -> Iterator[Bucket]:
+        """This rank's own rows of every parameter, copied on its device (fsdp_shards.py)."""
+        self._load_actor(with_optimizer=False)
+        try:
+            yield from group_by_bytes(local_shards(self.model, self.rank), bucket_bytes)
         finally:
             if self._param_offload:
                 self._move(self.model, "cpu")

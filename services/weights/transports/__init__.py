@@ -25,6 +25,7 @@ from services.common.errors import ConfigError
 from services.common.net import local_ip
 
 from ..protocols import WeightFetcher, WeightPublisher
+from ..shards import sender_group
 
 BACKENDS = ("grpc", "object_store", "nccl", "hccl", "disk", "gloo")
 _MODULES = {
@@ -65,9 +66,11 @@ def make_publisher(
     run_dir: str | os.PathLike[str] | None = None,
     announce: Callable[[common_pb2.WeightsRef], Awaitable[bool | None]] | None = None,
     directory: Any = None,
+    sender_rank: int | None = None,
 ) -> WeightPublisher:
     """The trainer's publisher for a consumer group. `address`: the param server's data plane
-    (default: where `param_server.*` says it is).
+    (default: where `param_server.*` says it is). `sender_rank` (with
+    `param_server.collective_sharded`): the trainer rank whose own shards this publisher sends.
     `announce` (collective backends): called with the version's ref before the broadcast starts,
     so receivers learn of it (e.g. the trainer's CommitVersion; False: none will come, skip it); `directory` (object_store): where
     refs are registered (default: the Serve app's deployment handle)."""
@@ -86,10 +89,12 @@ def make_publisher(
         return mod.ObjectStorePublisher(directory, address=address, timeout_s=ps.transfer_timeout_s)  # type: ignore[no-any-return]
     if name == "disk":
         return mod.DiskPublisher(mod.disk_dir(ps, run_dir), address=address, timeout_s=ps.transfer_timeout_s)  # type: ignore[no-any-return]
+    sharded = ps.collective_sharded and sender_rank is not None
     return mod.CollectivePublisher(  # type: ignore[no-any-return]
-        name, address, receivers=collective_receivers(cfg), group=ps.collective_group,
+        name, address, receivers=collective_receivers(cfg),
+        group=sender_group(ps.collective_group, sender_rank) if sender_rank is not None and sharded else ps.collective_group,
         master_address=ps.collective_master_address or local_ip(), timeout_s=ps.transfer_timeout_s,
-        max_attempts=ps.max_fetch_attempts, announce=announce,
+        max_attempts=ps.max_fetch_attempts, announce=announce, register=not sharded,
     )
 
 
@@ -125,6 +130,11 @@ def make_fetcher(
         return mod.DiskFetcher(  # type: ignore[no-any-return]
             mod.disk_dir(ps, run_dir), consumer_id=consumer_id, timeout_s=ps.transfer_timeout_s,
             max_attempts=ps.max_fetch_attempts,
+        )
+    if ps.collective_sharded:
+        return mod.ShardedFetcher(  # type: ignore[no-any-return]
+            name, address, consumer_id=consumer_id, senders=cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node,
+            group=ps.collective_group, timeout_s=ps.transfer_timeout_s,
         )
     return mod.CollectiveFetcher(  # type: ignore[no-any-return]
         name, address, consumer_id=consumer_id, group=ps.collective_group, timeout_s=ps.transfer_timeout_s,

@@ -64,12 +64,14 @@ returns when the broadcast is done, and the next publish and `close` wait for th
 
 Modules: device.py (streams, pinned host buffers, events of one device kind), group.py (the
 private process group, the CTRL word layout, rendezvous membership), sender.py (the publisher and
-its per-version send session), receiver.py (the fetcher).
+its per-version send session), receiver.py (the fetcher), sharded.py (every trainer rank sends
+its own rows in a group of its own; the receiver joins them all and rebuilds whole tensors).
 """
 
 from .device import device_kind
 from .group import WIRE_BUCKET_BYTES
 from .receiver import CollectiveFetcher
 from .sender import CollectivePublisher
+from .sharded import ShardedFetcher
 
-__all__ = ["WIRE_BUCKET_BYTES", "CollectiveFetcher", "CollectivePublisher", "device_kind"]
+__all__ = ["WIRE_BUCKET_BYTES", "CollectiveFetcher", "CollectivePublisher", "ShardedFetcher", "device_kind"]

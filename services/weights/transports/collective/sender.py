@@ -120,6 +120,7 @@ class CollectivePublisher(GroupMember):
         member_id: str = "",
         corrupt_hook: Callable[[int, torch.Tensor], None] | None = None,
         wire_bucket_bytes: int = WIRE_BUCKET_BYTES,
+        register: bool = True,
     ) -> None:
         super().__init__(backend, address, group=group, timeout_s=timeout_s,
                          member_id=member_id or f"sender-{uuid.uuid4().hex[:8]}", slots=SEND_SLOTS)
@@ -135,6 +136,7 @@ class CollectivePublisher(GroupMember):
         self.resent_buckets = 0
         self._corrupt_hook = corrupt_hook  # tests: damage a packed slot after its fingerprint is taken
         self.wire_bucket_bytes = wire_bucket_bytes
+        self.register = register  # False: one of several senders of a version (sharded.py), none holds the manifest
 
     @property
     def transport(self) -> str:
@@ -202,7 +204,8 @@ class CollectivePublisher(GroupMember):
         self._steady = True
         if self.dev.accelerator:  # every broadcast is done: the trainer's next steps may use the
             self.slots.release()  # slots' memory (the caching allocator hands it back at the next publish)
-        self._registering = asyncio.create_task(self.client.register(manifest, timeout_s=max(self.timeout_s, 1.0)))
+        if self.register:
+            self._registering = asyncio.create_task(self.client.register(manifest, timeout_s=max(self.timeout_s, 1.0)))
         log.info("weights_published", transport=self.backend, policy_version=version, total_bytes=manifest.total_bytes,
                  buckets=len(manifest.buckets), resent=self.resent_buckets)
         if self.announce is not None:

@@ -1,0 +1,164 @@
+"""Processes for the sharded collective-sync tests (spawned: importable, no pytest): S trainer
+ranks each broadcast the rows they own, R rollout ranks rebuild whole tensors."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def full_weights(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return {
+        "model.embed_tokens.weight": torch.randn(301, 7, generator=g).bfloat16(),  # uneven rows
+        "model.layers.0.mlp.down_proj.weight": torch.randn(1000, 100, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.randn(13, generator=g),  # 1-D
+        "model.tiny.weight": torch.randn(1, 5, generator=g),  # fewer rows than senders: one rank owns it
+        "lm_head.weight": torch.randn(6, 7, generator=g).bfloat16(),
+    }
+
+
+def owned_rows(rows: int, rank: int, senders: int) -> tuple[int, int]:
+    """FSDP2's dim-0 split (torch.chunk): ceil(rows / senders) rows per rank, the last ones fewer or none."""
+    chunk = -(-rows // senders)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
+def shard_buckets(version: int, rank: int, senders: int, device: str = "cpu") -> list[list[tuple[str, torch.Tensor]]]:
+    from services.weights.shards import shard_name
+
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in full_weights(version).items():
+        start, stop = owned_rows(t.shape[0], rank, senders)
+        if stop > start:
+            out.append((shard_name(name, start, stop, t.shape[0]), t[start:stop].to(device)))
+    if rank == 0:
+        out.append(("flag", torch.tensor(True, device=device)))  # a tensor nobody shards travels whole
+    return [out[:2], out[2:]]
+
+
+def _hanging(version: int, rank: int, senders: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    time.sleep(hang_s)  # this trainer rank stalls before its first bucket (a stuck peer)
+    yield from shard_buckets(version, rank, senders)
+
+
+def sender(address: str, backend: str, rank: int, senders: int, receivers: int, plan: list[tuple[int, str]],
+           results: Any, timeout_s: float) -> None:
+    """Trainer rank `rank`: publish each (version, mode): "ok" or "hang" (this rank stalls)."""
+    from services.weights.shards import sender_group
+    from services.weights.transports.collective import CollectivePublisher
+
+    async def main() -> None:
+        device = "cpu"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = "cuda"
+        pub = CollectivePublisher(backend, address, receivers=receivers, group=sender_group("test", rank),
+                                  timeout_s=timeout_s, register=False)
+        for version, mode in plan:
+            try:
+                buckets = (_hanging(version, rank, senders, timeout_s + 2) if mode == "hang"
+                           else shard_buckets(version, rank, senders, device))
+                ref = await pub.publish(version, buckets)
+                results.put((f"sent{rank}", version, "ok" if ref.policy_version == version else "wrong ref",
+                             pub.resent_buckets))
+            except Exception as exc:
+                results.put((f"sent{rank}", version, f"{type(exc).__name__}: {exc}", pub.resent_buckets))
+        await pub.close()
+
+    asyncio.run(main())
+
+
+def receiver(address: str, backend: str, index: int, senders: int, plan: list[tuple[int, str, float]],
+             results: Any) -> None:
+    """Rollout rank `index`: fetch each (version, mode, timeout_s): "ok", or "corrupt" (damage the
+    first bucket from trainer rank 1 once: NACKed and sent again)."""
+    from meshrl.v1 import common_pb2
+    from services.weights.transports.collective import ShardedFetcher
+
+    state: dict[str, Any] = {"armed": False}
+
+    def damage(step: int, bucket: int, buf: torch.Tensor) -> None:
+        if state["armed"] and bucket == 0:
+            state["armed"] = False
+            buf[3] ^= 0xFF
+
+    async def main() -> None:
+        if backend == "nccl":
+            torch.cuda.set_device(senders + index)
+        fetcher = ShardedFetcher(backend, address, consumer_id=f"rollout-{index}", senders=senders, group="test")
+        fetcher.parts[min(1, senders - 1)]._corrupt_hook = damage
+        for version, mode, timeout_s in plan:
+            for part in fetcher.parts:
+                part.timeout_s = timeout_s
+            state["armed"] = mode == "corrupt"
+            try:
+                got: dict[str, torch.Tensor] = {}
+                async for bucket in fetcher.fetch(common_pb2.WeightsRef(policy_version=version)):
+                    for name, t in bucket:
+                        assert name not in got, name
+                        got[name] = t.cpu().clone()
+                want = {**full_weights(version), "flag": torch.tensor(True)}
+                same = set(got) == set(want) and all(got[n].dtype == t.dtype and torch.equal(got[n], t)
+                                                     for n, t in want.items())
+                results.put((f"recv{index}", version, "identical" if same else f"DIFFERENT {sorted(got)}",
+                             fetcher.nacks_sent))
+            except Exception as exc:
+                results.put((f"recv{index}", version, f"{type(exc).__name__}: {exc}", fetcher.nacks_sent))
+        await fetcher.close()
+
+    asyncio.run(main())
+
+
+def run_sharded(backend: str, senders: int, sender_plans: list[list[tuple[int, str]]],
+                receiver_plans: list[list[tuple[int, str, float]]], deadline_s: float = 240.0,
+                sender_timeout_s: float = 8.0) -> dict:
+    """S sender and R receiver processes against a param server in this process; returns
+    {(role, version): (outcome, count)}."""
+    from services.common.config.param_server import ParamServerConfig
+    from services.param_server.server import ParamServerServer
+
+    async def main() -> dict:
+        server = ParamServerServer(ParamServerConfig(port=0))
+        await server.start()
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=sender, args=(server.address, backend, r, senders, len(receiver_plans), plan, results,
+                                                  sender_timeout_s), daemon=True)
+                 for r, plan in enumerate(sender_plans)]
+        procs += [ctx.Process(target=receiver, args=(server.address, backend, i, senders, plan, results), daemon=True)
+                  for i, plan in enumerate(receiver_plans)]
+        for p in procs:
+            p.start()
+        want = sum(len(p) for p in sender_plans) + sum(len(p) for p in receiver_plans)
+        got: dict = {}
+        end = time.monotonic() + deadline_s
+        try:
+            while len(got) < want:
+                try:
+                    role, version, outcome, count = results.get_nowait()
+                    got[(role, version)] = (outcome, count)
+                except queue.Empty:
+                    if time.monotonic() > end:
+                        raise AssertionError(f"sharded test timed out; results so far: {got}") from None
+                    if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
+                        await asyncio.sleep(1.0)  # a worker that finished its plan exits 0: only a failure counts
+                        if results.empty():
+                            raise AssertionError(f"a worker died: {[p.exitcode for p in procs]}; results {got}") from None
+                    await asyncio.sleep(0.1)
+            got["versions"] = [s.policy_version for s in server.servicer.store.versions()]
+            return got
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            await server.stop()
+
+    return asyncio.run(main())

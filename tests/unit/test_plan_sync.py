@@ -1,0 +1,46 @@
+"""`meshrl plan --link-gbps`: the weight-sync model of meshrl/plan_sync.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshrl.cli import main
+from meshrl.plan import make_plan
+
+
+def test_235b_recipe_on_128_plus_128_npus() -> None:
+    sync = make_plan("qwen3_235b_a22b_grpo_megatron_npu", [], link_gbps=200)["weight_sync"]
+    assert sync["bytes_per_version"] == 235_093_634_560 * 2  # bf16
+    # rank 0: every byte through one 25 GB/s link, the gather at the same pace
+    assert sync["rank0"]["wire_s"] == pytest.approx(470.187 / 25, rel=1e-3)
+    assert sync["rank0"]["expected_s"] == pytest.approx(sync["rank0"]["wire_s"] / 0.7, rel=1e-3)
+    # every rank: 128 senders, but a rollout node takes in at most its 16 links' worth
+    assert sync["every_rank"]["senders"] == 128
+    assert sync["every_rank"]["wire_s"] == pytest.approx(470.187 / (16 * 25), rel=1e-3)
+    assert sync["speedup_every_rank"] == pytest.approx(16, rel=1e-2)
+    assert sync["every_rank"]["available"] is False and "fsdp" in sync["note"]  # a megatron recipe
+
+
+def test_time_falls_with_senders_until_the_receiving_node_saturates() -> None:
+    base = ["trainer.nnodes=1", "rollout.nnodes=1", "rollout.n_gpus_per_node=4",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "param_server.collective_sharded=true"]
+    wire = {}
+    for n in (1, 2, 4, 8):
+        sync = make_plan("qwen3_5_27b_grpo_fsdp", [*base, f"trainer.n_gpus_per_node={n}"], link_gbps=400)["weight_sync"]
+        assert sync["mode"] == "every_rank"
+        wire[n] = sync["every_rank"]["wire_s"]
+        assert sync["rank0"]["gather_s"] == (0 if n == 1 else sync["rank0"]["wire_s"])
+    assert wire[2] == pytest.approx(wire[1] / 2, rel=1e-3)
+    assert wire[4] == pytest.approx(wire[1] / 4, rel=1e-3)
+    assert wire[8] == wire[4]  # 4 rollout devices per node: 4 links in
+
+
+def test_cli_flag_and_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "qwen3_5_27b_grpo_fsdp", "--link-gbps", "100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weight_sync"]["link_gbps"] == 100
+    assert "weight_sync" not in make_plan("qwen3_5_27b_grpo_fsdp", [])
+    with pytest.raises(ValueError, match="link-gbps"):
+        make_plan("qwen3_5_27b_grpo_fsdp", [], link_gbps=0)

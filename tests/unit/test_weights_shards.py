@@ -1,0 +1,61 @@
+"""Shard wire names and the receiver's reassembly (services/weights/shards.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import DataLoss
+from services.weights.shards import ShardAssembler, parse_shard, sender_group, shard_name
+
+
+def test_names_round_trip_and_plain_names_are_not_shards() -> None:
+    wire = shard_name("model.layers.0.mlp.down_proj.weight", 32, 64, 100)
+    assert parse_shard(wire) == ("model.layers.0.mlp.down_proj.weight", 32, 64, 100)
+    assert parse_shard("model.norm.weight") is None
+    assert sender_group("rollout", 3) == "rollout.s3"
+    with pytest.raises(ValueError, match="non-empty"):
+        shard_name("w", 5, 5, 10)
+
+
+def test_shards_in_any_order_rebuild_the_tensor_and_plain_tensors_pass_through() -> None:
+    full = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+    asm = ShardAssembler("cpu")
+    assert asm.add(shard_name("w", 4, 7, 7), full[4:]) == []
+    src = full[:4].clone()
+    [(name, got)] = asm.add(shard_name("w", 0, 4, 7), src)
+    src.zero_()  # the caller's buffer is reused: the assembler copied it
+    assert name == "w" and torch.equal(got, full)
+    flag = torch.tensor(True)
+    [(fname, fgot)] = asm.add("flag", flag)
+    assert fname == "flag" and fgot.item() is True and fgot.data_ptr() != flag.data_ptr()
+    assert asm.finish() == ["flag", "w"]
+
+
+@pytest.mark.parametrize(
+    ("second", "message"),
+    [
+        ((shard_name("w", 2, 6, 8), torch.zeros(4, 3)), "overlaps"),
+        ((shard_name("w", 4, 8, 8), torch.zeros(4, 2)), "disagree"),
+        ((shard_name("w", 4, 8, 8), torch.zeros(4, 3, dtype=torch.bfloat16)), "disagree"),
+        ((shard_name("w", 4, 8, 9), torch.zeros(4, 3)), "disagree"),
+        ((shard_name("w", 4, 8, 8), torch.zeros(3, 3)), "not 4 rows"),
+        (("w", torch.zeros(8, 3)), "again"),
+    ],
+)
+def test_inconsistent_shards_are_data_loss(second: tuple[str, torch.Tensor], message: str) -> None:
+    asm = ShardAssembler("cpu")
+    asm.add(shard_name("w", 0, 4, 8), torch.zeros(4, 3))
+    with pytest.raises(DataLoss, match=message):
+        asm.add(*second)
+
+
+def test_missing_rows_fail_at_the_end_and_a_shard_after_completion_is_data_loss() -> None:
+    asm = ShardAssembler("cpu")
+    asm.add(shard_name("w", 0, 4, 8), torch.zeros(4, 3))
+    with pytest.raises(DataLoss, match="incomplete"):
+        asm.finish()
+    done = ShardAssembler("cpu")
+    done.add(shard_name("w", 0, 1, 1), torch.zeros(1, 3))
+    with pytest.raises(DataLoss, match="sent twice"):
+        done.add(shard_name("w", 0, 1, 1), torch.zeros(1, 3))
