@@ -10,7 +10,7 @@
     meshrl set-staleness VALUE --address HOST:PORT [--token T | --token-file F] [--tls ...]
     meshrl bench coordinator [--out FILE]
     meshrl bench reward [--out FILE]
-    meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--out FILE]
+    meshrl bench weights [--size-gb 1] [--transports grpc,object_store,disk,gloo] [--cross-node] [--out FILE]
     meshrl bench weights --model qwen3_small --lora-rank 8     # full vs LoRA adapter versions
     meshrl bench trainer [--out FILE]
     meshrl bench rollout [--engines transformers,vllm] [--out FILE]
@@ -35,6 +35,7 @@ from meshrl.watchdog import RunFailed
 from services.common.errors import MeshError
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+WEIGHTS_TRANSPORTS = "grpc,object_store,disk,gloo"
 
 
 def _command(name: str) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
@@ -180,8 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--size-gb", type=float, default=1.0, help="bytes of one version, in GiB")
     pw.add_argument("--bucket-mb", type=int, default=256, help="bucket size (update_weights_bucket_megabytes)")
     pw.add_argument("--rounds", type=int, default=2, help="steady-state rounds after the cold one")
-    pw.add_argument("--transports", default="grpc,object_store,disk,gloo",
-                    help="comma list of grpc, object_store, disk, gloo, nccl (nccl needs 2 GPUs)")
+    pw.add_argument("--transports", default=WEIGHTS_TRANSPORTS,
+                    help="comma list of grpc, object_store, disk, gloo, nccl (nccl needs 2 GPUs); "
+                    "with --cross-node: grpc, object_store (the default there)")
+    pw.add_argument("--cross-node", action="store_true",
+                    help="between Ray nodes in three network namespaces made for the run (root, iproute2), "
+                    "against a raw TCP copy between the same namespaces (meshrl/bench/crossnode.py)")
     pw.add_argument("--model", default=None,
                     help="adapter case: a real model's versions (a tiny arch, e.g. qwen3_small: 25M), full vs LoRA")
     pw.add_argument("--lora-rank", type=int, default=8, help="adapter case: LoRA rank of the adapter version")
@@ -523,6 +528,12 @@ def _bench(args: argparse.Namespace) -> int:
         result = run_reward_benchmark(
             seconds=args.seconds, batch_size=args.batch_size, concurrency=args.concurrency, serve=not args.no_serve
         )
+    elif args.bench_command == "weights" and args.cross_node:
+        from meshrl.bench.crossnode import run_benchmark as run_crossnode_benchmark
+
+        transports = args.transports if args.transports != WEIGHTS_TRANSPORTS else "grpc,object_store"
+        result = run_crossnode_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
+                                         transports=tuple(t for t in transports.split(",") if t))
     elif args.bench_command == "weights":
         from meshrl.bench.weights import run_benchmark as run_weights_benchmark
 

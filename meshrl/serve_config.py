@@ -29,6 +29,7 @@ import yaml
 
 from services.common.auth import OPERATOR, ROLLOUT, TRAINER, env_names
 from services.common.config import MeshConfig
+from services.common.config.param_server import discovers_address
 from services.common.errors import ConfigError
 
 from .tokens import endpoint_token_env
@@ -88,9 +89,9 @@ def check_cluster_config(cfg: MeshConfig) -> None:
     s, ps = cfg.serve, cfg.param_server
     if s.grpc_port == 0:
         raise ConfigError("serve.grpc_port=0: every service dials the gRPC ingress at a fixed port; set one, e.g. 9000")
-    if ps.port == 0:
+    if ps.port == 0 and not discovers_address(ps):
         raise ConfigError("param_server.port=0: publishers and fetchers dial the param server's data plane at a "
-                          "fixed port; set one, e.g. 50071")
+                          "fixed port; set one, e.g. 50071 (or param_server.host=0.0.0.0: they ask it)")
     if s.proxy_location == "Disabled" and "proxy_location" in s.model_fields_set:
         raise ConfigError("serve.proxy_location=Disabled: the services talk through Serve's gRPC ingress; use "
                           "EveryNode (or HeadOnly on a single node)")
@@ -220,6 +221,7 @@ def trainer_ranks(cfg: MeshConfig) -> tuple[int, dict[str, Any], str]:
     bundle: dict[str, Any] = {}
     if cfg.trainer_service.worker_num_cpus > 0:
         bundle["CPU"] = cfg.trainer_service.worker_num_cpus
+    bundle.update(cfg.trainer_service.worker_resources)
     if device == "auto":
         bundle["GPU|NPU"] = 1  # answered by the cluster's resources when the replica starts
     elif ray_resource(device) is not None:
@@ -234,7 +236,7 @@ def _comments(doc: dict[str, Any], cfg: MeshConfig, run_dir: Path, command: str)
     world, bundle, device = trainer_ranks(cfg)
     grpc = doc["grpc_options"]["port"]
     ps = cfg.param_server
-    ps_addr = ps.advertise_address or f"{ps.host}:{ps.port}"
+    ps_addr = ps.advertise_address or (f"<its node's IP>:{ps.port}" if discovers_address(ps) else f"{ps.host}:{ps.port}")
     names = env_names(cfg)
     token_envs = [names[r] for r in (ROLLOUT, TRAINER, OPERATOR)]
     token_envs += [ep.token_env or endpoint_token_env(i) for i, ep in enumerate(cfg.reward.endpoints)
@@ -276,7 +278,8 @@ def _comments(doc: dict[str, Any], cfg: MeshConfig, run_dir: Path, command: str)
             f"{_fmt(bundle)}, strategy PACK; {world} = trainer.nnodes ({cfg.trainer.nnodes}) x "
             f"trainer.n_gpus_per_node ({cfg.trainer.n_gpus_per_node}), device trainer.device ({device}).",
             "Change the ranks in the shared config (&mesh, under the coordinator app): trainer.device,",
-            "trainer.nnodes, trainer.n_gpus_per_node, trainer_service.worker_num_cpus; not here.",
+            "trainer.nnodes, trainer.n_gpus_per_node, trainer_service.worker_num_cpus,",
+            "trainer_service.worker_resources; not here.",
         ],
         "- name: rollout": ["rollout: inference replicas (lease -> generate -> score -> submit; weights from param_server)."],
         f"  args: &{ANCHOR}": [
@@ -286,9 +289,13 @@ def _comments(doc: dict[str, Any], cfg: MeshConfig, run_dir: Path, command: str)
     }
     if ps.host in _LOOPBACK:
         out["- name: param_server"] += [
-            "  Loopback: one node only. For several nodes set param_server.host=0.0.0.0,",
-            "  param_server.advertise_address=<node ip>:<port> and pin the replica to that node with",
-            "  serve.param_server.resources={\"node:<node ip>\": 0.01}.",
+            "  Loopback: one node only. For several nodes set param_server.host=0.0.0.0 (it listens on",
+            "  its node's interfaces; the trainer and the rollouts ask it for its address).",
+        ]
+    elif discovers_address(ps):
+        out["- name: param_server"] += [
+            f"  Multi-node: listens on {ps.host}:{ps.port} of whichever node it lands on and advertises that",
+            "  node's IP; the trainer and the rollouts ask the app for it (param_server.discover_wait_s).",
         ]
     if dep["rollout"].get("autoscaling_config"):
         out["- name: rollout"].append(

@@ -15,7 +15,7 @@ from services.common.config import MeshConfig
 from services.common.config.param_server import ParamServerConfig
 from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
-from services.common.net import local_ip
+from services.common.net import WILDCARD_HOSTS, local_ip
 from services.common.security import ServerSecurity
 from services.weights import wire
 from services.weights.hostmem import tune_malloc
@@ -59,7 +59,7 @@ def add_to_server(servicer: ParamServerServicer, server: Any) -> None:
 def advertised(cfg: ParamServerConfig, port: int) -> str:
     if cfg.advertise_address:
         return cfg.advertise_address
-    host = local_ip() if cfg.host in ("0.0.0.0", "::", "[::]") else cfg.host
+    host = local_ip() if cfg.host in WILDCARD_HOSTS else cfg.host
     return f"{host}:{port}"
 
 

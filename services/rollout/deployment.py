@@ -109,6 +109,10 @@ class RolloutDeployment:
         if fetcher_factory is not None:
             fetcher = fetcher_factory(self.cfg)
         else:
+            if self.cfg.rollout_worker.fetch_weights_from_param_server:
+                from services.weights.transports.discovery import with_discovered_address
+
+                self.cfg = await with_discovered_address(self.cfg)  # param_server.host=0.0.0.0
             fetcher = factory.default_fetcher(self.cfg, replica_id)
         self.worker = factory.build_worker(
             self.cfg, engine, tok, coordinator=self.coordinator, scorer=scorer, fetcher=fetcher, replica_id=replica_id

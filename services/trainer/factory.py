@@ -305,9 +305,14 @@ async def build_trainer(
     ts = cfg.trainer_service
     settings = loop_settings(cfg, run_dir, size, pad_token_id(cfg))
     client = coordinator_client(cfg)
+    if publisher is None and ts.publisher == "param_server":
+        from services.weights.transports.discovery import with_discovered_address
+
+        cfg = await with_discovered_address(cfg)  # param_server.host=0.0.0.0: ask the app where it is
     pub = publisher or _publisher(cfg, run_dir, client)
     group = await RayTrainGroup.create(
-        spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus, nice=cfg.tuning.nice.trainer_ranks
+        spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus,
+        resources=ts.worker_resources, nice=cfg.tuning.nice.trainer_ranks,
     )
     if isinstance(pub, RankZeroPublisher):
         try:

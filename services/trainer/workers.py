@@ -225,19 +225,23 @@ class RayTrainGroup:
     @classmethod
     async def create(
         cls, spec: EngineSpec, world_size: int, *, backend: str, num_cpus: float = 1.0, timeout_s: float = 600.0,
-        nice: int | None = None,
+        nice: int | None = None, resources: dict[str, float] | None = None,
     ) -> RayTrainGroup:
         resource = ray_resource(spec.device)
         bundle: dict[str, float] = {"CPU": num_cpus} if num_cpus > 0 else {}
+        bundle.update(resources or {})  # custom resources: which nodes may hold a rank
         if resource is not None:
             bundle[resource] = 1.0
         pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         await asyncio.wait_for(pg.ready(), timeout=timeout_s)
         options: dict[str, Any] = {"num_cpus": num_cpus}
+        custom = dict(resources or {})
         if resource == "GPU":
             options["num_gpus"] = 1
         elif resource is not None:
-            options["resources"] = {resource: 1}
+            custom[resource] = 1
+        if custom:
+            options["resources"] = custom
         actor_cls: Any = ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(TrainWorker)  # type: ignore[call-overload]
         workers: list[Any] = [
             actor_cls.options(

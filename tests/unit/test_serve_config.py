@@ -5,6 +5,7 @@ of `serve.<app>` and the trainer's ranks spelled out. Nothing here starts Ray.""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,25 @@ def test_trainer_ranks_are_documented_from_the_trainer_section(tmp_path: Path) -
     assert (cfg.trainer.device, cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == ("npu", 2, 8)
     text, _ = _yaml(tmp_path, "trainer.device=cuda", "trainer.n_gpus_per_node=4")
     assert "trainer ranks 4 x {CPU: 1, GPU: 1}" in text
+
+
+def test_multi_node_is_one_switch_and_placement_is_by_resources(tmp_path: Path) -> None:
+    text, doc = _yaml(
+        tmp_path, "param_server.host=0.0.0.0", "serve.coordinator.resources={node_a: 1}",
+        "serve.param_server.resources={node_a: 1}", "serve.rollout.resources={node_b: 1}", "serve.rollout.num_replicas=2",
+        "serve.trainer.resources={node_c: 1}", "trainer_service.worker_resources={node_c: 1}",
+    )
+    ServeDeploySchema.model_validate(doc)
+    resources = {app: _deployment(doc, app)["ray_actor_options"].get("resources") for app in DEPLOYMENTS}
+    assert resources == {"coordinator": {"node_a": 1.0}, "param_server": {"node_a": 1.0}, "reward": None,
+                         "trainer": {"node_c": 1.0}, "rollout": {"node_b": 1.0}}
+    assert "trainer ranks 1 x {CPU: 1, node_c: 1}" in text
+    assert "data plane <its node's IP>:50100" in text
+    assert not re.search(r"node:(<|\d)", text)  # nothing pinned to a node by IP (Ray's node:<ip> resource)
+    cfg = MeshConfig.model_validate(doc["applications"][0]["args"]["config"])
+    assert (cfg.param_server.host, cfg.param_server.advertise_address) == ("0.0.0.0", None)
+    _, doc = _yaml(tmp_path, "param_server.host=0.0.0.0", "param_server.port=0")  # consumers ask for the port too
+    assert MeshConfig.model_validate(doc["applications"][0]["args"]["config"]).param_server.port == 0
 
 
 def test_an_explicit_proxy_location_is_kept(tmp_path: Path) -> None:

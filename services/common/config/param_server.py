@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from services.common.net import WILDCARD_HOSTS
+
 from .base import ConfigModel
 
 
@@ -21,12 +23,20 @@ class ParamServerConfig(ConfigModel):
     disk_dir: str | None = None
     """Shared directory for the `disk` transport; null: `<run_dir>/weights`."""
     host: str = "127.0.0.1"
-    """Bind address of the param server's gRPC data plane (plain server, or inside the Serve replica)."""
+    """Bind address of the param server's gRPC data plane (plain server, or inside the Serve replica).
+    Loopback (the default) is one node. `0.0.0.0` is the multi-node switch: the data plane listens
+    on every interface of whichever node the replica lands on and advertises that node's IP;
+    publishers and fetchers under Ray ask the param server app for it (`discover_wait_s`), so
+    nothing pins the replica to a node and no address is written by hand."""
     port: int = Field(default=50071, ge=0, le=65535)
     """Port of that data plane; 0 picks a free one (coordinator 50051, reward 50061)."""
     advertise_address: str | None = None
     """host:port consumers should dial (put into WeightsRef); null: `host:port` as bound (with this
-    node's IP when bound to 0.0.0.0)."""
+    node's IP when bound to 0.0.0.0). Set it only when that IP is not what consumers reach (NAT)."""
+    discover_wait_s: float = Field(default=600.0, ge=0)
+    """With `host` 0.0.0.0 and no `advertise_address`: how long a publisher or fetcher under Ray
+    retries asking the param server app where its data plane is (the apps of one `serve deploy`
+    start together); 0: fail at once."""
     stall_timeout_s: float = Field(default=60.0, gt=0)
     """A transfer that makes no progress for this long fails with DEADLINE_EXCEEDED (a stuck peer);
     an upload stalled this long is dropped."""
@@ -82,5 +92,13 @@ class ParamServerConfig(ConfigModel):
 
 
 def data_address(cfg: ParamServerConfig) -> str:
-    """Where publishers and fetchers dial the param server's data plane."""
+    """Where publishers and fetchers dial the param server's data plane (for a wildcard `host`
+    without `advertise_address` this is this node only: consumers on other nodes discover the
+    address, services/weights/transports/discovery.py)."""
     return cfg.advertise_address or f"{cfg.host}:{cfg.port}"
+
+
+def discovers_address(cfg: ParamServerConfig) -> bool:
+    """True when consumers learn the data plane's address from the running param server (a
+    wildcard `host`, no `advertise_address`): the multi-node switch."""
+    return not cfg.advertise_address and cfg.host in WILDCARD_HOSTS

@@ -49,6 +49,10 @@ class TrainerServiceConfig(ConfigModel):
     not found, so it is off by default (BENCHMARKS.md, "e2e on CPU" and "e2e on 2 GPUs")."""
     worker_num_cpus: float = Field(default=1.0, ge=0)
     """CPUs reserved per training rank actor (placement group bundle)."""
+    worker_resources: dict[str, float] = {}
+    """Custom Ray resources per training rank (added to its bundle), e.g. {"node_c": 1} to keep the
+    ranks on the nodes that carry that resource (`ray start --resources`); the trainer's own
+    replica is placed by `serve.trainer.resources`."""
     hf_export_dir: str | None = "hf_export"
     """Where the final policy is exported as a Hugging Face checkpoint when the run ends, relative
     to the run directory; null: no export."""
