@@ -44,14 +44,18 @@ class CoordinatorDeployment:
         self._servicer.start_sweeper()
         self._metrics = ReplicaMetrics(metrics.FAMILIES)
         self._exports = 0
+        self._audit: dict[str, Any] | None = None
         self._metrics_task = export_periodically("coordinator", self._export_metrics)
 
     def _export_metrics(self) -> None:
         core = self._servicer.core
-        # The audit scans the ledger: every 6th export (30 s), and the first.
-        audit = core.audit() if self._exports % 6 == 0 else None
+        # The audit scans the ledger: every 6th export (30 s), and the first. Its numbers are set
+        # again at every export (a gauge recorded once, early in a replica's life, may be exported
+        # before Ray's metrics agent is up and then never seen).
+        if self._exports % 6 == 0:
+            self._audit = core.audit()
         self._exports += 1
-        metrics.export(self._metrics, self._servicer.status(), audit)
+        metrics.export(self._metrics, self._servicer.status(), self._audit)
 
     def check_health(self) -> None:
         """Unhealthy when the ledger can no longer be read (Serve restarts the replica, which

@@ -14,7 +14,7 @@ answers.
 
 Time the coordinator itself did not run is not held against anyone: when two checks are further
 apart than ttl / 4 (a coordinator restart, a stalled event loop), the heartbeats that arrived in
-between may still be queued behind the check, so every replica is credited with the gap. The
+between may still be queued behind the check, so every lease holder is credited with the gap. The
 holders of leases restored from the ledger count as heard when the first check runs.
 
 No clock: every call takes `now`.
@@ -52,8 +52,13 @@ class ReplicaLiveness:
             return set()
         gap = now - last
         if gap > self.ttl_s / 4:
-            for r, t in list(self.last_heard.items()):
-                self.last_heard[r] = min(t + gap, now)
+            # Only the holders are judged, so only they are credited: crediting every replica
+            # ever heard would keep ids that stopped calling alive in the coordinator's bounded
+            # table of recently seen replicas (GetStatus lists it).
+            for r in holding:
+                t = self.last_heard.get(r)
+                if t is not None:
+                    self.last_heard[r] = min(t + gap, now)
         out = set()
         for r in holding:
             heard = self.last_heard.setdefault(r, now)

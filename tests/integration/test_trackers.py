@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,13 @@ def read_back(name: str, run_dir: Path, backend: Any) -> tuple[dict[int, float],
         acc.Reload()
         return {e.step: e.value for e in acc.Scalars(REWARD)}, [e.value for e in acc.Scalars(VAL)]
     if name == "wandb":
-        hist = wandb_history(run_dir)
+        # wandb's service process writes the .wandb file; under load its last records may land a
+        # moment after run.finish() returned
+        for _ in range(50):
+            hist = wandb_history(run_dir)
+            if any(REWARD in h for h in hist):
+                break
+            time.sleep(0.2)
         return ({int(h["_step"]): h[REWARD] for h in hist if REWARD in h}, [h[VAL] for h in hist if VAL in h])
     if name == "mlflow":
         from mlflow.tracking import MlflowClient
