@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "examples" / "tool_add.yaml"
@@ -56,3 +61,46 @@ def test_tool_task_learns_to_call_the_tool(tmp_path: Path) -> None:
         assert (run_dir / rel).exists(), rel
     html = (run_dir / "report.html").read_text()
     assert "agent/tool_call_rate" in html and "agent/num_turns/mean" in html  # the tool-use plots
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_conversation_then_resume_trains_every_prompt_once(tmp_path: Path) -> None:
+    """Ctrl-C while trajectories are between turns (waiting on the tool or mid-generation): their
+    leases go back to the queue, and `--resume` finishes the run with every prompt trained once."""
+    run_dir = tmp_path / "run"
+    steps, per_step = 16, 16
+    overrides = [f"rollout.total_rollout_steps={per_step * steps}", "trainer.save_freq=4", "trainer.test_freq=-1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "MESHRL_LOG_LEVEL": "WARNING",
+           "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "meshrl.cli", "train", str(CONFIG), f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS}",
+           *overrides, "--run-dir", str(run_dir), "--no-report"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
+    metrics = run_dir / "metrics" / "trainer.jsonl"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, f"train exited early:\n{proc.communicate()[0][-4000:]}"
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"no clean stop within 300 s of Ctrl-C:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    first = json.loads((run_dir / "summary.json").read_text())
+    assert first["steps"] < steps, "the run finished before the interrupt"
+    assert first["audit"]["balanced"] and first["audit"]["in_flight"] == 0  # conversations' leases returned
+
+    resume = subprocess.run([sys.executable, "-m", "meshrl.cli", "train", "--run-dir", str(run_dir), "--resume",
+                             str(run_dir), "--no-report"], env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert resume.returncode == 0, f"{resume.stdout[-3000:]}\n{resume.stderr[-6000:]}"
+    second = json.loads((run_dir / "summary.json").read_text())
+    assert second["steps"] == steps and second["audit"]["balanced"], second["audit"]
+    assert second["audit"]["issued"] == per_step * steps
+    db = sqlite3.connect(run_dir / "ledger.sqlite")
+    rows = db.execute("SELECT seq, COUNT(*) FROM groups WHERE state IN (1, 2) GROUP BY seq").fetchall()
+    assert len(rows) == per_step * steps and all(n == 1 for _, n in rows)
