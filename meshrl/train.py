@@ -166,6 +166,7 @@ class MeshRun:
         self.watchdog = Watchdog(str(run_dir), max_restarts=ts.max_restarts, restart_timeout_s=ts.restart_timeout_s,
                                  started=self.started)
         self.deployed = False
+        self._rollouts_stopped = False
         self.final_status: Any = None
         self._last_status: Any = None
         self._last_trainer: dict[str, Any] = {}
@@ -232,14 +233,25 @@ class MeshRun:
         sd = write_service_discovery(self.run_dir, {"job": "meshrl", "run": self.run_dir.name})
         log.info("mesh_deployed", apps=list(APPS), grpc=f"127.0.0.1:{self.grpc_port}", prometheus_sd=str(sd))
 
+    def stop_rollouts(self) -> None:
+        """Take the rollout replicas down: each returns its unfinished leases on the way out (a
+        multi-turn trajectory can still be mid-conversation when the trainer stops), so the ledger
+        audit that follows sees them back in the queue."""
+        from ray import serve
+
+        if self._rollouts_stopped:
+            return
+        self._rollouts_stopped = True
+        try:
+            serve.delete("rollout")
+        except Exception as exc:  # noqa: BLE001 -- best effort on the way down
+            log.warning("rollout_delete_failed", error=str(exc))
+
     def shutdown(self) -> None:
         import ray
         from ray import serve
 
-        try:
-            serve.delete("rollout")  # replicas return their leases on the way out
-        except Exception as exc:  # noqa: BLE001 -- best effort on the way down
-            log.warning("rollout_delete_failed", error=str(exc))
+        self.stop_rollouts()
         if self.cfg.serve.ray_address:
             serve.shutdown()  # a cluster we joined: take our applications down, leave Ray up
         # A local Ray we started goes down whole (every replica with it; the ledger is durable at
@@ -606,6 +618,7 @@ def train(
     try:
         run.deploy()
         progress = _watch(run, progressed)
+        run.stop_rollouts()  # their leases are back in the ledger before the audit
         summary = run.summarize(progress)
     except KeyboardInterrupt:
         if run.deployed:
