@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI, Request
 
 from meshrl.v1 import common_pb2, reward_pb2
 from services.common.config import MeshConfig
@@ -338,3 +339,42 @@ def test_agent_config_is_checked() -> None:
     with pytest.raises(ValueError, match=r"multi_turn\.enable"):
         MeshConfig.model_validate({"agent": {"command": ["a"]},
                                    "actor_rollout_ref": {"rollout": {"multi_turn": {"enable": True}}}})
+
+
+def test_agent_endpoint_gets_each_sample_and_finishes_it() -> None:
+    """agent.endpoint: meshrl POSTs {prompt, base_url, api_key, session_id}; the service runs the agent."""
+    received: list[dict[str, Any]] = []
+    service = FastAPI()
+    running: list[asyncio.Task[None]] = []
+
+    @service.post("/run")
+    async def run(request: Request) -> dict[str, str]:
+        body = await request.json()
+        received.append(body)
+        running.append(asyncio.get_running_loop().create_task(tool_loop(body["base_url"], body["api_key"], body["prompt"])))
+        return {"status": "started"}
+
+    async def main() -> tuple[common_pb2.TrajectoryGroup, GatewayAgent]:
+        svc = GatewayServer(service, "127.0.0.1", 0)
+        svc_port = await svc.start()
+        tok = build_tokenizer(tools=True)
+        policy = ScriptedPolicy(tok, [CALL, ANSWER])
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
+        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=f"http://127.0.0.1:{svc_port}/run",
+                                                         sample_timeout_s=60, max_concurrent=4))
+        gw = GatewayServer(build_app(registry), "127.0.0.1", 0)
+        port = await gw.start()
+        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+        try:
+            group = await ga.play(PROMPT, SamplingSpec(n=2, max_tokens=256), "r/l", "l", "r", policy.generate,
+                                  cancelled=lambda: False, version=lambda: 0)
+        finally:
+            await asyncio.gather(*running)
+            await gw.stop()
+            await svc.stop()
+        return group, ga
+
+    group, _ = asyncio.run(main())
+    assert sorted(b["prompt"]["sample_index"] for b in received) == [0, 1]
+    assert all(b["base_url"].endswith(f"/sessions/{b['session_id']}/v1") and b["api_key"] for b in received)
+    assert [r.env_reward for r in group.responses] == [1.0, 1.0] and all(r.tool_calls == 1 for r in group.responses)

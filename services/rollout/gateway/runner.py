@@ -34,6 +34,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from meshrl.v1 import common_pb2, reward_pb2
 from services.common.errors import MeshError
 from services.common.logging import get_logger
@@ -57,6 +59,8 @@ program that exits 0, raising is failing."""
 class GatewayGroupFailed(MeshError):
     """A group played through the gateway failed; the worker returns its lease (not a bad input:
     another attempt may succeed)."""
+
+    code = grpc.StatusCode.ABORTED
 
 
 @dataclass(frozen=True)
