@@ -8,6 +8,7 @@ the agent's new messages (the chat template's delta), masked. No Ray."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import httpx
@@ -87,7 +88,7 @@ def test_sdk_calls_on_a_real_engine_are_recorded_token_for_token() -> None:
     for r in group.responses:
         ids, mask = list(r.token_ids), list(r.loss_mask)
         starts = [*r.turn_starts, len(ids)]
-        policy_runs = [(a, b) for a, b in zip(starts, starts[1:], strict=False) if mask[a]]
+        policy_runs = [(a, b) for a, b in itertools.pairwise(starts) if mask[a]]
         assert len(policy_runs) == 3 and r.num_turns == 3
         # the logprobs the SDK saw (streamed or not) are the trajectory's, call by call
         assert [[round(x, 4) for x in r.logprobs[a:b]] for a, b in policy_runs] == \
