@@ -431,3 +431,41 @@ def test_the_worker_submits_groups_played_by_agent_programs() -> None:
 def test_a_failing_agent_program_returns_the_lease() -> None:
     coord = _worker_run([sys.executable, "-c", "import sys; sys.exit(2)"], lambda c: len(c.errors) >= 2)
     assert coord.submitted == [] and all("exited with 2" in e for e in coord.errors)
+
+
+def test_a_call_cut_by_a_weight_update_is_continued_on_the_new_weights() -> None:
+    """Partial rollout, mode abort: the engine returns the call's first 5 tokens aborted and moves
+    to version 1; the gateway continues from prompt + those tokens, and the client sees one answer."""
+    tok = build_tokenizer(tools=True)
+
+    class Cutting(ScriptedPolicy):
+        async def generate(self, req: GenerationRequest) -> list[SampleOutput]:
+            if not any(r.request_id.endswith("/r1") for r in self.requests) and "/r" not in req.request_id:
+                self.requests.append(req)
+                ids = self.turns[0][:5]
+                self.version = 1
+                return [SampleOutput(0, list(ids), [-0.5] * 5, [0] * 5, Finish.ABORT)]
+            out = await super().generate(req)
+            if req.request_id.endswith("/r1"):
+                out[0].token_ids, out[0].logprobs, out[0].versions = (out[0].token_ids[5:], out[0].logprobs[5:],
+                                                                      out[0].versions[5:])
+            return out
+
+    policy = Cutting(tok, ["the sum is 579<|im_end|>"])
+    got: list[str] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        r = await c.chat.completions.create(model="m", messages=prompt["messages"])
+        got.append(r.choices[0].message.content or "")
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, _, _ = asyncio.run(play(agent, [], n=1, policy=policy))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert got == ["the sum is 579"]
+    (r,) = group.responses
+    assert list(r.token_ids) == policy.turns[0] and list(r.versions) == [0] * 5 + [1] * (len(policy.turns[0]) - 5)
+    first, cont = policy.requests[0], policy.requests[1]
+    assert cont.request_id.endswith("/r1") and cont.prompt_token_ids == first.prompt_token_ids + policy.turns[0][:5]
+    assert group.min_policy_version == 0 and group.max_policy_version == 1

@@ -5,6 +5,7 @@ wire schema)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from services.common.config import MeshConfig
@@ -23,7 +24,7 @@ def build_gateway_agent(cfg: MeshConfig, tokenizer: Any, *, scorer: Scorer | Non
     limits = GatewayLimits(
         max_model_len=max_model_len, response_budget=cfg.data.max_response_length,
         max_staleness_versions=cfg.async_training.max_staleness_versions, max_calls_per_sample=a.max_calls_per_sample,
-        model_name=cfg.actor_rollout_ref.model.path or "meshrl-policy",
+        model_name=Path(cfg.actor_rollout_ref.model.path).name if cfg.actor_rollout_ref.model.path else "meshrl-policy",
     )
     registry = SessionRegistry(tokenizer, limits)
     agent = GatewayAgent(tokenizer, registry, GatewaySettings(

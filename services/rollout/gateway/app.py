@@ -53,6 +53,13 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
     async def _api_error(_: Request, exc: ApiError) -> Response:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> Response:
+        # A bug or an engine failure: OpenAI's error JSON (the SDKs raise InternalServerError), and
+        # the traceback in the replica's log without the request.
+        log.error("gateway_internal_error", error=repr(exc)[:500], exc_info=exc)
+        return JSONResponse(ApiError(500, f"internal error in the gateway: {type(exc).__name__}").body(), status_code=500)
+
     async def body_of(request: Request) -> Any:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_request_bytes:
@@ -104,7 +111,7 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
             raise bad("reward", f"must be a finite number or absent (then the reward service scores), got {reward!r}")
         if set(body) - {"reward"}:
             raise bad(sorted(set(body) - {"reward"})[0], "unknown field; /finish takes only reward")
-        registry.finish(s, None if reward is None else float(reward))
+        await registry.finish(s, None if reward is None else float(reward))
         return JSONResponse({"session_id": session_id, "state": s.state})
 
     return app
@@ -118,7 +125,7 @@ async def _iter(chunks: list[bytes]) -> Any:
 class GatewayServer:
     """uvicorn serving the app on the running event loop (the replica's), until stop()."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, *, limit_concurrency: int = 1024) -> None:
         import uvicorn
 
         class _Server(uvicorn.Server):
@@ -130,7 +137,8 @@ class GatewayServer:
                 yield
 
         self._server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                              lifespan="off", timeout_keep_alive=30))
+                                              lifespan="off", timeout_keep_alive=30,
+                                              limit_concurrency=limit_concurrency))
         self._task: asyncio.Task[None] | None = None
         self.host = host
         self.port = port

@@ -235,7 +235,7 @@ class GatewayAgent:
                 tail = err.read()[-800:].decode(errors="replace").strip()
                 return _Outcome(False, f"the agent of sample {s.index} exited with {rc}: {tail}")
         if s.state == "open":  # exited 0 without /finish: its last answer is scored
-            self.registry.finish(s, None)
+            await self.registry.finish(s, None)
         return _Outcome(True)
 
     async def _run_launch(self, s: SampleSession, url: str, payload: dict[str, Any]) -> _Outcome:
@@ -245,7 +245,7 @@ class GatewayAgent:
         except Exception as exc:  # noqa: BLE001 - the agent's failure is the sample's, reported with the group
             return _Outcome(False, f"the agent of sample {s.index} failed: {exc!r}")
         if s.state == "open":
-            self.registry.finish(s, None)
+            await self.registry.finish(s, None)
         return _Outcome(True)
 
     async def _call_endpoint(self, s: SampleSession, url: str, payload: dict[str, Any]) -> _Outcome:

@@ -184,11 +184,13 @@ class SessionRegistry:
                            "agent with this session's base URL", code="invalid_api_key")
         return s
 
-    def finish(self, s: SampleSession, reward: float | None) -> None:
-        self._check_open(s)
-        s.reward = reward
-        s.state = "finished"
-        s.group.changed.set()
+    async def finish(self, s: SampleSession, reward: float | None) -> None:
+        """End the sample (after any call of it in flight: the group is built from what it recorded)."""
+        async with s.lock:
+            self._check_open(s)
+            s.reward = reward
+            s.state = "finished"
+            s.group.changed.set()
 
     def _check_open(self, s: SampleSession) -> None:
         if s.state != "open":
