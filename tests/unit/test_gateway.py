@@ -469,3 +469,35 @@ def test_a_call_cut_by_a_weight_update_is_continued_on_the_new_weights() -> None
     first, cont = policy.requests[0], policy.requests[1]
     assert cont.request_id.endswith("/r1") and cont.prompt_token_ids == first.prompt_token_ids + policy.turns[0][:5]
     assert group.min_policy_version == 0 and group.max_policy_version == 1
+
+
+def test_keys_of_an_ended_group_get_409_then_401() -> None:
+    creds: list[tuple[str, str]] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        creds.append((url, key))
+        await tool_loop(url, key, prompt)
+
+    async def main() -> list[int]:
+        tok = build_tokenizer(tools=True)
+        policy = ScriptedPolicy(tok, [CALL, ANSWER])
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256, ended_sessions_kept=1))
+        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=None, sample_timeout_s=60,
+                                                         max_concurrent=4, launch=agent), scorer=score_by_text)
+        server = GatewayServer(build_app(registry), "127.0.0.1", 0)
+        port = await server.start()
+        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+        try:
+            await ga.play(PROMPT, SamplingSpec(n=2, max_tokens=256), "r/l", "l", "r", policy.generate,
+                          cancelled=lambda: False, version=lambda: 0)
+            codes = []
+            async with httpx.AsyncClient() as c:
+                for url, key in creds:  # the first sample's id was forgotten (ended_sessions_kept=1)
+                    codes.append((await c.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"})).status_code)
+                url, key = creds[1]
+                codes.append((await c.get(f"{url}/models", headers={"Authorization": "Bearer wrong"})).status_code)
+            return codes
+        finally:
+            await server.stop()
+
+    assert sorted(asyncio.run(main())) == [401, 401, 409]

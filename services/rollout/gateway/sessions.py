@@ -82,9 +82,6 @@ class SampleSession:
     stitch_mismatches: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def check_key(self, key: str) -> bool:
-        return hmac.compare_digest(self.key.encode(), key.encode())
-
 
 @dataclass
 class GroupSession:
@@ -144,7 +141,8 @@ class SessionRegistry:
         self.tok = tokenizer
         self.limits = limits
         self._open: dict[str, SampleSession] = {}
-        self._ended: OrderedDict[str, SampleSession] = OrderedDict()
+        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        """Ended sessions: id -> (key, why), without their tokens."""
         self._renderers: dict[str, ChatRenderer] = {}
         self.counters = {"calls": 0, "stitched_calls": 0, "stitch_mismatches": 0, "rejected_stale": 0,
                          "rejected_auth": 0, "segments_dropped": 0}
@@ -167,21 +165,28 @@ class SessionRegistry:
             if s.state == "open":
                 s.state = "failed"
             self._open.pop(s.id, None)
-            self._ended[s.id] = s
+            why = g.failure if s.state == "failed" and g.failure else "its group has ended"
+            self._ended[s.id] = (s.key, why)
         while len(self._ended) > self.limits.ended_sessions_kept:
             self._ended.popitem(last=False)
 
     def authenticate(self, session_id: str, authorization: str | None) -> SampleSession:
-        """The session whose key the bearer token is; ApiError(401) otherwise (unknown sessions
-        too, so ids cannot be probed)."""
-        s = self._open.get(session_id) or self._ended.get(session_id)
+        """The open session whose key the bearer token is. ApiError(401) for a wrong key or an
+        unknown session (so ids cannot be probed), 409 for a session whose group has ended (with the
+        right key; forgotten after `ended_sessions_kept` more, then 401)."""
         key = ""
         if authorization and authorization.lower().startswith("bearer "):
             key = authorization[7:].strip()
-        if s is None or not key or not s.check_key(key):
+        s = self._open.get(session_id)
+        ended = self._ended.get(session_id) if s is None else None
+        expected = s.key if s is not None else ended[0] if ended is not None else None
+        if expected is None or not key or not hmac.compare_digest(expected.encode(), key.encode()):
             self.counters["rejected_auth"] += 1
             raise ApiError(401, "Incorrect API key provided for this session: use the OPENAI_API_KEY meshrl gave the "
                            "agent with this session's base URL", code="invalid_api_key")
+        if ended is not None:
+            raise ApiError(409, f"session {session_id} takes no more calls: {ended[1]}", code="session_closed")
+        assert s is not None
         return s
 
     async def finish(self, s: SampleSession, reward: float | None) -> None:
