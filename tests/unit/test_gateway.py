@@ -501,3 +501,27 @@ def test_keys_of_an_ended_group_get_409_then_401() -> None:
             await server.stop()
 
     assert sorted(asyncio.run(main())) == [401, 401, 409]
+
+
+def test_a_stream_carries_every_tokens_logprob_and_the_usage() -> None:
+    got: dict[str, Any] = {}
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        content, lps, usage, finish_reason = "", [], None, None
+        async for ch in await c.chat.completions.create(model="m", messages=prompt["messages"], stream=True,
+                                                        logprobs=True, stream_options={"include_usage": True}):
+            usage = ch.usage or usage
+            for choice in ch.choices:
+                content += choice.delta.content or ""
+                lps += [x.logprob for x in (choice.logprobs.content if choice.logprobs and choice.logprobs.content else [])]
+                finish_reason = choice.finish_reason or finish_reason
+        got.update(content=content, lps=lps, usage=usage, finish=finish_reason)
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, _, policy = asyncio.run(play(agent, [ANSWER], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    n = len(policy.turns[0])  # "579" and the end-of-turn token
+    assert got["content"] == "579" and got["lps"] == [-0.5] * n and got["finish"] == "stop"
+    assert got["usage"].completion_tokens == n and got["usage"].prompt_tokens == len(group.prompt_token_ids)

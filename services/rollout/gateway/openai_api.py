@@ -266,8 +266,10 @@ def chat_response(c: Completion, logprobs: bool) -> dict[str, Any]:
 
 
 def chat_chunks(c: Completion, logprobs: bool, include_usage: bool) -> list[dict[str, Any]]:
-    """The response as chat.completion.chunk events: the role, the content token by token, the
-    tool calls, the finish reason, then (stream_options.include_usage) the usage."""
+    """The response as chat.completion.chunk events: the role, the content (one chunk: the
+    completion exists whole when streaming starts, and one chunk carries every token's logprob
+    even where token texts do not add up to the content, e.g. an end-of-turn token), the tool
+    calls, the finish reason, then (stream_options.include_usage) the usage."""
     base = {"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": c.model}
 
     def chunk(delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> dict[str, Any]:
@@ -277,16 +279,8 @@ def chat_chunks(c: Completion, logprobs: bool, include_usage: bool) -> list[dict
         return out
 
     chunks = [chunk({"role": "assistant", "content": ""})]
-    if c.text:
-        # Token pieces while they add up to the content, else the content in one piece (a stop
-        # string or tool-call block was cut out of it).
-        pieces = list(c.token_texts) if "".join(c.token_texts) == c.text else [c.text]
-        lps = list(c.logprobs) if len(pieces) == len(c.logprobs) else None
-        for k, piece in enumerate(pieces):
-            lp = None
-            if logprobs and lps is not None:
-                lp = {"content": [{"token": piece, "logprob": lps[k], "bytes": list(piece.encode()), "top_logprobs": []}]}
-            chunks.append(chunk({"content": piece}, lp=lp))
+    if c.text or logprobs:
+        chunks.append(chunk({"content": c.text}, lp=_chat_logprobs(c) if logprobs else None))
     if c.tool_calls:
         chunks.append(chunk({"tool_calls": [{"index": k, **tc} for k, tc in enumerate(_tool_call_json(c.tool_calls))]}))
     chunks.append(chunk({}, c.finish_reason))
