@@ -330,9 +330,13 @@ def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPat
         assert ga.counters["deadlines"] >= 1  # the first deadline fails the group and stops the other agent
 
 
-def test_agent_config_is_checked() -> None:
+def test_agent_config_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = MeshConfig.model_validate({"agent": {"command": ["python", "a.py"]}})
-    assert cfg.agent.enabled and cfg.agent.port == 0
+    assert cfg.agent.enabled and cfg.agent.port == 0 and cfg.agent.command == ["python", "a.py"]
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    rel = "examples/gateway_agent/tool_add_agent.py"
+    cfg = MeshConfig.model_validate({"agent": {"command": ["python", rel, "--reward-self"]}})
+    assert cfg.agent.command == ["python", str(Path(rel).resolve()), "--reward-self"]
     with pytest.raises(ValueError, match="not both"):
         MeshConfig.model_validate({"agent": {"command": ["a"], "endpoint": "http://x"}})
     with pytest.raises(ValueError, match=r"multi_turn\.enable"):
@@ -421,7 +425,7 @@ def _worker_run(command: list[str], until: Callable[[Any], bool]) -> Any:
 
 def test_the_worker_submits_groups_played_by_agent_programs() -> None:
     agent = Path(__file__).resolve().parents[2] / "examples" / "gateway_agent" / "tool_add_agent.py"
-    coord = _worker_run([sys.executable, str(agent)], lambda c: len(c.submitted) == 2)
+    coord = _worker_run(["python", str(agent)], lambda c: len(c.submitted) == 2)  # python: the replica's own
     assert coord.returned == []
     for g in coord.submitted:
         assert [r.reward for r in g.responses] == [1.0, 1.0]  # the reward service scored "579"

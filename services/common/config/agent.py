@@ -7,7 +7,9 @@ call it makes becomes that sample's training data."""
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+import os
+
+from pydantic import Field, field_validator, model_validator
 
 from .base import ConfigModel
 
@@ -19,7 +21,9 @@ class AgentConfig(ConfigModel):
     """A program started once per sample (argv, no shell) with OPENAI_BASE_URL, OPENAI_API_KEY and
     MESHRL_SESSION_ID in its environment and the prompt as JSON on stdin; it ends its sample with
     `POST $OPENAI_BASE_URL/../finish` (or by exiting 0: then the reward service scores its last
-    answer). Null: no command."""
+    answer). `python` / `python3` as the program is the rollout replica's own interpreter; an
+    argument that is a relative path to an existing file here is made absolute (replicas run in
+    other working directories). Null: no command."""
     endpoint: str | None = None
     """An HTTP service meshrl POSTs {prompt, base_url, api_key, session_id} to, once per sample,
     instead of starting `command`; it runs the agent and finishes the session. Null: none."""
@@ -43,6 +47,13 @@ class AgentConfig(ConfigModel):
     @property
     def enabled(self) -> bool:
         return self.command is not None or self.endpoint is not None
+
+    @field_validator("command")
+    @classmethod
+    def _absolute_paths(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        return [os.path.abspath(a) if a and not os.path.isabs(a) and os.path.isfile(a) else a for a in value]
 
     @model_validator(mode="after")
     def _one_launcher(self) -> AgentConfig:

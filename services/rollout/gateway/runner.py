@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -213,9 +214,12 @@ class GatewayAgent:
         assert self.s.command is not None
         env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRL_")}
         env.update(OPENAI_BASE_URL=url, OPENAI_API_KEY=s.key, MESHRL_SESSION_ID=s.id)
+        argv = list(self.s.command)
+        if argv[0] in ("python", "python3"):  # the replica's own interpreter (its packages, its venv)
+            argv[0] = sys.executable
         with tempfile.TemporaryFile() as err:
             proc = await asyncio.create_subprocess_exec(
-                *self.s.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=err,
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=err,
                 env=env, start_new_session=True,
             )
             try:
