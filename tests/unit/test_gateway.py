@@ -529,3 +529,26 @@ def test_a_stream_carries_every_tokens_logprob_and_the_usage() -> None:
     n = len(policy.turns[0])  # "579" and the end-of-turn token
     assert got["content"] == "579" and got["lps"] == [-0.5] * n and got["finish"] == "stop"
     assert got["usage"].completion_tokens == n and got["usage"].prompt_tokens == len(group.prompt_token_ids)
+
+
+def test_the_replica_server_binds_agent_host_and_advertises_agent_advertise_host() -> None:
+    from services.rollout.gateway import build_gateway_agent
+
+    cfg = MeshConfig.model_validate({"agent": {"command": ["python", "a.py"], "advertise_host": "gw.example"}})
+
+    async def main() -> tuple[str, int]:
+        ga = build_gateway_agent(cfg, build_tokenizer(tools=True), scorer=None, max_model_len=128)
+        assert ga.start_server is not None and ga.stop_server is not None
+        await ga.start_server()
+        try:
+            assert ga.base_url is not None
+            url = ga.base_url("abc")
+            port = int(url.split(":")[2].split("/")[0])
+            async with httpx.AsyncClient() as c:  # listening on loopback (agent.host), keys required
+                status = (await c.get(f"http://127.0.0.1:{port}/sessions/abc/v1/models")).status_code
+            return url, status
+        finally:
+            await ga.aclose()
+
+    url, status = asyncio.run(main())
+    assert url.startswith("http://gw.example:") and url.endswith("/sessions/abc/v1") and status == 401

@@ -37,11 +37,23 @@ def build_gateway_agent(cfg: MeshConfig, tokenizer: Any, *, scorer: Scorer | Non
         port = await server.start()
         host = a.advertise_host or a.host
         if host in ("0.0.0.0", "::"):
-            import socket
-
-            host = socket.gethostbyname(socket.gethostname())
+            host = _node_ip()
         agent.base_url = lambda sid: f"http://{host}:{port}/sessions/{sid}/v1"
 
     agent.start_server = start
     agent.stop_server = server.stop
     return agent
+
+
+def _node_ip() -> str:
+    """This node's address as Ray knows it (what other nodes reach), else the hostname's."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
