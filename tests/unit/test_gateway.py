@@ -552,3 +552,25 @@ def test_the_replica_server_binds_agent_host_and_advertises_agent_advertise_host
 
     url, status = asyncio.run(main())
     assert url.startswith("http://gw.example:") and url.endswith("/sessions/abc/v1") and status == 401
+
+
+def test_a_rewritten_echo_that_renders_to_the_same_ids_is_stitched_on_token_ids() -> None:
+    """The agent echoes the policy's turn as raw text (its own copy, no tool_calls field): not the
+    message we returned, but it renders to the exact ids so far, so the call continues them."""
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        msgs = list(prompt["messages"])
+        await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        raw = CALL.replace("<|im_end|>", "")
+        msgs += [{"role": "assistant", "content": raw}, {"role": "tool", "tool_call_id": "x", "content": "579"}]
+        await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, ga, policy = asyncio.run(play(agent, [CALL, ANSWER], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert ga.registry.counters["stitch_mismatches"] == 0 and ga.registry.counters["stitched_calls"] == 1
+    (r,) = group.responses
+    assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[0] + policy.turns[1]
+    assert r.num_turns == 2

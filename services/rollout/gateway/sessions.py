@@ -10,7 +10,9 @@ every model call of a sample is recorded as tokens and stitched into one traject
                  stitch:   the request's messages = the last call's messages + the assistant reply we
                            returned + new messages  → env tokens = the chat template's delta of the new
                            messages (chat.py), appended to the exact ids so far (never re-tokenized);
-                           anything else starts a new segment (counted in `stitch_mismatches`)
+                           else, when the full render's token ids start with the ids so far (a prefix
+                           match on token ids) → the rest are env tokens; anything else starts a new
+                           segment (counted in `stitch_mismatches`)
                  generate on the rollout engine (continued after an abort by a weight update)
         finish:  POST /finish {reward?}
 
@@ -250,13 +252,24 @@ class SessionRegistry:
             else:
                 env_ids = []
                 try:
-                    prompt_ids = renderer.prompt_ids([_template_message(m) for m in req.messages])
+                    full_ids = renderer.prompt_ids([_template_message(m) for m in req.messages])
                 except Exception as exc:  # a template error is the request's fault
                     raise bad("messages", f"the chat template cannot render them ({exc})") from exc
-                ctx, traj_len = prompt_ids, 0
+                prompt_ids, ctx, traj_len = full_ids, full_ids, 0
+                # Second chance, on token ids: the messages differ from what we returned (an agent
+                # that rewrites its copy) yet render to the exact ids so far plus more.
+                if seg is not None and seg.kind == "chat" and seg.tools_key == tools_key:
+                    so_far = seg.prompt_ids + seg.traj.token_ids
+                    if len(full_ids) > len(so_far) and full_ids[: len(so_far)] == so_far:
+                        stitched = True
+                        env_ids = full_ids[len(so_far):]
+                        new_msgs = []
+                        prompt_ids, traj_len = seg.prompt_ids, len(seg.traj) + len(env_ids)
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
             ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop)
             # Commit (no await from here on): the call happened.
+            if stitched and seg is not None and not new_msgs:  # stitched on token ids
+                seg.messages = [_template_message(m) for m in req.messages]
             if not stitched or seg is None:
                 if s.segments:
                     s.stitch_mismatches += 1
