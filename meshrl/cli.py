@@ -15,6 +15,7 @@
     meshrl bench trainer [--out FILE]
     meshrl bench rollout [--engines transformers,vllm] [--out FILE]
     meshrl bench agent [--delay-ms 200] [--json] [--out FILE]
+    meshrl bench gateway [--calls 50] [--json] [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -236,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--concurrency", type=int, default=24, help="groups in flight (a replica's leases)")
     pa.add_argument("--slots", type=int, default=64, help="engine slots (max_num_seqs)")
     pa.add_argument("--repeats", type=int, default=3, help="interleaved rounds per case (median reported)")
+    pg = bsub.add_parser("gateway", help="p50/p99 of a call through the OpenAI-compatible gateway vs a direct engine call")
+    pg.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pg.add_argument("--json", action="store_true", help="print JSON (the output is JSON in any case)")
+    pg.add_argument("--calls", type=int, default=50, help="calls per path per round")
+    pg.add_argument("--rounds", type=int, default=4, help="alternating rounds (direct / gateway, order flipped)")
+    pg.add_argument("--max-tokens", type=int, default=16, help="tokens per call")
     return parser
 
 
@@ -585,6 +592,10 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = run_agent(delay_ms=args.delay_ms, groups=args.groups, n=args.n, concurrency=args.concurrency,
                            slots=args.slots, repeats=args.repeats)
+    elif args.bench_command == "gateway":
+        from meshrl.bench.gateway import run_benchmark as run_gateway
+
+        result = run_gateway(calls=args.calls, rounds=args.rounds, max_tokens=args.max_tokens)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

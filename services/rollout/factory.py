@@ -129,12 +129,18 @@ def build_worker(
     replica_id: str | None = None,
 ) -> RolloutWorker:
     settings = worker_settings(cfg, replica_id)
-    return RolloutWorker(engine, tokenizer, coordinator, scorer, fetcher, settings, agent=build_agent(cfg, tokenizer, settings))
+    agent = build_agent(cfg, tokenizer, settings, scorer=scorer)
+    return RolloutWorker(engine, tokenizer, coordinator, scorer, fetcher, settings, agent=agent)
 
 
-def build_agent(cfg: MeshConfig, tokenizer: Any, settings: WorkerSettings) -> Any:
-    """The AgentLoop of a multi-turn run (actor_rollout_ref.rollout.multi_turn.enable), else None.
-    Loads the tool / interaction YAMLs now, so a bad one fails the replica at start."""
+def build_agent(cfg: MeshConfig, tokenizer: Any, settings: WorkerSettings, scorer: Scorer | None = None) -> Any:
+    """The AgentLoop of a multi-turn run (actor_rollout_ref.rollout.multi_turn.enable), the
+    gateway's agent runner with agent.command / agent.endpoint, else None. Loads the tool /
+    interaction YAMLs now, so a bad one fails the replica at start."""
+    if cfg.agent.enabled:
+        from .gateway import build_gateway_agent
+
+        return build_gateway_agent(cfg, tokenizer, scorer=scorer, max_model_len=max_model_len(cfg))
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not mt.enable:
         return None

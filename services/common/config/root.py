@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import model_validator
 
 from .actor_rollout_ref import ActorRolloutRefConfig
+from .agent import AgentConfig
 from .algorithm import AlgorithmConfig, CustomRewardFunctionConfig, RewardModelConfig
 from .async_training import AsyncTrainingConfig
 from .base import ConfigModel
@@ -64,6 +65,8 @@ class MeshConfig(ConfigModel):
     """Ray Serve deployment."""
     tuning: TuningConfig = TuningConfig()
     """Process-level performance knobs (CPU niceness)."""
+    agent: AgentConfig = AgentConfig()
+    """Black-box agents trained through the OpenAI-compatible gateway (agent.command / agent.endpoint)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -83,6 +86,11 @@ class MeshConfig(ConfigModel):
         if self.async_training.mode == "fully_async" and self.data.train_batch_size not in (0,):
             raise ValueError(
                 "fully async batches are ppo_mini_batch_size * require_batches prompts; set data.train_batch_size=0"
+            )
+        if self.agent.enabled and arr.rollout.multi_turn.enable:
+            raise ValueError(
+                "agent.command / agent.endpoint play each prompt through the gateway; the in-process agent loop "
+                "(actor_rollout_ref.rollout.multi_turn.enable) is the other way: set one of them"
             )
         if self.data.train_files == [] and self.data.synthetic is None:
             raise ValueError("no prompt data: set data.train_files or data.synthetic")

@@ -1,0 +1,424 @@
+"""Gateway sessions: one leased prompt group = n sample sessions, each with its own API key;
+every model call of a sample is recorded as tokens and stitched into one trajectory.
+
+    GroupSession (lease, n)  ─► SampleSession i: id, key, segments
+        call k:  auth (key of this session, hmac.compare_digest)  → 401
+                 validate the body                                 → 400 (field named)
+                 state: finished / failed                          → 409
+                 staleness: engine version - oldest policy token > max_staleness_versions → 409,
+                           the group fails (its lease is returned, the prompt re-queued)
+                 stitch:   the request's messages = the last call's messages + the assistant reply we
+                           returned + new messages  → env tokens = the chat template's delta of the new
+                           messages (chat.py), appended to the exact ids so far (never re-tokenized);
+                           else, when the full render's token ids start with the ids so far (a prefix
+                           match on token ids) → the rest are env tokens; anything else starts a new
+                           segment (counted in `stitch_mismatches`)
+                 generate on the rollout engine (continued after an abort by a weight update)
+        finish:  POST /finish {reward?}
+
+Trajectory of a sample = its last segment: prompt ids, then environment tokens (mask 0: what the
+agent added — tool results, user turns, its own assistant messages) and completion tokens (mask 1,
+with logprob and version). Earlier segments of a sample whose history did not extend are dropped
+(their tokens were not the context of the final answer) and counted. Ordering: calls of one
+sample are serialized (a per-sample lock); samples run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.common.logging import get_logger
+from services.environment.base import ToolCall
+
+from ..agent.chat import ChatRenderer
+from ..agent.parser import parse_tool_calls
+from ..agent.trajectory import Trajectory
+from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec
+from .openai_api import ApiError, ChatRequest, Completion, CompletionRequest, bad, now
+
+log = get_logger(__name__)
+
+GenerateFn = Callable[[GenerationRequest], Awaitable[list[SampleOutput]]]
+State = Literal["open", "finished", "failed"]
+
+
+@dataclass
+class Segment:
+    """One run of calls whose histories extend each other: a prompt and what followed it."""
+
+    kind: Literal["chat", "completion"]
+    prompt_ids: list[int]
+    traj: Trajectory
+    tools_key: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """Chat: the history as the model saw it (assistant content = the exact sampled text)."""
+    request_messages: list[dict[str, Any]] = field(default_factory=list)
+    """Chat: the last request's messages plus the assistant reply as returned (what a client echoes)."""
+    generated_end: str = ""
+    text: str = ""
+    """Completion: the last prompt plus its completion (what a continuing prompt starts with)."""
+    last_text: str = ""
+    calls: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+@dataclass
+class SampleSession:
+    id: str
+    key: str
+    index: int
+    group: GroupSession
+    state: State = "open"
+    reward: float | None = None
+    segments: list[Segment] = field(default_factory=list)
+    calls: int = 0
+    stitch_mismatches: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class GroupSession:
+    rid: str
+    spec: SamplingSpec
+    generate: GenerateFn
+    version: Callable[[], int]
+    samples: list[SampleSession] = field(default_factory=list)
+    failure: str | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+        for s in self.samples:
+            if s.state == "open":
+                s.state = "failed"
+        self.changed.set()
+
+    @property
+    def done(self) -> bool:
+        return self.failure is not None or all(s.state == "finished" for s in self.samples)
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    max_model_len: int
+    """Prompt + completion tokens of one call (the engine's context)."""
+    response_budget: int
+    """Tokens of a sample after its first prompt (completions and everything the agent added):
+    data.max_response_length, as for the in-process agent loop."""
+    max_staleness_versions: int | None = None
+    max_calls_per_sample: int = 64
+    max_resubmits: int = 64
+    model_name: str = "meshrl-policy"
+    ended_sessions_kept: int = 4096
+    """Ended sessions remembered (their calls answer 409, not 401) before their keys are forgotten."""
+
+
+def _call_key(m: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What must agree for a message the client echoes to count as the one we sent/saw."""
+    calls = tuple((c["name"], _canon_args(c["arguments"])) for c in m.get("tool_calls", ()))
+    return (m["role"], m.get("content") or "", calls, m.get("tool_call_id", ""))
+
+
+def _canon_args(args: str) -> str:
+    try:
+        return json.dumps(json.loads(args), sort_keys=True)
+    except json.JSONDecodeError:
+        return args
+
+
+class SessionRegistry:
+    """Every open session of one replica, by id. Used from one asyncio loop."""
+
+    def __init__(self, tokenizer: Any, limits: GatewayLimits) -> None:
+        self.tok = tokenizer
+        self.limits = limits
+        self._open: dict[str, SampleSession] = {}
+        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        """Ended sessions: id -> (key, why), without their tokens."""
+        self._renderers: dict[str, ChatRenderer] = {}
+        self.counters = {"calls": 0, "stitched_calls": 0, "stitch_mismatches": 0, "rejected_stale": 0,
+                         "rejected_auth": 0, "segments_dropped": 0}
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def open_group(self, rid: str, spec: SamplingSpec, generate: GenerateFn, version: Callable[[], int]) -> GroupSession:
+        g = GroupSession(rid, spec, generate, version)
+        for i in range(spec.n):
+            sid = uuid.uuid4().hex
+            s = SampleSession(sid, secrets.token_urlsafe(32), i, g)
+            g.samples.append(s)
+            self._open[sid] = s
+        return g
+
+    def close_group(self, g: GroupSession) -> None:
+        """The group ended (submitted or failed): its keys stop working for model calls (409 for a
+        while, then 401)."""
+        for s in g.samples:
+            if s.state == "open":
+                s.state = "failed"
+            self._open.pop(s.id, None)
+            why = g.failure if s.state == "failed" and g.failure else "its group has ended"
+            self._ended[s.id] = (s.key, why)
+        while len(self._ended) > self.limits.ended_sessions_kept:
+            self._ended.popitem(last=False)
+
+    def authenticate(self, session_id: str, authorization: str | None) -> SampleSession:
+        """The open session whose key the bearer token is. ApiError(401) for a wrong key or an
+        unknown session (so ids cannot be probed), 409 for a session whose group has ended (with the
+        right key; forgotten after `ended_sessions_kept` more, then 401)."""
+        key = ""
+        if authorization and authorization.lower().startswith("bearer "):
+            key = authorization[7:].strip()
+        s = self._open.get(session_id)
+        ended = self._ended.get(session_id) if s is None else None
+        expected = s.key if s is not None else ended[0] if ended is not None else None
+        if expected is None or not key or not hmac.compare_digest(expected.encode(), key.encode()):
+            self.counters["rejected_auth"] += 1
+            raise ApiError(401, "Incorrect API key provided for this session: use the OPENAI_API_KEY meshrl gave the "
+                           "agent with this session's base URL", code="invalid_api_key")
+        if ended is not None:
+            raise ApiError(409, f"session {session_id} takes no more calls: {ended[1]}", code="session_closed")
+        assert s is not None
+        return s
+
+    async def finish(self, s: SampleSession, reward: float | None) -> None:
+        """End the sample (after any call of it in flight: the group is built from what it recorded)."""
+        async with s.lock:
+            self._check_open(s)
+            s.reward = reward
+            s.state = "finished"
+            s.group.changed.set()
+
+    def _check_open(self, s: SampleSession) -> None:
+        if s.state != "open":
+            why = s.group.failure if s.state == "failed" and s.group.failure else f"the session is {s.state}"
+            raise ApiError(409, f"session {s.id} takes no more calls: {why}", code="session_closed")
+
+    # ---- calls ------------------------------------------------------------------------------------
+
+    def _renderer(self, tools: Sequence[Mapping[str, Any]]) -> tuple[ChatRenderer, str]:
+        key = json.dumps(list(tools), sort_keys=True)
+        r = self._renderers.get(key)
+        if r is None:
+            if len(self._renderers) > 256:
+                self._renderers.clear()
+            r = self._renderers[key] = ChatRenderer(self.tok, tools)
+        return r, key
+
+    def _check_staleness(self, s: SampleSession) -> None:
+        eta = self.limits.max_staleness_versions
+        seg = s.segments[-1] if s.segments else None
+        if eta is None or seg is None:
+            return
+        versions = seg.traj.policy_versions()
+        if versions and s.group.version() - min(versions) > eta:
+            self.counters["rejected_stale"] += 1
+            reason = (f"the policy moved to version {s.group.version()} while this sample holds tokens of version "
+                      f"{min(versions)}, more than async_training.max_staleness_versions={eta} behind; the sample's "
+                      "prompt is re-queued (start over from the new session meshrl hands out)")
+            s.group.fail(reason)
+            raise ApiError(409, reason, code="policy_too_stale")
+
+    async def chat(self, s: SampleSession, req: ChatRequest) -> Completion:
+        async with s.lock:
+            self._check_open(s)
+            self._check_calls(s)
+            self._check_staleness(s)
+            tools = req.tools if req.tool_choice != "none" else []
+            renderer, tools_key = self._renderer(tools)
+            seg = s.segments[-1] if s.segments else None
+            env_ids: list[int]
+            stitched = (
+                seg is not None and seg.kind == "chat" and seg.tools_key == tools_key
+                and len(req.messages) > len(seg.request_messages)
+                and [_call_key(m) for m in req.messages[: len(seg.request_messages)]]
+                == [_call_key(m) for m in seg.request_messages]
+            )
+            new_msgs = [_template_message(m) for m in req.messages[len(seg.request_messages):]] if stitched and seg else []
+            if stitched and seg is not None:
+                env_ids = renderer.env_ids(seg.messages[:-1], seg.messages[-1], new_msgs, seg.generated_end)
+                prompt_ids, ctx = seg.prompt_ids, seg.prompt_ids + seg.traj.token_ids + env_ids
+                traj_len = len(seg.traj) + len(env_ids)
+            else:
+                env_ids = []
+                try:
+                    full_ids = renderer.prompt_ids([_template_message(m) for m in req.messages])
+                except Exception as exc:  # a template error is the request's fault
+                    raise bad("messages", f"the chat template cannot render them ({exc})") from exc
+                prompt_ids, ctx, traj_len = full_ids, full_ids, 0
+                # Second chance, on token ids: the messages differ from what we returned (an agent
+                # that rewrites its copy) yet render to the exact ids so far plus more.
+                if seg is not None and seg.kind == "chat" and seg.tools_key == tools_key:
+                    so_far = seg.prompt_ids + seg.traj.token_ids
+                    if len(full_ids) > len(so_far) and full_ids[: len(so_far)] == so_far:
+                        stitched = True
+                        env_ids = full_ids[len(so_far):]
+                        new_msgs = []
+                        prompt_ids, traj_len = seg.prompt_ids, len(seg.traj) + len(env_ids)
+            max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
+            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop)
+            # Commit (no await from here on): the call happened.
+            if stitched and seg is not None and not new_msgs:  # stitched on token ids
+                seg.messages = [_template_message(m) for m in req.messages]
+            if not stitched or seg is None:
+                if s.segments:
+                    s.stitch_mismatches += 1
+                    self.counters["stitch_mismatches"] += 1
+                    self.counters["segments_dropped"] += 1
+                seg = Segment("chat", prompt_ids, Trajectory(index=s.index), tools_key=tools_key,
+                              messages=[_template_message(m) for m in req.messages])
+                s.segments.append(seg)
+            else:
+                seg.traj.add_environment(env_ids)
+                seg.messages.extend(new_msgs)
+                self.counters["stitched_calls"] += 1
+            seg.traj.add_policy(ids, lps, vers)
+            seg.traj.num_turns += 1
+            seg.traj.finish_reason = finish
+            raw = str(self.tok.decode(ids, skip_special_tokens=True))
+            seg.messages.append({"role": "assistant", "content": raw})
+            seg.generated_end = str(self.tok.decode(ids[-1:], skip_special_tokens=False)) if ids else ""
+            content = raw
+            calls: list[ToolCall] = []
+            if tools:
+                parsed, calls = parse_tool_calls(raw, seg.calls)
+                if any(c.parse_error for c in calls):
+                    seg.tool_errors += len([c for c in calls if c.parse_error])
+                    calls = []  # answered as plain text: the agent sees what the policy wrote
+                else:
+                    content = parsed
+                    seg.tool_calls += len(calls)
+            content = _cut_stop(content, req.stop) if finish is Finish.STOP else content
+            seg.last_text = raw
+            seg.calls += 1
+            s.calls += 1
+            self.counters["calls"] += 1
+            reply: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else ""}
+            if calls:
+                reply["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments_json} for c in calls]
+            seg.request_messages = [*req.messages, reply]
+            return self._completion(s, "chatcmpl", req.model, content, calls, finish, ids, lps, len(ctx))
+
+    async def complete(self, s: SampleSession, req: CompletionRequest) -> Completion:
+        async with s.lock:
+            self._check_open(s)
+            self._check_calls(s)
+            self._check_staleness(s)
+            seg = s.segments[-1] if s.segments else None
+            stitched = seg is not None and seg.kind == "completion" and req.prompt.startswith(seg.text) \
+                and len(req.prompt) > len(seg.text)
+            if stitched and seg is not None:
+                env_ids = list(self.tok.encode(req.prompt[len(seg.text):], add_special_tokens=False))
+                prompt_ids, ctx = seg.prompt_ids, seg.prompt_ids + seg.traj.token_ids + env_ids
+                traj_len = len(seg.traj) + len(env_ids)
+            else:
+                env_ids = []
+                prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
+                ctx, traj_len = prompt_ids, 0
+            max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
+            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop)
+            if not stitched or seg is None:
+                if s.segments:
+                    s.stitch_mismatches += 1
+                    self.counters["stitch_mismatches"] += 1
+                    self.counters["segments_dropped"] += 1
+                seg = Segment("completion", prompt_ids, Trajectory(index=s.index))
+                s.segments.append(seg)
+            else:
+                seg.traj.add_environment(env_ids)
+                self.counters["stitched_calls"] += 1
+            seg.traj.add_policy(ids, lps, vers)
+            seg.traj.num_turns += 1
+            seg.traj.finish_reason = finish
+            text = str(self.tok.decode(ids, skip_special_tokens=True))
+            seg.text = req.prompt + text
+            seg.last_text = text
+            seg.calls += 1
+            s.calls += 1
+            self.counters["calls"] += 1
+            shown = _cut_stop(text, req.stop) if finish is Finish.STOP else text
+            return self._completion(s, "cmpl", req.model, shown, [], finish, ids, lps, len(ctx))
+
+    def _check_calls(self, s: SampleSession) -> None:
+        if s.calls >= self.limits.max_calls_per_sample:
+            raise ApiError(429, f"this sample made agent.max_calls_per_sample={self.limits.max_calls_per_sample} calls; "
+                           "finish the session", code="too_many_calls")
+
+    def _max_tokens(self, ctx_len: int, traj_len: int, requested: int | None) -> int:
+        budget = self.limits.max_model_len - ctx_len
+        left = self.limits.response_budget - traj_len
+        if budget < 1:
+            raise ApiError(400, f"this call's prompt is {ctx_len} tokens; the model's context is "
+                           f"{self.limits.max_model_len} tokens", param="messages", code="context_length_exceeded")
+        if left < 1:
+            raise ApiError(400, f"the sample's response budget (data.max_response_length="
+                           f"{self.limits.response_budget} tokens after the first prompt: completions and everything "
+                           "the agent added) is spent; finish the session", param="messages",
+                           code="context_length_exceeded")
+        return min(requested or left, left, budget)
+
+    async def _generate(self, s: SampleSession, ctx: list[int], max_tokens: int, stop: tuple[str, ...]
+                        ) -> tuple[list[int], list[float], list[int], Finish]:
+        """One completion; a cut by a weight update (partial rollout, mode abort) is continued from
+        everything so far (its new tokens carry the new version)."""
+        g = s.group
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        for round_ in range(self.limits.max_resubmits + 1):
+            left = max_tokens - len(ids)
+            if left <= 0:
+                return ids, lps, vers, Finish.LENGTH
+            spec = SamplingSpec(n=1, temperature=g.spec.temperature, top_p=g.spec.top_p, top_k=g.spec.top_k,
+                                max_tokens=left, stop=stop or g.spec.stop, seed=None)
+            rid = f"{g.rid}/{s.index}/c{s.calls}-{uuid.uuid4().hex[:6]}" + (f"/r{round_}" if round_ else "")
+            (out,) = await g.generate(GenerationRequest(rid, ctx + ids, spec))
+            ids += out.token_ids
+            lps += out.logprobs
+            vers += out.versions
+            if out.finish_reason is not Finish.ABORT:
+                return ids, lps, vers, out.finish_reason
+            if s.state != "open":
+                break
+        raise ApiError(409, f"session {s.id} ended while this call was generating", code="session_closed")
+
+    def _completion(self, s: SampleSession, prefix: str, model: str, text: str, calls: Sequence[Any], finish: Finish,
+                    ids: Sequence[int], lps: Sequence[float], prompt_tokens: int) -> Completion:
+        reason = "length" if finish is Finish.LENGTH else ("tool_calls" if calls else "stop")
+        return Completion(
+            id=f"{prefix}-{s.id[:12]}-{s.calls}", model=model or self.limits.model_name, text=text, tool_calls=list(calls),
+            finish_reason=reason, token_texts=[str(self.tok.decode([t], skip_special_tokens=False)) for t in ids],
+            logprobs=list(lps), prompt_tokens=prompt_tokens, completion_tokens=len(ids), created=now(),
+        )
+
+
+def _template_message(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as the chat template gets it: an assistant message the agent wrote itself with
+    tool calls is rendered with hermes blocks in its content (what the policy would have written)."""
+    out = {"role": m["role"], "content": m.get("content") or ""}
+    if m["role"] == "assistant" and m.get("tool_calls"):
+        blocks = "".join(
+            f'<tool_call>\n{{"name": {json.dumps(c["name"])}, "arguments": {c["arguments"] or "{}"}}}\n</tool_call>'
+            for c in m["tool_calls"]
+        )
+        out["content"] = (out["content"] + "\n" if out["content"] else "") + blocks
+    return out
+
+
+def _cut_stop(text: str, stop: Sequence[str]) -> str:
+    for s in stop:
+        at = text.find(s)
+        if at >= 0:
+            text = text[:at]
+    return text
+

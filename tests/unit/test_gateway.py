@@ -1,0 +1,576 @@
+"""The OpenAI-compatible gateway without Ray: its real HTTP server (uvicorn on a free loopback port)
+called by the official `openai` SDK, in front of a scripted policy engine (a hand-written engine
+that answers each call of a sample with its next scripted turn). Sessions and keys, stitching of
+calls into one token sequence, the loss mask, rewards, OpenAI's error codes as the SDK's
+exceptions, streaming, text completions, agent programs (a real subprocess) and their deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import textwrap
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI, Request
+
+from meshrl.v1 import common_pb2, reward_pb2
+from services.common.config import MeshConfig
+from services.common.tiny import build_tokenizer
+from services.rollout.agent.chat import ChatRenderer
+from services.rollout.engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec
+from services.rollout.gateway import GatewayAgent, GatewayGroupFailed, GatewayLimits, GatewaySettings, SessionRegistry
+from services.rollout.gateway.app import GatewayServer, build_app
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call><|im_end|>'
+ANSWER = "579<|im_end|>"
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+PROMPT = common_pb2.Prompt(prompt_id="p0", data_source="tool_add", messages=[common_pb2.ChatMessage(role="user", content="123+456=")])
+
+
+class ScriptedPolicy:
+    """generate(): call k of a sample answers turns[k] (logprob -0.5, the current version)."""
+
+    def __init__(self, tok: Any, turns: Sequence[str]) -> None:
+        self.tok = tok
+        self.turns = [list(tok.encode(t, add_special_tokens=False)) for t in turns]
+        self.calls: dict[str, int] = {}
+        self.requests: list[GenerationRequest] = []
+        self.version = 0
+
+    async def generate(self, req: GenerationRequest) -> list[SampleOutput]:
+        self.requests.append(req)
+        m = re.match(r"^(.*/\d+)/c\d+-", req.request_id)  # <group rid>/<sample>/c<call>-<unique>
+        assert m, req.request_id
+        k = self.calls.get(m.group(1), 0)
+        self.calls[m.group(1)] = k + 1
+        ids = self.turns[min(k, len(self.turns) - 1)][: req.sampling.max_tokens]
+        finish = Finish.STOP if ids and ids[-1] == self.tok.eos_token_id else Finish.LENGTH
+        return [SampleOutput(0, list(ids), [-0.5] * len(ids), [self.version] * len(ids), finish)]
+
+
+async def score_by_text(items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
+    return [reward_pb2.ScoreResult(item_id=it.item_id, score=1.0 if it.response_text.strip() == "579" else 0.0)
+            for it in items]
+
+
+AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[None]]
+
+
+async def play(agent: AgentFn | None, turns: Sequence[str], *, n: int = 2, command: Sequence[str] | None = None,
+               eta: int | None = None, timeout_s: float = 60.0, max_model_len: int = 512, budget: int = 256,
+               policy: ScriptedPolicy | None = None) -> tuple[common_pb2.TrajectoryGroup | Exception, GatewayAgent, ScriptedPolicy]:
+    tok = build_tokenizer(tools=True)
+    policy = policy or ScriptedPolicy(tok, turns)
+    registry = SessionRegistry(tok, GatewayLimits(max_model_len=max_model_len, response_budget=budget,
+                                                  max_staleness_versions=eta))
+    ga = GatewayAgent(tok, registry, GatewaySettings(command=tuple(command) if command else None, endpoint=None,
+                                                     sample_timeout_s=timeout_s, max_concurrent=4, launch=agent),
+                      scorer=score_by_text)
+    server = GatewayServer(build_app(registry), "127.0.0.1", 0)
+    port = await server.start()
+    ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+    try:
+        result: common_pb2.TrajectoryGroup | Exception = await ga.play(
+            PROMPT, SamplingSpec(n=n, max_tokens=budget), "rep/lease-1", "lease-1", "rep", policy.generate,
+            cancelled=lambda: False, version=lambda: policy.version)
+    except GatewayGroupFailed as exc:
+        result = exc
+    finally:
+        await server.stop()
+    return result, ga, policy
+
+
+async def finish(base_url: str, key: str, body: dict[str, Any]) -> httpx.Response:
+    async with httpx.AsyncClient() as c:
+        return await c.post(base_url.rsplit("/v1", 1)[0] + "/finish", json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+async def tool_loop(base_url: str, key: str, prompt: dict[str, Any], *, reward: float | None = 1.0,
+                    stream: bool = False) -> None:
+    """An agent as people write them: the SDK, tools, one tool round, then the answer."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0)
+    messages: list[Any] = list(prompt["messages"])
+    for _ in range(4):
+        if stream:
+            content, calls, finish_reason = "", {}, None
+            async for ch in await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
+                                                                stream=True):
+                d = ch.choices[0].delta
+                content += d.content or ""
+                for tc in d.tool_calls or []:
+                    calls[tc.index] = {"id": tc.id, "type": "function",
+                                       "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
+                finish_reason = ch.choices[0].finish_reason or finish_reason
+            msg: dict[str, Any] = {"role": "assistant", "content": content or None}
+            if calls:
+                msg["tool_calls"] = [calls[k] for k in sorted(calls)]
+        else:
+            resp = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            finish_reason = resp.choices[0].finish_reason
+            msg = resp.choices[0].message.model_dump(exclude_none=True)
+        messages.append(msg)
+        if finish_reason != "tool_calls":
+            break
+        for tc in msg["tool_calls"]:
+            args = json.loads(tc["function"]["arguments"])
+            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": str(args["a"] + args["b"])})
+    await client.close()
+    if reward is not None:
+        r = await finish(base_url, key, {"reward": reward})
+        assert r.status_code == 200, r.text
+
+
+def test_tool_loop_through_the_sdk_becomes_one_masked_trajectory_per_sample() -> None:
+    group, ga, policy = asyncio.run(play(tool_loop, [CALL, ANSWER]))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    tok = policy.tok
+    assert len(group.responses) == 2 and ga.registry.counters["stitch_mismatches"] == 0
+    assert ga.registry.counters["stitched_calls"] == 2
+    call_ids, answer_ids = policy.turns
+    # The second call continued from the exact ids of the first (never re-tokenized).
+    second = [r for r in policy.requests if "/c1-" in r.request_id]
+    first = [r for r in policy.requests if "/c0-" in r.request_id]
+    assert second[0].prompt_token_ids[: len(first[0].prompt_token_ids) + len(call_ids)] == first[0].prompt_token_ids + call_ids
+    renderer = ChatRenderer(tok)
+    history = [{"role": "user", "content": "123+456="},
+               {"role": "assistant", "content": tok.decode(call_ids, skip_special_tokens=True)},
+               {"role": "tool", "content": "579"}]
+    for r in group.responses:
+        assert r.env_reward == 1.0
+        mask, ids = list(r.loss_mask), list(r.token_ids)
+        assert [t for t, m in zip(ids, mask, strict=True) if m] == call_ids + answer_ids
+        assert ids[: len(call_ids)] == call_ids and mask[: len(call_ids)] == [1] * len(call_ids)
+        env = ids[len(call_ids): len(ids) - len(answer_ids)]
+        assert env and all(m == 0 for m in mask[len(call_ids): len(ids) - len(answer_ids)])
+        assert "<tool_response>\n579\n</tool_response>" in tok.decode(env, skip_special_tokens=False)
+        assert all(v == -1 for v, m in zip(r.versions, mask, strict=True) if not m)
+        assert all(lp == -0.5 for lp, m in zip(r.logprobs, mask, strict=True) if m)
+        assert r.num_turns == 2 and r.tool_calls == 1 and r.final_text == "579"
+        # prompt + trajectory == a full re-render of the conversation (closed after the answer)
+        full = list(group.prompt_token_ids) + ids + renderer.encode(renderer.tail(tok.decode(ids[-1:], skip_special_tokens=False)))
+        assert full == renderer.encode(renderer.render([*history, {"role": "assistant", "content": "579"}],
+                                                       add_generation_prompt=False))
+    assert list(group.prompt_token_ids) == renderer.prompt_ids(history[:1])
+
+
+def test_streaming_gives_the_same_answer_and_tool_calls() -> None:
+    group, _, _ = asyncio.run(play(lambda u, k, p: tool_loop(u, k, p, stream=True), [CALL, ANSWER], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (r,) = group.responses
+    assert r.tool_calls == 1 and r.final_text == "579" and r.num_turns == 2 and r.env_reward == 1.0
+
+
+def test_no_reward_means_the_reward_service_scores_the_last_answer() -> None:
+    group, _, _ = asyncio.run(play(lambda u, k, p: tool_loop(u, k, p, reward=None), [CALL, ANSWER], n=2))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert [r.env_reward for r in group.responses] == [1.0, 1.0]
+
+
+def test_errors_are_openai_errors_the_sdk_raises() -> None:
+    seen: dict[str, Any] = {}
+    done = asyncio.Event()
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        if prompt["sample_index"] != 0:
+            await done.wait()  # the group ends once every sample finished: let sample 0 probe first
+            return await tool_loop(url, key, prompt)
+        msgs = prompt["messages"]
+        bad_key = openai.AsyncOpenAI(base_url=url, api_key="not-the-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            await bad_key.chat.completions.create(model="m", messages=msgs)
+        seen["401"] = e.value.body
+        other = openai.AsyncOpenAI(base_url=url.replace(prompt["session_id"], "0" * 32), api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await other.models.list()
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        await c.chat.completions.create(model="m", messages=msgs)
+        assert [m.id for m in (await c.models.list()).data] == ["meshrl-policy"]
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model="m", messages=msgs, n=2)
+        seen["n"] = e.value.param
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "x"}])
+        seen["role"] = e.value.param
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "9" * 600}])
+        seen["long"] = e.value.code
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.chat.completions.create(model="m", messages=msgs, max_tokens=0)
+        seen["max_tokens"] = e.value.param
+        assert (await finish(url, key, {"reward": "high"})).status_code == 400
+        assert (await finish(url, key, {"reward": 0.5})).status_code == 200
+        with pytest.raises(openai.ConflictError) as e:
+            await c.chat.completions.create(model="m", messages=msgs)
+        seen["409"] = e.value.code
+        assert (await finish(url, key, {})).status_code == 409
+        for client in (bad_key, other, c):
+            await client.close()
+        done.set()
+
+    group, ga, _ = asyncio.run(play(agent, [CALL, ANSWER], n=2, max_model_len=256))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert [r.env_reward for r in group.responses] == [0.5, 1.0]
+    assert seen == {"401": seen["401"], "n": "n", "role": "messages[0].role", "long": "context_length_exceeded",
+                    "max_tokens": "max_tokens", "409": "session_closed"}
+    assert seen["401"]["code"] == "invalid_api_key"
+    assert ga.registry.counters["calls"] == 3  # the refused requests left no trace
+    assert ga.registry.counters["rejected_auth"] == 2
+
+
+def test_an_agent_that_never_calls_the_model_fails_the_group() -> None:
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        if prompt["sample_index"] == 1:
+            await tool_loop(url, key, prompt)
+
+    group, _, _ = asyncio.run(play(agent, [CALL, ANSWER], n=2))
+    # its lease goes back (the prompt is re-queued), never scored as zero
+    assert isinstance(group, GatewayGroupFailed) and "without calling the model" in str(group)
+
+
+def test_a_history_that_does_not_extend_starts_a_new_segment() -> None:
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        await c.chat.completions.create(model="m", messages=prompt["messages"], tools=TOOLS)
+        # the agent rewrites the conversation (a summary): not an extension of the first call
+        await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "sum: 123+456="}], tools=TOOLS)
+        await c.close()
+        await finish(url, key, {"reward": 0.0})
+
+    group, ga, policy = asyncio.run(play(agent, [CALL, ANSWER], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert ga.registry.counters["stitch_mismatches"] == 1
+    (r,) = group.responses
+    assert r.env_metrics["gateway_stitch_mismatches"] == 1.0 and r.env_metrics["gateway_calls"] == 2.0
+    assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[1]  # the last segment
+    assert "sum: 123+456=" in policy.tok.decode(list(group.prompt_token_ids) + list(r.token_ids))
+
+
+def test_a_call_past_max_staleness_versions_is_409_and_the_group_goes_back() -> None:
+    codes: list[str | None] = []
+    holder: dict[str, ScriptedPolicy] = {}
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        msgs = list(prompt["messages"])
+        resp = await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        holder["p"].version = 2  # two weight updates while the agent ran its tool
+        msgs += [resp.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": resp.choices[0].message.tool_calls[0].id, "content": "579"}]
+        try:
+            await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        except openai.ConflictError as exc:
+            codes.append(exc.code)
+            raise
+        finally:
+            await c.close()
+
+    tok = build_tokenizer(tools=True)
+    holder["p"] = ScriptedPolicy(tok, [CALL, ANSWER])
+    group, ga, _ = asyncio.run(play(agent, [], n=1, eta=1, policy=holder["p"]))
+    assert isinstance(group, GatewayGroupFailed) and "max_staleness_versions=1" in str(group)
+    assert codes == ["policy_too_stale"] and ga.registry.counters["rejected_stale"] == 1
+
+
+def test_text_completions_stitch_on_the_text_prefix() -> None:
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        r1 = await c.completions.create(model="m", prompt="123+456=", max_tokens=8, logprobs=1)
+        assert r1.choices[0].logprobs is not None and r1.choices[0].logprobs.token_logprobs[0] == -0.5
+        await c.completions.create(model="m", prompt="123+456=" + r1.choices[0].text + " so", max_tokens=8)
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, ga, policy = asyncio.run(play(agent, ["579", "!"], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (r,) = group.responses
+    assert policy.tok.decode(list(r.token_ids)) == "579 so!" and list(r.loss_mask) == [1, 1, 1, 0, 0, 0, 1]
+    assert ga.registry.counters["stitched_calls"] == 1
+
+
+AGENT_PROGRAM = textwrap.dedent("""
+    import json, os, sys, time, httpx, openai
+    prompt = json.load(sys.stdin)
+    assert not [k for k in os.environ if k.startswith("MESHRL_") and k != "MESHRL_SESSION_ID"], "mesh secrets leaked"
+    mode = sys.argv[1]
+    if mode == "fail" and prompt["sample_index"] == 1:
+        sys.exit(3)
+    if mode == "hang":
+        time.sleep(3600)
+    c = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
+    r = c.chat.completions.create(model="m", messages=prompt["messages"])
+    print("answer", r.choices[0].message.content)
+    if mode == "finish":
+        httpx.post(os.environ["OPENAI_BASE_URL"].rsplit("/v1", 1)[0] + "/finish", json={"reward": 0.25},
+                   headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}).raise_for_status()
+""")
+
+
+@pytest.mark.parametrize("mode", ["finish", "exit0", "fail", "hang"])
+def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHRL_ROLLOUT_TOKEN", "secret")
+    prog = tmp_path / "agent.py"
+    prog.write_text(AGENT_PROGRAM)
+    group, ga, _ = asyncio.run(play(None, [ANSWER], n=2, command=[sys.executable, str(prog), mode],
+                                    timeout_s=3.0 if mode == "hang" else 60.0))
+    if mode in ("finish", "exit0"):
+        assert isinstance(group, common_pb2.TrajectoryGroup), group
+        assert [r.env_reward for r in group.responses] == ([0.25] * 2 if mode == "finish" else [1.0] * 2)
+    elif mode == "fail":
+        assert isinstance(group, GatewayGroupFailed) and "exited with 3" in str(group)
+    else:
+        assert isinstance(group, GatewayGroupFailed) and "agent.sample_timeout_s" in str(group)
+        assert ga.counters["deadlines"] >= 1  # the first deadline fails the group and stops the other agent
+
+
+def test_agent_config_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = MeshConfig.model_validate({"agent": {"command": ["python", "a.py"]}})
+    assert cfg.agent.enabled and cfg.agent.port == 0 and cfg.agent.command == ["python", "a.py"]
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    rel = "examples/gateway_agent/tool_add_agent.py"
+    cfg = MeshConfig.model_validate({"agent": {"command": ["python", rel, "--reward-self"]}})
+    assert cfg.agent.command == ["python", str(Path(rel).resolve()), "--reward-self"]
+    with pytest.raises(ValueError, match="not both"):
+        MeshConfig.model_validate({"agent": {"command": ["a"], "endpoint": "http://x"}})
+    with pytest.raises(ValueError, match=r"multi_turn\.enable"):
+        MeshConfig.model_validate({"agent": {"command": ["a"]},
+                                   "actor_rollout_ref": {"rollout": {"multi_turn": {"enable": True}}}})
+
+
+def test_agent_endpoint_gets_each_sample_and_finishes_it() -> None:
+    """agent.endpoint: meshrl POSTs {prompt, base_url, api_key, session_id}; the service runs the agent."""
+    received: list[dict[str, Any]] = []
+    service = FastAPI()
+    running: list[asyncio.Task[None]] = []
+
+    @service.post("/run")
+    async def run(request: Request) -> dict[str, str]:
+        body = await request.json()
+        received.append(body)
+        running.append(asyncio.get_running_loop().create_task(tool_loop(body["base_url"], body["api_key"], body["prompt"])))
+        return {"status": "started"}
+
+    async def main() -> tuple[common_pb2.TrajectoryGroup, GatewayAgent]:
+        svc = GatewayServer(service, "127.0.0.1", 0)
+        svc_port = await svc.start()
+        tok = build_tokenizer(tools=True)
+        policy = ScriptedPolicy(tok, [CALL, ANSWER])
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
+        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=f"http://127.0.0.1:{svc_port}/run",
+                                                         sample_timeout_s=60, max_concurrent=4))
+        gw = GatewayServer(build_app(registry), "127.0.0.1", 0)
+        port = await gw.start()
+        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+        try:
+            group = await ga.play(PROMPT, SamplingSpec(n=2, max_tokens=256), "r/l", "l", "r", policy.generate,
+                                  cancelled=lambda: False, version=lambda: 0)
+        finally:
+            await asyncio.gather(*running)
+            await gw.stop()
+            await svc.stop()
+        return group, ga
+
+    group, _ = asyncio.run(main())
+    assert sorted(b["prompt"]["sample_index"] for b in received) == [0, 1]
+    assert all(b["base_url"].endswith(f"/sessions/{b['session_id']}/v1") and b["api_key"] for b in received)
+    assert [r.env_reward for r in group.responses] == [1.0, 1.0] and all(r.tool_calls == 1 for r in group.responses)
+
+
+# ---- in the worker ------------------------------------------------------------------------------------
+
+
+def _worker_run(command: list[str], until: Callable[[Any], bool]) -> Any:
+    """A RolloutWorker whose agent is the gateway (factory.build_agent from agent.command), a
+    scripted engine and a hand-written coordinator; runs until `until(coordinator)`."""
+    from services.rollout import factory
+    from services.rollout.worker import RolloutWorker, WorkerSettings
+    from tests.rollout_helpers import FakeCoordinator, wait_for
+    from tests.unit.test_agent_loop import ScriptedEngine
+
+    class Engine(ScriptedEngine):
+        def __init__(self, tok: Any) -> None:
+            super().__init__(tok, [CALL, ANSWER])
+            self.policy = ScriptedPolicy(tok, [CALL, ANSWER])
+
+        async def generate(self, request: GenerationRequest) -> list[SampleOutput]:
+            return await self.policy.generate(request)
+
+    tok = build_tokenizer(tools=True)
+    cfg = MeshConfig.model_validate({"agent": {"command": command, "sample_timeout_s": 60}})
+    settings = WorkerSettings(replica_id="w", concurrent_groups=2, idle_poll_s=0.05)
+    agent = factory.build_agent(cfg, tok, settings, scorer=score_by_text)
+    assert isinstance(agent, GatewayAgent)
+    coord = FakeCoordinator([PROMPT, PROMPT], common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=96))
+
+    async def go() -> None:
+        worker = RolloutWorker(Engine(tok), tok, coord, score_by_text, None, settings, agent=agent)
+        worker._synced = True  # no weight fetcher: nothing to wait for
+        worker.start()
+        try:
+            await wait_for(lambda: until(coord), what="the worker's groups")
+            assert worker.healthy
+        finally:
+            await worker.stop()
+
+    asyncio.run(go())
+    return coord
+
+
+def test_the_worker_submits_groups_played_by_agent_programs() -> None:
+    agent = Path(__file__).resolve().parents[2] / "examples" / "gateway_agent" / "tool_add_agent.py"
+    coord = _worker_run(["python", str(agent)], lambda c: len(c.submitted) == 2)  # python: the replica's own
+    assert coord.returned == []
+    for g in coord.submitted:
+        assert [r.reward for r in g.responses] == [1.0, 1.0]  # the reward service scored "579"
+        assert [(r.tool_calls, r.num_turns, 0 in r.loss_mask) for r in g.responses] == [(1, 2, True)] * 2
+
+
+def test_a_failing_agent_program_returns_the_lease() -> None:
+    coord = _worker_run([sys.executable, "-c", "import sys; sys.exit(2)"], lambda c: len(c.errors) >= 2)
+    assert coord.submitted == [] and all("exited with 2" in e for e in coord.errors)
+
+
+def test_a_call_cut_by_a_weight_update_is_continued_on_the_new_weights() -> None:
+    """Partial rollout, mode abort: the engine returns the call's first 5 tokens aborted and moves
+    to version 1; the gateway continues from prompt + those tokens, and the client sees one answer."""
+    tok = build_tokenizer(tools=True)
+
+    class Cutting(ScriptedPolicy):
+        async def generate(self, req: GenerationRequest) -> list[SampleOutput]:
+            if not any(r.request_id.endswith("/r1") for r in self.requests) and "/r" not in req.request_id:
+                self.requests.append(req)
+                ids = self.turns[0][:5]
+                self.version = 1
+                return [SampleOutput(0, list(ids), [-0.5] * 5, [0] * 5, Finish.ABORT)]
+            out = await super().generate(req)
+            if req.request_id.endswith("/r1"):
+                out[0].token_ids, out[0].logprobs, out[0].versions = (out[0].token_ids[5:], out[0].logprobs[5:],
+                                                                      out[0].versions[5:])
+            return out
+
+    policy = Cutting(tok, ["the sum is 579<|im_end|>"])
+    got: list[str] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        r = await c.chat.completions.create(model="m", messages=prompt["messages"])
+        got.append(r.choices[0].message.content or "")
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, _, _ = asyncio.run(play(agent, [], n=1, policy=policy))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert got == ["the sum is 579"]
+    (r,) = group.responses
+    assert list(r.token_ids) == policy.turns[0] and list(r.versions) == [0] * 5 + [1] * (len(policy.turns[0]) - 5)
+    first, cont = policy.requests[0], policy.requests[1]
+    assert cont.request_id.endswith("/r1") and cont.prompt_token_ids == first.prompt_token_ids + policy.turns[0][:5]
+    assert group.min_policy_version == 0 and group.max_policy_version == 1
+
+
+def test_keys_of_an_ended_group_get_409_then_401() -> None:
+    creds: list[tuple[str, str]] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        creds.append((url, key))
+        await tool_loop(url, key, prompt)
+
+    async def main() -> list[int]:
+        tok = build_tokenizer(tools=True)
+        policy = ScriptedPolicy(tok, [CALL, ANSWER])
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256, ended_sessions_kept=1))
+        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=None, sample_timeout_s=60,
+                                                         max_concurrent=4, launch=agent), scorer=score_by_text)
+        server = GatewayServer(build_app(registry), "127.0.0.1", 0)
+        port = await server.start()
+        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+        try:
+            await ga.play(PROMPT, SamplingSpec(n=2, max_tokens=256), "r/l", "l", "r", policy.generate,
+                          cancelled=lambda: False, version=lambda: 0)
+            codes = []
+            async with httpx.AsyncClient() as c:
+                for url, key in creds:  # the first sample's id was forgotten (ended_sessions_kept=1)
+                    codes.append((await c.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"})).status_code)
+                url, key = creds[1]
+                codes.append((await c.get(f"{url}/models", headers={"Authorization": "Bearer wrong"})).status_code)
+            return codes
+        finally:
+            await server.stop()
+
+    assert sorted(asyncio.run(main())) == [401, 401, 409]
+
+
+def test_a_stream_carries_every_tokens_logprob_and_the_usage() -> None:
+    got: dict[str, Any] = {}
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        content, lps, usage, finish_reason = "", [], None, None
+        async for ch in await c.chat.completions.create(model="m", messages=prompt["messages"], stream=True,
+                                                        logprobs=True, stream_options={"include_usage": True}):
+            usage = ch.usage or usage
+            for choice in ch.choices:
+                content += choice.delta.content or ""
+                lps += [x.logprob for x in (choice.logprobs.content if choice.logprobs and choice.logprobs.content else [])]
+                finish_reason = choice.finish_reason or finish_reason
+        got.update(content=content, lps=lps, usage=usage, finish=finish_reason)
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, _, policy = asyncio.run(play(agent, [ANSWER], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    n = len(policy.turns[0])  # "579" and the end-of-turn token
+    assert got["content"] == "579" and got["lps"] == [-0.5] * n and got["finish"] == "stop"
+    assert got["usage"].completion_tokens == n and got["usage"].prompt_tokens == len(group.prompt_token_ids)
+
+
+def test_the_replica_server_binds_agent_host_and_advertises_agent_advertise_host() -> None:
+    from services.rollout.gateway import build_gateway_agent
+
+    cfg = MeshConfig.model_validate({"agent": {"command": ["python", "a.py"], "advertise_host": "gw.example"}})
+
+    async def main() -> tuple[str, int]:
+        ga = build_gateway_agent(cfg, build_tokenizer(tools=True), scorer=None, max_model_len=128)
+        assert ga.start_server is not None and ga.stop_server is not None
+        await ga.start_server()
+        try:
+            assert ga.base_url is not None
+            url = ga.base_url("abc")
+            port = int(url.split(":")[2].split("/")[0])
+            async with httpx.AsyncClient() as c:  # listening on loopback (agent.host), keys required
+                status = (await c.get(f"http://127.0.0.1:{port}/sessions/abc/v1/models")).status_code
+            return url, status
+        finally:
+            await ga.aclose()
+
+    url, status = asyncio.run(main())
+    assert url.startswith("http://gw.example:") and url.endswith("/sessions/abc/v1") and status == 401
+
+
+def test_a_rewritten_echo_that_renders_to_the_same_ids_is_stitched_on_token_ids() -> None:
+    """The agent echoes the policy's turn as raw text (its own copy, no tool_calls field): not the
+    message we returned, but it renders to the exact ids so far, so the call continues them."""
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        msgs = list(prompt["messages"])
+        await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        raw = CALL.replace("<|im_end|>", "")
+        msgs += [{"role": "assistant", "content": raw}, {"role": "tool", "tool_call_id": "x", "content": "579"}]
+        await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, ga, policy = asyncio.run(play(agent, [CALL, ANSWER], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert ga.registry.counters["stitch_mismatches"] == 0 and ga.registry.counters["stitched_calls"] == 1
+    (r,) = group.responses
+    assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[0] + policy.turns[1]
+    assert r.num_turns == 2
