@@ -130,8 +130,16 @@ class TrainRun:
             cfg = yaml.safe_load((self.run_dir / "config.resolved.yaml").read_text())
             self._address = f"127.0.0.1:{cfg['serve']['grpc_port']}"
 
+        from meshrl.tokens import OPERATOR_TOKEN_FILE
+        from services.common.security import ChannelSecurity
+
+        # GetStatus is the operator's: the token `meshrl train` wrote for this run.
+        token_file = self.run_dir / OPERATOR_TOKEN_FILE
+        token = token_file.read_text().strip() if token_file.exists() else None
+
         async def get() -> Any:
-            async with CoordinatorClient(self._address, application="coordinator", timeout_s=5.0) as c:
+            async with CoordinatorClient(self._address, application="coordinator", timeout_s=5.0,
+                                         security=ChannelSecurity(token=token)) as c:
                 return await c.status()
 
         try:

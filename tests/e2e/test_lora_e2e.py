@@ -28,10 +28,14 @@ def test_lora_example_learns_and_ships_only_the_adapter(tmp_path: Path) -> None:
     assert last > first + 0.08, f"reward did not rise: first {first:.3f} -> last {last:.3f}"
     # the versions crossed as the adapter alone: the last one the coordinator committed is
     # 1.25 MB (rank 32 on every linear layer), not the 3.2 MB model
+    import base64
     import sqlite3
 
+    from meshrl.v1 import common_pb2
+
     state = json.loads(sqlite3.connect(run_dir / "ledger.sqlite").execute("SELECT json FROM run_state").fetchone()[0])
-    assert state["weights"]["policy_version"] == steps and 0 < int(state["weights"]["total_bytes"]) < 1_500_000, state
+    ref = common_pb2.WeightsRef.FromString(base64.b64decode(state["weights"]))  # stored in its wire form
+    assert ref.policy_version == steps and 0 < ref.total_bytes < 1_500_000, ref
     # the export is a PEFT adapter on the run's base checkpoint
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
