@@ -242,7 +242,9 @@ def test_serve_deploy_across_nodes_survives_losing_the_rollout_and_trainer_nodes
         _serve_cli(cluster, "shutdown", "-y")
 
     # the trainer restarted on c from the checkpoint and the coordinator re-queued what it had
-    started = [e for e in _events(run_dir, "trainer") if e["event"] == "trainer_started"]
+    # (in time order: the log files come in pid order, and the replacement's pid may be the lower)
+    started = sorted((e for e in _events(run_dir, "trainer") if e["event"] == "trainer_started"),
+                     key=lambda e: e["timestamp"])
     assert len({e["_file"] for e in started}) == 2, started  # two trainer replicas, one after the other
     resumed = [e for e in _events(run_dir, "trainer") if e["event"] == "trainer_resumed_from_checkpoint"]
     assert len(resumed) == 1 and resumed[0]["step"] >= checkpoint, resumed  # (one may have landed since the poll)
