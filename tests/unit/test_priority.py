@@ -25,12 +25,18 @@ import json, os, threading
 from services.common.priority import set_niceness
 
 def niceness_of_threads():
-    return sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
+    out = set()
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out.add(os.getpriority(os.PRIO_PROCESS, int(t)))
+        except ProcessLookupError:  # a thread that ended (just joined) after the listing
+            pass
+    return sorted(out)
 
 started = threading.Event(); release = threading.Event()
 def park():
     started.set(); release.wait()
-helper = threading.Thread(target=park); helper.start(); started.wait()  # a thread that exists before
+helper = threading.Thread(target=park, daemon=True); helper.start(); started.wait()  # a thread that exists before
 base = os.getpriority(os.PRIO_PROCESS, 0)
 """
 
