@@ -299,7 +299,9 @@ def test_decoupled_mode_uses_window_start_parameters_and_reference(tmp_path: Pat
     assert lines[0]["rollout_corr/engine_token_fraction"] == 1.0
     assert lines[0]["rollout_corr/engine_mismatch_k3_kl"] == pytest.approx(lines[0]["rollout_corr/mismatch_kl_k3"], rel=1e-5)
     assert "rollout_corr/offpolicy_kl" not in lines[0]
-    assert all("at_trainer_version" not in t for t in loss.seen)  # decoupled: measured in the loop, not the loss
+    # decoupled mode: the loop computes the engine-mismatch split from the proximal logprobs;
+    # the loss never sees that mask
+    assert all("at_trainer_version" not in t for t in loss.seen)
 
 
 def _batch_of(loop: TrainerLoop, seen: dict[str, torch.Tensor]) -> SequenceBatch:
