@@ -130,6 +130,30 @@ class Watch:
         raise AssertionError(f"not within {timeout_s:.0f}s: {what}\ncoordinator: {self.status}\n"
                              f"trainer: {self.trainer}\nprocesses: {_titles(self.cluster)}\n{tails}")
 
+    def catch(self, what: str, ok: Callable[[Watch], bool], timeout_s: float = WAIT_S) -> None:
+        """Like `until`, for a moment rather than a state: the coordinator alone, polled every 0.1 s on
+        one channel. Leases are in flight only while a replica generates; on a fast machine the
+        replicas spend most of a step waiting on the staleness gate, so a 2 s poll can miss every one."""
+
+        async def poll() -> bool:
+            deadline = time.monotonic() + timeout_s
+            async with CoordinatorClient(self.address, application="coordinator", timeout_s=10) as coord:
+                while time.monotonic() < deadline:
+                    try:
+                        self.status = await coord.status()
+                    except grpc.RpcError:
+                        await asyncio.sleep(1.0)
+                        continue
+                    if ok(self):
+                        return True
+                    await asyncio.sleep(0.1)
+            return False
+
+        if not asyncio.run(poll()):
+            tails = "\n".join(f"--- node {n}:\n{self.cluster.tail(n, 15)}" for n in self.cluster.nodes)
+            raise AssertionError(f"not within {timeout_s:.0f}s: {what}\ncoordinator: {self.status}\n"
+                                 f"processes: {_titles(self.cluster)}\n{tails}")
+
     @property
     def totals(self) -> Any:
         return self.status.totals
@@ -196,7 +220,7 @@ def test_serve_deploy_across_nodes_survives_losing_the_rollout_and_trainer_nodes
             assert found == {plane}, (service, found)
 
         # -- lose node b (both rollout replicas) with leases in flight ---------------------------------
-        w.until("rollouts hold leases after a checkpoint",
+        w.catch("rollouts hold leases after a checkpoint",
                 lambda w: w.totals.in_flight > 0 and w.status.last_checkpoint_step >= SAVE_FREQ)
         expired_before, consumed_before = w.totals.leases_expired, w.totals.consumed
         def submitted(w: Watch) -> int:  # groups that reached the coordinator: queued or consumed
