@@ -29,7 +29,10 @@ import numpy as np
 import torch
 
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.logging import get_logger
 from services.weights.layout import BucketMeta, Fingerprinter, Manifest, validate_manifest, verify_bucket
+
+log = get_logger(__name__)
 
 GRPC_TRANSPORT = "grpc"
 
@@ -62,6 +65,9 @@ class StoredVersion:
     readers: int = 0
     payload: object | None = None
     """Transport data the store does not interpret (e.g. Ray object refs)."""
+    served: bool = False
+    """Whether any consumer has seen it (manifest, hold or bytes). Until then it may be replaced:
+    see `WeightStore._commit`."""
 
     @property
     def policy_version(self) -> int:
@@ -286,14 +292,26 @@ class WeightStore:
         v = manifest.policy_version
         self._uploads.pop(v, None)
         existing = self._versions.get(v)
+        if existing is not None and existing.manifest.checksum != manifest.checksum and self._orphan(existing):
+            # A trainer publishes only the version after the coordinator's committed one, so a
+            # version that differs and that no consumer has seen is the orphan of a trainer that
+            # died (or lost its reply) between publish and commit: its successor, resumed from a
+            # checkpoint, publishes the same number with other weights. Nobody can observe the swap.
+            log.warning("param_server_orphan_version_replaced", policy_version=v,
+                        old_checksum=existing.manifest.checksum[:12], new_checksum=manifest.checksum[:12])
+            for b in existing.buffers or ():
+                self.pool.give(b)
+            existing.buffers = None
+            del self._versions[v]
+            existing = None
         if existing is not None:
             if existing.manifest.checksum != manifest.checksum:
                 for b in buffers or ():
                     self.pool.give(b)
                 raise FailedPrecondition(
                     f"version {v} was already published with different content (checksum "
-                    f"{existing.manifest.checksum[:12]} vs {manifest.checksum[:12]}); versions are immutable, "
-                    "publish a newer version"
+                    f"{existing.manifest.checksum[:12]} vs {manifest.checksum[:12]}) and consumers have seen "
+                    "it; versions are immutable once seen, publish a newer version"
                 )
             # Same content over another transport: merge what the two carry.
             existing.manifest = existing.manifest.with_transports(manifest.transports)
@@ -311,6 +329,10 @@ class WeightStore:
         self._versions[v] = stored
         self.sweep(now)
         return stored.manifest
+
+    @staticmethod
+    def _orphan(stored: StoredVersion) -> bool:
+        return not stored.served and not stored.holds and not stored.readers
 
     # ---- reads ----------------------------------------------------------------------------------
 
@@ -334,7 +356,10 @@ class WeightStore:
         return self._resolve(policy_version)
 
     def manifest(self, policy_version: int) -> Manifest:
-        return self._resolve(policy_version).manifest
+        """A consumer's view of the version (GetManifest): from now on it is immutable."""
+        stored = self._resolve(policy_version)
+        stored.served = True
+        return stored.manifest
 
     def newest_version(self) -> int | None:
         return max(self._versions) if self._versions else None
@@ -352,6 +377,7 @@ class WeightStore:
                 "server does not hold its bytes (fetch it over that transport, or publish it over grpc too)"
             )
         stored.readers += 1
+        stored.served = True
         try:
             yield stored
         finally:
@@ -369,6 +395,7 @@ class WeightStore:
                 "(param_server.max_holders_per_version); release holds you no longer need"
             )
         stored.holds[consumer_id] = now + self.settings.hold_ttl_s
+        stored.served = True
         return stored.manifest
 
     def release(self, consumer_id: str, policy_version: int, now: float) -> None:

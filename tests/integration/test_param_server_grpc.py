@@ -239,8 +239,9 @@ def test_retention_keeps_a_version_while_it_is_being_fetched() -> None:
             assert [s.policy_version for s in store.versions()] == [3]
             with pytest.raises(NotFound, match="evicted"):
                 await fetch_all(fetcher, ref1)
-            with pytest.raises(FailedPrecondition, match="immutable"):
-                await pub.publish(3, buckets(99))
+            assert_identical(await fetch_all(fetcher, await pub.publish(3, buckets(3))), expected(3))
+            with pytest.raises(FailedPrecondition, match="immutable once seen"):
+                await pub.publish(3, buckets(99))  # a consumer has the version: no other content
         finally:
             await pub.close()
             await fetcher.close()

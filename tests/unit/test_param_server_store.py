@@ -99,9 +99,40 @@ def test_versions_are_immutable_but_republishing_the_same_content_is_idempotent(
     m, buffers = make_version(1)
     upload(store, m, buffers, 0.0, manifest_first=True)
     upload(store, m, buffers, 1.0, manifest_first=False)
+    store.manifest(1)  # a consumer saw it
     other, other_buffers = make_version(1, seed=9)
-    with pytest.raises(FailedPrecondition, match="immutable"):
+    with pytest.raises(FailedPrecondition, match="immutable once seen"):
         upload(store, other, other_buffers, 2.0, manifest_first=True)
+    assert store.manifest(1).checksum == m.checksum
+
+
+@pytest.mark.parametrize("seen_by", ["manifest", "hold", "bytes"])
+def test_a_version_no_consumer_has_seen_is_replaced_by_the_resumed_trainer(seen_by: str) -> None:
+    """A trainer that died between publish and commit leaves an orphan; its successor resumes
+    from a checkpoint and publishes the same number with other weights. Until a consumer has seen
+    the orphan (manifest, hold or bytes) it is replaced; after, it is immutable."""
+    store = WeightStore(StoreSettings())
+    orphan, orphan_buffers = make_version(18)
+    upload(store, orphan, orphan_buffers, 0.0, manifest_first=True)
+    resumed, resumed_buffers = make_version(18, seed=9)
+    assert resumed.checksum != orphan.checksum
+    upload(store, resumed, resumed_buffers, 1.0, manifest_first=True)
+    assert store.manifest(18).checksum == resumed.checksum  # (seen from here on)
+    assert [s.policy_version for s in store.versions()] == [18]
+
+    fresh = WeightStore(StoreSettings())
+    upload(fresh, orphan, orphan_buffers, 0.0, manifest_first=True)
+    if seen_by == "manifest":
+        fresh.manifest(18)
+    elif seen_by == "hold":
+        fresh.acquire("rollout-0", 18, 0.5)
+    else:
+        with fresh.reading(18):
+            pass
+    with pytest.raises(FailedPrecondition, match="immutable once seen"):
+        upload(fresh, resumed, resumed_buffers, 1.0, manifest_first=True)
+    with fresh.reading(18) as stored:
+        assert stored.manifest.checksum == orphan.checksum
 
 
 def test_registered_versions_carry_no_bytes_and_merge_with_a_grpc_upload() -> None:
