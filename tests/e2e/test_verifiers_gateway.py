@@ -8,8 +8,9 @@ its openai-agents needs websockets<17, meshrl's venv pins 17.x); without it thes
 1. A scripted policy behind the real gateway (HTTP on loopback) and the agent program as
    `agent.command`: the trajectory is verifiers' conversation token for token, its loss masks mark
    the policy's tokens, the rewards are the rubric's (1 for the right sum, 0 for a wrong one).
-2. verifiers' `env.evaluate` through one gateway session: per-example results as scripted.
-3. `meshrl train` (five services on Ray Serve, the tiny Qwen3 warm start, real optimizer steps) with
+2. server.py as `agent.endpoint`: one service plays every sample.
+3. verifiers' `env.evaluate` through one gateway session: per-example results as scripted.
+4. `meshrl train` (five services on Ray Serve, the tiny Qwen3 warm start, real optimizer steps) with
    `agent.command` = the verifiers agent: every reward the trainer consumed came from the rubric
    applied to the completion verifiers saw, both outcomes occur, the ledger balances."""
 
@@ -27,7 +28,11 @@ from typing import Any
 import pytest
 
 from meshrl.v1 import common_pb2
-from tests.unit.test_gateway import ANSWER, CALL, finish, play
+from services.common.tiny import build_tokenizer
+from services.rollout.engines.base import SamplingSpec
+from services.rollout.gateway import GatewayAgent, GatewayLimits, GatewaySettings, SessionRegistry
+from services.rollout.gateway.app import GatewayServer, build_app
+from tests.unit.test_gateway import ANSWER, CALL, PROMPT, ScriptedPolicy, finish, play
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_DIR = ROOT / "examples" / "verifiers_agent"
@@ -82,6 +87,41 @@ def test_verifiers_rollouts_through_the_gateway_are_the_trajectories(
             assert [m["role"] for m in rec["completion"]] == ["assistant", "tool", "assistant"]
         else:
             assert r.num_turns == 1 and not env_ids and r.final_text == "578"
+
+
+def test_the_endpoint_service_plays_each_sample(vf_python: str, tmp_path: Path) -> None:
+    """server.py as `agent.endpoint`: one process, verifiers imported once, a POST per sample."""
+    server = subprocess.Popen([vf_python, str(AGENT_DIR / "server.py"), "--port", "0"], stdout=subprocess.PIPE,
+                              stderr=(tmp_path / "server.err").open("w"), text=True)
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()  # printed once it accepts requests; empty if it died
+        assert line.startswith("listening on "), (tmp_path / "server.err").read_text()[-2000:]
+        endpoint = line.split()[-1]
+
+        async def main() -> tuple[common_pb2.TrajectoryGroup, ScriptedPolicy]:
+            tok = build_tokenizer(tools=True)
+            policy = ScriptedPolicy(tok, [CALL, ANSWER])
+            registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
+            ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=endpoint, sample_timeout_s=240,
+                                                             max_concurrent=4))
+            http = GatewayServer(build_app(registry), "127.0.0.1", 0)
+            port = await http.start()
+            ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+            try:
+                group = await ga.play(PROMPT, SamplingSpec(n=3, max_tokens=256), "rep/lease-1", "lease-1", "rep",
+                                      policy.generate, cancelled=lambda: False, version=lambda: policy.version)
+            finally:
+                await http.stop()
+            return group, policy
+
+        group, policy = asyncio.run(main())
+        for r in group.responses:
+            assert r.env_reward == 1.0 and r.tool_calls == 1 and r.num_turns == 2 and r.final_text == "579"
+            assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[0] + policy.turns[1]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 # The environment's first three examples (addition_env.make_dataset, seed 0) are 846+326=, 674+152=,
