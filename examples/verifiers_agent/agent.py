@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import verifiers as vf
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from addition_env import input_from_prompt, load_environment
@@ -37,24 +37,49 @@ def completion_messages(completion: Any) -> list[dict[str, Any]]:
     return out
 
 
+class GatewayClient(vf.OpenAIChatCompletionsClient):
+    """verifiers' chat-completions client, plus: the gateway's 400 `context_length_exceeded` (the
+    sample's response budget is spent, or the context is full) is verifiers' OverlongPromptError,
+    which ends the rollout as truncated and lets the rubric score it. verifiers recognizes an
+    overlong prompt by phrases in the error text, not by OpenAI's error code."""
+
+    async def get_native_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().get_native_response(*args, **kwargs)
+        except BadRequestError as exc:
+            if exc.code == "context_length_exceeded":
+                raise vf.OverlongPromptError(str(exc)) from exc
+            raise
+
+
+def gateway_client(base_url: str, api_key: str) -> GatewayClient:
+    return GatewayClient(AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0))
+
+
 async def play(prompt: dict[str, Any], base_url: str, api_key: str, env: vf.Environment | None = None) -> float:
     """One sample: verifiers' rollout of the leased prompt through the session, scored by the
-    rubric, the reward reported to the session's /finish. Raises when the rollout failed (the
-    sample then fails and meshrl returns the lease; a failure never scores zero)."""
+    rubric, the reward reported to the session's /finish. What the policy did is scored, an empty
+    answer included (verifiers' ModelError: the rubric gives it 0); anything else that stops the
+    rollout (the gateway refusing a call, a tool set to stop on errors) raises, the sample fails
+    and meshrl returns the lease: a failure never scores zero."""
     env = env or load_environment(num_examples=1)
-    client = vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0))
+    client = gateway_client(base_url, api_key)
     try:
-        out = await env.run_rollout(input_from_prompt(prompt), client, "policy", {})
+        state = await env.rollout(input_from_prompt(prompt), client, "policy", {})
+        error = state.get("error")
+        if error is not None and not isinstance(error, vf.ModelError):
+            raise RuntimeError(f"verifiers rollout failed: {error!r}")
+        await env.rubric.score_rollout(state)
+        await env.rubric.cleanup(state)
     finally:
         await client.close()
-    if out.get("error"):
-        raise RuntimeError(f"verifiers rollout failed: {out['error']}")
-    reward = float(out["reward"])
+    reward = float(state["reward"])
     if log := os.environ.get("VERIFIERS_AGENT_LOG"):
         record = {"session_id": prompt.get("session_id"), "prompt_id": prompt.get("prompt_id"),
-                  "sample_index": prompt.get("sample_index"),
-                  "question": prompt["messages"][-1]["content"], "answer": out.get("answer"),
-                  "completion": completion_messages(out.get("completion")), "reward": reward}
+                  "sample_index": prompt.get("sample_index"), "question": prompt["messages"][-1]["content"],
+                  "answer": state.get("answer"), "completion": completion_messages(state.get("completion")),
+                  "truncated": bool(state.get("is_truncated")), "error": repr(error) if error else None,
+                  "reward": reward}
         with open(log, "a") as f:  # one short line per write: appends from concurrent agents stay whole
             f.write(json.dumps(record) + "\n")
     async with httpx.AsyncClient() as c:

@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 import httpx
-import verifiers as vf
-from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from addition_env import load_environment
+from agent import gateway_client
 
 
 async def main() -> int:
@@ -38,11 +37,11 @@ async def main() -> int:
     if not args.base_url or not args.api_key:
         ap.error("set --base-url and --api-key (or OPENAI_BASE_URL and OPENAI_API_KEY)")
     env = load_environment(num_examples=args.num_examples)
-    client = vf.OpenAIChatCompletionsClient(AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0))
+    client = gateway_client(args.base_url, args.api_key)
     try:
         res = await env.evaluate(client, args.model, sampling_args={}, num_examples=args.num_examples,
                                  rollouts_per_example=1, max_concurrent=args.max_concurrent,
-                                 on_progress=lambda *a, **k: None)  # no tqdm bar on stderr
+                                 on_start=lambda *a, **k: None, on_progress=lambda *a, **k: None)  # no tqdm bar on stderr
     finally:
         await client.close()
     examples = []

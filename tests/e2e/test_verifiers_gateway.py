@@ -89,6 +89,28 @@ def test_verifiers_rollouts_through_the_gateway_are_the_trajectories(
             assert r.num_turns == 1 and not env_ids and r.final_text == "578"
 
 
+def test_a_spent_response_budget_ends_the_rollout_truncated_and_scored(
+    vf_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway's 400 context_length_exceeded is verifiers' overlong prompt: the rollout ends
+    truncated, the rubric scores what the policy answered (here: a tool call, no answer, so 0), the group
+    is submitted (a policy that runs out of budget is not an agent failure)."""
+    log = tmp_path / "agent.jsonl"
+    monkeypatch.setenv("VERIFIERS_AGENT_LOG", str(log))
+    group, ga, _ = asyncio.run(play(None, [CALL], n=1, command=[vf_python, str(AGENT_DIR / "agent.py")],
+                                    timeout_s=240, budget=BUDGET))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (rec,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rec["truncated"] and rec["error"] is None and rec["reward"] == 0.0 == group.responses[0].env_reward
+    # the first call's tool call fit; the call after the tool's result was refused (400), which
+    # without agent.py's GatewayClient would have crashed the rollout and failed the group
+    assert ga.registry.counters["calls"] == 1 and [m["role"] for m in rec["completion"]] == ["assistant"]
+    assert rec["completion"][0]["tool_calls"][0]["name"] == "add"
+
+
+BUDGET = 60  # tokens: the scripted tool call (53) fits, it and the tool's result do not
+
+
 def test_the_endpoint_service_plays_each_sample(vf_python: str, tmp_path: Path) -> None:
     """server.py as `agent.endpoint`: one process, verifiers imported once, a POST per sample."""
     server = subprocess.Popen([vf_python, str(AGENT_DIR / "server.py"), "--port", "0"], stdout=subprocess.PIPE,
