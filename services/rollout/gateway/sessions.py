@@ -47,6 +47,8 @@ from .openai_api import ApiError, ChatRequest, Completion, CompletionRequest, ba
 log = get_logger(__name__)
 
 GenerateFn = Callable[[GenerationRequest], Awaitable[list[SampleOutput]]]
+OnToken = Callable[[int, float], None]
+"""Streaming: (token id, logprob) of each completion token as it is sampled."""
 State = Literal["open", "finished", "failed"]
 
 
@@ -229,7 +231,10 @@ class SessionRegistry:
             s.group.fail(reason)
             raise ApiError(409, reason, code="policy_too_stale")
 
-    async def chat(self, s: SampleSession, req: ChatRequest) -> Completion:
+    async def chat(self, s: SampleSession, req: ChatRequest, on_token: OnToken | None = None) -> Completion:
+        """One chat call; `on_token(token_id, logprob)` sees each completion token as it is sampled
+        (streaming; all of them before this returns, including those of a continuation after an
+        abort), where the engine streams."""
         async with s.lock:
             self._check_open(s)
             self._check_calls(s)
@@ -266,7 +271,7 @@ class SessionRegistry:
                         new_msgs = []
                         prompt_ids, traj_len = seg.prompt_ids, len(seg.traj) + len(env_ids)
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
-            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop)
+            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop, on_token)
             # Commit (no await from here on): the call happened.
             if stitched and seg is not None and not new_msgs:  # stitched on token ids
                 seg.messages = [_template_message(m) for m in req.messages]
@@ -309,7 +314,7 @@ class SessionRegistry:
             seg.request_messages = [*req.messages, reply]
             return self._completion(s, "chatcmpl", req.model, content, calls, finish, ids, lps, len(ctx))
 
-    async def complete(self, s: SampleSession, req: CompletionRequest) -> Completion:
+    async def complete(self, s: SampleSession, req: CompletionRequest, on_token: OnToken | None = None) -> Completion:
         async with s.lock:
             self._check_open(s)
             self._check_calls(s)
@@ -326,7 +331,7 @@ class SessionRegistry:
                 prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
                 ctx, traj_len = prompt_ids, 0
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
-            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop)
+            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop, on_token)
             if not stitched or seg is None:
                 if s.segments:
                     s.stitch_mismatches += 1
@@ -367,8 +372,8 @@ class SessionRegistry:
                            code="context_length_exceeded")
         return min(requested or left, left, budget)
 
-    async def _generate(self, s: SampleSession, ctx: list[int], max_tokens: int, stop: tuple[str, ...]
-                        ) -> tuple[list[int], list[float], list[int], Finish]:
+    async def _generate(self, s: SampleSession, ctx: list[int], max_tokens: int, stop: tuple[str, ...],
+                        on_token: OnToken | None = None) -> tuple[list[int], list[float], list[int], Finish]:
         """One completion; a cut by a weight update (partial rollout, mode abort) is continued from
         everything so far (its new tokens carry the new version)."""
         g = s.group
@@ -382,7 +387,8 @@ class SessionRegistry:
             spec = SamplingSpec(n=1, temperature=g.spec.temperature, top_p=g.spec.top_p, top_k=g.spec.top_k,
                                 max_tokens=left, stop=stop or g.spec.stop, seed=None)
             rid = f"{g.rid}/{s.index}/c{s.calls}-{uuid.uuid4().hex[:6]}" + (f"/r{round_}" if round_ else "")
-            (out,) = await g.generate(GenerationRequest(rid, ctx + ids, spec))
+            hook = None if on_token is None else (lambda _i, t, lp: on_token(t, lp))
+            (out,) = await g.generate(GenerationRequest(rid, ctx + ids, spec, on_token=hook))
             ids += out.token_ids
             lps += out.logprobs
             vers += out.versions
