@@ -15,7 +15,7 @@
     meshrl bench trainer [--out FILE]
     meshrl bench rollout [--engines transformers,vllm] [--out FILE]
     meshrl bench agent [--delay-ms 200] [--json] [--out FILE]
-    meshrl bench gateway [--calls 50] [--json] [--out FILE]
+    meshrl bench gateway [--calls 50] [--sessions 64] [--json] [--out FILE]
 
 Subcommands register themselves in `_COMMANDS`; each is a small function taking parsed args and
 returning an exit code. Output to the terminal is this module's job (services log, never print).
@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--calls", type=int, default=50, help="calls per path per round")
     pg.add_argument("--rounds", type=int, default=4, help="alternating rounds (direct / gateway, order flipped)")
     pg.add_argument("--max-tokens", type=int, default=16, help="tokens per call")
+    pg.add_argument("--sessions", type=int, default=64, help="concurrent agent sessions (openai SDK); 0 skips them")
+    pg.add_argument("--group-size", type=int, default=8, help="samples per lease among those sessions")
     return parser
 
 
@@ -595,7 +597,8 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.bench_command == "gateway":
         from meshrl.bench.gateway import run_benchmark as run_gateway
 
-        result = run_gateway(calls=args.calls, rounds=args.rounds, max_tokens=args.max_tokens)
+        result = run_gateway(calls=args.calls, rounds=args.rounds, max_tokens=args.max_tokens, sessions=args.sessions,
+                             group_size=args.group_size)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
     text = json.dumps(result, indent=2)

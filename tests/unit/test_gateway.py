@@ -253,30 +253,76 @@ def test_a_history_that_does_not_extend_starts_a_new_segment() -> None:
     assert "sum: 123+456=" in policy.tok.decode(list(group.prompt_token_ids) + list(r.token_ids))
 
 
-def test_a_call_past_max_staleness_versions_is_409_and_the_group_goes_back() -> None:
+def test_a_call_past_max_staleness_versions_is_409_and_only_that_sample_starts_over() -> None:
+    """Sample 0 calls at version 0, two updates land while it runs its tool, its next call is 409
+    policy_too_stale; its agent is started again in a new session of the same lease, while sample 1
+    (whose calls came after the updates) keeps its work."""
     codes: list[str | None] = []
+    runs: list[int] = []
+    holder: dict[str, ScriptedPolicy] = {}
+    bumped = asyncio.Event()
+    old: list[tuple[str, str]] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        i = prompt["sample_index"]
+        runs.append(i)
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        msgs = list(prompt["messages"])
+        if i == 1:
+            await bumped.wait()
+        resp = await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        if i == 0 and runs.count(0) == 1:
+            holder["p"].version = 2  # two weight updates while the agent ran its tool
+            bumped.set()
+            msgs += [resp.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": resp.choices[0].message.tool_calls[0].id, "content": "579"}]
+            try:
+                await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            except openai.ConflictError as exc:
+                codes.append(exc.code)
+                old.append((url, key))
+                raise
+            finally:
+                await c.close()
+        await c.close()
+        assert (await finish(url, key, {"reward": 1.0})).status_code == 200
+
+    tok = build_tokenizer(tools=True)
+    holder["p"] = ScriptedPolicy(tok, [CALL, ANSWER])
+    group, ga, policy = asyncio.run(play(agent, [], n=2, eta=1, policy=holder["p"]))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert codes == ["policy_too_stale"] and ga.registry.counters["rejected_stale"] == 1
+    assert ga.counters["samples_restarted"] == 1 and sorted(runs) == [0, 0, 1] and ga.counters["groups_failed"] == 0
+    r0, r1 = sorted(group.responses, key=lambda r: r.sample_index)
+    # sample 0 is its second session's work only (one call, the answer, at version 2)
+    assert [t for t, m in zip(r0.token_ids, r0.loss_mask, strict=True) if m] == policy.turns[1]
+    assert {v for v, m in zip(r0.versions, r0.loss_mask, strict=True) if m} == {2} and r0.num_turns == 1
+    # sample 1 kept its one call
+    assert [t for t, m in zip(r1.token_ids, r1.loss_mask, strict=True) if m] == policy.turns[0]
+    assert [r.env_reward for r in (r0, r1)] == [1.0, 1.0]
+
+
+def test_a_sample_that_keeps_falling_behind_returns_the_lease() -> None:
+    """Every session of sample 0 sees the policy move past max_staleness_versions=0 between its two
+    calls: after GatewayLimits.max_sample_restarts (3) restarts the group goes back, with the reason."""
     holder: dict[str, ScriptedPolicy] = {}
 
     async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
         c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
-        msgs = list(prompt["messages"])
-        resp = await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
-        holder["p"].version = 2  # two weight updates while the agent ran its tool
-        msgs += [resp.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": resp.choices[0].message.tool_calls[0].id, "content": "579"}]
         try:
+            msgs = list(prompt["messages"])
+            resp = await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+            holder["p"].version += 1
+            msgs += [resp.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
             await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
-        except openai.ConflictError as exc:
-            codes.append(exc.code)
-            raise
         finally:
             await c.close()
 
     tok = build_tokenizer(tools=True)
-    holder["p"] = ScriptedPolicy(tok, [CALL, ANSWER])
-    group, ga, _ = asyncio.run(play(agent, [], n=1, eta=1, policy=holder["p"]))
-    assert isinstance(group, GatewayGroupFailed) and "max_staleness_versions=1" in str(group)
-    assert codes == ["policy_too_stale"] and ga.registry.counters["rejected_stale"] == 1
+    holder["p"] = ScriptedPolicy(tok, [ANSWER])
+    group, ga, _ = asyncio.run(play(agent, [], n=1, eta=0, policy=holder["p"]))
+    assert isinstance(group, GatewayGroupFailed) and "started over 3 times" in str(group), group
+    assert ga.counters["samples_restarted"] == 3 and ga.registry.counters["rejected_stale"] == 4
 
 
 def test_text_completions_stitch_on_the_text_prefix() -> None:

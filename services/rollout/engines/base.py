@@ -98,6 +98,11 @@ class GenerationRequest:
     """Unique among this engine's in-flight requests."""
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    on_token: Callable[[int, int, float], None] | None = field(default=None, compare=False)
+    """Optional, for streaming (the gateway's `stream: true`): called on the caller's event loop
+    with (sample index, token id, logprob) for every token as it is sampled, in order, all of them
+    before generate() returns. An engine that cannot stream never calls it (the transformers
+    engine does; vllm does not yet): the caller then sees the whole completion at the end."""
 
 
 @dataclass

@@ -506,6 +506,11 @@ class Scheduler:
             o.logprobs.append(float(lp))
             o.versions.append(self.version)
             s.pending_token = int(tok)
+            if s.req.request.on_token is not None:  # streaming: the token, to the caller's loop now
+                try:
+                    s.req.loop.call_soon_threadsafe(s.req.request.on_token, o.index, int(tok), float(lp))
+                except RuntimeError:  # the caller's loop is gone (shutdown): nobody is listening
+                    pass
             reason = self._finish_reason(s)
             if reason is not None:
                 finished.append((i, reason))

@@ -12,8 +12,8 @@ state (409); a refused request changes nothing.
 Why a server per replica rather than Serve's HTTP proxy: a session's calls must reach the replica
 that holds its lease and its tokens, and Serve's proxy balances requests over replicas with no
 affinity. Each replica serves its own sessions on `agent.host:agent.port` (port 0: a free one) and
-hands agents that address. Streaming is emitted once the completion is generated (the engine
-contract returns whole completions), in OpenAI's chunk format.
+hands agents that address. Streaming goes out token by token as the engine samples
+(streaming.py), in OpenAI's chunk format.
 """
 
 from __future__ import annotations
@@ -32,16 +32,15 @@ from services.common.logging import get_logger
 from .openai_api import (
     ApiError,
     bad,
-    chat_chunks,
     chat_response,
-    completion_chunks,
     completion_response,
     models_response,
+    now,
     parse_chat,
     parse_completion,
-    sse,
 )
 from .sessions import SessionRegistry
+from .streaming import StreamSpec, open_stream
 
 log = get_logger(__name__)
 
@@ -79,20 +78,26 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
     async def chat(session_id: str, request: Request) -> Response:
         s = registry.authenticate(session_id, request.headers.get("authorization"))
         req = parse_chat(await body_of(request))
-        c = await registry.chat(s, req)
         if req.stream:
-            return StreamingResponse(_iter(sse(chat_chunks(c, req.logprobs, req.include_usage))),
-                                     media_type="text/event-stream")
-        return JSONResponse(chat_response(c, req.logprobs))
+            spec = StreamSpec("chat", f"chatcmpl-{s.id[:12]}-{s.calls + 1}", req.model or registry.limits.model_name,
+                              now(), bool(req.tools) and req.tool_choice != "none", req.stop, req.logprobs,
+                              req.include_usage)
+            events = await open_stream(lambda on_token: registry.chat(s, req, on_token), spec, registry.tok,
+                                       registry.counters)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(chat_response(await registry.chat(s, req), req.logprobs))
 
     @app.post("/sessions/{session_id}/v1/completions")
     async def completions(session_id: str, request: Request) -> Response:
         s = registry.authenticate(session_id, request.headers.get("authorization"))
         req = parse_completion(await body_of(request))
-        c = await registry.complete(s, req)
         if req.stream:
-            return StreamingResponse(_iter(sse(completion_chunks(c, req.include_usage))), media_type="text/event-stream")
-        return JSONResponse(completion_response(c, req.logprobs))
+            spec = StreamSpec("completion", f"cmpl-{s.id[:12]}-{s.calls + 1}", req.model or registry.limits.model_name,
+                              now(), False, req.stop, False, req.include_usage)
+            events = await open_stream(lambda on_token: registry.complete(s, req, on_token), spec, registry.tok,
+                                       registry.counters)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return JSONResponse(completion_response(await registry.complete(s, req), req.logprobs))
 
     @app.get("/sessions/{session_id}/v1/models")
     async def models(session_id: str, request: Request) -> Response:
@@ -115,11 +120,6 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
         return JSONResponse({"session_id": session_id, "state": s.state})
 
     return app
-
-
-async def _iter(chunks: list[bytes]) -> Any:
-    for c in chunks:
-        yield c
 
 
 class GatewayServer:

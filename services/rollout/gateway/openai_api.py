@@ -266,8 +266,9 @@ def chat_response(c: Completion, logprobs: bool) -> dict[str, Any]:
 
 
 def chat_chunks(c: Completion, logprobs: bool, include_usage: bool) -> list[dict[str, Any]]:
-    """The response as chat.completion.chunk events: the role, the content (one chunk: the
-    completion exists whole when streaming starts, and one chunk carries every token's logprob
+    """A whole completion as chat.completion.chunk events (streaming.py's path when the engine
+    streamed no token, e.g. vLLM): the role, the content (one chunk: the completion exists whole
+    when streaming starts, and one chunk carries every token's logprob
     even where token texts do not add up to the content, e.g. an end-of-turn token), the tool
     calls, the finish reason, then (stream_options.include_usage) the usage."""
     base = {"id": c.id, "object": "chat.completion.chunk", "created": c.created, "model": c.model}

@@ -11,10 +11,15 @@ group.
                          (a command that exits 0 without /finish finishes with no reward)
         all n finished → trajectories (sessions.py) → TrajectoryGroup; samples with no reward are
                          scored by the reward service on their last answer
-        a sample fails (agent exits non-zero, its deadline agent.sample_timeout_s passes, a call
-        over max_staleness_versions, an agent that made no call) → every agent of the group is
-        stopped and play raises GatewayGroupFailed: the worker returns the lease, the prompt is
-        re-queued (counted), never scored as zero.
+        a sample falls past max_staleness_versions (a call refused 409, or a finished sample whose
+        tokens fell behind before the group completed) → that sample starts over: its agent is
+        stopped, a new session (id + key) of the same index gets a new agent, the other samples
+        keep their work (the lease stays ours; the worker renews it). At most
+        GatewayLimits.max_sample_restarts (3) per sample, then the group fails as below.
+        a sample fails (agent exits non-zero, its deadline agent.sample_timeout_s passes, an
+        agent that made no call) → every agent of the group is stopped and play raises
+        GatewayGroupFailed: the worker returns the lease, the prompt is re-queued (counted),
+        never scored as zero.
 
 The agent's environment is the replica's minus every MESHRL_* variable (the mesh's role tokens
 never reach agent code).
@@ -97,7 +102,8 @@ class GatewayAgent:
         self.base_url: Callable[[str], str] | None = None
         self.start_server: Callable[[], Any] | None = None
         self.stop_server: Callable[[], Any] | None = None
-        self.counters = {"groups": 0, "groups_failed": 0, "agents_started": 0, "agents_failed": 0, "deadlines": 0}
+        self.counters = {"groups": 0, "groups_failed": 0, "agents_started": 0, "agents_failed": 0, "deadlines": 0,
+                         "samples_restarted": 0}
 
     async def play(
         self,
@@ -116,14 +122,37 @@ class GatewayAgent:
         assert self.base_url is not None, "the gateway server is not started"
         t0 = time.monotonic()
         g = self.registry.open_group(rid, spec, generate, version)
-        tasks = [asyncio.get_running_loop().create_task(self._run_sample(s, prompt), name=f"agent-{s.id[:8]}")
-                 for s in g.samples]
+        loop = asyncio.get_running_loop()
+        tasks = {s.index: loop.create_task(self._run_sample(s, prompt), name=f"agent-{s.id[:8]}") for s in g.samples}
+        retired: list[asyncio.Task[_Outcome]] = []
+        restarts: dict[int, int] = {}
         try:
-            while not g.done:
+            while True:
                 if cancelled():
                     g.fail("the group was cancelled (lease lost or replica draining)")
                     break
-                for t in tasks:
+                # Per-sample re-queue: a sample past max_staleness_versions (refused with 409 on a
+                # call, or finished with tokens that have since fallen behind) starts over in a new
+                # session within this lease; its agent is stopped and started again, the others go on.
+                for s in list(g.samples):
+                    if s.restart is None and s.state == "finished":
+                        s.restart = self.registry.stale_reason(s)
+                    if s.restart is None:
+                        continue
+                    restarts[s.index] = restarts.get(s.index, 0) + 1
+                    if restarts[s.index] > self.registry.limits.max_sample_restarts:
+                        g.fail(f"sample {s.index} started over {self.registry.limits.max_sample_restarts} times and "
+                               f"fell behind again: {s.restart}")
+                        break
+                    tasks[s.index].cancel()
+                    retired.append(tasks[s.index])
+                    new = self.registry.restart_sample(s)
+                    self.counters["samples_restarted"] += 1
+                    log.info("gateway_sample_restarted", lease_id=lease_id, sample=s.index, reason=s.restart[:200])
+                    tasks[s.index] = loop.create_task(self._run_sample(new, prompt), name=f"agent-{new.id[:8]}")
+                if g.failure is not None:
+                    break
+                for t in tasks.values():
                     if t.done():
                         exc = t.exception()
                         if exc is not None:
@@ -140,9 +169,9 @@ class GatewayAgent:
                 if empty:
                     g.fail(f"the agent of sample(s) {empty} finished without calling the model")
         finally:
-            for t in tasks:
+            for t in [*tasks.values(), *retired]:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks.values(), *retired, return_exceptions=True)
             self.registry.close_group(g)
         if g.failure is not None:
             self.counters["groups_failed"] += 1

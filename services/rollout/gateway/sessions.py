@@ -6,7 +6,8 @@ every model call of a sample is recorded as tokens and stitched into one traject
                  validate the body                                 → 400 (field named)
                  state: finished / failed                          → 409
                  staleness: engine version - oldest policy token > max_staleness_versions → 409,
-                           the group fails (its lease is returned, the prompt re-queued)
+                           the sample starts over in a new session (runner.py restarts its agent
+                           within the same lease; the other samples keep their work)
                  stitch:   the request's messages = the last call's messages + the assistant reply we
                            returned + new messages  → env tokens = the chat template's delta of the new
                            messages (chat.py), appended to the exact ids so far (never re-tokenized);
@@ -47,6 +48,8 @@ from .openai_api import ApiError, ChatRequest, Completion, CompletionRequest, ba
 log = get_logger(__name__)
 
 GenerateFn = Callable[[GenerationRequest], Awaitable[list[SampleOutput]]]
+OnToken = Callable[[int, float], None]
+"""Streaming: (token id, logprob) of each completion token as it is sampled."""
 State = Literal["open", "finished", "failed"]
 
 
@@ -83,6 +86,9 @@ class SampleSession:
     calls: int = 0
     stitch_mismatches: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    restart: str | None = None
+    """Why this sample must start over (its tokens fell past max_staleness_versions); the runner
+    then replaces it with a fresh session of the same index."""
 
 
 @dataclass
@@ -118,6 +124,8 @@ class GatewayLimits:
     max_staleness_versions: int | None = None
     max_calls_per_sample: int = 64
     max_resubmits: int = 64
+    max_sample_restarts: int = 3
+    """Times one sample may start over (staleness) within its lease before the group is returned."""
     model_name: str = "meshrl-policy"
     ended_sessions_kept: int = 4096
     """Ended sessions remembered (their calls answer 409, not 401) before their keys are forgotten."""
@@ -199,9 +207,36 @@ class SessionRegistry:
             s.state = "finished"
             s.group.changed.set()
 
+    def restart_sample(self, s: SampleSession) -> SampleSession:
+        """A fresh session (new id and key, nothing recorded) in place of `s` in its group, same
+        sample index; `s` ends (its key answers 409 with the reason)."""
+        g = s.group
+        new = SampleSession(uuid.uuid4().hex, secrets.token_urlsafe(32), s.index, g)
+        g.samples[g.samples.index(s)] = new
+        if s.state == "open" or s.state == "finished":
+            s.state = "failed"
+        self._open.pop(s.id, None)
+        self._ended[s.id] = (s.key, f"this sample started over in a new session ({s.restart or 'restarted'})")
+        self._open[new.id] = new
+        return new
+
+    def stale_reason(self, s: SampleSession) -> str | None:
+        """Why the sample's tokens are past max_staleness_versions now, else None."""
+        eta = self.limits.max_staleness_versions
+        seg = s.segments[-1] if s.segments else None
+        if eta is None or seg is None:
+            return None
+        versions = seg.traj.policy_versions()
+        if versions and s.group.version() - min(versions) > eta:
+            return (f"the policy moved to version {s.group.version()} while this sample holds tokens of version "
+                    f"{min(versions)}, more than async_training.max_staleness_versions={eta} behind; the sample "
+                    "starts over in a new session of the same lease (the other samples keep their work)")
+        return None
+
     def _check_open(self, s: SampleSession) -> None:
         if s.state != "open":
-            why = s.group.failure if s.state == "failed" and s.group.failure else f"the session is {s.state}"
+            why = s.restart if s.restart else \
+                s.group.failure if s.state == "failed" and s.group.failure else f"the session is {s.state}"
             raise ApiError(409, f"session {s.id} takes no more calls: {why}", code="session_closed")
 
     # ---- calls ------------------------------------------------------------------------------------
@@ -216,20 +251,18 @@ class SessionRegistry:
         return r, key
 
     def _check_staleness(self, s: SampleSession) -> None:
-        eta = self.limits.max_staleness_versions
-        seg = s.segments[-1] if s.segments else None
-        if eta is None or seg is None:
-            return
-        versions = seg.traj.policy_versions()
-        if versions and s.group.version() - min(versions) > eta:
+        reason = self.stale_reason(s)
+        if reason is not None:
             self.counters["rejected_stale"] += 1
-            reason = (f"the policy moved to version {s.group.version()} while this sample holds tokens of version "
-                      f"{min(versions)}, more than async_training.max_staleness_versions={eta} behind; the sample's "
-                      "prompt is re-queued (start over from the new session meshrl hands out)")
-            s.group.fail(reason)
+            s.restart = reason
+            s.state = "failed"
+            s.group.changed.set()
             raise ApiError(409, reason, code="policy_too_stale")
 
-    async def chat(self, s: SampleSession, req: ChatRequest) -> Completion:
+    async def chat(self, s: SampleSession, req: ChatRequest, on_token: OnToken | None = None) -> Completion:
+        """One chat call; `on_token(token_id, logprob)` sees each completion token as it is sampled
+        (streaming; all of them before this returns, including those of a continuation after an
+        abort), where the engine streams."""
         async with s.lock:
             self._check_open(s)
             self._check_calls(s)
@@ -266,7 +299,7 @@ class SessionRegistry:
                         new_msgs = []
                         prompt_ids, traj_len = seg.prompt_ids, len(seg.traj) + len(env_ids)
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
-            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop)
+            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop, on_token)
             # Commit (no await from here on): the call happened.
             if stitched and seg is not None and not new_msgs:  # stitched on token ids
                 seg.messages = [_template_message(m) for m in req.messages]
@@ -309,7 +342,7 @@ class SessionRegistry:
             seg.request_messages = [*req.messages, reply]
             return self._completion(s, "chatcmpl", req.model, content, calls, finish, ids, lps, len(ctx))
 
-    async def complete(self, s: SampleSession, req: CompletionRequest) -> Completion:
+    async def complete(self, s: SampleSession, req: CompletionRequest, on_token: OnToken | None = None) -> Completion:
         async with s.lock:
             self._check_open(s)
             self._check_calls(s)
@@ -326,7 +359,7 @@ class SessionRegistry:
                 prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
                 ctx, traj_len = prompt_ids, 0
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
-            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop)
+            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop, on_token)
             if not stitched or seg is None:
                 if s.segments:
                     s.stitch_mismatches += 1
@@ -367,8 +400,8 @@ class SessionRegistry:
                            code="context_length_exceeded")
         return min(requested or left, left, budget)
 
-    async def _generate(self, s: SampleSession, ctx: list[int], max_tokens: int, stop: tuple[str, ...]
-                        ) -> tuple[list[int], list[float], list[int], Finish]:
+    async def _generate(self, s: SampleSession, ctx: list[int], max_tokens: int, stop: tuple[str, ...],
+                        on_token: OnToken | None = None) -> tuple[list[int], list[float], list[int], Finish]:
         """One completion; a cut by a weight update (partial rollout, mode abort) is continued from
         everything so far (its new tokens carry the new version)."""
         g = s.group
@@ -382,7 +415,8 @@ class SessionRegistry:
             spec = SamplingSpec(n=1, temperature=g.spec.temperature, top_p=g.spec.top_p, top_k=g.spec.top_k,
                                 max_tokens=left, stop=stop or g.spec.stop, seed=None)
             rid = f"{g.rid}/{s.index}/c{s.calls}-{uuid.uuid4().hex[:6]}" + (f"/r{round_}" if round_ else "")
-            (out,) = await g.generate(GenerationRequest(rid, ctx + ids, spec))
+            hook = None if on_token is None else (lambda _i, t, lp: on_token(t, lp))
+            (out,) = await g.generate(GenerationRequest(rid, ctx + ids, spec, on_token=hook))
             ids += out.token_ids
             lps += out.logprobs
             vers += out.versions
