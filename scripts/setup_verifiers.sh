@@ -7,6 +7,9 @@
 #     scripts/setup_verifiers.sh && .venv-verifiers/bin/python examples/verifiers_agent/evaluate.py --help
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The repo root on PYTHONPATH (as .ci/run exports it) shows pip the editable meshrl's egg-info,
+# whose requirements this venv deliberately lacks: pip check would fail on them.
+unset PYTHONPATH
 PY=${PYTHON:-python3}
 VENV=${MESHRL_VERIFIERS_VENV:-.venv-verifiers}
 stamp=$VENV/.meshrl-verifiers-installed
