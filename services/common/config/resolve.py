@@ -194,7 +194,7 @@ def _trainer_loop(tree: dict[str, Any]) -> None:
         fixes = [
             f"set {LOOP_KEYS[f][0]}={value!r} instead of {LOOP_SECTION}.{f}" if f in LOOP_KEYS
             else f"{LOOP_SECTION}.{f} is no key of it"
-            for f, value in sorted(given.items() if isinstance(given, dict) else [])
+            for f, value in sorted(given.items() if isinstance(given, dict) else [], key=lambda kv: str(kv[0]))
         ]
         raise ValueError(
             f"{LOOP_SECTION} is not input: it is filled from verl's keys at load; remove it"
