@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.config import MeshConfig, derive
+from services.common.config.trainer_loop import TrainerLoopConfig
+from services.common.config.trainer_service import TrainerServiceConfig
 from services.common.errors import MissingDependency
 from services.common.grpc_util import MiB
 from services.common.model_arch import vocab_size_of
@@ -100,40 +102,45 @@ def engine_spec(cfg: MeshConfig, device: str, size: int | None, model_init: Call
     )
 
 
-def checkpoint_dir(cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> Path:
-    return Path(cfg.trainer.default_local_dir) if cfg.trainer.default_local_dir else Path(run_dir) / "checkpoints"
+def checkpoint_dir(loop: TrainerLoopConfig, run_dir: str | os.PathLike[str]) -> Path:
+    return Path(loop.default_local_dir) if loop.default_local_dir else Path(run_dir) / "checkpoints"
 
 
-def loop_settings(cfg: MeshConfig, run_dir: str | os.PathLike[str], size: int | None, pad_id: int) -> LoopSettings:
-    arr, at, ts = cfg.actor_rollout_ref, cfg.async_training, cfg.trainer_service
-    fg = cfg.algorithm.filter_groups
+def loop_settings(
+    ts: TrainerServiceConfig, run_dir: str | os.PathLike[str], size: int | None, pad_id: int, vocab_size: int | None,
+) -> LoopSettings:
+    """The loop's settings from the trainer service's own section alone (`ts.loop` holds what
+    verl's keys say, mapped at load) plus what only the run knows: its directory, the dataset's
+    size (the run's length, `total_steps`, depends on it), the tokenizer's pad id and the
+    policy's vocabulary size."""
+    loop = ts.loop
     return LoopSettings(
         trainer_id=ts.trainer_id,
-        groups_per_step=derive(cfg, dataset_size=size).required_samples,
-        checkpoint_dir=checkpoint_dir(cfg, run_dir),
-        mini_batches_per_step=at.require_batches,
-        ppo_epochs=arr.actor.ppo_epochs,
-        shuffle=arr.actor.shuffle,
-        trigger_parameter_sync_step=at.trigger_parameter_sync_step,
-        total_steps=total_local_steps(cfg, size),
-        save_freq=cfg.trainer.save_freq,
-        temperature=arr.rollout.temperature,
-        bypass_mode=cfg.algorithm.rollout_correction.bypass_mode,
-        use_kl_loss=arr.actor.use_kl_loss,
-        filter_metric=fg.metric,
-        max_num_gen_batches=fg.max_num_gen_batches,
-        bucket_bytes=arr.rollout.checkpoint_engine.update_weights_bucket_megabytes << 20,
+        groups_per_step=loop.groups_per_step,
+        checkpoint_dir=checkpoint_dir(loop, run_dir),
+        mini_batches_per_step=loop.require_batches,
+        ppo_epochs=loop.ppo_epochs,
+        shuffle=loop.shuffle,
+        trigger_parameter_sync_step=loop.trigger_parameter_sync_step,
+        total_steps=loop.total_local_steps(size),
+        save_freq=loop.save_freq,
+        temperature=loop.temperature,
+        bypass_mode=loop.bypass_mode,
+        use_kl_loss=loop.use_kl_loss,
+        filter_metric=loop.filter_metric,
+        max_num_gen_batches=loop.max_num_gen_batches,
+        bucket_bytes=loop.update_weights_bucket_megabytes << 20,
         fetch_timeout_ms=ts.fetch_timeout_ms,
         pad_token_id=pad_id,
         max_checkpoints_to_keep=ts.max_checkpoints_to_keep,
         metrics_path=Path(run_dir) / ts.metrics_file,
-        resume_mode=cfg.trainer.resume_mode,
-        resume_from_path=cfg.trainer.resume_from_path,
-        seed=cfg.trainer.seed,
+        resume_mode=loop.resume_mode,
+        resume_from_path=loop.resume_from_path,
+        seed=loop.seed,
         hf_export_dir=Path(run_dir) / ts.hf_export_dir if ts.hf_export_dir else None,
         coordinator_wait_s=ts.coordinator_wait_s,
         overlap=ts.overlap,
-        vocab_size=vocab_size_of(arr.model.path),
+        vocab_size=vocab_size,
     )
 
 
@@ -303,7 +310,7 @@ async def build_trainer(
     spec = engine_spec(cfg, device, size, model_init)
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     ts = cfg.trainer_service
-    settings = loop_settings(cfg, run_dir, size, pad_token_id(cfg))
+    settings = loop_settings(ts, run_dir, size, pad_token_id(cfg), vocab_size_of(cfg.actor_rollout_ref.model.path))
     client = coordinator_client(cfg)
     if publisher is None and ts.publisher == "param_server":
         from services.weights.transports.discovery import with_discovered_address

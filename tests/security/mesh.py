@@ -169,6 +169,7 @@ class PlainMesh:
         await self._plain("meshrl.v1.RolloutService", rollout_pb2_grpc.add_RolloutServiceServicer_to_server, servicer)
 
     async def _start_trainer(self, coordinator_address: str) -> None:
+        from services.common.model_arch import vocab_size_of
         from services.common.security import ChannelSecurity
         from services.coordinator.client import CoordinatorClient
         from services.trainer import factory
@@ -183,7 +184,8 @@ class PlainMesh:
         engine = await asyncio.to_thread(get_engine_cls("fsdp", "cpu").build, spec)
         group = LocalTrainGroup(engine, spec.actor)
         client = CoordinatorClient(coordinator_address, security=ChannelSecurity(token=self.tokens.trainer if self.tokens else None))
-        settings = factory.loop_settings(cfg, self.root / "trainer", 64, 0)
+        vocab = vocab_size_of(cfg.actor_rollout_ref.model.path)
+        settings = factory.loop_settings(cfg.trainer_service, self.root / "trainer", 64, 0, vocab)
         loop = TrainerLoop(settings, group, client, InProcessPublisher(), factory.algorithm_from_config(cfg))
         servicer = TrainerServicer(loop, trainer_id="t0", engine="fsdp", checkpoint_timeout_s=0.5)
         self.parts["trainer_client"] = client

@@ -5,7 +5,8 @@
   it imports at module level;
 - the trainer and the rollout reach weights only through services/weights (never the param
   server's modules), and services/weights imports no service;
-- there is one bucket type and one copy of each weight protocol.
+- there is one bucket type and one copy of each weight protocol;
+- the trainer loop's settings are built from the trainer service's own section alone.
 
 An import inside a function (a lazy import) counts for the module that makes it, not for the
 modules that import that one; an import under `if TYPE_CHECKING:` does not count.
@@ -170,6 +171,25 @@ def test_one_bucket_type_and_one_copy_of_each_weight_protocol() -> None:
     assert sorted(found) == sorted(
         f"{protocols}:{name}" for name in ("Bucket", "Buckets", "WeightPublisher", "WeightFetcher")
     ), found
+
+
+def test_trainer_loop_settings_read_only_the_trainer_service_section() -> None:
+    """`loop_settings` (and the factory helpers it calls) take `trainer_service` (its `loop` filled
+    from verl's keys at load) and run-time values, never the whole MeshConfig."""
+    functions = {
+        node.name: node
+        for node in ast.parse((SERVICES / "trainer" / "factory.py").read_text()).body
+        if isinstance(node, ast.FunctionDef)
+    }
+    fn = functions["loop_settings"]
+    called = {n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    helpers = [functions[name] for name in sorted(called & set(functions))]
+    assert [h.name for h in helpers] == ["checkpoint_dir"], "update this test with the helpers loop_settings calls"
+    params = {f"{f.name}({a.arg})": ast.unparse(a.annotation) for f in [fn, *helpers] for a in f.args.args if a.annotation}
+    assert params["loop_settings(ts)"] == "TrainerServiceConfig"
+    assert not {k: v for k, v in params.items() if "MeshConfig" in v}, params
+    names = {n.id for f in [fn, *helpers] for n in ast.walk(f) if isinstance(n, ast.Name)}
+    assert not names & {"cfg", "MeshConfig", "derive"}, names
 
 
 def test_the_import_reader_sees_what_it_checks() -> None:

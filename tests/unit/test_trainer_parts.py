@@ -184,7 +184,7 @@ def test_loop_settings_follow_the_config(tmp_path: Path) -> None:
         "trainer.save_freq=5", "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
         "trainer_service.trainer_id=tx",
     ])
-    s = loop_settings(cfg, tmp_path, 100, pad_id=0)
+    s = loop_settings(cfg.trainer_service, tmp_path, 100, pad_id=0, vocab_size=None)
     assert (s.groups_per_step, s.trigger_parameter_sync_step, s.temperature, s.bypass_mode) == (3, 2, 0.7, False)
     assert (s.save_freq, s.bucket_bytes, s.trainer_id) == (5, 16 << 20, "tx")
     assert s.checkpoint_dir == tmp_path / "checkpoints" and s.metrics_path == tmp_path / "metrics" / "trainer.jsonl"

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.common.errors import ConfigError
 
-from .resolve import legacy_keys_in
+from .resolve import LOOP_SECTION, legacy_keys_in
 from .root import MeshConfig
 
 
@@ -72,7 +72,12 @@ def format_validation_error(
     """One line per error, naming the key (`written_as`: {key: the old spelling the input used})."""
     written_as = written_as or {}
     lines = []
-    for err in exc.errors():
+    errors = exc.errors()
+    derived = [e for e in errors if ".".join(map(str, e["loc"])).startswith(LOOP_SECTION + ".")]
+    if len(derived) < len(errors):
+        # trainer_service.loop holds copies of verl keys: its errors repeat those keys' own.
+        errors = [e for e in errors if e not in derived]
+    for err in errors:
         loc = [str(p) for p in err["loc"] if not isinstance(p, int)]
         # pydantic puts union member names into loc (e.g. "SyntheticTaskConfig"); drop them.
         loc = [p for p in loc if not p[:1].isupper()]
@@ -117,7 +122,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
 
 
 def dump_config(cfg: MeshConfig) -> str:
-    """The resolved config as YAML (every key, defaults included)."""
+    """The resolved config as YAML (every key, defaults included; not `trainer_service.loop`,
+    which is derived from verl's keys again when the YAML is loaded)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 

@@ -4,7 +4,8 @@ A config is written in verl's layout (a verl launch script translates line by li
 sections, and earlier meshrl spellings stay accepted. `resolve_tree` maps such an input onto the
 sections the services read, as a new mapping: verl's aliases (`rollout.n`), what a mode implies
 (`async_training.mode=sync`), defaults that depend on another section
-(`loss_scale_factor`), and moved keys (`LEGACY_KEYS`). It runs as MeshConfig's `before`
+(`loss_scale_factor`), moved keys (`LEGACY_KEYS`), and the sections a service reads
+that verl's keys fill (`LOOP_KEYS`). It runs as MeshConfig's `before`
 validator, so YAML, dotted overrides, a Serve application's args and a resolved config all go
 through it; a resolved config passes through unchanged. Validation afterwards only checks.
 """
@@ -17,9 +18,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .actor_rollout_ref import ActorConfig
+from .actor_rollout_ref import ActorConfig, CheckpointEngineConfig, RolloutEngineConfig
+from .algorithm import FilterGroupsConfig, RolloutCorrectionConfig
 from .async_training import AsyncTrainingConfig
 from .data import DataConfig
+from .trainer import RolloutResourcesConfig, TrainerConfig
 
 LEGACY_KEYS: dict[str, str] = {
     "trainer_service.worker_nice": "tuning.nice.trainer_ranks",
@@ -27,6 +30,34 @@ LEGACY_KEYS: dict[str, str] = {
     **{f"serve.{app}.nice": f"tuning.nice.{app}" for app in ("coordinator", "rollout", "reward", "param_server", "trainer")},
 }
 """Old dotted key -> where it lives now. Either spelling is accepted; both at once must agree."""
+
+LOOP_SECTION = "trainer_service.loop"
+"""The trainer loop's section: derived from `LOOP_KEYS`, never input."""
+
+LOOP_KEYS: dict[str, tuple[str, type[BaseModel]]] = {
+    "ppo_mini_batch_size": ("actor_rollout_ref.actor.ppo_mini_batch_size", ActorConfig),
+    "require_batches": ("async_training.require_batches", AsyncTrainingConfig),
+    "trigger_parameter_sync_step": ("async_training.trigger_parameter_sync_step", AsyncTrainingConfig),
+    "ppo_epochs": ("actor_rollout_ref.actor.ppo_epochs", ActorConfig),
+    "shuffle": ("actor_rollout_ref.actor.shuffle", ActorConfig),
+    "use_kl_loss": ("actor_rollout_ref.actor.use_kl_loss", ActorConfig),
+    "temperature": ("actor_rollout_ref.rollout.temperature", RolloutEngineConfig),
+    "update_weights_bucket_megabytes": (
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes", CheckpointEngineConfig,
+    ),
+    "total_rollout_steps": ("rollout.total_rollout_steps", RolloutResourcesConfig),
+    "total_epochs": ("rollout.total_epochs", RolloutResourcesConfig),
+    "total_training_steps": ("trainer.total_training_steps", TrainerConfig),
+    "save_freq": ("trainer.save_freq", TrainerConfig),
+    "default_local_dir": ("trainer.default_local_dir", TrainerConfig),
+    "resume_mode": ("trainer.resume_mode", TrainerConfig),
+    "resume_from_path": ("trainer.resume_from_path", TrainerConfig),
+    "seed": ("trainer.seed", TrainerConfig),
+    "bypass_mode": ("algorithm.rollout_correction.bypass_mode", RolloutCorrectionConfig),
+    "filter_metric": ("algorithm.filter_groups.metric", FilterGroupsConfig),
+    "max_num_gen_batches": ("algorithm.filter_groups.max_num_gen_batches", FilterGroupsConfig),
+}
+"""`trainer_service.loop.<field>` -> (the verl key it is copied from, that key's section)."""
 
 _MISSING = object()
 
@@ -96,6 +127,7 @@ def resolve_tree(data: Any) -> Any:
     _rollout_n(tree)
     _sync_mode(tree)
     _loss_scale_factor(tree)
+    _trainer_loop(tree)
     return tree
 
 
@@ -150,3 +182,24 @@ def _loss_scale_factor(tree: dict[str, Any]) -> None:
         return
     if _get(tree, key) in (_MISSING, None):
         _set(tree, key, _value(tree, "data.max_response_length", DataConfig))
+
+
+def _trainer_loop(tree: dict[str, Any]) -> None:
+    """Fill `trainer_service.loop` from verl's keys (runs last: `sync` mode fills one of them).
+    Values are copied as given; their own sections validate them. The section is derived, so
+    input that sets it is refused with the verl key to set instead (a dumped config leaves it
+    out: trainer_service.loop is excluded from dumps)."""
+    given = _get(tree, LOOP_SECTION)
+    if given is not _MISSING:
+        fixes = [
+            f"set {LOOP_KEYS[f][0]}={value!r} instead of {LOOP_SECTION}.{f}" if f in LOOP_KEYS
+            else f"{LOOP_SECTION}.{f} is no key of it"
+            for f, value in sorted(given.items() if isinstance(given, dict) else [], key=lambda kv: str(kv[0]))
+        ]
+        raise ValueError(
+            f"{LOOP_SECTION} is not input: it is filled from verl's keys at load; remove it"
+            + "".join(f"; {fix}" for fix in fixes)
+        )
+    if not isinstance(tree.get("trainer_service", {}), dict):
+        return  # not a section: validation reports it
+    _set(tree, LOOP_SECTION, {field: _value(tree, key, model) for field, (key, model) in LOOP_KEYS.items()})

@@ -22,6 +22,7 @@ from .rollout_worker import RolloutWorkerConfig
 from .security import SecurityConfig
 from .serve import ServeConfig
 from .trainer import RolloutResourcesConfig, TrainerConfig
+from .trainer_loop import run_length
 from .trainer_service import TrainerServiceConfig
 from .tuning import TuningConfig
 
@@ -58,7 +59,8 @@ class MeshConfig(ConfigModel):
     environment: EnvironmentConfig = EnvironmentConfig()
     """Environments of multi-turn trajectories (external EnvironmentService endpoints)."""
     trainer_service: TrainerServiceConfig = TrainerServiceConfig()
-    """The trainer service (coordinator link, checkpoints kept, weight publisher)."""
+    """The trainer service (coordinator link, checkpoints kept, weight publisher; `loop`: its
+    loop's settings, filled from verl's keys at load)."""
     rollout_worker: RolloutWorkerConfig = RolloutWorkerConfig()
     """The rollout replicas' worker loop (engine knobs are actor_rollout_ref.rollout.*)."""
     serve: ServeConfig = ServeConfig()
@@ -173,13 +175,11 @@ def derive(cfg: MeshConfig, dataset_size: int | None = None) -> Derived:
     at = cfg.async_training
     req = required_samples(cfg.actor_rollout_ref.actor.ppo_mini_batch_size, at.require_batches)
     max_req = max_required_samples(req, at.staleness_threshold, at.trigger_parameter_sync_step)
-    total = cfg.rollout.total_rollout_steps
-    if dataset_size is not None:
-        total = min(total, dataset_size * cfg.rollout.total_epochs)
-    train_steps = int(total / (req * at.trigger_parameter_sync_step))
-    if cfg.trainer.total_training_steps is not None:
-        # verl's fully async counts trainer.total_training_steps like total_train_steps.
-        train_steps = min(train_steps, cfg.trainer.total_training_steps)
+    total, train_steps = run_length(
+        required=req, trigger=at.trigger_parameter_sync_step, total_rollout_steps=cfg.rollout.total_rollout_steps,
+        total_epochs=cfg.rollout.total_epochs, total_training_steps=cfg.trainer.total_training_steps,
+        dataset_size=dataset_size,
+    )
     return Derived(
         required_samples=req,
         max_required_samples=max_req,

@@ -1,11 +1,12 @@
-"""`trainer_service.*`: what the trainer service needs beyond verl's `trainer` and
-`actor_rollout_ref.actor` sections."""
+"""`trainer_service.*`: the trainer service's own settings, and (`loop`) what its loop reads from
+verl's sections, mapped here at load."""
 
 from __future__ import annotations
 
 from pydantic import Field
 
 from .base import ConfigModel
+from .trainer_loop import TrainerLoopConfig
 
 
 class TrainerServiceConfig(ConfigModel):
@@ -58,3 +59,6 @@ class TrainerServiceConfig(ConfigModel):
     to the run directory; null: no export."""
     metrics_file: str = "metrics/trainer.jsonl"
     """Per-step metrics, relative to the run directory."""
+    loop: TrainerLoopConfig = Field(default=TrainerLoopConfig(), exclude=True)
+    """The loop's settings from verl's keys (trainer_loop.py): filled at load, not input, left
+    out of dumps."""
