@@ -108,6 +108,7 @@ def _through_the_service(turns: list[str], budget: int) -> tuple[common_pb2.Traj
             return await ga.play(_prompt(), SamplingSpec(n=1, max_tokens=budget), "r/L1", "L1", "r", policy.generate,
                                  cancelled=lambda: False, version=lambda: 0)
         finally:
+            await ga.aclose()
             await gw.stop()
             await service.stop()
             await agent.http.aclose()
