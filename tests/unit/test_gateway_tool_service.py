@@ -139,3 +139,43 @@ def test_the_service_builds_the_trajectory_the_in_process_loop_builds(turns: lis
     assert counters["samples"] == 1 and counters["failed"] == 0
     if t.tool_calls and budget >= 96 and len(turns) > 1:
         assert 0 in t.loss_mask and 1 in t.loss_mask  # the tool's answer is masked, the policy's turns are not
+
+
+@pytest.mark.parametrize(("lease_id", "fails"), [("L1", True), ("r/L1", False)])
+def test_staleness_bounds_leased_groups_only(lease_id: str, fails: bool) -> None:
+    """The policy moves 2 versions between a sample's calls (max_staleness_versions 1): a leased
+    group fails (its prompt is re-queued); a Generate call (validation: the worker passes its request
+    id as the lease id) holds no lease and is not trained on, so it completes."""
+    from services.rollout.gateway import GatewayGroupFailed
+
+    tok = build_tokenizer(tools=True)
+    agent = svc.ToolAddAgent()
+
+    class Moving(ScriptedPolicy):
+        async def generate(self, req: Any) -> Any:
+            out = await super().generate(req)
+            self.version += 2
+            return out
+
+    async def go() -> bool:
+        service = GatewayServer(svc.build_app(agent), "127.0.0.1", 0)
+        service_port = await service.start()
+        policy = Moving(tok, [CALL, ANSWER])
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=96, max_staleness_versions=1))
+        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=f"http://127.0.0.1:{service_port}/run",
+                                                         sample_timeout_s=60, max_concurrent=4), scorer=score_by_text)
+        gw = GatewayServer(build_gateway_app(registry), "127.0.0.1", 0)
+        port = await gw.start()
+        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+        try:
+            await ga.play(_prompt(), SamplingSpec(n=1, max_tokens=96), "r/L1", lease_id, "r", policy.generate,
+                          cancelled=lambda: False, version=lambda: policy.version)
+            return False
+        except GatewayGroupFailed:
+            return True
+        finally:
+            await gw.stop()
+            await service.stop()
+            await agent.http.aclose()
+
+    assert asyncio.run(go()) is fails

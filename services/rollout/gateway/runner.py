@@ -120,7 +120,9 @@ class GatewayAgent:
             await self.start_server()
         assert self.base_url is not None, "the gateway server is not started"
         t0 = time.monotonic()
-        g = self.registry.open_group(rid, spec, generate, version)
+        # The worker passes its request id as the lease id when no lease is held (the Generate RPC:
+        # validation); such a group is not trained on, so the staleness bound does not apply to it.
+        g = self.registry.open_group(rid, spec, generate, version, check_staleness=lease_id != rid)
         tasks = [asyncio.get_running_loop().create_task(self._run_sample(s, prompt), name=f"agent-{s.id[:8]}")
                  for s in g.samples]
         try:
