@@ -99,6 +99,9 @@ class GroupSession:
     version: Callable[[], int]
     samples: list[SampleSession] = field(default_factory=list)
     failure: str | None = None
+    check_staleness: bool = True
+    """False for a group that holds no lease (a Generate call: validation): it is not trained on and
+    there is no lease to return, so max_staleness_versions does not apply (nor in the in-process loop)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def fail(self, reason: str) -> None:
@@ -159,8 +162,9 @@ class SessionRegistry:
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
-    def open_group(self, rid: str, spec: SamplingSpec, generate: GenerateFn, version: Callable[[], int]) -> GroupSession:
-        g = GroupSession(rid, spec, generate, version)
+    def open_group(self, rid: str, spec: SamplingSpec, generate: GenerateFn, version: Callable[[], int], *,
+                   check_staleness: bool = True) -> GroupSession:
+        g = GroupSession(rid, spec, generate, version, check_staleness=check_staleness)
         for i in range(spec.n):
             sid = uuid.uuid4().hex
             s = SampleSession(sid, secrets.token_urlsafe(32), i, g)
@@ -224,8 +228,8 @@ class SessionRegistry:
         """Why the sample's tokens are past max_staleness_versions now, else None."""
         eta = self.limits.max_staleness_versions
         seg = s.segments[-1] if s.segments else None
-        if eta is None or seg is None:
-            return None
+        if eta is None or seg is None or not s.group.check_staleness:
+            return None  # (a group without a lease, validation's, is not trained on)
         versions = seg.traj.policy_versions()
         if versions and s.group.version() - min(versions) > eta:
             return (f"the policy moved to version {s.group.version()} while this sample holds tokens of version "
