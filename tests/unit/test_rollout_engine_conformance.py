@@ -133,6 +133,33 @@ def test_abort_returns_partial_tokens(engine: Any, tok: Any, loop: LoopThread) -
     assert len(o.token_ids) == len(o.logprobs) == len(o.versions) < 200
 
 
+def test_on_token_sees_each_token_as_it_is_sampled(engine: Any, tok: Any, loop: LoopThread) -> None:
+    """The gateway's `stream: true` forwards tokens through `on_token`: every token, in order, with
+    its logprob, while the request is still running (an abort from the first callback cuts it)."""
+    seen: list[tuple[int, int, float]] = []
+    aborted: list[bool] = []
+
+    async def scenario() -> list[Any]:
+        loop_ = asyncio.get_running_loop()
+        cut: list[asyncio.Task[bool]] = []
+
+        def on_token(index: int, token_id: int, logprob: float) -> None:
+            seen.append((index, token_id, logprob))
+            if len(seen) == 1:
+                cut.append(loop_.create_task(engine.abort("streamed")))
+
+        req = GenerationRequest("streamed", _prompt(tok), SamplingSpec(max_tokens=200, seed=3), on_token=on_token)
+        outs = await asyncio.wait_for(engine.generate(req), 60)
+        aborted.extend([await cut[0]] if cut else [])
+        return outs
+
+    o = loop.run(scenario())[0]
+    assert [(i, t) for i, t, _ in seen] == [(0, t) for t in o.token_ids]
+    assert [lp for _, _, lp in seen] == pytest.approx(o.logprobs)
+    assert aborted == [True], "the first token reached on_token only after the request had ended"
+    assert o.finish_reason in (Finish.ABORT, Finish.STOP) and len(o.token_ids) < 200
+
+
 def test_abort_all_returns_every_request_partial(engine: Any, tok: Any, loop: LoopThread) -> None:
     async def scenario() -> tuple[dict[str, Any], list[Any]]:
         tasks = [

@@ -101,8 +101,8 @@ class GenerationRequest:
     on_token: Callable[[int, int, float], None] | None = field(default=None, compare=False)
     """Optional, for streaming (the gateway's `stream: true`): called on the caller's event loop
     with (sample index, token id, logprob) for every token as it is sampled, in order, all of them
-    before generate() returns. An engine that cannot stream never calls it (the transformers
-    engine does; vllm does not yet): the caller then sees the whole completion at the end."""
+    before generate() returns. Both engines call it (vllm then asks for its outputs as deltas); an
+    engine that cannot stream never calls it, and the caller sees the whole completion at the end."""
 
 
 @dataclass

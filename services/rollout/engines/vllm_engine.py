@@ -165,7 +165,9 @@ class VLLMEngine(RolloutEngine):
             include_stop_str_in_output=True,
             seed=sp.seed,
             logprobs=0,
-            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            # Deltas where anything reads tokens as they come: partial rollout (`stream`) or a
+            # caller that streams them on (`on_token`, the gateway's stream: true).
+            output_kind=RequestOutputKind.DELTA if self.stream or request.on_token else RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
         outs = [SampleOutput(index=i) for i in range(n)]
@@ -180,6 +182,8 @@ class VLLMEngine(RolloutEngine):
                 out.token_ids.extend(int(t) for t in c.token_ids)
                 for tok, lp in zip(c.token_ids, c.logprobs or [], strict=False):
                     out.logprobs.append(float(lp[tok].logprob))
+                    if request.on_token is not None:
+                        request.on_token(c.index, int(tok), out.logprobs[-1])
                 # Version of the weights current when the delta arrived; replaced by vLLM's
                 # exact spans from the final output below when it has them.
                 out.versions.extend([self._version] * len(c.token_ids))
