@@ -24,8 +24,10 @@ from collections import Counter
 from typing import Any
 
 from meshrl.v1 import common_pb2
+from services.environment.builtin import AddTool
+from services.environment.tools import OpenAIFunctionToolSchema
 
-TOOLS = [{
+CALCULATOR = AddTool({}, OpenAIFunctionToolSchema.model_validate({
     "type": "function",
     "function": {
         "name": "add",
@@ -33,15 +35,20 @@ TOOLS = [{
         "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                        "required": ["a", "b"]},
     },
-}]
+}))
+"""The built-in task's calculator (services/environment/builtin.py), answering the agents' calls."""
+TOOLS = [CALCULATOR.tool_schema.model_dump(exclude_none=True)]
 
 
-def _add(arguments: str) -> str:
+async def _add(arguments: str) -> str:
     try:
-        args = json.loads(arguments)
-        return str(int(args["a"]) + int(args["b"]))
-    except (ValueError, KeyError, TypeError) as exc:
+        params = json.loads(arguments or "{}")
+        if not isinstance(params, dict):
+            raise TypeError(f"expected a JSON object, got {type(params).__name__}")
+        response, _, _ = await CALCULATOR.execute("bench", params)
+    except (ValueError, TypeError) as exc:
         return f"error: {exc}"
+    return response if isinstance(response, str) else response.text or ""
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -108,7 +115,7 @@ async def run_sessions(tok: Any, model: Any, *, sessions: int, group_size: int, 
                     for call in choice.message.tool_calls:
                         fn = getattr(call, "function", None)
                         messages.append({"role": "tool", "tool_call_id": call.id,
-                                         "content": _add(fn.arguments if fn is not None else "{}")})
+                                         "content": await _add(fn.arguments if fn is not None else "{}")})
                         tool_round_trips += 1
                 else:
                     messages.append({"role": "user", "content": f"Use the add tool, step {k + 1}."})

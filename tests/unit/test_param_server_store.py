@@ -127,8 +127,8 @@ def test_a_version_no_consumer_has_seen_is_replaced_by_the_resumed_trainer(seen_
     elif seen_by == "hold":
         fresh.acquire("rollout-0", 18, 0.5)
     else:
-        with fresh.reading(18):
-            pass
+        with fresh.reading(18) as stored:
+            assert stored.buffers is not None
     with pytest.raises(FailedPrecondition, match="immutable once seen"):
         upload(fresh, resumed, resumed_buffers, 1.0, manifest_first=True)
     with fresh.reading(18) as stored:

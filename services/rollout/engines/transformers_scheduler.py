@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import queue
 import threading
@@ -507,10 +508,8 @@ class Scheduler:
             o.versions.append(self.version)
             s.pending_token = int(tok)
             if s.req.request.on_token is not None:  # streaming: the token, to the caller's loop now
-                try:
+                with contextlib.suppress(RuntimeError):  # the caller's loop is gone (shutdown): nobody listens
                     s.req.loop.call_soon_threadsafe(s.req.request.on_token, o.index, int(tok), float(lp))
-                except RuntimeError:  # the caller's loop is gone (shutdown): nobody is listening
-                    pass
             reason = self._finish_reason(s)
             if reason is not None:
                 finished.append((i, reason))
