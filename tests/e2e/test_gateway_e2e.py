@@ -20,6 +20,16 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "examples" / "tool_add.yaml"
 
 
+def _balanced_run(run_dir: Path, steps: int) -> list[dict[str, float]]:
+    """The run's audit (every one of its 4 x steps prompts trained once) and its per-step metrics."""
+    audit = json.loads((run_dir / "summary.json").read_text())["audit"]
+    assert audit["balanced"], audit
+    assert audit["lost"] == 0 and audit["duplicated"] == 0 and audit["issued"] == 4 * steps
+    recs = [json.loads(line) for line in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines() if line]
+    assert len(recs) == steps
+    return recs
+
+
 @pytest.mark.slow  # ~85 s on 2 cores, most of it bringing the five services up
 def test_an_openai_sdk_agent_program_produces_the_groups_the_trainer_consumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -33,12 +43,7 @@ def test_an_openai_sdk_agent_program_produces_the_groups_the_trainer_consumes(tm
            "--run-dir", str(run_dir)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, f"meshrl train failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
-    summary = json.loads((run_dir / "summary.json").read_text())
-    audit = summary["audit"]
-    assert audit["balanced"], audit
-    assert audit["lost"] == 0 and audit["duplicated"] == 0 and audit["issued"] == 4 * steps
-    recs = [json.loads(line) for line in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines() if line]
-    assert len(recs) == steps
+    recs = _balanced_run(run_dir, steps)
     # Every trajectory came through the gateway: its calls are recorded with the group, and the
     # agent's tool results are environment tokens (masked), so trajectories outrun policy tokens
     # whenever the policy called the tool.
@@ -72,12 +77,7 @@ def test_an_agent_service_behind_agent_endpoint_plays_the_tool_task(tmp_path: Pa
     finally:
         service.terminate()
         service.wait(timeout=30)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    audit = summary["audit"]
-    assert audit["balanced"], audit
-    assert audit["lost"] == 0 and audit["duplicated"] == 0 and audit["issued"] == 4 * steps
-    recs = [json.loads(line) for line in (run_dir / "metrics" / "trainer.jsonl").read_text().splitlines() if line]
-    assert len(recs) == steps
+    recs = _balanced_run(run_dir, steps)
     # Every consumed sample was played by the service (its counters), none failed, and its tool
     # results are environment tokens (loss mask 0): trajectories outrun the policy's (masked-in) tokens.
     assert status["failed"] == 0 and status["samples"] >= 4 * 4 * steps, status

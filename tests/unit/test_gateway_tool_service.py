@@ -8,8 +8,10 @@ included. The policy is scripted (a hand-written engine), so both paths see iden
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -90,28 +92,35 @@ def _in_process(turns: list[str], budget: int) -> tuple[list[int], Any]:
     return prompt_ids, t
 
 
+@contextlib.asynccontextmanager
+async def _gateway_to_service(tok: Any, agent: Any, limits: GatewayLimits) -> AsyncIterator[GatewayAgent]:
+    """The gateway (real HTTP) with agent.endpoint pointing at the agent service (real HTTP)."""
+    service = GatewayServer(svc.build_app(agent), "127.0.0.1", 0)
+    service_port = await service.start()
+    registry = SessionRegistry(tok, limits)
+    ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=f"http://127.0.0.1:{service_port}/run",
+                                                     sample_timeout_s=60, max_concurrent=4), scorer=score_by_text)
+    gw = GatewayServer(build_gateway_app(registry), "127.0.0.1", 0)
+    port = await gw.start()
+    ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+    try:
+        yield ga
+    finally:
+        await ga.aclose()
+        await gw.stop()
+        await service.stop()
+        await agent.http.aclose()
+
+
 def _through_the_service(turns: list[str], budget: int) -> tuple[common_pb2.TrajectoryGroup, dict[str, int]]:
     tok = build_tokenizer(tools=True)
     agent = svc.ToolAddAgent(max_turns=3, max_parallel_calls=1, max_tool_response_length=64)
 
     async def go() -> common_pb2.TrajectoryGroup:
-        service = GatewayServer(svc.build_app(agent), "127.0.0.1", 0)
-        service_port = await service.start()
         policy = ScriptedPolicy(tok, turns)
-        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=budget))
-        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=f"http://127.0.0.1:{service_port}/run",
-                                                         sample_timeout_s=60, max_concurrent=4), scorer=score_by_text)
-        gw = GatewayServer(build_gateway_app(registry), "127.0.0.1", 0)
-        port = await gw.start()
-        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
-        try:
+        async with _gateway_to_service(tok, agent, GatewayLimits(max_model_len=512, response_budget=budget)) as ga:
             return await ga.play(_prompt(), SamplingSpec(n=1, max_tokens=budget), "r/L1", "L1", "r", policy.generate,
                                  cancelled=lambda: False, version=lambda: 0)
-        finally:
-            await ga.aclose()
-            await gw.stop()
-            await service.stop()
-            await agent.http.aclose()
 
     return asyncio.run(go()), agent.counters
 
@@ -158,24 +167,14 @@ def test_staleness_bounds_leased_groups_only(lease_id: str, fails: bool) -> None
             return out
 
     async def go() -> bool:
-        service = GatewayServer(svc.build_app(agent), "127.0.0.1", 0)
-        service_port = await service.start()
         policy = Moving(tok, [CALL, ANSWER])
-        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=96, max_staleness_versions=1))
-        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=f"http://127.0.0.1:{service_port}/run",
-                                                         sample_timeout_s=60, max_concurrent=4), scorer=score_by_text)
-        gw = GatewayServer(build_gateway_app(registry), "127.0.0.1", 0)
-        port = await gw.start()
-        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
-        try:
-            await ga.play(_prompt(), SamplingSpec(n=1, max_tokens=96), "r/L1", lease_id, "r", policy.generate,
-                          cancelled=lambda: False, version=lambda: policy.version)
-            return False
-        except GatewayGroupFailed:
-            return True
-        finally:
-            await gw.stop()
-            await service.stop()
-            await agent.http.aclose()
+        limits = GatewayLimits(max_model_len=512, response_budget=96, max_staleness_versions=1)
+        async with _gateway_to_service(tok, agent, limits) as ga:
+            try:
+                await ga.play(_prompt(), SamplingSpec(n=1, max_tokens=96), "r/L1", lease_id, "r", policy.generate,
+                              cancelled=lambda: False, version=lambda: policy.version)
+                return False
+            except GatewayGroupFailed:
+                return True
 
     assert asyncio.run(go()) is fails
