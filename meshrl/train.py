@@ -171,7 +171,7 @@ class MeshRun:
         self._last_status: Any = None
         self._last_trainer: dict[str, Any] = {}
         self._serve_checked = 0.0
-        self.startup: dict[str, float] = {}
+        self.startup: dict[str, Any] = {}
         """Seconds of each start-up phase (Ray and Serve, each deploy wave): in summary.json."""
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -228,6 +228,11 @@ class MeshRun:
                 raise RuntimeError(f"{exc}\n{errors}") from None
             self.startup["deploy_" + "+".join(name for name, _ in wave) + "_s"] = round(time.monotonic() - t0, 2)
         self.deployed = True
+        from services.common.startup import timeline
+
+        # Each service process's own phases (spawn and imports, engine build, rank start-up, ...)
+        # on this run's clock: where the waves above spent their time.
+        self.startup["timeline"] = timeline(self.run_dir / "logs", self.started)
         from meshrl.prometheus import write_service_discovery
 
         sd = write_service_discovery(self.run_dir, {"job": "meshrl", "run": self.run_dir.name})

@@ -31,8 +31,11 @@ CONFIG=configs/bench/e2e_learn.yaml
 # MESHRL_DEVICE=cpu (with MESHRL_ARCH=qwen3, the 0.8M tiny model) is the local smoke form: gloo
 # instead of nccl, no GPUs to share out.
 DEVICE=${MESHRL_DEVICE:-cuda}
-SFT="--task copy --arch ${MESHRL_ARCH:-qwen3_small} --digits 4 --length-tail-alpha 1.5 --max-digits 32 --batch-size 128 --lr 1e-3 --warmup-steps 100 --steps 1500 --device $DEVICE"
-DEV_OVR=(trainer.device=$DEVICE rollout_worker.device=$DEVICE)
+# MESHRL_MAX_DIGITS: the longest string of the task (the warm start and the runs alike)
+MAXD=${MESHRL_MAX_DIGITS:-32}
+SFT="--task copy --arch ${MESHRL_ARCH:-qwen3_small} --digits 4 --length-tail-alpha 1.5 --max-digits $MAXD --batch-size 128 --lr 1e-3 --warmup-steps 100 --steps 1500 --device $DEVICE"
+TASK_OVR=(data.synthetic.max_digits=$MAXD)
+DEV_OVR=(trainer.device=$DEVICE rollout_worker.device=$DEVICE "${TASK_OVR[@]}")
 if [ "$DEVICE" = cuda ]; then DEV_OVR+=(serve.rollout.num_gpus=1); else DEV_OVR+=(actor_rollout_ref.rollout.checkpoint_engine.backend=gloo); fi
 rm -rf "$W"
 L=$W/logs
@@ -84,7 +87,7 @@ pretrain() {  # pretrain STOP_LOSS GPU -> prints the checkpoint directory
 }
 
 # A case: its own process and Ray on two GPUs; `bench e2e --no-baseline` stops it cleanly.
-CASE_INDEX=0  # set by the caller per case (a case runs in a subshell: it cannot count for itself)
+CASE_INDEX=${MESHRL_CASE_BASE:-0}  # set by the caller per case; MESHRL_CASE_BASE: apart from another instance's (a case runs in a subshell: it cannot count for itself)
 run_case() {  # run_case NAME GPUS CAP_S MODE TRAIN_S CKPT OVERRIDES...
   local name=$1 gpus=$2 cap=$3 mode=$4 train_s=$5 ckpt=$6
   shift 6
@@ -100,10 +103,13 @@ run_case() {  # run_case NAME GPUS CAP_S MODE TRAIN_S CKPT OVERRIDES...
 
 warmstart() {  # one warm start per stop loss, in parallel on the GPUs, then each one's sampled reward
     local i=0 pids=()
+    local gpus=(${MESHRL_SFT_GPUS:-0 1 2 3})
     for sl in ${MESHRL_STOP_LOSSES:-0.3 0.5 0.8}; do
-      ( ck=$(pretrain "$sl" $((i % 4)))
-        [ -n "$ck" ] && CUDA_VISIBLE_DEVICES=$((i % 4)) capped "eval_$sl" 120 "$PY" -m meshrl.cli bench e2e --config "$CONFIG" \
-          "actor_rollout_ref.model.path=$ck" trainer.device=$DEVICE rollout_worker.device=$DEVICE \
+      local g=${gpus[$((i % ${#gpus[@]}))]}
+      ( ck=$(pretrain "$sl" "$g")
+        [ -n "$ck" ] && CUDA_VISIBLE_DEVICES=$g capped "eval_$sl" 120 "$PY" -m meshrl.cli bench e2e --config "$CONFIG" \
+          "actor_rollout_ref.model.path=$ck" trainer.device=$DEVICE rollout_worker.device=$DEVICE "${TASK_OVR[@]}" serve.http_port=$((24000 + i + ${MESHRL_CASE_BASE:-0})) \
+          serve.grpc_port=$((25000 + i + ${MESHRL_CASE_BASE:-0})) param_server.port=$((26000 + i + ${MESHRL_CASE_BASE:-0})) \
           --modes "" --max-train-s 1 --run-root "$W/runs/eval_$sl" --out "$L/eval_$sl.json" ) &
       pids+=($!)
       i=$((i + 1))
@@ -178,15 +184,15 @@ PYEOF
     [ -z "${WARM_DONE:-}" ] && warmstart
     ;;
   probe|e2e)
-    ck=$(pretrain "${MESHRL_STOP_LOSS:-0.5}" 0)
+    ck=$(pretrain "${MESHRL_STOP_LOSS:-0.5}" "${MESHRL_SFT_GPUS%% *}")
     [ -z "$ck" ] && { say "no warm start"; continue; }
     pids=()
     if [ "$phase" = probe ]; then
       for p in ${MESHRL_PROBES:-1e-4:0,1 2e-4:2,3:serve.parallel_deploy=false}; do  # LR:GPUS[:OVERRIDE]
-        IFS=: read -r lr gpus extra <<< "$p"
+        IFS=: read -r lr gpus extra <<< "$p"  # OVERRIDE: several joined by '+'
         CASE_INDEX=$((CASE_INDEX + 1))
-        run_case "probe_lr$lr" "$gpus" $((${MESHRL_PROBE_S:-120} + 150)) fully_async "${MESHRL_PROBE_S:-120}" "$ck" \
-          "actor_rollout_ref.actor.optim.lr=$lr" ${extra:+"$extra"} ${MESHRL_OVERRIDES:-} &
+        run_case "probe_d${MAXD}_lr$lr${extra:+_$CASE_INDEX}" "$gpus" $((${MESHRL_PROBE_S:-120} + 150)) fully_async "${MESHRL_PROBE_S:-120}" "$ck" \
+          "actor_rollout_ref.actor.optim.lr=$lr" ${extra:+${extra//+/ }} ${MESHRL_OVERRIDES:-} &
         pids+=($!)
       done
     else

@@ -19,6 +19,7 @@ from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
+from services.common.startup import StartupClock
 
 from . import metrics
 from .factory import build_servicer
@@ -35,6 +36,7 @@ class CoordinatorDeployment:
     async def __init__(  # type: ignore[misc]
         self, config: dict[str, Any], run_dir: str, run_id: str = "", session: str = ""
     ) -> None:
+        clock = StartupClock("coordinator")
         cfg = MeshConfig.model_validate(config)
         configure_logging("coordinator", json=True, run_id=run_id or None)
         set_niceness(cfg.tuning.nice.coordinator, key="tuning.nice.coordinator")
@@ -43,6 +45,7 @@ class CoordinatorDeployment:
         self._servicer = build_servicer(cfg, run_dir, run_id, session)
         self._servicer.start_sweeper()
         self._metrics = ReplicaMetrics(metrics.FAMILIES)
+        clock.mark("ready")
         self._exports = 0
         self._audit: dict[str, Any] | None = None
         self._metrics_task = export_periodically("coordinator", self._export_metrics)

@@ -27,6 +27,7 @@ from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
+from services.common.startup import StartupClock
 from services.weights import convert
 
 from . import metrics as ps_metrics
@@ -45,6 +46,7 @@ class ParamServerDeployment:
 
     @log_init_errors
     async def __init__(self, config: dict[str, Any], run_dir: str | None = None, run_id: str = "") -> None:  # type: ignore[misc]
+        clock = StartupClock("param_server")
         cfg = MeshConfig.model_validate(config)
         configure_logging("param_server", json=True, run_id=run_id or None)
         set_niceness(cfg.tuning.nice.param_server, key="tuning.nice.param_server")
@@ -54,6 +56,7 @@ class ParamServerDeployment:
         self._servicer = self.server.servicer
         self._metrics = ReplicaMetrics(ps_metrics.FAMILIES)
         self._metrics_task = export_periodically("param_server", lambda: ps_metrics.export(self._metrics, self._servicer))
+        clock.mark("ready")
 
     def data_address(self) -> str:
         """host:port of the direct data plane (what publishers should stream to)."""

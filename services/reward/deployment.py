@@ -37,6 +37,7 @@ from services.common.metrics import Family, ReplicaMetrics
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import SERVICER_FUNCTIONS, grpc_shim, log_init_errors
+from services.common.startup import StartupClock
 
 from .factory import build_pipeline
 from .samples import Sample
@@ -86,6 +87,7 @@ class RewardDeployment:
 
     @log_init_errors
     def __init__(self, config: dict[str, Any]) -> None:
+        clock = StartupClock("reward")
         cfg = MeshConfig.model_validate(config)
         ctx = serve.get_replica_context()
         replica = getattr(getattr(ctx, "replica_id", None), "unique_id", None)
@@ -98,6 +100,7 @@ class RewardDeployment:
                                         max_json_depth=cfg.security.limits.max_json_depth)
         self._batch.set_max_batch_size(cfg.reward.max_batch_size)  # type: ignore[attr-defined]
         self._batch.set_batch_wait_timeout_s(cfg.reward.batch_wait_timeout_s)  # type: ignore[attr-defined]
+        clock.mark("ready")
         self._inflight: set[asyncio.Future[Any]] = set()
         tags = ("endpoint",)
         # Counters through ReplicaMetrics: they exist at 0 from the first export (an alert on

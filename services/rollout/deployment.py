@@ -31,6 +31,7 @@ from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import log_init_errors
+from services.common.startup import StartupClock
 from services.weights import WeightFetcher
 
 from . import factory
@@ -87,6 +88,7 @@ class RolloutDeployment:
         from services.common.grpc_util import MiB
         from services.coordinator.client import CoordinatorClient
 
+        clock = StartupClock("rollout")
         self.cfg = MeshConfig.model_validate(cfg)
         ctx = serve.get_replica_context()
         replica_id = f"rollout-{ctx.replica_id.unique_id}"
@@ -96,6 +98,7 @@ class RolloutDeployment:
         serve_replica_security(self.cfg, "rollout", "rollout")
         engine, tok = factory.build_engine(self.cfg)
         self.engine = engine
+        clock.mark("engine_built")
         w = self.cfg.rollout_worker
         self.coordinator = CoordinatorClient(
             factory.coordinator_address(self.cfg), application=w.coordinator_application, timeout_s=w.rpc_timeout_s,
@@ -118,11 +121,14 @@ class RolloutDeployment:
             self.cfg, engine, tok, coordinator=self.coordinator, scorer=scorer, fetcher=fetcher, replica_id=replica_id
         )
         self.servicer = RolloutServicer(self.worker, factory.validation_sampling(self.cfg))
+        clock.mark("worker_built")
         await engine.start()
+        clock.mark("engine_started")
         if w.autostart:
             self.worker.start()
         self._metrics = RolloutExporter(ReplicaMetrics(rollout_metrics.FAMILIES), replica_id)
         self._metrics_task = export_periodically("rollout", self._export_metrics)
+        clock.mark("ready")
         log.info("rollout_replica_ready", engine=engine.name, policy_version=engine.version)
 
     async def Generate(self, request: Any, grpc_context: Any = None) -> Any:

@@ -26,6 +26,7 @@ from services.common.metrics import ReplicaMetrics, export_periodically
 from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
+from services.common.startup import StartupClock
 
 from . import metrics as trainer_metrics
 from .factory import TrainerParts, build_trainer
@@ -45,6 +46,7 @@ class TrainerDeployment:
     async def __init__(  # type: ignore[misc]  # Serve (Ray actors) awaits an async constructor
         self, config: dict[str, Any], run_dir: str, extras: dict[str, Any] | None = None
     ) -> None:
+        clock = StartupClock("trainer")
         cfg = MeshConfig.model_validate(config)
         configure_logging("trainer", json=True, trainer_id=cfg.trainer_service.trainer_id)
         set_niceness(cfg.tuning.nice.trainer, key="tuning.nice.trainer")
@@ -53,7 +55,7 @@ class TrainerDeployment:
         extras = extras or {}
         self.parts: TrainerParts = await build_trainer(
             cfg, run_dir, algorithm=extras.get("algorithm"), publisher=extras.get("publisher"),
-            model_init=extras.get("model_init"),
+            model_init=extras.get("model_init"), clock=clock,
         )
         self._servicer = self.parts.servicer
         self._task = asyncio.get_running_loop().create_task(self.parts.loop.run())
@@ -62,6 +64,7 @@ class TrainerDeployment:
             "trainer", lambda: trainer_metrics.export(self._metrics, self.parts.loop.status()))
         # Which replica answers: after a failure, `meshrl train` tells the failed one from its replacement.
         self._replica = str(getattr(getattr(serve.get_replica_context(), "replica_id", None), "unique_id", ""))
+        clock.mark("ready")
 
     async def status(self) -> trainer_pb2.GetTrainerStatusResponse:
         """GetTrainerStatus's answer and this replica's id, for handle calls (`meshrl train` polls it)."""

@@ -16,6 +16,7 @@ from services.common.config.trainer_service import TrainerServiceConfig
 from services.common.errors import MissingDependency
 from services.common.grpc_util import MiB
 from services.common.model_arch import vocab_size_of
+from services.common.startup import StartupClock
 from services.weights import WeightPublisher
 
 from .core import Algorithm, LoopSettings, TrainerLoop
@@ -293,6 +294,7 @@ async def build_trainer(
     algorithm: Algorithm | None = None,
     publisher: WeightPublisher | None = None,
     model_init: Callable[[], Any] | None = None,
+    clock: StartupClock | None = None,
 ) -> TrainerParts:
     """Everything the Serve deployment runs: rank actors (Ray), the coordinator client, the
     publisher and the loop. Config problems fail here, before any actor starts."""
@@ -317,10 +319,14 @@ async def build_trainer(
 
         cfg = await with_discovered_address(cfg)  # param_server.host=0.0.0.0: ask the app where it is
     pub = publisher or _publisher(cfg, run_dir, client)
+    if clock is not None:
+        clock.mark("publisher_built")
     group = await RayTrainGroup.create(
         spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus,
         resources=ts.worker_resources, nice=cfg.tuning.nice.trainer_ranks,
     )
+    if clock is not None:
+        clock.mark("ranks_ready")
     if isinstance(pub, RankZeroPublisher):
         try:
             await group.start_sender(pub.make, pub.every_rank)

@@ -36,6 +36,7 @@ from meshrl.v1 import common_pb2
 from services.common.device import ray_resource
 from services.common.logging import configure_logging, get_logger
 from services.common.priority import set_niceness
+from services.common.startup import StartupClock
 from services.weights import Bucket, WeightPublisher
 
 from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult, TrainEngine, get_engine_cls
@@ -117,6 +118,7 @@ class TrainWorker:
         self.spec: EngineSpec | None = None
         self.sender: RankSender | None = None
         self.own_shards = False
+        self._clock = StartupClock(f"trainer_rank{rank}")
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port (asked of rank 0 for MASTER_ADDR/PORT)."""
@@ -136,7 +138,9 @@ class TrainWorker:
         set_niceness(nice, key="tuning.nice.trainer_ranks")
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.spec = spec
+        self._clock.mark("init_engine")
         self.engine = get_engine_cls(backend, spec.device).build(spec)
+        self._clock.mark("engine_built")
         return {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size}
 
     def _engine(self) -> TrainEngine:

@@ -70,6 +70,14 @@ def test_example_learns_within_bound_and_balances_the_books(tmp_path: Path) -> N
     k = steps // 5
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
     assert last > first + 0.08, f"reward did not rise: first {first:.3f} -> last {last:.3f}"
+    # Where the start-up went: every service process's phases on the run's clock, each later than
+    # its process's start, each service ready before the first step.
+    timeline = summary["startup_s"]["timeline"]
+    services = {name.split(".")[0] for name in timeline}
+    assert {"coordinator", "param_server", "reward", "rollout", "trainer", "trainer_rank0"} <= services, timeline
+    for name, marks in timeline.items():
+        assert list(marks.values()) == sorted(marks.values()), (name, marks)
+        assert name.startswith("trainer_rank") or "ready" in marks, (name, marks)
     # The run directory holds everything a user looks for.
     for rel in ("config.resolved.yaml", "ledger.sqlite", "metrics/trainer.jsonl", "metrics/validation.jsonl",
                 "metrics/rollout.jsonl", "report.html", "hf_export/config.json", "summary.json"):
