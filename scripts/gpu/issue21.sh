@@ -27,14 +27,15 @@ OUT=${OUT:-/tmp/meshrl-issue21}
 W=${MESHRL_WORK:-/tmp/meshrl-issue21-work}
 PY=${PYTHON:-python3}
 PHASES=${PHASES:-weights warmstart}
-CONFIG=configs/bench/e2e_learn.yaml
+CONFIG=${MESHRL_CONFIG:-configs/bench/e2e_learn.yaml}  # MESHRL_WARM: a warm start to use as is (no SFT here)
 # MESHRL_DEVICE=cpu (with MESHRL_ARCH=qwen3, the 0.8M tiny model) is the local smoke form: gloo
 # instead of nccl, no GPUs to share out.
 DEVICE=${MESHRL_DEVICE:-cuda}
 # MESHRL_MAX_DIGITS: the longest string of the task (the warm start and the runs alike)
 MAXD=${MESHRL_MAX_DIGITS:-32}
+TASK_OVR=()
+[ -n "${MESHRL_MAX_DIGITS:-}" ] && TASK_OVR=(data.synthetic.max_digits=$MAXD)
 SFT="--task copy --arch ${MESHRL_ARCH:-qwen3_small} --digits 4 --length-tail-alpha 1.5 --max-digits $MAXD --batch-size 128 --lr 1e-3 --warmup-steps 100 --steps 1500 --device $DEVICE"
-TASK_OVR=(data.synthetic.max_digits=$MAXD)
 DEV_OVR=(trainer.device=$DEVICE rollout_worker.device=$DEVICE "${TASK_OVR[@]}")
 if [ "$DEVICE" = cuda ]; then DEV_OVR+=(serve.rollout.num_gpus=1); else DEV_OVR+=(actor_rollout_ref.rollout.checkpoint_engine.backend=gloo); fi
 rm -rf "$W"
@@ -184,7 +185,12 @@ PYEOF
     [ -z "${WARM_DONE:-}" ] && warmstart
     ;;
   probe|e2e)
-    ck=$(pretrain "${MESHRL_STOP_LOSS:-0.5}" "${MESHRL_SFT_GPUS%% *}")
+    ck=${MESHRL_WARM:-$(pretrain "${MESHRL_STOP_LOSS:-0.5}" "${MESHRL_SFT_GPUS%% *}")}
+    if [ -n "${MESHRL_WARM:-}" ]; then  # its sampled reward at the start, beside the runs (256 samples, T=1)
+      CUDA_VISIBLE_DEVICES=${MESHRL_SFT_GPUS%% *} capped eval_warm 120 "$PY" -m meshrl.cli bench e2e --config "$CONFIG" \
+        "actor_rollout_ref.model.path=$ck" trainer.device=$DEVICE rollout_worker.device=$DEVICE --modes "" --max-train-s 1 \
+        --run-root "$W/runs/eval_warm" --out "$L/eval_warm.json" &
+    fi
     [ -z "$ck" ] && { say "no warm start"; continue; }
     pids=()
     if [ "$phase" = probe ]; then
