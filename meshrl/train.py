@@ -205,18 +205,16 @@ class MeshRun:
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
                 "session": uuid.uuid4().hex}
         quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
-        # Two waves, each deployed at once (serve.run_many returns when every replica of the wave
-        # is healthy): first what the others call (coordinator, param server, reward), then the
-        # rollout and the trainer together, which call those but not each other (a resumed
-        # trainer republishes its weights and the rollout moves to them), so the engine load of
-        # the one overlaps the rank start-up and model build of the other. One app at a time,
-        # those two alone took most of a GPU case's start-up.
-        waves: list[list[tuple[str, Callable[..., Any]]]] = [
-            [("coordinator", coordinator_app), ("param_server", param_server_app), ("reward", reward_app)],
-            [("rollout", rollout_app), ("trainer", trainer_app)],
+        # Every application at once (serve.run_many returns when every replica is healthy), as
+        # `serve deploy` of `meshrl serve-config` starts them: a rollout or trainer replica spends
+        # its first seconds spawning and importing, by which time the coordinator, param server and
+        # reward it calls are up (and its clients retry until they are), so the engine load, the
+        # rank start-up and model build overlap the others' start (BENCHMARKS.md, "Start-up").
+        apps: list[tuple[str, Callable[..., Any]]] = [
+            ("coordinator", coordinator_app), ("param_server", param_server_app), ("reward", reward_app),
+            ("rollout", rollout_app), ("trainer", trainer_app),
         ]
-        if not self.cfg.serve.parallel_deploy:
-            waves = [[app] for wave in waves for app in wave]
+        waves = [apps] if self.cfg.serve.parallel_deploy else [[app] for app in apps]
         for wave in waves:
             t0 = time.monotonic()
             targets = [serve.RunTarget(builder(args), name=name, route_prefix=f"/{name}", logging_config=quiet)

@@ -3,6 +3,7 @@ step count fixed up front), the loop settings, the RL algorithm, the coordinator
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from collections.abc import Callable
@@ -297,7 +298,9 @@ async def build_trainer(
     clock: StartupClock | None = None,
 ) -> TrainerParts:
     """Everything the Serve deployment runs: rank actors (Ray), the coordinator client, the
-    publisher and the loop. Config problems fail here, before any actor starts."""
+    publisher and the loop. Config problems fail here: those found from the config alone before
+    any actor starts; the model's (its HF config) while the rank actors start, which are then
+    taken down."""
     import ray
 
     from services.common.auth import Authorizer
@@ -306,25 +309,32 @@ async def build_trainer(
     from .workers import RayTrainGroup
 
     algorithm = algorithm or algorithm_from_config(cfg)
-    check_model(cfg, model_init)
     device = resolve_device(cfg, ray.cluster_resources())
     size = dataset_size(cfg)
     spec = engine_spec(cfg, device, size, model_init)
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     ts = cfg.trainer_service
     settings = loop_settings(ts, run_dir, size, pad_token_id(cfg), vocab_size_of(cfg.actor_rollout_ref.model.path))
-    client = coordinator_client(cfg)
-    if publisher is None and ts.publisher == "param_server":
-        from services.weights.transports.discovery import with_discovered_address
+    # The ranks' start-up (a process each, its imports, the process group, the model build) is
+    # the longest part of a trainer's start: Ray is asked for them first, so the spawn can overlap
+    # this replica checking the model's config (transformers' import, seconds) and building its
+    # clients and publisher. (On the 2-GPU host the rank's process still started only as the
+    # check ended: BENCHMARKS.md, "Start-up".)
+    ranks = RayTrainGroup.spawn(spec, world, num_cpus=ts.worker_num_cpus, resources=ts.worker_resources)
+    try:
+        check_model(cfg, model_init)
+        client = coordinator_client(cfg)
+        if publisher is None and ts.publisher == "param_server":
+            from services.weights.transports.discovery import with_discovered_address
 
-        cfg = await with_discovered_address(cfg)  # param_server.host=0.0.0.0: ask the app where it is
-    pub = publisher or _publisher(cfg, run_dir, client)
+            cfg = await with_discovered_address(cfg)  # param_server.host=0.0.0.0: ask the app where it is
+        pub = publisher or _publisher(cfg, run_dir, client)
+    except BaseException:
+        ranks.kill()
+        raise
     if clock is not None:
         clock.mark("publisher_built")
-    group = await RayTrainGroup.create(
-        spec, world, backend=cfg.actor_rollout_ref.actor.strategy, num_cpus=ts.worker_num_cpus,
-        resources=ts.worker_resources, nice=cfg.tuning.nice.trainer_ranks,
-    )
+    group = await ranks.start(spec, cfg.actor_rollout_ref.actor.strategy, nice=cfg.tuning.nice.trainer_ranks)
     if clock is not None:
         clock.mark("ranks_ready")
     if isinstance(pub, RankZeroPublisher):

@@ -214,6 +214,38 @@ class TrainWorker:
             self.engine.close()
 
 
+class SpawnedRanks:
+    """Rank actors asked of Ray (`RayTrainGroup.spawn`), their engines not built yet."""
+
+    def __init__(self, group_cls: type[RayTrainGroup], workers: list[Any], pg: Any) -> None:
+        self.group_cls = group_cls
+        self.workers = workers
+        self.pg = pg
+
+    async def start(self, spec: EngineSpec, backend: str, *, nice: int | None = None,
+                    timeout_s: float = 600.0) -> RayTrainGroup:
+        """Join the process group and build every rank's engine; on any failure (cancellation
+        included) the actors and their placement group are gone."""
+        workers = self.workers
+        try:
+            await asyncio.wait_for(self.pg.ready(), timeout=timeout_s)
+            addr, port = await workers[0].address.remote()
+            layout = await asyncio.wait_for(
+                asyncio.gather(*[w.init_engine.remote(spec, backend, addr, port, nice) for w in workers]), timeout=timeout_s
+            )
+            step = await workers[0].step.remote()
+        except BaseException:
+            self.kill()
+            raise
+        log.info("train_group_ready", world_size=len(workers), dp=layout[0]["dp_size"], device=spec.device)
+        return self.group_cls(workers, self.pg, list(layout), step)
+
+    def kill(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        remove_placement_group(self.pg)
+
+
 class RayTrainGroup:
     """TrainGroup over rank actors (see the module docstring). Use `await RayTrainGroup.create(...)`."""
 
@@ -231,13 +263,20 @@ class RayTrainGroup:
         cls, spec: EngineSpec, world_size: int, *, backend: str, num_cpus: float = 1.0, timeout_s: float = 600.0,
         nice: int | None = None, resources: dict[str, float] | None = None,
     ) -> RayTrainGroup:
+        return await cls.spawn(spec, world_size, num_cpus=num_cpus, resources=resources).start(
+            spec, backend, nice=nice, timeout_s=timeout_s)
+
+    @classmethod
+    def spawn(cls, spec: EngineSpec, world_size: int, *, num_cpus: float = 1.0,
+              resources: dict[str, float] | None = None) -> SpawnedRanks:
+        """Ask Ray for the rank actors now (their placement group, their processes and imports go
+        on in the background); `SpawnedRanks.start` builds the engines."""
         resource = ray_resource(spec.device)
         bundle: dict[str, float] = {"CPU": num_cpus} if num_cpus > 0 else {}
         bundle.update(resources or {})  # custom resources: which nodes may hold a rank
         if resource is not None:
             bundle[resource] = 1.0
         pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        await asyncio.wait_for(pg.ready(), timeout=timeout_s)
         options: dict[str, Any] = {"num_cpus": num_cpus}
         custom = dict(resources or {})
         if resource == "GPU":
@@ -254,19 +293,7 @@ class RayTrainGroup:
             ).remote(r, world_size)
             for r in range(world_size)
         ]
-        try:
-            addr, port = await workers[0].address.remote()
-            layout = await asyncio.wait_for(
-                asyncio.gather(*[w.init_engine.remote(spec, backend, addr, port, nice) for w in workers]), timeout=timeout_s
-            )
-            step = await workers[0].step.remote()
-        except BaseException:
-            for w in workers:
-                ray.kill(w)
-            remove_placement_group(pg)
-            raise
-        log.info("train_group_ready", world_size=world_size, dp=layout[0]["dp_size"], device=spec.device)
-        return cls(workers, pg, list(layout), step)
+        return SpawnedRanks(cls, workers, pg)
 
     @property
     def world_size(self) -> int:

@@ -70,8 +70,8 @@ class ServeConfig(ConfigModel):
     num_cpus: int | None = None
     """CPUs given to a local Ray; null: all."""
     parallel_deploy: bool = True
-    """`meshrl train` deploys in two waves, each at once (coordinator, param server and reward;
-    then rollout and trainer); false: one application after the other (the start-up baseline)."""
+    """`meshrl train` deploys every application at once (as `serve deploy` of its serve config
+    does); false: one application after the other (the start-up baseline)."""
     coordinator: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
     """The coordinator (always one replica)."""
     rollout: AppDeployConfig = AppDeployConfig()

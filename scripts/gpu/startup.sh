@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Issue 21, items 8 and 3 on a 2-GPU host: seconds from `meshrl train` to the first optimizer step
+# (the built-in example, its warm start carried in .wheels/warm/, rollout on one GPU and the rank
+# on the other, nccl weight sync), every application at once against one at a time
+# (`serve.parallel_deploy=false`) in the same call; then the nccl transport against a raw
+# broadcast at several bucket sizes. Self-contained on the GPU host: Ray Serve from .wheels/ray.
+#
+#   (GPU host) OUT=/dir scripts/gpu/startup.sh        # carry [".wheels/ray", ".wheels/warm"]
+#
+# Writes $OUT/env.txt, $OUT/steps.txt, $OUT/startup.json (per run: time to the first step and
+# summary.json's startup_s with every process's timeline), $OUT/weights.json.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+START=$(date +%s)
+OUT=${OUT:-/tmp/meshrl-startup}
+W=${MESHRL_WORK:-/tmp/meshrl-startup-work}
+SITE=/tmp/site
+PY=${PYTHON:-python3}
+rm -rf "$W"
+mkdir -p "$OUT" "$SITE" "$W"
+say() { echo "[+$(($(date +%s) - START))s] $*" | tee -a "$OUT/steps.txt"; }
+if ! "$PY" -c "import ray.serve" 2>/dev/null; then
+  tar -xJf .wheels/ray/ray_slim.tar.xz -C "$SITE"
+  find "$SITE/ray/core/src" -type f ! -name '*.py' -exec chmod +x {} +  # the tarball drops exec bits
+  for w in .wheels/ray/*.whl; do
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$w" > /dev/null 2>&1 \
+      || "$PY" -m zipfile -e "$w" "$SITE"
+  done
+fi
+# What `pip install` does and the bundle's --no-compile skipped: byte-compile once, so the
+# measured start-up is not every fresh process compiling Ray's and meshrl's sources at once.
+"$PY" -m compileall -q -j 0 "$SITE" services meshrl > /dev/null 2>&1
+say "installed and compiled"
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH" RAY_USAGE_STATS_ENABLED=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export MESHRL_LOG_LEVEL=WARNING
+warm=$PWD/$(ls -d .wheels/warm/*/ | head -1)
+{ "$PY" -c "import torch, ray; print('torch', torch.__version__, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], 'ray', ray.__version__)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; echo "cpus $(nproc)"; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+run() {  # run NAME OVERRIDES...: one case, alone on the host, stopped 15 s after its first step
+  local name=$1 t0
+  shift
+  t0=$(date +%s)
+  timeout -k 10 150 "$PY" -m meshrl.cli bench e2e "actor_rollout_ref.model.path=$warm" trainer.device=cuda \
+    rollout_worker.device=cuda serve.rollout.num_gpus=1 actor_rollout_ref.rollout.checkpoint_engine.backend=nccl \
+    trainer.test_freq=-1 trainer.val_before_train=false trainer.save_freq=-1 "$@" --modes fully_async --no-baseline \
+    --max-train-s 15 --run-root "$W/runs/$name" --label "$name" --out "$W/$name.json" > "$W/$name.log" 2>&1
+  say "$name: rc=$? wall=$(($(date +%s) - t0))s"
+}
+for r in ${MESHRL_STARTUP_RUNS:-at_once_1 one_at_a_time at_once_2 one_at_a_time_2 at_once_3}; do
+  case $r in
+    one_at_a_time*) run "$r" serve.parallel_deploy=false ;;
+    *) run "$r" ;;
+  esac
+done
+"$PY" - "$W" > "$OUT/startup.json" <<'PYEOF'
+import json, pathlib, sys
+out = {}
+for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    try:
+        d = json.loads(f.read_text())
+    except ValueError:
+        continue
+    for name, c in d.get("cases", {}).items():
+        out[f.stem] = {"to_first_step_s": c.get("startup_s"), "steps": c.get("steps"), "per_step_s": c.get("per_step_s"),
+                       "audit_balanced": c.get("audit_balanced"), "phases": c.get("startup_phases_s")}
+print(json.dumps(out, indent=1))
+PYEOF
+"$PY" -c "
+import json, sys
+for n, c in json.load(open(sys.argv[1])).items():
+    p = {k: v for k, v in (c['phases'] or {}).items() if k != 'timeline'}
+    print(n, 'to first step', c['to_first_step_s'], 's; steps', c['steps'], 'audit', c['audit_balanced'], p)
+" "$OUT/startup.json" | tee -a "$OUT/steps.txt"
+
+for mb in ${MESHRL_BUCKETS_MB:-512 2048 4096}; do
+  timeout -k 10 150 "$PY" -m meshrl.cli bench weights --size-gb 8 --bucket-mb "$mb" --rounds 6 --transports nccl \
+    --out "$W/w_nccl_$mb.json" > "$W/w_nccl_$mb.log" 2>&1
+  say "nccl bucket ${mb} MiB: rc=$? $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d.get('ratios') or d.get('targets')))" "$W/w_nccl_$mb.json" 2>&1 | tail -1)"
+done
+"$PY" - "$W" > "$OUT/weights.json" <<'PYEOF'
+import json, pathlib, sys
+print(json.dumps({f.stem: json.loads(f.read_text()) for f in sorted(pathlib.Path(sys.argv[1]).glob("w_nccl_*.json"))}, indent=1))
+PYEOF
+tail -30 "$W"/*.log > "$OUT/logs_tail.txt" 2>/dev/null
+say "done"
