@@ -89,6 +89,15 @@ def test_a_fingerprint_split_over_threads_is_the_one_pass_fingerprint(sizes: lis
     assert asyncio.run(osx._fingerprint(sum(sizes), pairs, threads)) == fingerprint_bytes(np.concatenate(arrays))
 
 
+def test_a_split_fingerprint_covers_gaps_between_pieces_like_zero_bytes() -> None:
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 256, 100, dtype=np.uint8), rng.integers(0, 256, 51, dtype=np.uint8)
+    whole = np.zeros(300, dtype=np.uint8)
+    whole[:100], whole[249:] = a, b
+    got = asyncio.run(osx._fingerprint(300, [(0, a), (249, b)], 3))
+    assert got == fingerprint_bytes(whole)
+
+
 def test_merging_fingerprints_of_different_byte_strings_is_refused() -> None:
     with pytest.raises(InvalidArgument, match=r"other\.nbytes"):
         Fingerprinter(16).merge(Fingerprinter(24))

@@ -115,7 +115,7 @@ FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 def _split(arrays: list[tuple[int, np.ndarray]], parts: int) -> list[list[tuple[int, np.ndarray]]]:
     """(offset, array) pieces of a bucket in `parts` runs of about equal bytes (views, no copy)."""
-    total = sum(a.nbytes for _, a in arrays)
+    total = max((offset + a.nbytes for offset, a in arrays), default=0)  # the bucket's end, gaps or not
     step = max(8, -(-total // max(1, parts) // 8) * 8)  # whole words: no piece splits one
     runs: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(-(-total // step) if total else 1)]
     for offset, arr in arrays:
