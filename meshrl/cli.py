@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--size-gb", type=float, default=1.0, help="bytes of one version, in GiB")
     pw.add_argument("--bucket-mb", type=int, default=256, help="bucket size (update_weights_bucket_megabytes)")
     pw.add_argument("--rounds", type=int, default=2, help="steady-state rounds after the cold one")
+    pw.add_argument("--warmup-rounds", type=int, default=4,
+                    help="host transports: rounds between the cold one and the steady ones, reported on their own "
+                    "(until a store has cycled once and reuses memory)")
     pw.add_argument("--transports", default=WEIGHTS_TRANSPORTS,
                     help="comma list of grpc, object_store, disk, gloo, nccl (nccl needs 2 GPUs); "
                     "with --cross-node: grpc, object_store (the default there)")
@@ -554,7 +557,7 @@ def _bench(args: argparse.Namespace) -> int:
                                          rounds=args.rounds, transports=chosen)
         else:
             result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
-                                           transports=chosen)
+                                           transports=chosen, warmup_rounds=args.warmup_rounds)
     elif args.bench_command == "weights-sharded":
         from meshrl.bench.weights_sharded import run_benchmark as run_sharded_benchmark
 

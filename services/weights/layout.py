@@ -305,6 +305,13 @@ class Fingerprinter:
         if len(tail):
             self._cols[: len(tail)] += tail
 
+    def merge(self, other: Fingerprinter) -> None:
+        """Add the pieces `other` saw (same byte string, pieces not overlapping this one's): the
+        columns are sums, so pieces fingerprinted in parallel threads combine exactly."""
+        if other.nbytes != self.nbytes:
+            raise InvalidArgument("other.nbytes", f"{other.nbytes} != {self.nbytes}: not pieces of the same bytes")
+        self._cols += other._cols
+
     def hexdigest(self) -> str:
         return digest_columns(self._cols, self.nbytes)
 

@@ -12,15 +12,28 @@ def test_bench_weights_small(tmp_path, capsys) -> None:  # type: ignore[no-untyp
     assert sum(n for b in plan_sizes(10 << 20, 4 << 20) for _, _, n in b) == 10 << 20
     out = tmp_path / "weights.json"
     assert main(["bench", "weights", "--size-gb", str(8 / 1024), "--bucket-mb", "4", "--rounds", "1",
-                 "--transports", "grpc,disk", "--out", str(out)]) == 0
+                 "--warmup-rounds", "1", "--transports", "grpc,disk", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["bytes"] == 8 << 20 and r["baselines"]["memcpy"]["best_GBps"] > 0
+    assert r["bytes"] == 8 << 20 and r["baselines"]["memcpy"]["best_GBps"] > 0 and r["warmup_rounds"] == 1
     for name in ("grpc", "disk"):
         case = r["transports"][name]
         assert "error" not in case, case
-        assert case["publish"]["best_GBps"] > 0 and case["fetch"]["best_GBps"] > 0 and len(case["rounds"]) == 2
-    assert set(r["targets"]) == {"grpc_ge_1GBps"}
+        assert case["publish"]["best_GBps"] > 0 and case["fetch"]["best_GBps"] > 0 and len(case["rounds"]) == 3
+        assert len(case["publish"]["warmup_s"]) == 1 and case["publish"]["cold_GBps"] > 0  # cold, warm-up, steady
+    assert set(r["targets"]) == {"grpc_ge_1GBps"} and r["targets"]["grpc_ge_1GBps"]["cold_GBps"]["fetch"] > 0
     assert "\"benchmark\": \"weights\"" in capsys.readouterr().out
+
+
+def test_bench_weights_object_store_reports_warmup_and_fresh_memory_per_round(serve_grpc_port: int) -> None:
+    """On the session's Ray: cold, warm-up and steady rounds apart, the /dev/shm each publish newly
+    touched, and the target's steady ratio with the cold one beside it."""
+    r = run_benchmark(size_gb=8 / 1024, bucket_mb=4, rounds=2, warmup_rounds=1, transports=("object_store",))
+    case = r["transports"]["object_store"]
+    assert "error" not in case, case
+    assert len(case["rounds"]) == 4 and len(case["end_to_end"]["warmup_s"]) == 1
+    assert len(case["shm_growth_bytes"]) == 4 and all(b >= 0 for b in case["shm_growth_bytes"])
+    t = r["targets"]["object_store_ge_50pct_memcpy"]
+    assert t["ratio_best"] > 0 and t["ratio_cold"] > 0 and t["memcpy_fresh_GBps"] > 0 and isinstance(t["met"], bool)
 
 
 def test_run_benchmark_reports_a_failing_transport_without_losing_the_others() -> None:

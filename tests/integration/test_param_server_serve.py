@@ -125,3 +125,37 @@ def test_grpc_through_the_serve_proxy_and_the_data_plane(serve_app: int) -> None
             await c.close()
 
     asyncio.run(main())
+
+
+def test_object_store_frees_a_version_once_retention_evicts_it(serve_app: int) -> None:
+    """retain_versions=1: publishing the next version releases the previous one's objects (one per
+    bucket), so the store can reuse their memory; nothing else keeps them pinned. Runs after the
+    cases above: versions 30-31 are newer than theirs."""
+    import time
+
+    import ray
+
+    def owned() -> set[str]:
+        counts = ray._private.worker.global_worker.core_worker.get_all_reference_counts()
+        return {k.decode() if isinstance(k, bytes) else str(k) for k in counts}  # keys: hex ids, as bytes
+
+    async def main() -> None:
+        directory = ServeDirectory.from_app()
+        pub = ObjectStorePublisher(directory)
+        await pub.publish(30, buckets(30))
+        _, refs = await directory.lookup(30, "probe")
+        assert [len(r) for r in refs] == [1, 1]  # one object per bucket
+        ids = {r.hex() for bucket in refs for r in bucket}
+        del refs
+        await directory.release(30, "probe")
+        assert ids <= owned()  # retained: the param server still borrows them
+        await pub.publish(31, buckets(31))  # evicts version 30
+        deadline = time.monotonic() + 60
+        while ids & owned():
+            assert time.monotonic() < deadline, f"version 30's objects still referenced: {ids & owned()}"
+            await asyncio.sleep(0.05)
+        fetcher = ObjectStoreFetcher(directory, consumer_id="driver")
+        got = {n: t.clone() async for b in fetcher.fetch(common_pb2.WeightsRef(policy_version=31)) for n, t in b}
+        assert same(got, 31)
+
+    asyncio.run(main())

@@ -1,0 +1,153 @@
+"""The object_store transport's publish format without Ray: one object per bucket holding the
+bucket's arrays, fingerprints split over threads, and the fetch side reading both this format and
+the older one object per tensor (a fake object store stands in for ray.put / ray.get)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from meshrl.v1 import param_server_pb2 as pb
+from services.common.errors import InvalidArgument
+from services.weights.layout import Fingerprinter, fingerprint_bytes
+from services.weights.transports import object_store as osx
+
+
+class FakeRay:
+    """ray.put / ray.get over a dict; values are kept as put (no copy, as on one node)."""
+
+    class exceptions:  # mirrors ray.exceptions
+        class GetTimeoutError(Exception):
+            pass
+
+        class ObjectLostError(Exception):
+            pass
+
+    def __init__(self) -> None:
+        self.objects: dict[int, Any] = {}
+        self.ids = itertools.count()
+
+    def put(self, value: Any) -> int:
+        ref = next(self.ids)
+        self.objects[ref] = value
+        return ref
+
+    def get(self, refs: list[int], timeout: float | None = None) -> list[Any]:
+        return [self.objects[r] for r in refs]
+
+    def get_runtime_context(self) -> Any:
+        return types.SimpleNamespace(get_node_id=lambda: "node")
+
+
+class FakeDirectory:
+    def __init__(self) -> None:
+        self.versions: dict[int, tuple[bytes, list[Any]]] = {}
+        self.released: list[tuple[int, str]] = []
+
+    async def register(self, manifest: pb.Manifest, refs: list[Any]) -> None:
+        self.versions[manifest.policy_version] = (manifest.SerializeToString(), refs)
+
+    async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
+        raw, refs = self.versions[policy_version]
+        return pb.Manifest.FromString(raw), refs
+
+    async def release(self, policy_version: int, consumer_id: str) -> None:
+        self.released.append((policy_version, consumer_id))
+
+
+def weights() -> list[list[tuple[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        [("a", torch.randn(300, 7, generator=g).bfloat16()), ("b", torch.randn(33, generator=g)),
+         ("c", torch.tensor([True, False, True]))],
+        [("d", torch.randn(1000, generator=g).double())],
+    ]
+
+
+@pytest.fixture
+def fake_ray(monkeypatch: pytest.MonkeyPatch) -> FakeRay:
+    fake = FakeRay()
+    monkeypatch.setattr(osx, "_ray", lambda: fake)
+    return fake
+
+
+@pytest.mark.parametrize("sizes", [[1000, 37, 12293], [8], [1], [33, 7, 100003], [64] * 5, [0, 16, 0]])
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 7])
+def test_a_fingerprint_split_over_threads_is_the_one_pass_fingerprint(sizes: list[int], threads: int) -> None:
+    rng = np.random.default_rng(sum(sizes) + threads)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+    pairs = list(zip(offsets, arrays, strict=True))
+    runs = osx._split(pairs, threads)
+    assert len(runs) <= max(1, threads) and sum(a.nbytes for run in runs for _, a in run) == sum(sizes)
+    assert asyncio.run(osx._fingerprint(sum(sizes), pairs, threads)) == fingerprint_bytes(np.concatenate(arrays))
+
+
+def test_a_split_fingerprint_covers_gaps_between_pieces_like_zero_bytes() -> None:
+    rng = np.random.default_rng(1)
+    a, b = rng.integers(0, 256, 100, dtype=np.uint8), rng.integers(0, 256, 51, dtype=np.uint8)
+    whole = np.zeros(300, dtype=np.uint8)
+    whole[:100], whole[249:] = a, b
+    got = asyncio.run(osx._fingerprint(300, [(0, a), (249, b)], 3))
+    assert got == fingerprint_bytes(whole)
+
+
+def test_merging_fingerprints_of_different_byte_strings_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match=r"other\.nbytes"):
+        Fingerprinter(16).merge(Fingerprinter(24))
+
+
+def test_publish_puts_one_object_per_bucket_and_fetch_reads_it_back_verified(fake_ray: FakeRay) -> None:
+    directory = FakeDirectory()
+
+    async def main() -> dict[str, torch.Tensor]:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, weights())
+        _, refs = directory.versions[1]
+        assert [len(r) for r in refs] == [1, 1]  # one put per bucket, not one per tensor
+        assert all(isinstance(fake_ray.objects[r[0]], list) for r in refs)
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")
+        got = {n: t.clone() async for b in fetcher.fetch(ref) for n, t in b}
+        assert fetcher.verified_buckets == 2 and directory.released == [(1, "c")]
+        return got
+
+    got = asyncio.run(main())
+    want = {n: t for b in weights() for n, t in b}
+    assert set(got) == set(want) and all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_fetch_still_reads_versions_put_one_object_per_tensor(fake_ray: FakeRay) -> None:
+    directory = FakeDirectory()
+
+    async def main() -> None:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, weights())
+        raw, refs = directory.versions[1]
+        per_tensor = [[fake_ray.put(a) for a in fake_ray.objects[r[0]]] for r in refs]  # the older layout
+        directory.versions[1] = (raw, per_tensor)
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")
+        got = {n: t.clone() async for b in fetcher.fetch(ref) for n, t in b}
+        assert torch.equal(got["d"], weights()[1][0][1]) and fetcher.verified_buckets == 2
+
+    asyncio.run(main())
+
+
+def test_a_corrupted_object_fails_its_fingerprint(fake_ray: FakeRay) -> None:
+    directory = FakeDirectory()
+
+    async def main() -> None:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, weights())
+        _, refs = directory.versions[1]
+        arrays = fake_ray.objects[refs[1][0]]
+        arrays[0] = arrays[0].copy()
+        arrays[0][5] ^= 1
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always", max_attempts=1)
+        with pytest.raises(osx.DataLoss, match="fingerprint"):
+            async for _ in fetcher.fetch(ref):
+                pass
+
+    asyncio.run(main())
