@@ -3,7 +3,6 @@ step count fixed up front), the loop settings, the RL algorithm, the coordinator
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 from collections.abc import Callable

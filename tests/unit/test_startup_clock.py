@@ -37,7 +37,7 @@ def test_marks_are_written_at_every_mark_and_put_on_the_run_clock(tmp_path: Path
     assert 0 <= marks["constructor"] <= marks["engine_built"] <= marks["ready"]
     if "process_started" in marks:  # the spawn and imports before the constructor
         assert marks["process_started"] <= marks["constructor"]
-        assert list(marks)[0] == "process_started"
+        assert next(iter(marks)) == "process_started"
 
 
 def test_timeline_skips_unreadable_files_and_orders_processes_by_start(tmp_path: Path) -> None:
