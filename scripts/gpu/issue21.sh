@@ -6,6 +6,13 @@
 #
 #   OUT=/dir PHASES="weights warmstart" scripts/gpu/issue21.sh      # call 1: measure, calibrate
 #   OUT=/dir PHASES="e2e" MESHRL_STOP_LOSS=0.6 scripts/gpu/issue21.sh   # call 2: the runs
+#   # item 1 as measured on 2026-11-28 (4 GPUs, carry .wheels/ray and .wheels/warm): the built-in example,
+#   # 3 modes x 3 seeds at once, 1000 steps each (BENCHMARKS.md, "Issue 21 on H100s (2026-11-28)")
+#   OUT=/dir MESHRL_CONFIG=meshrl/configs/example.yaml MESHRL_WARM=$PWD/.wheels/warm/tiny-qwen3-addition2-d2eeda7212c0 \
+#     PHASES=e2e MESHRL_TRAIN_S=330 MESHRL_OVERRIDES="rollout.total_rollout_steps=32000 trainer.test_freq=-1 \
+#     trainer.save_freq=-1 trainer.val_before_train=false" MESHRL_RUNS="fully_async:0:0,1 fully_async:1:2,3 \
+#     fully_async:2:1,0 one_step_off:0:3,2 one_step_off:1:0,1 one_step_off:2:2,3 sync:0:1,0 sync:1:3,2 sync:2:0,1" \
+#     scripts/gpu/issue21.sh
 #
 # Phases
 #   weights    `meshrl bench weights-sharded` (2 trainer ranks -> 2 rollout ranks, GPUs 0-3),
