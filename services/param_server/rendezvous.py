@@ -192,6 +192,13 @@ class RendezvousBoard:
         return Assignment(rank, state.world_size, state.master_address, state.master_port, state.backend,
                           state.generation, policy_version), changed
 
+    def withdraw(self, group: str, member_id: str, policy_version: int) -> None:
+        """A receiver stopped waiting for `policy_version` (its call was cancelled or timed out):
+        it no longer counts toward the sender's barrier for it."""
+        state = self._groups.get(group)
+        if state is not None:
+            state.checked_in.get(policy_version, set()).discard(member_id)
+
 
 def _key(state: GroupState) -> tuple[int, str, str, int, str]:
     return state.world_size, state.backend, state.master_address, state.master_port, state.sender_id

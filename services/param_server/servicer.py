@@ -350,11 +350,17 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                     policy_version=got.policy_version,
                 )
             if time.monotonic() >= deadline:
+                self.board.withdraw(request.group, request.member_id, request.policy_version)
                 raise DeadlineExceeded(
                     f"rendezvous of group {request.group!r}: the sender did not reach version "
                     f"{request.policy_version} within {budget:.0f}s"
                 )
-            await self._wait_change(deadline)
+            try:
+                await self._wait_change(deadline)
+            except asyncio.CancelledError:  # the receiver gave the version up: it must not count for the sender
+                self.board.withdraw(request.group, request.member_id, request.policy_version)
+                self._notify()
+                raise
 
     async def _wait_change(self, deadline: float) -> None:
         event = self._changed

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +82,8 @@ class Group:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
+        if self.pg is None:
+            raise Unavailable(f"the {self.backend} group (generation {self.generation}) was aborted; it re-forms at the next version")
         with self.dev.comm():
             return self.pg.broadcast([t], opts)
 
@@ -88,6 +92,8 @@ class Group:
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        if self.pg is None:
+            raise Unavailable(f"the {self.backend} group (generation {self.generation}) was aborted; it re-forms at the next version")
         with self.dev.comm():
             return self.pg.allreduce([t], opts)
 
@@ -121,12 +127,45 @@ class Group:
 
     def abort(self) -> None:
         self.broken = True
+        if self.pg is None:  # aborted already
+            return
+        holder, self.pg = [self.pg], None
         for name in ("abort", "shutdown"):
-            fn = getattr(self.pg, name, None)
+            fn = getattr(holder[0], name, None)
             if fn is not None:
                 with contextlib.suppress(Exception):
                     fn()
-                return
+                del fn  # a bound method holds the group too
+                break
+        _release_off_loop(holder)
+
+
+def _release_off_loop(holder: list[Any]) -> None:
+    """Drop the last reference to an aborted process group (the one in `holder`) in a thread of
+    its own. Its destructor joins its worker threads, and abort() does not end a collective stuck
+    in one (gloo: it waits for the stuck peer, or the group's timeout): run on the event loop (the
+    garbage collector happened to free it there), that wait froze every other group of the
+    process, e.g. a rollout rank's healthy groups from the other trainer ranks while one trainer
+    rank stalled, so their senders missed their deadlines (issue 21)."""
+
+    def release() -> None:
+        holder.clear()  # the destructor runs here (pybind releases the GIL for it)
+        _releasing.discard(threading.current_thread())
+
+    thread = threading.Thread(target=release, name="meshrl-pg-release", daemon=True)
+    _releasing.add(thread)
+    thread.start()
+
+
+_releasing: set[threading.Thread] = set()
+
+
+def join_releases(timeout_s: float) -> None:
+    """Wait (up to `timeout_s`) for the process groups being released: a process that exits while
+    a destructor runs in a daemon thread aborts at exit."""
+    end = time.monotonic() + timeout_s
+    for thread in list(_releasing):
+        thread.join(timeout=max(end - time.monotonic(), 0.0))
 
 
 def _signed(x: int) -> int:
@@ -251,6 +290,7 @@ class GroupMember:
         self.drop_group(failed=False)
         await self._checked_in()
         await self.client.close()
+        await asyncio.to_thread(join_releases, 10.0)
 
 
 class GroupMoved(Exception):

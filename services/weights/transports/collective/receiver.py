@@ -4,6 +4,7 @@ protocol: this package's docstring)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.logging import get_logger
 
 from ... import convert
@@ -84,6 +85,7 @@ class CollectiveFetcher(GroupMember):
         super().__init__(backend, address, group=group, timeout_s=timeout_s, member_id=consumer_id, slots=RECV_SLOTS)
         self._corrupt_hook = corrupt_hook  # tests: damage received bytes (step, bucket, buffer)
         self.nacks_sent = 0
+        self._started = False  # CTRL(0) of the version went through
 
     @property
     def transport(self) -> str:
@@ -134,10 +136,17 @@ class CollectiveFetcher(GroupMember):
         done = False
         try:
             while True:
+                self._started = False
                 try:
-                    async for bucket in self._receive(group, version, deadline):
-                        yield bucket
-                    break
+                    try:
+                        async for bucket in self._receive(group, version, deadline):
+                            yield bucket
+                        break
+                    except Unavailable:
+                        # the steady group broke before its first step went through (the sender
+                        # dropped it: it re-forms in a new generation): the check-in answers that one
+                        await self._moved_after_break()
+                        raise
                 except GroupMoved as moved:  # nothing went through the steady group: go to the new one
                     log.info("rendezvous_group_moved", group=self.group_name, policy_version=version,
                              generation=moved.response.generation)
@@ -149,6 +158,16 @@ class CollectiveFetcher(GroupMember):
         finally:
             if not done:
                 self.drop_group(failed=True)  # a broken-off receive leaves the group out of step: re-form it
+
+    async def _moved_after_break(self) -> None:
+        """Raise GroupMoved if the steady group broke before CTRL(0) went through and the version's
+        background check-in answers a new generation (waits for it, within the deadline)."""
+        task = self._checking
+        if self._started or task is None:
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)  # its own timeout bounds it; it never raises
+        self._interrupt()
 
     def _post_ctrl(self, group: Group, t: int, nack: _RecvRecord | None,
                    nack_now: _RecvRecord | None, version: int = 0) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
@@ -235,6 +254,7 @@ class CollectiveFetcher(GroupMember):
         while True:
             # until CTRL(0) went through, a steady group's check-in may retire it (_interrupt)
             await group.wait(work, deadline, f"step {t} control exchange", self._interrupt if t == 0 else None)
+            self._started = True
             await group.wait_event(read, deadline, f"step {t} control exchange")
             words = header.tolist()
             kind, index, nbytes, meta_len, _, sender_version, csum_a, csum_b, next_kind, next_size = words[:10]
