@@ -561,6 +561,7 @@ class RendezvousRequest(_message.Message):
     MASTER_PORT_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    FAILED_GENERATION_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """Collective group name (one per rollout group)."""
     role: _builtins.str
@@ -577,6 +578,11 @@ class RendezvousRequest(_message.Message):
     """The version about to be broadcast (sender) or wanted (receiver). The sender's call returns
     once every receiver checked in for it; a receiver's once the sender did.
     """
+    failed_generation: _builtins.int
+    """A member whose last version failed on its group (a deadline, an abort, a peer gone) and that
+    dropped it: that group's generation (0: none). The param server retires it: every member,
+    the sender included, must join a new generation before the next broadcast.
+    """
     def __init__(
         self,
         *,
@@ -588,10 +594,11 @@ class RendezvousRequest(_message.Message):
         master_port: _builtins.int = ...,
         backend: _builtins.str = ...,
         policy_version: _builtins.int = ...,
+        failed_generation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "group", b"group", "master_address", b"master_address", "master_port", b"master_port", "member_id", b"member_id", "policy_version", b"policy_version", "role", b"role", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "failed_generation", b"failed_generation", "group", b"group", "master_address", b"master_address", "master_port", b"master_port", "member_id", b"member_id", "policy_version", b"policy_version", "role", b"role", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -614,8 +621,9 @@ class RendezvousResponse(_message.Message):
     master_port: _builtins.int
     backend: _builtins.str
     generation: _builtins.int
-    """Bumped whenever the sender forms the group anew (new address, size or backend): members
-    holding an older generation rebuild their process group.
+    """Bumped whenever the sender forms the group anew (new address, size or backend) or a member
+    reports that it failed in the current one (failed_generation): members holding an older
+    generation rebuild their process group.
     """
     policy_version: _builtins.int
     def __init__(

@@ -9,9 +9,18 @@ polls `sender_ready` / `receiver_ready` after every change.
     broadcast version v ════════════════════════════════════════════════▶ receive
 
 A new generation starts when the sender checks in with a different address, port, size or
-backend (it rebuilt its group after a failure): receivers then get new ranks and rebuild theirs.
-A receiver asking for a version older than the one the sender is at is told so (it should fetch
-the newer one) instead of joining a broadcast it would not follow.
+backend (it rebuilt its group after a failure), or when any member reports that it failed a
+version in the current generation (`failed_generation`: it dropped its group, so no broadcast can
+go through that generation again): every member, the sender included, then gets the new
+generation, new ranks, and rebuilds its group. A receiver's answer is a barrier of the whole
+group: it comes once the sender and every receiver checked in for the version in the current
+generation, so no member is handed a generation that a late failure report retires afterwards
+(every member's report comes before its check-in for the version). A sender's late check-in
+from a store it has since replaced (a stalled rank waking up) is turned away and never opens a
+generation of its own. A receiver asking for a version older than the one the sender is at is
+told so (it should fetch the newer one) instead of joining a broadcast it would not follow; a
+sender waiting for a version that a receiver already skipped (it checked in for a newer one
+only) is told so at once instead of at its deadline.
 """
 
 from __future__ import annotations
@@ -67,38 +76,80 @@ class RendezvousBoard:
         if backend not in BACKENDS:
             raise InvalidArgument("backend", f"{backend!r}; use one of {list(BACKENDS)}")
 
+    def _open(self, old: GroupState, policy_version: int, *, world_size: int | None = None, backend: str | None = None,
+              master_address: str | None = None, master_port: int | None = None, sender_id: str | None = None) -> GroupState:
+        """A new generation of `old`'s group (the sender's new key where given): no ranks, no check-ins."""
+        gen = self._generations.get(old.name, 0) + 1
+        self._generations[old.name] = gen
+        state = GroupState(
+            old.name, gen, old.world_size if world_size is None else world_size, backend or old.backend,
+            master_address or old.master_address, old.master_port if master_port is None else master_port,
+            sender_id or old.sender_id, policy_version,
+        )
+        self._groups[old.name] = state
+        return state
+
+    def _retire(self, group: str, failed_generation: int) -> None:
+        """A member failed a version in `failed_generation` and dropped its group: if that is the
+        current generation, open the next one (same sender, same store)."""
+        state = self._groups.get(group)
+        if failed_generation and state is not None and state.generation == failed_generation:
+            self._open(state, state.sender_version)
+
     def sender_check_in(
         self, group: str, member_id: str, *, world_size: int, backend: str, master_address: str,
-        master_port: int, policy_version: int,
+        master_port: int, policy_version: int, failed_generation: int = 0,
     ) -> GroupState:
         self._check_common(group, member_id, backend)
         if world_size < 2:
             raise InvalidArgument("world_size", f"a broadcast group needs the sender and >= 1 receiver, got {world_size}")
         if not master_address or not 0 < master_port < 65536:
             raise InvalidArgument("master_address", "the sender must give the address and port its group listens on")
+        self._retire(group, failed_generation)
         state = self._groups.get(group)
         key = (world_size, backend, master_address, master_port, member_id)
-        if state is None or (state.world_size, state.backend, state.master_address, state.master_port, state.sender_id) != key:
+        if state is None:
             gen = self._generations.get(group, 0) + 1
             self._generations[group] = gen
             state = GroupState(group, gen, world_size, backend, master_address, master_port, member_id, policy_version)
             self._groups[group] = state
+        elif _key(state) != key:
+            if member_id == state.sender_id and policy_version < state.sender_version:
+                raise FailedPrecondition(
+                    f"group {group!r}: this sender already checked in for version {state.sender_version} from another "
+                    f"store; this check-in for version {policy_version} is a stale one (the version is gone)"
+                )
+            state = self._open(state, policy_version, world_size=world_size, backend=backend,
+                               master_address=master_address, master_port=master_port, sender_id=member_id)
         state.sender_version = policy_version
         for v in [v for v in state.checked_in if v < policy_version]:
             del state.checked_in[v]
         return state
 
-    def sender_ready(self, group: str, policy_version: int) -> tuple[bool, str]:
-        """(ready, progress) for the sender's barrier."""
-        state = self._groups[group]
-        have = state.checked_in.get(policy_version, set())
-        need = state.world_size - 1
+    def sender_ready(self, group: str, policy_version: int, checked_in_as: GroupState | None = None) -> tuple[bool, str]:
+        """(ready, progress) for the sender's barrier (the group's current state: the generation
+        may have moved on since the sender checked in as `checked_in_as`, when a member reported a
+        failure; its key may not: a newer check-in of its sender replaced this one, an error)."""
+        cur = self._groups[group]
+        if checked_in_as is not None and (_key(cur) != _key(checked_in_as) or cur.sender_version != policy_version):
+            raise FailedPrecondition(
+                f"group {group!r}: a newer check-in of its sender (version {cur.sender_version}, port {cur.master_port}) "
+                f"replaced this one (version {policy_version}, port {checked_in_as.master_port}); the version is gone"
+            )
+        have = cur.checked_in.get(policy_version, set())
+        skipped = sorted(m for v, ms in cur.checked_in.items() if v > policy_version for m in ms if m not in have)
+        if skipped:
+            raise FailedPrecondition(
+                f"group {group!r}: the sender broadcasts version {policy_version} but receivers {skipped} asked for a "
+                "newer version only (they skipped this one; the group re-forms at the next version)"
+            )
+        need = cur.world_size - 1
         return len(have) >= need, f"{len(have)} of {need} receivers checked in for version {policy_version} ({sorted(have)})"
 
     def receiver_check_in(self, group: str, member_id: str, *, backend: str, world_size: int,
-                          policy_version: int) -> tuple[Assignment | None, bool]:
-        """(the assignment once the sender is at `policy_version` else None, whether this call
-        changed the board)."""
+                          policy_version: int, failed_generation: int = 0) -> tuple[Assignment | None, bool]:
+        """(the assignment once the sender and every receiver checked in for `policy_version` in
+        the current generation, else None; whether this call changed the board)."""
         self._check_common(group, member_id, backend)
         state = self._groups.get(group)
         if state is None:
@@ -111,6 +162,10 @@ class RendezvousBoard:
         if world_size and world_size != state.world_size:
             raise FailedPrecondition(f"group {group!r} has world_size {state.world_size}, this member expects {world_size}")
         changed = False
+        if failed_generation and failed_generation == state.generation:
+            self._retire(group, failed_generation)
+            state = self._groups[group]
+            changed = True
         rank = state.ranks.get(member_id)
         if rank is None:
             changed = True
@@ -132,7 +187,18 @@ class RendezvousBoard:
         if member_id not in members:
             members.add(member_id)
             changed = True
-        if state.sender_version < policy_version:
+        if state.sender_version < policy_version or len(members) < state.world_size - 1:
             return None, changed
         return Assignment(rank, state.world_size, state.master_address, state.master_port, state.backend,
                           state.generation, policy_version), changed
+
+    def withdraw(self, group: str, member_id: str, policy_version: int) -> None:
+        """A receiver stopped waiting for `policy_version` (its call was cancelled or timed out):
+        it no longer counts toward the sender's barrier for it."""
+        state = self._groups.get(group)
+        if state is not None:
+            state.checked_in.get(policy_version, set()).discard(member_id)
+
+
+def _key(state: GroupState) -> tuple[int, str, str, int, str]:
+    return state.world_size, state.backend, state.master_address, state.master_port, state.sender_id

@@ -316,14 +316,15 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
             state = self.board.sender_check_in(
                 request.group, request.member_id, world_size=request.world_size, backend=request.backend,
                 master_address=request.master_address, master_port=request.master_port,
-                policy_version=request.policy_version,
+                policy_version=request.policy_version, failed_generation=request.failed_generation,
             )
             self._notify()
             log.info("rendezvous_sender", group=request.group, generation=state.generation,
                      policy_version=request.policy_version, world_size=state.world_size)
             while True:
-                ready, progress = self.board.sender_ready(request.group, request.policy_version)
+                ready, progress = self.board.sender_ready(request.group, request.policy_version, state)
                 if ready:
+                    state = self.board.group(request.group) or state  # a member's failure report may have bumped it
                     break
                 if time.monotonic() >= deadline:
                     raise DeadlineExceeded(f"rendezvous of group {request.group!r}: only {progress} within {budget:.0f}s")
@@ -338,7 +339,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         while True:
             got, changed = self.board.receiver_check_in(
                 request.group, request.member_id, backend=request.backend, world_size=request.world_size,
-                policy_version=request.policy_version,
+                policy_version=request.policy_version, failed_generation=request.failed_generation,
             )
             if changed:
                 self._notify()
@@ -349,11 +350,17 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                     policy_version=got.policy_version,
                 )
             if time.monotonic() >= deadline:
+                self.board.withdraw(request.group, request.member_id, request.policy_version)
                 raise DeadlineExceeded(
                     f"rendezvous of group {request.group!r}: the sender did not reach version "
                     f"{request.policy_version} within {budget:.0f}s"
                 )
-            await self._wait_change(deadline)
+            try:
+                await self._wait_change(deadline)
+            except asyncio.CancelledError:  # the receiver gave the version up: it must not count for the sender
+                self.board.withdraw(request.group, request.member_id, request.policy_version)
+                self._notify()
+                raise
 
     async def _wait_change(self, deadline: float) -> None:
         event = self._changed

@@ -5,8 +5,6 @@ runs nccl on the GPU machine (meshrl/bench/weights_sharded.py)."""
 
 from __future__ import annotations
 
-import pytest
-
 from .sharded_workers import run_sharded
 
 
@@ -24,16 +22,16 @@ def test_gloo_two_trainer_ranks_to_two_rollout_ranks_checksums_nack_stuck_rank_a
     assert got[("recv0", 2)] == ("identical", 1) and got[("recv1", 2)] == ("identical", 0), got
     assert got[("sent1", 2)][1] == 1 and got[("sent0", 2)][1] == 0, got
     # trainer rank 1 stalls: both rollout ranks give up with DEADLINE_EXCEEDED (rank 0's part alone is
-    # not a version), rank 1 fails too
+    # not a version), rank 1 fails too when it wakes: its deadline passed, or the param server tells it
+    # that its receivers moved on to version 4 (its rendezvous RPC may have left before it stalled)
     for role in ("recv0", "recv1"):
         assert got[(role, 3)][0].startswith("DeadlineExceeded"), got
-    assert got[("sent1", 3)][0].startswith("DeadlineExceeded"), got
+    sent1_v3 = got[("sent1", 3)][0]
+    assert sent1_v3.startswith("DeadlineExceeded") or (
+        sent1_v3.startswith("FailedPrecondition") and "asked for a newer version only" in sent1_v3), got
     assert got["versions"] == []  # no sender holds the whole manifest: none is registered
-    # and the groups re-form for the next version
-    v4 = {role: got[(role, 4)][0] for role in ("recv0", "recv1", "sent0", "sent1")}
-    if v4 != {"recv0": "identical", "recv1": "identical", "sent0": "ok", "sent1": "ok"}:
-        # Known defect (open, issue 21): after a stuck rank the next version does not always go
-        # through on every side (seen: a sender waiting for a last control step while the rollouts
-        # hold the version; under load, a rollout waiting at the rendezvous for the recovered
-        # sender). Not hidden: reported as an expected failure with each side's result.
-        pytest.xfail(f"recovery after a stuck rank, version 4: {v4}")
+    # and the groups re-form for the next version, on every side (issue 21: the receivers reported the
+    # generation they failed in, so trainer rank 1's group re-forms in a new one; trainer rank 0's
+    # healthy group was not frozen by the release of the stuck one)
+    assert got[("recv0", 4)] == ("identical", 1) and got[("recv1", 4)] == ("identical", 0), got
+    assert got[("sent0", 4)][0] == "ok" and got[("sent1", 4)][0] == "ok", got

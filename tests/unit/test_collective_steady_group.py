@@ -64,9 +64,47 @@ def test_a_failed_version_cancels_its_check_in_and_drops_the_group() -> None:
         assert f._steady_group() is group
         f._checking = asyncio.create_task(f._check_in_later(f._rendezvous_request(8), group))
         await asyncio.sleep(0)
-        f.drop_group()  # the version failed: its check-in is moot
+        f.drop_group(failed=True)  # the version failed: its check-in is moot
         await asyncio.wait_for(f._checked_in(), timeout=5)  # returns at once, no error
         assert f.group is None and f._steady_group() is None
+
+    asyncio.run(main())
+
+
+def test_a_retired_generation_stops_the_steady_start_and_a_failure_is_reported_at_the_next_check_in() -> None:
+    """Issue 21: a new generation answered while the first step waits on the steady group moves the
+    version to it (GroupMoved); a failed version's generation rides in the next check-in."""
+    from services.weights.transports.collective.group import GroupMoved
+
+    async def main() -> None:
+        f, group = _fetcher(_Board(4))
+        f._steady = True
+        assert f._steady_group() is group
+        f._interrupt()  # nothing answered yet: keep waiting
+        await f._check_in_later(f._rendezvous_request(7), group)
+        with pytest.raises(GroupMoved) as moved:
+            f._interrupt()
+        assert moved.value.response.generation == 4
+        assert f._rendezvous_request(8).failed_generation == 0  # the group was not failed
+        f.drop_group(failed=True)
+        assert f._rendezvous_request(8).failed_generation == 3 and f.group is None
+
+    asyncio.run(main())
+
+
+def test_a_check_in_that_says_the_version_is_gone_stops_the_steady_start_at_once() -> None:
+    from services.common.errors import FailedPrecondition
+
+    class _Gone(_Board):
+        async def rendezvous(self, request: Any, *, timeout_s: float) -> Any:
+            raise FailedPrecondition("version 7 is gone from this group (fetch the newer version)")
+
+    async def main() -> None:
+        f, group = _fetcher(_Gone(3))
+        f._steady = True
+        await f._check_in_later(f._rendezvous_request(7), f._steady_group() or group)
+        with pytest.raises(FailedPrecondition, match="gone"):
+            f._interrupt()
 
     asyncio.run(main())
 

@@ -243,11 +243,13 @@ def test_rendezvous_assigns_ranks_and_holds_the_sender_until_all_receivers_check
     state = board.sender_check_in("g", "s", world_size=3, backend="gloo", master_address="h", master_port=5, policy_version=1)
     assert state.generation == 1 and board.sender_ready("g", 1)[0] is False
     got, changed = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1)
-    assert got is not None and got.rank == 1 and changed
-    assert board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1)[1] is False
+    assert got is None and changed  # a barrier of the whole group: r2 is not in yet
+    assert board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1) == (None, False)
     assert board.sender_ready("g", 1) == (False, "1 of 2 receivers checked in for version 1 (['r1'])")
     got2, _ = board.receiver_check_in("g", "r2", backend="gloo", world_size=3, policy_version=1)
     assert got2 is not None and got2.rank == 2 and board.sender_ready("g", 1)[0]
+    got, _ = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1)
+    assert got is not None and got.rank == 1 and got.generation == 1
     with pytest.raises(ResourceExhausted, match="full"):
         board.receiver_check_in("g", "r3", backend="gloo", world_size=0, policy_version=1)
     with pytest.raises(FailedPrecondition, match="only ranks of one device kind"):
@@ -268,3 +270,47 @@ def test_rendezvous_moves_on_to_newer_versions_and_new_generations() -> None:
     assert got is not None and got.generation == 2 and got.master_port == 6
     with pytest.raises(InvalidArgument, match="backend"):
         board.sender_check_in("g", "s", world_size=2, backend="mpi", master_address="h", master_port=6, policy_version=4)
+
+
+def test_rendezvous_a_member_that_failed_retires_the_generation_for_every_member() -> None:
+    """Issue 21: a member that failed a version (and dropped its group) reports the generation at its
+    next check-in; every member, the sender included, then joins a new one, on the same store."""
+    board = RendezvousBoard()
+    kw: dict = {"world_size": 3, "backend": "gloo", "master_address": "h", "master_port": 5}
+    board.sender_check_in("g", "s", **kw, policy_version=1)
+    for r in ("r1", "r2"):
+        board.receiver_check_in("g", r, backend="gloo", world_size=0, policy_version=1)
+    assert board.sender_ready("g", 1)[0]
+    # version 2: r1 is steady (its check-in comes first), r2 failed version 1 in generation 1
+    state = board.sender_check_in("g", "s", **kw, policy_version=2)
+    assert board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=2)[0] is None
+    got, changed = board.receiver_check_in("g", "r2", backend="gloo", world_size=0, policy_version=2, failed_generation=1)
+    assert changed and got is None  # generation 2 opened: r1 must check in there too
+    assert board.group("g").generation == 2 and board.sender_ready("g", 2, state) == (
+        False, "1 of 2 receivers checked in for version 2 (['r2'])")
+    got, _ = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=2)
+    assert got is not None and got.generation == 2 and got.master_port == 5
+    assert board.sender_ready("g", 2, state)[0]
+    # a report of an older generation changes nothing
+    board.sender_check_in("g", "s", **kw, policy_version=3)
+    board.receiver_check_in("g", "r2", backend="gloo", world_size=0, policy_version=3, failed_generation=1)
+    assert board.group("g").generation == 2
+    # the sender failed too and re-formed on a new store; its late check-in from the old one is turned
+    # away and opens nothing
+    board.sender_check_in("g", "s", **{**kw, "master_port": 6}, policy_version=4)
+    with pytest.raises(FailedPrecondition, match="stale"):
+        board.sender_check_in("g", "s", **kw, policy_version=3)
+    assert board.group("g").master_port == 6 and board.group("g").generation == 3
+
+
+def test_rendezvous_the_sender_hears_at_once_of_a_version_its_receivers_skipped() -> None:
+    board = RendezvousBoard()
+    state = board.sender_check_in("g", "s", world_size=2, backend="gloo", master_address="h", master_port=5, policy_version=3)
+    board.receiver_check_in("g", "r", backend="gloo", world_size=0, policy_version=4)
+    with pytest.raises(FailedPrecondition, match="asked for a newer version only"):
+        board.sender_ready("g", 3, state)
+    newer = board.sender_check_in("g", "s", world_size=2, backend="gloo", master_address="h", master_port=7,
+                                  policy_version=4)
+    with pytest.raises(FailedPrecondition, match="replaced this one"):
+        board.sender_ready("g", 3, state)
+    assert newer.generation == 2 and board.sender_ready("g", 4, newer) == (False, "0 of 1 receivers checked in for version 4 ([])")

@@ -17,11 +17,25 @@ version stream); the sender then skips the broadcast rather than wait out its de
 receiver of a group takes part in every version: one that skips a version stalls the sender
 until its deadline (then the group re-forms).
 
-Steady groups. Once a version went through, both sides start the next one on the same group at
-once, their rendezvous RPCs in the background (they keep the param server's board current; a new
-generation or an error there sends the next version through the rendezvous again). CTRL(0) checks
-that every receiver asked for the version the sender broadcasts (sums of v and v^2), so a
-receiver on another version fails the version on every side at the first step, not at a deadline.
+Steady groups. Once a version went through, a receiver starts the next one on the same group at
+once, its rendezvous RPC in the background (it keeps the param server's board current; an error
+there sends the next version through the rendezvous again). The sender always waits at the
+rendezvous (while it plans and packs its first buckets): the answer says whether its group is
+still the current generation. CTRL(0) checks that every receiver asked for the version the sender
+broadcasts (sums of v and v^2), so a receiver on another version fails the version on every side
+at the first step, not at a deadline.
+
+Failures and generations (issue 21). Any member that fails a version (a deadline, an abort, a
+peer gone, a fetch broken off) drops its group and reports its generation at its next check-in
+(`failed_generation`); the param server then retires that generation, and the next version goes
+through a new one that every member must join: the sender (its rendezvous answers the new
+generation; after a failure of its own it also listens on a new store), and a receiver on a
+steady group, whose background check-in answers the new generation before CTRL(0) went through
+on the old one (it then leaves the old group and joins the new one within the same version). A
+receiver's rendezvous answer is a barrier of the whole group, so no member is handed a generation
+that a late failure report retires. Each generation is its own process group under its own store
+prefix (`meshrl/<group>/<generation>`), and a stalled sender's late check-in from a replaced store
+is turned away: a stale member's traffic never reaches a newer generation.
 
 Steps. A version goes out as steps t = 0, 1, ...; each step is one CTRL all-reduce (sum of
 int64[14 + K]: the sender's header, which also announces the next step's kind and size, and for a

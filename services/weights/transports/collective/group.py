@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,6 +82,8 @@ class Group:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
+        if self.pg is None:
+            raise Unavailable(f"the {self.backend} group (generation {self.generation}) was aborted; it re-forms at the next version")
         with self.dev.comm():
             return self.pg.broadcast([t], opts)
 
@@ -87,13 +92,18 @@ class Group:
 
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        if self.pg is None:
+            raise Unavailable(f"the {self.backend} group (generation {self.generation}) was aborted; it re-forms at the next version")
         with self.dev.comm():
             return self.pg.allreduce([t], opts)
 
-    async def wait(self, work: Any, deadline: Deadline, doing: str) -> None:
-        """Poll until `work` completes; a spin on accelerators (µs matter), short sleeps on CPU."""
+    async def wait(self, work: Any, deadline: Deadline, doing: str, interrupt: Callable[[], None] | None = None) -> None:
+        """Poll until `work` completes; a spin on accelerators (µs matter), short sleeps on CPU.
+        `interrupt` (called at every poll) may raise to stop waiting."""
         spins = 0
         while not work.is_completed():
+            if interrupt is not None:
+                interrupt()
             if deadline.expired():
                 self.abort()
                 raise deadline.stalled(doing, deadline.timeout_s)
@@ -117,12 +127,45 @@ class Group:
 
     def abort(self) -> None:
         self.broken = True
+        if self.pg is None:  # aborted already
+            return
+        holder, self.pg = [self.pg], None
         for name in ("abort", "shutdown"):
-            fn = getattr(self.pg, name, None)
+            fn = getattr(holder[0], name, None)
             if fn is not None:
                 with contextlib.suppress(Exception):
                     fn()
-                return
+                del fn  # a bound method holds the group too
+                break
+        _release_off_loop(holder)
+
+
+def _release_off_loop(holder: list[Any]) -> None:
+    """Drop the last reference to an aborted process group (the one in `holder`) in a thread of
+    its own. Its destructor joins its worker threads, and abort() does not end a collective stuck
+    in one (gloo: it waits for the stuck peer, or the group's timeout): run on the event loop (the
+    garbage collector happened to free it there), that wait froze every other group of the
+    process, e.g. a rollout rank's healthy groups from the other trainer ranks while one trainer
+    rank stalled, so their senders missed their deadlines (issue 21)."""
+
+    def release() -> None:
+        holder.clear()  # the destructor runs here (pybind releases the GIL for it)
+        _releasing.discard(threading.current_thread())
+
+    thread = threading.Thread(target=release, name="meshrl-pg-release", daemon=True)
+    _releasing.add(thread)
+    thread.start()
+
+
+_releasing: set[threading.Thread] = set()
+
+
+def join_releases(timeout_s: float) -> None:
+    """Wait (up to `timeout_s`) for the process groups being released: a process that exits while
+    a destructor runs in a daemon thread aborts at exit."""
+    end = time.monotonic() + timeout_s
+    for thread in list(_releasing):
+        thread.join(timeout=max(end - time.monotonic(), 0.0))
 
 
 def _signed(x: int) -> int:
@@ -135,7 +178,13 @@ def checksum_words(checksum: str) -> tuple[int, int]:
 
 class GroupMember:
     """What the sender and the receivers share: their device, their place in the group (formed
-    through the param server's rendezvous), and whether the next version may start on it at once."""
+    through the param server's rendezvous), and whether the next version may start on it at once.
+
+    After a failed version (a deadline, an abort, a peer gone, a cancelled fetch) a member drops
+    its group and tells the rendezvous, at its next check-in, the generation it failed in
+    (`failed_generation`): the param server retires it, so every member, the sender included, joins
+    a new generation (a new process group under a new store prefix) before the next broadcast, and
+    nothing of the old one (a stalled rank's late traffic) can reach the new one."""
 
     def __init__(self, backend: str, address: str, *, group: str, timeout_s: float, member_id: str,
                  slots: int) -> None:
@@ -153,6 +202,11 @@ class GroupMember:
         self._steady = False
         self._rejoin = False  # a background check-in saw a new generation or failed
         self._checking: asyncio.Task[None] | None = None
+        # what the background check-in answered when the generation moved on (the steady group
+        # was retired), or its FailedPrecondition (the version is gone): the version stops waiting
+        # on the steady group at once (_interrupt)
+        self._moved: pb.RendezvousResponse | MeshError | None = None
+        self._failed_generation = 0  # the generation this member last failed a version in, until it rejoined
 
     def _pg_timeout_s(self) -> float:
         return self.timeout_s + 60.0
@@ -167,16 +221,21 @@ class GroupMember:
         except TimeoutError:
             raise deadline.stalled(f"forming the {self.backend} group {self.group_name!r}", deadline.timeout_s) from None
 
-    def drop_group(self) -> None:
+    def drop_group(self, *, failed: bool) -> None:
+        """Leave the group. `failed`: a version failed on it; the next check-in reports its
+        generation, which the param server then retires (every member re-forms)."""
         self._steady = False
         if self._checking is not None:  # the check-in of a version that failed is moot
             self._checking.cancel()
         if self.group is not None:
+            if failed:
+                self._failed_generation = self.group.generation
             self.group.abort()
         self.group = None
 
     def _steady_group(self) -> Group | None:
         """The group to start the next version on without waiting at the rendezvous, if any."""
+        self._moved = None
         if self._steady and not self._rejoin and self.group is not None and not self.group.broken:
             return self.group
         self._steady = self._rejoin = False
@@ -184,16 +243,30 @@ class GroupMember:
 
     async def _check_in_later(self, request: pb.RendezvousRequest, group: Group) -> None:
         """A steady group's rendezvous for this version, in the background: it keeps the param
-        server's board current (who is at which version); a new generation or an error there makes
-        the next version wait at the rendezvous and re-form the group."""
+        server's board current (who is at which version); a new generation (a member failed the
+        last version in this one, or the sender re-formed) stops the version on the steady group at
+        once and sends it to the new one, an error there makes the next version wait at the
+        rendezvous and re-form the group."""
         try:
             resp = await self.client.rendezvous(request, timeout_s=max(self.timeout_s, 1.0))
             if resp.generation != group.generation:
                 self._rejoin = True
+                self._moved = resp
+        except FailedPrecondition as exc:  # the version is gone: no broadcast will come on any group
+            self._rejoin = True
+            self._moved = exc
         except (MeshError, OSError) as exc:  # the broadcast checks its peers; this decides the next start
             log.warning("rendezvous_check_in_failed", group=self.group_name, policy_version=request.policy_version,
                         error=str(exc))
             self._rejoin = True
+
+    def _interrupt(self) -> None:
+        """Polled while the first step on a steady group waits: raise what the check-in found."""
+        moved = self._moved
+        if isinstance(moved, MeshError):
+            raise moved
+        if moved is not None:
+            raise GroupMoved(moved)
 
     async def _checked_in(self) -> None:
         task, self._checking = self._checking, None
@@ -214,7 +287,16 @@ class GroupMember:
             )
 
     async def close(self) -> None:
-        self.drop_group()
+        self.drop_group(failed=False)
         await self._checked_in()
         await self.client.close()
+        await asyncio.to_thread(join_releases, 10.0)
 
+
+class GroupMoved(Exception):
+    """The steady group's generation was retired before the version's first step went through on
+    it: the version goes to the new generation (`response`: the rendezvous answer)."""
+
+    def __init__(self, response: pb.RendezvousResponse) -> None:
+        super().__init__(f"generation {response.generation}")
+        self.response = response

@@ -4,6 +4,7 @@ protocol: this package's docstring)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from services.common.logging import get_logger
 
 from ... import convert
@@ -42,6 +43,7 @@ from .group import (
     W_NACK_NOW,
     Group,
     GroupMember,
+    GroupMoved,
     checksum_words,
 )
 
@@ -83,6 +85,7 @@ class CollectiveFetcher(GroupMember):
         super().__init__(backend, address, group=group, timeout_s=timeout_s, member_id=consumer_id, slots=RECV_SLOTS)
         self._corrupt_hook = corrupt_hook  # tests: damage received bytes (step, bucket, buffer)
         self.nacks_sent = 0
+        self._started = False  # CTRL(0) of the version went through
 
     @property
     def transport(self) -> str:
@@ -90,25 +93,35 @@ class CollectiveFetcher(GroupMember):
 
     def _rendezvous_request(self, version: int) -> pb.RendezvousRequest:
         return pb.RendezvousRequest(group=self.group_name, role="receiver", member_id=self.member_id,
-                                    backend=self.backend, policy_version=version)
+                                    backend=self.backend, policy_version=version,
+                                    failed_generation=self._failed_generation)
 
     async def _ensure_group(self, version: int, deadline: Deadline) -> Group:
-        import torch.distributed as dist
-
         req = self._rendezvous_request(version)
         try:
             resp = await self.client.rendezvous(req, timeout_s=max(deadline.check("rendezvous"), 0.001))
         except DeadlineExceeded as exc:  # the sender never came to this version
             raise deadline.stalled(f"waiting at the param server's rendezvous for the sender of version {version}",
                                    deadline.timeout_s) from exc
+        return await self._join(resp, deadline)
+
+    async def _join(self, resp: pb.RendezvousResponse, deadline: Deadline) -> Group:
+        """The group the rendezvous answered: the one held if it is that generation, else a new one."""
+        import torch.distributed as dist
+
+        self._failed_generation = 0  # reported: the answer is a generation every member joins anew
         if self.group is not None and (self.group.broken or self.group.generation != resp.generation):
-            self.drop_group()
+            self.drop_group(failed=self.group.broken)
         if self.group is None:
             store = await asyncio.to_thread(
                 dist.TCPStore, resp.master_address, resp.master_port, resp.world_size, False,
                 datetime.timedelta(seconds=max(deadline.remaining(), 1.0)),
             )
-            self.group = await self._build_group(store, resp.rank, resp.world_size, resp.generation, deadline)
+            try:
+                self.group = await self._build_group(store, resp.rank, resp.world_size, resp.generation, deadline)
+            except BaseException:
+                self._failed_generation = resp.generation  # half-formed there: never join it again
+                raise
         return self.group
 
     async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Bucket]:
@@ -122,13 +135,39 @@ class CollectiveFetcher(GroupMember):
             group = await self._ensure_group(version, deadline)
         done = False
         try:
-            async for bucket in self._receive(group, version, deadline):
-                yield bucket
+            while True:
+                self._started = False
+                try:
+                    try:
+                        async for bucket in self._receive(group, version, deadline):
+                            yield bucket
+                        break
+                    except Unavailable:
+                        # the steady group broke before its first step went through (the sender
+                        # dropped it: it re-forms in a new generation): the check-in answers that one
+                        await self._moved_after_break()
+                        raise
+                except GroupMoved as moved:  # nothing went through the steady group: go to the new one
+                    log.info("rendezvous_group_moved", group=self.group_name, policy_version=version,
+                             generation=moved.response.generation)
+                    self.drop_group(failed=False)
+                    self._moved = None
+                    group = await self._join(moved.response, deadline)
             done = True
             self._steady = True
         finally:
             if not done:
-                self.drop_group()  # a broken-off receive leaves the group out of step: re-form it
+                self.drop_group(failed=True)  # a broken-off receive leaves the group out of step: re-form it
+
+    async def _moved_after_break(self) -> None:
+        """Raise GroupMoved if the steady group broke before CTRL(0) went through and the version's
+        background check-in answers a new generation (waits for it, within the deadline)."""
+        task = self._checking
+        if self._started or task is None:
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)  # its own timeout bounds it; it never raises
+        self._interrupt()
 
     def _post_ctrl(self, group: Group, t: int, nack: _RecvRecord | None,
                    nack_now: _RecvRecord | None, version: int = 0) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
@@ -213,7 +252,9 @@ class CollectiveFetcher(GroupMember):
         t = 0
         ctrl, work, header, read = self._post_ctrl(group, 0, None, None, version)
         while True:
-            await group.wait(work, deadline, f"step {t} control exchange")
+            # until CTRL(0) went through, a steady group's check-in may retire it (_interrupt)
+            await group.wait(work, deadline, f"step {t} control exchange", self._interrupt if t == 0 else None)
+            self._started = True
             await group.wait_event(read, deadline, f"step {t} control exchange")
             words = header.tolist()
             kind, index, nbytes, meta_len, _, sender_version, csum_a, csum_b, next_kind, next_size = words[:10]

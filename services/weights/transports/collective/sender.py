@@ -146,16 +146,17 @@ class CollectivePublisher(GroupMember):
         import torch.distributed as dist
 
         if self.group is not None and self.group.broken:
-            self.drop_group()
-        if self._store is None or self.group is None:
+            self.drop_group(failed=True)
+        if self._store is None:  # a failed version replaced it: no late traffic reaches the new one
             self._store = await asyncio.to_thread(
                 dist.TCPStore, self.master_address, 0, self.receivers + 1, True,
                 datetime.timedelta(seconds=self._pg_timeout_s()), False,
             )
         req = self._rendezvous_request(version)
         resp = await self.client.rendezvous(req, timeout_s=max(deadline.check("rendezvous"), 0.001))
+        self._failed_generation = 0  # reported
         if self.group is None or self.group.generation != resp.generation:
-            self.drop_group()
+            self.drop_group(failed=False)  # a member failed the last version in it (retired), or a first join
             self.group = await self._build_group(self._store, 0, resp.world_size, resp.generation, deadline)
         return self.group
 
@@ -163,7 +164,7 @@ class CollectivePublisher(GroupMember):
         return pb.RendezvousRequest(
             group=self.group_name, role="sender", member_id=self.member_id, world_size=self.receivers + 1,
             master_address=self.master_address, master_port=self._store.port, backend=self.backend,
-            policy_version=version,
+            policy_version=version, failed_generation=self._failed_generation,
         )
 
     async def settle(self) -> None:
@@ -183,14 +184,12 @@ class CollectivePublisher(GroupMember):
             log.warning("broadcast_skipped", transport=self.backend, policy_version=version, buckets=drained,
                         reason="the run is stopping: no rollout will load this version")
             return announced
-        steady = self._steady_group()
-        group: asyncio.Future[Group]
-        if steady is not None:
-            group = asyncio.get_running_loop().create_future()
-            group.set_result(steady)
-            self._checking = asyncio.create_task(self._check_in_later(self._rendezvous_request(version), steady))
-        else:  # the rendezvous RPC runs while the first buckets are planned and packed
-            group = asyncio.ensure_future(self._ensure_group(version, deadline))
+        # The sender always waits at the rendezvous (no steady shortcut on this side): its answer
+        # says whether the group it holds is still the current generation, or whether a receiver
+        # failed the last version (it dropped its group) and every member must re-form first. The
+        # RPC runs while the first buckets are planned and packed; receivers on a steady group
+        # start at once and move to a new generation if it answers one (receiver.py).
+        group: asyncio.Future[Group] = asyncio.ensure_future(self._ensure_group(version, deadline))
         try:
             planned = plan_buckets(split_buckets(buckets, self.wire_bucket_bytes)).__aiter__()
             manifest = await _SendSession(self, group, version, planned, deadline).run()
@@ -198,10 +197,9 @@ class CollectivePublisher(GroupMember):
             group.cancel()
             with contextlib.suppress(BaseException):
                 await group
-            self.drop_group()
+            self.drop_group(failed=True)
             self._store = None
             raise
-        self._steady = True
         if self.dev.accelerator:  # every broadcast is done: the trainer's next steps may use the
             self.slots.release()  # slots' memory (the caching allocator hands it back at the next publish)
         if self.register:

@@ -14,7 +14,10 @@ idempotent, and each must learn whether the run is stopping); none registers a m
 param server: no single sender holds the whole one, and the bytes never pass through it.
 
 A failed sub-fetch (DataLoss, DeadlineExceeded, ...) cancels the others and fails the version on
-this receiver; each group re-forms at the next version as it would alone.
+this receiver; each group re-forms at the next version as it would alone: every part that failed
+or was cancelled reports its generation at its next check-in, so its sender (even one that
+finished the version) re-forms with it. A stuck group's process group is released off the event
+loop (group.py), so one stalled trainer rank does not freeze the groups of the others.
 """
 
 from __future__ import annotations
