@@ -55,16 +55,8 @@ say() { echo "[+$(($(date +%s) - START))s] $*" | tee -a "$OUT/steps.txt"; }
 left() { echo $((DEADLINE - $(date +%s))); }
 
 SITE=/tmp/site
-if ! "$PY" -c "import ray.serve, pydantic, structlog" 2>/dev/null; then
-  mkdir -p "$SITE"
-  tar -xJf .wheels/ray/ray_slim.tar.xz -C "$SITE"
-  find "$SITE/ray/core/src" -type f ! -name '*.py' -exec chmod +x {} +  # the tarball drops exec bits
-  for w in .wheels/ray/*.whl; do
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$w" >> "$L/install.log" 2>&1 \
-      || "$PY" -m zipfile -e "$w" "$SITE"
-  done
-  export PATH="$SITE/bin:$PATH"
-fi
+. scripts/gpu/ray_site.sh
+ray_site "$PY" "$SITE" "$L/install.log" && export PATH="$SITE/bin:$PATH"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 {
   date -u

@@ -19,14 +19,8 @@ PY=${PYTHON:-python3}
 rm -rf "$W"
 mkdir -p "$OUT" "$SITE" "$W"
 say() { echo "[+$(($(date +%s) - START))s] $*" | tee -a "$OUT/steps.txt"; }
-if ! "$PY" -c "import ray.serve" 2>/dev/null; then
-  tar -xJf .wheels/ray/ray_slim.tar.xz -C "$SITE"
-  find "$SITE/ray/core/src" -type f ! -name '*.py' -exec chmod +x {} +  # the tarball drops exec bits
-  for w in .wheels/ray/*.whl; do
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$w" > /dev/null 2>&1 \
-      || "$PY" -m zipfile -e "$w" "$SITE"
-  done
-fi
+. scripts/gpu/ray_site.sh
+ray_site "$PY" "$SITE" "$W/install.log"
 # What `pip install` does and the bundle's --no-compile skipped: byte-compile once, so the
 # measured start-up is not every fresh process compiling Ray's and meshrl's sources at once.
 "$PY" -m compileall -q -j 0 "$SITE" services meshrl > /dev/null 2>&1

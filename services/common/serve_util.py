@@ -114,11 +114,10 @@ def port_is_free(port: int) -> bool:
 SERVE_ENV_DEFAULTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 # The raylet deletes objects whose last reference is gone in batches, every
 # free_objects_period_milliseconds (Ray's default 1000). A weight version released by retention
-# (the object_store transport) keeps its shared memory that long, and a put meanwhile goes to
-# pages never touched before (page faults: several times slower than a copy into reused pages)
-# and the store holds up to a second's worth of extra versions. 10 ms still batches frees (of
-# whatever was released in those 10 ms) and costs nothing at start-up (unlike pre-touching the
-# store: RAY_preallocate_plasma_memory, ~11 s for a 2 GiB store, left off).
+# (the object_store transport) keeps its shared memory that long, so the next puts go to pages
+# never touched before (page faults) instead of reusing the released ones. 10 ms still batches
+# frees and costs nothing at start-up, unlike pre-touching the store
+# (RAY_preallocate_plasma_memory, left off). Measurements: BENCHMARKS.md, issue 21 host transports.
 OBJECT_STORE_ENV_DEFAULTS = {"RAY_free_objects_period_milliseconds": "10"}
 
 

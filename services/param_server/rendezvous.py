@@ -79,15 +79,18 @@ class RendezvousBoard:
     def _open(self, old: GroupState, policy_version: int, *, world_size: int | None = None, backend: str | None = None,
               master_address: str | None = None, master_port: int | None = None, sender_id: str | None = None) -> GroupState:
         """A new generation of `old`'s group (the sender's new key where given): no ranks, no check-ins."""
-        gen = self._generations.get(old.name, 0) + 1
-        self._generations[old.name] = gen
         state = GroupState(
-            old.name, gen, old.world_size if world_size is None else world_size, backend or old.backend,
+            old.name, self._next_generation(old.name), old.world_size if world_size is None else world_size, backend or old.backend,
             master_address or old.master_address, old.master_port if master_port is None else master_port,
             sender_id or old.sender_id, policy_version,
         )
         self._groups[old.name] = state
         return state
+
+    def _next_generation(self, group: str) -> int:
+        gen = self._generations.get(group, 0) + 1
+        self._generations[group] = gen
+        return gen
 
     def _retire(self, group: str, failed_generation: int) -> None:
         """A member failed a version in `failed_generation` and dropped its group: if that is the
@@ -109,9 +112,7 @@ class RendezvousBoard:
         state = self._groups.get(group)
         key = (world_size, backend, master_address, master_port, member_id)
         if state is None:
-            gen = self._generations.get(group, 0) + 1
-            self._generations[group] = gen
-            state = GroupState(group, gen, world_size, backend, master_address, master_port, member_id, policy_version)
+            state = GroupState(group, self._next_generation(group), world_size, backend, master_address, master_port, member_id, policy_version)
             self._groups[group] = state
         elif _key(state) != key:
             if member_id == state.sender_id and policy_version < state.sender_version:

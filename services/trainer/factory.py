@@ -315,10 +315,8 @@ async def build_trainer(
     ts = cfg.trainer_service
     settings = loop_settings(ts, run_dir, size, pad_token_id(cfg), vocab_size_of(cfg.actor_rollout_ref.model.path))
     # The ranks' start-up (a process each, its imports, the process group, the model build) is
-    # the longest part of a trainer's start: Ray is asked for them first, so the spawn can overlap
-    # this replica checking the model's config (transformers' import, seconds) and building its
-    # clients and publisher. (On the 2-GPU host the rank's process still started only as the
-    # check ended: BENCHMARKS.md, "Start-up".)
+    # the longest part of a trainer's start: Ray is asked for them first, so their spawn can
+    # overlap this replica checking the model's config and building its clients and publisher.
     ranks = RayTrainGroup.spawn(spec, world, num_cpus=ts.worker_num_cpus, resources=ts.worker_resources)
     try:
         check_model(cfg, model_init)

@@ -24,10 +24,10 @@ class FakeRay:
 
     class exceptions:  # mirrors ray.exceptions
         class GetTimeoutError(Exception):
-            pass
+            """ray.exceptions.GetTimeoutError"""
 
         class ObjectLostError(Exception):
-            pass
+            """ray.exceptions.ObjectLostError"""
 
     def __init__(self) -> None:
         self.objects: dict[int, Any] = {}
@@ -147,7 +147,6 @@ def test_a_corrupted_object_fails_its_fingerprint(fake_ray: FakeRay) -> None:
         arrays[0][5] ^= 1
         fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always", max_attempts=1)
         with pytest.raises(osx.DataLoss, match="fingerprint"):
-            async for _ in fetcher.fetch(ref):
-                pass
+            [b async for b in fetcher.fetch(ref)]
 
     asyncio.run(main())

@@ -13,8 +13,7 @@ The param server keeps the refs (as a borrower) until retention evicts the versi
 objects live exactly as long as the version is retained; then the publisher (their owner) frees
 them and the raylet deletes them in its next batch of frees (`free_objects_period_milliseconds`,
 which `init_ray` sets to 10 ms for a local Ray; Ray's default is 1 s), after which the store reuses
-their pages: a put into pages the store has touched before runs at memcpy speed, a put into fresh
-shared memory pays a page fault per 4 KiB (several times slower). The objects are owned by the process
+their pages (a put into fresh shared memory pays a page fault per page). The objects are owned by the process
 that put them: if the trainer process dies, its versions in the object store are gone (fetch
 raises Unavailable; the next version it publishes after restarting is fine).
 """
@@ -108,8 +107,8 @@ def _bucket_arrays(got: list[Any]) -> Any:
     return got
 
 
-# Threads a bucket's fingerprint is split over: one numpy pass reads ~15 GB/s on one core, less
-# than a put's (parallel) copy on a many-core host; on two cores a second thread still helps.
+# Threads a bucket's fingerprint is split over: one numpy pass on one core is slower than a put's
+# (parallel) copy on a many-core host, and it runs beside the put, not after it.
 FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
