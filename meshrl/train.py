@@ -20,6 +20,7 @@ trigger 1, no partial rollout: a whole batch generated with the previous weights
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -115,6 +116,18 @@ def wire(cfg: MeshConfig, grpc_port: int) -> MeshConfig:
     return MeshConfig.model_validate(data)
 
 
+def _app_builders() -> list[tuple[str, Callable[..., Any]]]:
+    """Each application's name and `build_app`, in deploy order."""
+    from services.coordinator.deployment import build_app as coordinator_app
+    from services.param_server.deployment import build_app as param_server_app
+    from services.reward.deployment import build_app as reward_app
+    from services.rollout.deployment import build_app as rollout_app
+    from services.trainer.deployment import build_app as trainer_app
+
+    return [("coordinator", coordinator_app), ("param_server", param_server_app), ("reward", reward_app),
+            ("rollout", rollout_app), ("trainer", trainer_app)]
+
+
 @dataclass
 class Progress:
     """What the driver knows about the run at one moment."""
@@ -182,11 +195,6 @@ class MeshRun:
 
         from services.common.priority import renice_ray_system
         from services.common.serve_util import init_ray, start_serve
-        from services.coordinator.deployment import build_app as coordinator_app
-        from services.param_server.deployment import build_app as param_server_app
-        from services.reward.deployment import build_app as reward_app
-        from services.rollout.deployment import build_app as rollout_app
-        from services.trainer.deployment import build_app as trainer_app
 
         # Serve's per-application INFO lines ("Application 'x' is ready") would scroll the
         # progress display away; failures still come through as warnings and errors.
@@ -194,13 +202,18 @@ class MeshRun:
         # Logical CPUs for a local Ray: Serve replicas and rank actors reserve CPU shares to be
         # placed, not to be fast; 8 lets the five services fit on a 2-core laptop.
         t0 = time.monotonic()
-        init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
-                 log_to_driver=False, env=self.secret_env)
-        start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
-                    else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
-        if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
-            renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
-        self.startup["ray_and_serve_s"] = round(time.monotonic() - t0, 2)
+        # The applications' modules (torch among their imports: seconds) load in a thread while
+        # Ray and Serve start, which mostly wait on their daemons and actors.
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="app-imports") as pool:
+            builders = pool.submit(_app_builders)
+            init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
+                     log_to_driver=False, env=self.secret_env)
+            start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
+                        else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
+            if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
+                renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
+            self.startup["ray_and_serve_s"] = round(time.monotonic() - t0, 2)
+            apps = builders.result()
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
                 "session": uuid.uuid4().hex}
@@ -210,10 +223,6 @@ class MeshRun:
         # its first seconds spawning and importing, by which time the coordinator, param server and
         # reward it calls are up (and its clients retry until they are), so the engine load, the
         # rank start-up and model build overlap the others' start (BENCHMARKS.md, "Start-up").
-        apps: list[tuple[str, Callable[..., Any]]] = [
-            ("coordinator", coordinator_app), ("param_server", param_server_app), ("reward", reward_app),
-            ("rollout", rollout_app), ("trainer", trainer_app),
-        ]
         waves = [apps] if self.cfg.serve.parallel_deploy else [[app] for app in apps]
         for wave in waves:
             t0 = time.monotonic()

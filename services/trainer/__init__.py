@@ -6,7 +6,8 @@
     core.py         the loop: FetchBatch -> advantages -> loss -> step -> publish -> checkpoint
     convert.py      TrajectoryGroups -> SequenceBatch
     group.py        TrainGroup protocol + LocalTrainGroup (one in-process engine)
-    workers.py      rank actors in a placement group + RayTrainGroup
+    ranks.py        the rank actor (TrainWorker) and its spawn; light: no torch at import
+    workers.py      RayTrainGroup (drives the ranks) + RankSender
     publisher.py    which publisher (services/weights) the trainer builds; RankZeroPublisher
     checkpoints.py  checkpoint directories (atomic, newest, rotation)
     factory.py      everything built from a MeshConfig

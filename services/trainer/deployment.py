@@ -13,7 +13,7 @@ restarts the replica, which resumes from the newest checkpoint. `build_app` is a
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve import Application
@@ -29,7 +29,10 @@ from services.common.serve_util import grpc_shim, log_init_errors
 from services.common.startup import StartupClock
 
 from . import metrics as trainer_metrics
-from .factory import TrainerParts, build_trainer
+from .ranks import spawn_for
+
+if TYPE_CHECKING:
+    from .factory import TrainerParts
 
 log = get_logger(__name__)
 
@@ -53,9 +56,17 @@ class TrainerDeployment:
         # Every client this replica makes (coordinator, param server) sends the trainer token.
         serve_replica_security(cfg, "trainer", "trainer")
         extras = extras or {}
+        # This module does not import torch: the ranks are asked for before this replica's own
+        # imports (the factory's, seconds), which their spawn and imports overlap.
+        ranks = spawn_for(cfg)
+        try:
+            from .factory import build_trainer
+        except BaseException:
+            ranks.kill()
+            raise
         self.parts: TrainerParts = await build_trainer(
             cfg, run_dir, algorithm=extras.get("algorithm"), publisher=extras.get("publisher"),
-            model_init=extras.get("model_init"), clock=clock,
+            model_init=extras.get("model_init"), clock=clock, ranks=ranks,
         )
         self._servicer = self.parts.servicer
         self._task = asyncio.get_running_loop().create_task(self.parts.loop.run())

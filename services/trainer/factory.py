@@ -3,6 +3,7 @@ step count fixed up front), the loop settings, the RL algorithm, the coordinator
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from services.common.config.trainer_loop import TrainerLoopConfig
 from services.common.config.trainer_service import TrainerServiceConfig
 from services.common.errors import MissingDependency
 from services.common.grpc_util import MiB
-from services.common.model_arch import vocab_size_of
+from services.common.model_arch import read_hf_config, vocab_size_of
 from services.common.startup import StartupClock
 from services.weights import WeightPublisher
 
@@ -27,7 +28,9 @@ from .publisher import RankZeroPublisher
 if TYPE_CHECKING:
     from services.coordinator.client import CoordinatorClient
 
+    from .ranks import SpawnedRanks
     from .servicer import TrainerServicer
+    from .workers import RayTrainGroup
 
 
 def dataset_size(cfg: MeshConfig) -> int:
@@ -75,17 +78,27 @@ def pad_token_id(cfg: MeshConfig) -> int:
         from services.common.tiny import build_tokenizer
 
         return int(build_tokenizer().pad_token_id)
-    from transformers import AutoConfig
+    if Path(model.path, "config.json").is_file():  # the checkpoint's own ids, without importing transformers
+        raw = read_hf_config(model.path)
+        found = _first_token_id(raw.get("text_config") or raw)
+        if found is not None:
+            return found
+    from transformers import AutoConfig  # a hub name, or ids only the config class's defaults give
 
     hf = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     hf = getattr(hf, "text_config", None) or hf
+    return _first_token_id({key: getattr(hf, key, None) for key in ("pad_token_id", "eos_token_id")}) or 0
+
+
+def _first_token_id(config: dict[str, Any]) -> int | None:
+    """pad_token_id, else eos_token_id (the first of a list), of a config's fields."""
     for key in ("pad_token_id", "eos_token_id"):
-        value = getattr(hf, key, None)
+        value = config.get(key)
         if isinstance(value, list):
             value = value[0] if value else None
         if value is not None:
             return int(value)
-    return 0
+    return None
 
 
 def engine_spec(cfg: MeshConfig, device: str, size: int | None, model_init: Callable[[], Any] | None = None) -> EngineSpec:
@@ -196,6 +209,19 @@ def coordinator_client(cfg: MeshConfig) -> CoordinatorClient:
     )
 
 
+async def _abandon(ranks: SpawnedRanks, starting: asyncio.Future[RayTrainGroup] | None) -> None:
+    """Take down rank actors whose trainer failed to start: still starting (`start` kills them
+    when cancelled), built (closed), or not asked to start yet (killed)."""
+    if starting is None:
+        ranks.kill()
+        return
+    starting.cancel()
+    await asyncio.wait([starting])
+    if not starting.cancelled() and starting.exception() is None:  # built before the failure
+        await starting.result().close()
+    # else cancelled or failed: `start` has taken them down
+
+
 def check_model(cfg: MeshConfig, model_init: Callable[[], Any] | None = None) -> None:
     """Reject model/config combinations (packing with gated delta-net layers, Ulysses head
     counts) from the HF config alone, before any rank starts."""
@@ -209,23 +235,6 @@ def check_model(cfg: MeshConfig, model_init: Callable[[], Any] | None = None) ->
         assert init is not None
         hf = hf_model.config_from_init(model, init)
     hf_model.check_compat(hf, model, cfg.actor_rollout_ref.actor)
-
-
-def resolve_device(cfg: MeshConfig, cluster_resources: dict[str, float] | None = None) -> str:
-    """trainer.device, with `auto` answered by the cluster's resources (GPU > NPU > CPU) when
-    known, else by this process's devices."""
-    want = cfg.trainer.device
-    if want != "auto":
-        return want
-    if cluster_resources is not None:
-        if cluster_resources.get("GPU", 0) > 0:
-            return "cuda"
-        if cluster_resources.get("NPU", 0) > 0:
-            return "npu"
-        return "cpu"
-    from services.common.device import detect
-
-    return detect("auto").kind
 
 
 @dataclass
@@ -295,31 +304,39 @@ async def build_trainer(
     publisher: WeightPublisher | None = None,
     model_init: Callable[[], Any] | None = None,
     clock: StartupClock | None = None,
+    ranks: SpawnedRanks | None = None,
 ) -> TrainerParts:
-    """Everything the Serve deployment runs: rank actors (Ray), the coordinator client, the
-    publisher and the loop. Config problems fail here: those found from the config alone before
-    any actor starts; the model's (its HF config) while the rank actors start, which are then
-    taken down."""
-    import ray
-
+    """Everything the Serve deployment runs: rank actors (Ray; RANKS: already asked for, see
+    `ranks.spawn_for`), the coordinator client, the publisher and the loop. Config problems
+    (the algorithm's, the dataset's, the model's HF config) fail here while the rank actors
+    start, which are then taken down."""
     from services.common.auth import Authorizer
 
+    from .ranks import spawn_for
     from .servicer import TrainerServicer
-    from .workers import RayTrainGroup
 
-    algorithm = algorithm or algorithm_from_config(cfg)
-    device = resolve_device(cfg, ray.cluster_resources())
-    size = dataset_size(cfg)
-    spec = engine_spec(cfg, device, size, model_init)
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    ts = cfg.trainer_service
-    settings = loop_settings(ts, run_dir, size, pad_token_id(cfg), vocab_size_of(cfg.actor_rollout_ref.model.path))
     # The ranks' start-up (a process each, its imports, the process group, the model build) is
-    # the longest part of a trainer's start: Ray is asked for them first, so their spawn can
-    # overlap this replica checking the model's config and building its clients and publisher.
-    ranks = RayTrainGroup.spawn(spec, world, num_cpus=ts.worker_num_cpus, resources=ts.worker_resources)
+    # the longest part of a trainer's start: Ray is asked for them first (the Serve replica asks
+    # before its own imports: `ranks`), so that their spawn and imports overlap everything below
+    # (the dataset's size, the model's config, the clients).
+    ranks = ranks or spawn_for(cfg)
+    device = ranks.device
+    ts = cfg.trainer_service
+    if clock is not None:
+        clock.mark("ranks_requested")
+    starting: asyncio.Future[RayTrainGroup] | None = None
     try:
-        check_model(cfg, model_init)
+        algorithm = algorithm or algorithm_from_config(cfg)
+        size = dataset_size(cfg)
+        spec = engine_spec(cfg, device, size, model_init)
+        settings = loop_settings(ts, run_dir, size, pad_token_id(cfg), vocab_size_of(cfg.actor_rollout_ref.model.path))
+        # The engines build while this replica checks the model's config (transformers' model
+        # stack: seconds of imports) in a thread and builds its clients and publisher.
+        starting = asyncio.ensure_future(
+            ranks.start(spec, cfg.actor_rollout_ref.actor.strategy, nice=cfg.tuning.nice.trainer_ranks))
+        await asyncio.to_thread(check_model, cfg, model_init)
+        if clock is not None:
+            clock.mark("model_checked")
         client = coordinator_client(cfg)
         if publisher is None and ts.publisher == "param_server":
             from services.weights.transports.discovery import with_discovered_address
@@ -327,11 +344,11 @@ async def build_trainer(
             cfg = await with_discovered_address(cfg)  # param_server.host=0.0.0.0: ask the app where it is
         pub = publisher or _publisher(cfg, run_dir, client)
     except BaseException:
-        ranks.kill()
+        await _abandon(ranks, starting)
         raise
     if clock is not None:
         clock.mark("publisher_built")
-    group = await ranks.start(spec, cfg.actor_rollout_ref.actor.strategy, nice=cfg.tuning.nice.trainer_ranks)
+    group = await starting
     if clock is not None:
         clock.mark("ranks_ready")
     if isinstance(pub, RankZeroPublisher):

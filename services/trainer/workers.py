@@ -1,5 +1,5 @@
-"""The ranks of a training group as Ray actors in one placement group, and `RayTrainGroup`, the
-TrainGroup that drives them.
+"""`RayTrainGroup`, the TrainGroup that drives a training group's ranks: Ray actors
+(`ranks.TrainWorker`, asked for by `ranks.spawn`) in one placement group.
 
     RayTrainGroup.create(spec, world_size, device)
       placement group: world_size bundles of {CPU: worker_num_cpus, GPU|NPU: 1}, PACK
@@ -16,12 +16,9 @@ rank's device, and the weights do not cross to the trainer's Serve replica at al
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import functools
-import os
-import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -29,24 +26,16 @@ from typing import Any
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import remove_placement_group
 
 from meshrl.v1 import common_pb2
-from services.common.device import ray_resource
-from services.common.logging import configure_logging, get_logger
-from services.common.priority import set_niceness
-from services.common.startup import StartupClock
+from services.common.logging import get_logger
 from services.weights import Bucket, WeightPublisher
 
-from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult, TrainEngine, get_engine_cls
-from .engines.batching import micro_batches_for
+from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult
 from .group import scatter_rows, shards
 
 log = get_logger(__name__)
-
-WEIGHTS_GROUP = "weights"  # the rank actor's concurrency group for waiting on a broadcast
-
 
 class RankSender:
     """Rank 0's weight publisher on an event loop of its own (a thread of the rank actor), so a
@@ -108,144 +97,6 @@ class RankSender:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-class TrainWorker:
-    """One rank. Built lightweight; `init_engine` joins the process group and builds the engine."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.engine: TrainEngine | None = None
-        self.spec: EngineSpec | None = None
-        self.sender: RankSender | None = None
-        self.own_shards = False
-        self._clock = StartupClock(f"trainer_rank{rank}")
-
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free port (asked of rank 0 for MASTER_ADDR/PORT)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
-
-    def init_engine(
-        self, spec: EngineSpec, backend: str, master_addr: str, master_port: int, nice: int | None = None
-    ) -> dict[str, int]:
-        os.environ.update(
-            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-        )
-        configure_logging("trainer", rank=self.rank)
-        set_niceness(nice, key="tuning.nice.trainer_ranks")
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-        self.spec = spec
-        self._clock.mark("init_engine")
-        self.engine = get_engine_cls(backend, spec.device).build(spec)
-        self._clock.mark("engine_built")
-        return {"dp_rank": self.engine.dp_rank, "dp_size": self.engine.dp_size}
-
-    def _engine(self) -> TrainEngine:
-        assert self.engine is not None, "init_engine was not called"
-        return self.engine
-
-    def compute_logprobs(
-        self, batch: SequenceBatch, temperature: float, reference: bool, proximal: bool, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        engine = self._engine()
-        if proximal:
-            out = engine.compute_proximal_logprobs(batch, temperature=temperature)
-        else:
-            out = engine.compute_logprobs(batch, temperature=temperature, with_entropy=with_entropy, reference=reference)
-        return out.logprobs, out.entropy
-
-    def train(self, batch: SequenceBatch, loss_fn: LossFn, temperature: float) -> StepResult:
-        assert self.spec is not None
-        return self._engine().train_step(micro_batches_for(self.spec.actor, batch), loss_fn, temperature=temperature)
-
-    def snapshot_proximal(self) -> None:
-        self._engine().snapshot_proximal()
-
-    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
-        yield from self._engine().export_weights(bucket_bytes)
-
-    def start_sender(self, make: Callable[[], WeightPublisher], own_shards: bool = False) -> None:
-        """Become a weight sender (`make` builds the publisher, e.g. the collective one): rank 0
-        of the whole weights, or with `own_shards` any rank of the rows it owns."""
-        assert own_shards or self.rank == 0, "only rank 0 sends the whole weights"
-        self.sender = RankSender(make)
-        self.own_shards = own_shards
-
-    def publish_weights(self, version: int, bucket_bytes: int) -> None:
-        """Every rank exports (the all-gathers); rank 0 hands the buckets to its sender (with
-        `own_shards`, every rank exports and sends its own rows, no all-gather). Returns once the
-        export is done: the broadcast goes on while later calls run."""
-        engine = self._engine()
-        buckets = engine.export_shards(bucket_bytes) if self.own_shards else engine.export_weights(bucket_bytes)
-        if self.sender is None:  # the all-gathers only: run the export to its end, keep nothing
-            collections.deque(buckets, maxlen=0)
-            return
-        self.sender.publish(version, buckets)
-
-    @ray.method(concurrency_group=WEIGHTS_GROUP)
-    def published(self, version: int) -> bytes:
-        """A sender: blocks until version's publish finished; its WeightsRef, serialized."""
-        assert self.sender is not None, "start_sender was not called"
-        return self.sender.result(version).SerializeToString()
-
-    def save_checkpoint(self, path: str) -> None:
-        self._engine().save_checkpoint(Path(path))
-
-    def load_checkpoint(self, path: str) -> None:
-        self._engine().load_checkpoint(Path(path))
-
-    def save_hf(self, path: str) -> None:
-        self._engine().save_hf(Path(path))
-
-    def step(self) -> int:
-        return self._engine().step
-
-    def stop_sender(self) -> None:
-        """Rank 0: settle and close the sender (its last manifest registration)."""
-        sender, self.sender = self.sender, None
-        if sender is not None:
-            sender.close()
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-
-
-class SpawnedRanks:
-    """Rank actors asked of Ray (`RayTrainGroup.spawn`), their engines not built yet."""
-
-    def __init__(self, group_cls: type[RayTrainGroup], workers: list[Any], pg: Any) -> None:
-        self.group_cls = group_cls
-        self.workers = workers
-        self.pg = pg
-
-    async def start(self, spec: EngineSpec, backend: str, *, nice: int | None = None,
-                    timeout_s: float = 600.0) -> RayTrainGroup:
-        """Join the process group and build every rank's engine; on any failure (cancellation
-        included) the actors and their placement group are gone."""
-        workers = self.workers
-        try:
-            await asyncio.wait_for(self.pg.ready(), timeout=timeout_s)
-            addr, port = await workers[0].address.remote()
-            layout = await asyncio.wait_for(
-                asyncio.gather(*[w.init_engine.remote(spec, backend, addr, port, nice) for w in workers]), timeout=timeout_s
-            )
-            step = await workers[0].step.remote()
-        except BaseException:
-            self.kill()
-            raise
-        log.info("train_group_ready", world_size=len(workers), dp=layout[0]["dp_size"], device=spec.device)
-        return self.group_cls(workers, self.pg, list(layout), step)
-
-    def kill(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
-        remove_placement_group(self.pg)
-
-
 class RayTrainGroup:
     """TrainGroup over rank actors (see the module docstring). Use `await RayTrainGroup.create(...)`."""
 
@@ -263,37 +114,10 @@ class RayTrainGroup:
         cls, spec: EngineSpec, world_size: int, *, backend: str, num_cpus: float = 1.0, timeout_s: float = 600.0,
         nice: int | None = None, resources: dict[str, float] | None = None,
     ) -> RayTrainGroup:
-        return await cls.spawn(spec, world_size, num_cpus=num_cpus, resources=resources).start(
-            spec, backend, nice=nice, timeout_s=timeout_s)
+        from .ranks import spawn
 
-    @classmethod
-    def spawn(cls, spec: EngineSpec, world_size: int, *, num_cpus: float = 1.0,
-              resources: dict[str, float] | None = None) -> SpawnedRanks:
-        """Ask Ray for the rank actors now (their placement group, their processes and imports go
-        on in the background); `SpawnedRanks.start` builds the engines."""
-        resource = ray_resource(spec.device)
-        bundle: dict[str, float] = {"CPU": num_cpus} if num_cpus > 0 else {}
-        bundle.update(resources or {})  # custom resources: which nodes may hold a rank
-        if resource is not None:
-            bundle[resource] = 1.0
-        pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        options: dict[str, Any] = {"num_cpus": num_cpus}
-        custom = dict(resources or {})
-        if resource == "GPU":
-            options["num_gpus"] = 1
-        elif resource is not None:
-            custom[resource] = 1
-        if custom:
-            options["resources"] = custom
-        actor_cls: Any = ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(TrainWorker)  # type: ignore[call-overload]
-        workers: list[Any] = [
-            actor_cls.options(
-                **options,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=r),
-            ).remote(r, world_size)
-            for r in range(world_size)
-        ]
-        return SpawnedRanks(cls, workers, pg)
+        return await spawn(spec.device, world_size, num_cpus=num_cpus, resources=resources).start(
+            spec, backend, nice=nice, timeout_s=timeout_s)
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,98 @@
+"""What the trainer's start-up relies on: the Serve replica's module and the rank actor's class
+load without torch (the ranks are asked for before the replica's own imports), the pad id comes
+from the checkpoint's config.json without transformers, and ranks of a trainer that failed to
+start are taken down in every state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.config import MeshConfig
+from services.trainer import factory
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("module", ["services.trainer.deployment", "services.trainer.ranks"])
+def test_the_modules_a_trainer_spawns_its_ranks_from_do_not_import_torch(module: str) -> None:
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _cfg(path: Path) -> MeshConfig:
+    return MeshConfig.model_validate({"actor_rollout_ref": {"model": {"path": str(path)}}})
+
+
+@pytest.mark.parametrize(("fields", "want"), [
+    ({"pad_token_id": 7, "eos_token_id": 3}, 7),
+    ({"pad_token_id": None, "eos_token_id": [5, 6]}, 5),
+    ({"text_config": {"eos_token_id": 11}}, 11),
+])
+def test_pad_token_id_reads_the_checkpoint_config(tmp_path: Path, fields: dict[str, Any], want: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", **fields}))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # any import of it would fail
+    assert factory.pad_token_id(_cfg(tmp_path)) == want
+
+
+class _Ranks:
+    def __init__(self) -> None:
+        self.killed = 0
+
+    def kill(self) -> None:
+        self.killed += 1
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+def test_abandon_takes_ranks_down_whether_unstarted_starting_built_or_failed() -> None:
+    async def scenario() -> tuple[int, int, bool, int]:
+        unstarted = _Ranks()
+        await factory._abandon(unstarted, None)  # type: ignore[arg-type]
+
+        killed_on_cancel = _Ranks()
+
+        async def slow_start() -> _Group:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                killed_on_cancel.kill()  # what SpawnedRanks.start does when cancelled
+                raise
+            return _Group()
+
+        starting = asyncio.ensure_future(slow_start())
+        await asyncio.sleep(0)
+        await factory._abandon(killed_on_cancel, starting)  # type: ignore[arg-type]
+
+        group = _Group()
+
+        async def built() -> _Group:
+            return group
+
+        done = asyncio.ensure_future(built())
+        await asyncio.wait([done])
+        await factory._abandon(_Ranks(), done)  # type: ignore[arg-type]
+
+        async def failed() -> _Group:
+            raise RuntimeError("init_engine failed")
+
+        bad = asyncio.ensure_future(failed())
+        await asyncio.wait([bad])
+        await factory._abandon(_Ranks(), bad)  # type: ignore[arg-type]  # no raise: start cleaned up
+        return unstarted.killed, killed_on_cancel.killed, starting.cancelled(), group.closed
+
+    assert asyncio.run(scenario()) == (1, 1, True, 1)
