@@ -41,9 +41,11 @@ def _prewarm() -> None:
     """Import what every engine build imports (torch, its distributed and FSDP parts, transformers'
     model stack): third-party modules only, so this thread never waits on a module the rank's
     call thread is importing."""
-    import torch
-    import torch.distributed.fsdp  # noqa: F401
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+    try:
+        import torch.distributed.fsdp  # noqa: F401
+        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+    except ImportError:  # the engine build imports what it needs again and reports what is missing
+        return
 
 
 class TrainWorker:
