@@ -59,6 +59,7 @@ class TrainerDeployment:
         # This module does not import torch: the ranks are asked for before this replica's own
         # imports (the factory's, seconds), which their spawn and imports overlap.
         ranks = spawn_for(cfg)
+        clock.mark("ranks_requested")
         try:
             from .factory import build_trainer
         except BaseException:

@@ -224,7 +224,7 @@ async def _abandon(ranks: SpawnedRanks, starting: asyncio.Future[RayTrainGroup] 
 
 def check_model(cfg: MeshConfig, model_init: Callable[[], Any] | None = None) -> None:
     """Reject model/config combinations (packing with gated delta-net layers, Ulysses head
-    counts) from the HF config alone, before any rank starts."""
+    counts) from the HF config alone (`build_trainer` runs it while the ranks start)."""
     from .engines import hf_model
 
     model = cfg.actor_rollout_ref.model
@@ -319,11 +319,12 @@ async def build_trainer(
     # the longest part of a trainer's start: Ray is asked for them first (the Serve replica asks
     # before its own imports: `ranks`), so that their spawn and imports overlap everything below
     # (the dataset's size, the model's config, the clients).
-    ranks = ranks or spawn_for(cfg)
+    if ranks is None:
+        ranks = spawn_for(cfg)
+        if clock is not None:
+            clock.mark("ranks_requested")
     device = ranks.device
     ts = cfg.trainer_service
-    if clock is not None:
-        clock.mark("ranks_requested")
     starting: asyncio.Future[RayTrainGroup] | None = None
     try:
         algorithm = algorithm or algorithm_from_config(cfg)

@@ -107,8 +107,8 @@ def _bucket_arrays(got: list[Any]) -> Any:
     return got
 
 
-# Threads a bucket's fingerprint is split over: one numpy pass on one core is slower than a put's
-# (parallel) copy on a many-core host, and it runs beside the put, not after it.
+# Threads a bucket's fingerprint is split over: it runs beside the put, whose copy is parallel,
+# and a single-threaded pass would outlast it.
 FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
