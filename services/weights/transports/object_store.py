@@ -8,9 +8,11 @@
     rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
              ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify)
-             ─▶ after the last bucket, the release (handle call) runs beside the caller: the
-             consumer does not wait for it; this fetcher's next fetch (or close) does, so holds are
-             released in order; a failed release is logged and counted (the hold's TTL frees it)
+             ─▶ after the last bucket, the release (handle call) is sent at once and its answer
+             awaited beside the caller: the consumer does not wait for it; this fetcher's next
+             fetch (or close) does, so holds are released in order; the request is delivered by
+             the handle's router even if the caller's loop ends first; a failed release is logged
+             and counted (the hold's TTL frees it)
 
 The param server keeps the refs (as a borrower) until retention evicts the version, so the
 objects live exactly as long as the version is retained; then the publisher (their owner) frees
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -63,7 +65,10 @@ class ObjectDirectory(Protocol):
 
     async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]: ...
 
-    async def release(self, policy_version: int, consumer_id: str) -> None: ...
+    def release(self, policy_version: int, consumer_id: str) -> Awaitable[None]:
+        """Drop `consumer_id`'s hold. Sent when called (the awaitable is its outcome), where the
+        directory can: a fetcher's loop that ends before awaiting it must not leak the hold."""
+        ...
 
 
 class ServeDirectory:
@@ -85,8 +90,9 @@ class ServeDirectory:
         raw, refs = await self.handle.object_store_version.remote(policy_version, consumer_id)
         return pb.Manifest.FromString(raw), list(refs)
 
-    async def release(self, policy_version: int, consumer_id: str) -> None:
-        await self.handle.release_version.remote(policy_version, consumer_id)
+    def release(self, policy_version: int, consumer_id: str) -> Awaitable[None]:
+        # .remote() hands the request to the handle's router (its own loop and thread) at once
+        return self.handle.release_version.remote(policy_version, consumer_id)  # type: ignore[no-any-return]
 
 
 def _layout_arrays(planned: PlannedBucket) -> list[tuple[int, np.ndarray]]:
@@ -244,19 +250,25 @@ class ObjectStoreFetcher:
         # (one handle call the consumer need not wait for); strong refs keep the tasks alive
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def _release(self, version: int) -> None:
+    async def _release(self, version: int, sent: Awaitable[None]) -> None:
         try:
-            await asyncio.wait_for(self.directory.release(version, self.consumer_id), timeout=self.timeout_s)
+            await asyncio.wait_for(sent, timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 -- the hold expires after param_server.hold_ttl_s
             self.release_failures += 1
             log.warning("release_failed", policy_version=version, consumer_id=self.consumer_id,
                         error=f"{type(exc).__name__}: {exc}")
 
     def _release_soon(self, version: int) -> None:
+        sent: Awaitable[None] | None = None
         try:
-            task = asyncio.get_running_loop().create_task(self._release(version))
-        except RuntimeError:  # no loop (a generator finalized outside one): the hold's TTL frees it
+            sent = self.directory.release(version, self.consumer_id)  # on its way now (ServeDirectory)
+            task = asyncio.get_running_loop().create_task(self._release(version, sent))
+        except Exception as exc:  # noqa: BLE001 -- e.g. no loop (a generator finalized outside one)
+            if asyncio.iscoroutine(sent):
+                sent.close()
             self.release_failures += 1
+            log.warning("release_failed", policy_version=version, consumer_id=self.consumer_id,
+                        error=f"{type(exc).__name__}: {exc}")
             return
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
