@@ -275,8 +275,8 @@ class ObjectStoreFetcher:
 
     async def settle(self) -> None:
         """Wait for the releases of earlier fetches to reach the param server."""
-        while self._releases:
-            await asyncio.gather(*list(self._releases), return_exceptions=True)
+        while pending := [t for t in self._releases if not t.done()]:
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def close(self) -> None:
         await self.settle()
