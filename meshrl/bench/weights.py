@@ -250,7 +250,10 @@ def bench_object_store(weights: list, nbytes: int, rounds: int, warmup: int = 0)
                     growth.append(max(0, after - before))
                 return ref
 
-            return await _rounds(publish, lambda ref: _drain(fetcher.fetch(ref)), rounds, warmup)
+            try:
+                return await _rounds(publish, lambda ref: _drain(fetcher.fetch(ref)), rounds, warmup)
+            finally:
+                await fetcher.close()  # the last fetch's release, before the loop ends
 
         growth: list[int] = []
         result = {"where": "Ray object store, same node (zero-copy reads; one put per bucket, fingerprint at publish)",

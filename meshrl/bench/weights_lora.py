@@ -141,8 +141,11 @@ def _disk_case(payloads: dict[str, Payload], rounds: int) -> dict[str, Any]:
             return read_manifest(version_dir(pub.root, ref.policy_version))
 
         try:
-            return await _cases(payloads, rounds, lambda v, p: pub.publish(v, p), lambda ref: _collect(fetcher.fetch(ref)),
-                                manifest)
+            try:
+                return await _cases(payloads, rounds, lambda v, p: pub.publish(v, p),
+                                    lambda ref: _collect(fetcher.fetch(ref)), manifest)
+            finally:
+                await fetcher.close()  # the last fetch's release, before the loop ends
         finally:
             await pub.close()
             await fetcher.close()
@@ -179,8 +182,11 @@ def _object_store_case(payloads: dict[str, Payload], rounds: int) -> dict[str, A
                 await directory.release(ref.policy_version, "bench-manifest")
                 return convert.manifest_from_proto(raw)
 
-            return await _cases(payloads, rounds, lambda v, p: pub.publish(v, p), lambda ref: _collect(fetcher.fetch(ref)),
-                                manifest)
+            try:
+                return await _cases(payloads, rounds, lambda v, p: pub.publish(v, p),
+                                    lambda ref: _collect(fetcher.fetch(ref)), manifest)
+            finally:
+                await fetcher.close()  # the last fetch's release, before the loop ends
 
         return {"where": "Ray object store, same node", **asyncio.run(main())}
     finally:

@@ -58,6 +58,7 @@ def ray_worker_fetch():  # type: ignore[no-untyped-def]
             got = {}
             async for bucket in f.fetch(common_pb2.WeightsRef(policy_version=version)):
                 got.update({n: t.clone() for n, t in bucket})
+            await f.close()  # its release has landed before this loop ends
             return same(got, version), f.verified_buckets
 
         return asyncio.run(main())

@@ -113,6 +113,7 @@ def test_publish_puts_one_object_per_bucket_and_fetch_reads_it_back_verified(fak
         assert all(isinstance(fake_ray.objects[r[0]], list) for r in refs)
         fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")
         got = {n: t.clone() async for b in fetcher.fetch(ref) for n, t in b}
+        await fetcher.settle()  # the release runs beside the caller once the last bucket is out
         assert fetcher.verified_buckets == 2 and directory.released == [(1, "c")]
         return got
 
@@ -150,3 +151,71 @@ def test_a_corrupted_object_fails_its_fingerprint(fake_ray: FakeRay) -> None:
             [b async for b in fetcher.fetch(ref)]
 
     asyncio.run(main())
+
+
+class GatedDirectory(FakeDirectory):
+    """Releases wait for `gate` (or fail when `fail` is set); lookups are recorded in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.fail = False
+        self.calls: list[str] = []
+
+    async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
+        self.calls.append(f"lookup {policy_version}")
+        return await super().lookup(policy_version, consumer_id)
+
+    async def release(self, policy_version: int, consumer_id: str) -> None:
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("param server unreachable")
+        self.calls.append(f"release {policy_version}")
+        await super().release(policy_version, consumer_id)
+
+
+def test_a_fetch_releases_its_hold_after_the_last_bucket_and_the_next_fetch_waits_for_it(fake_ray: FakeRay) -> None:
+    directory = GatedDirectory()
+
+    async def main() -> None:
+        pub = osx.ObjectStorePublisher(directory)
+        ref1, ref2 = await pub.publish(1, weights()), await pub.publish(2, weights())
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")  # no locality query (fake refs)
+        assert len([b async for b in fetcher.fetch(ref1)]) == 2  # returns with the release pending
+        assert directory.calls == ["lookup 1"] and directory.released == []
+        second = asyncio.ensure_future(_count(fetcher.fetch(ref2)))
+        await asyncio.sleep(0.01)
+        assert directory.calls == ["lookup 1"]  # held back until version 1's release lands
+        directory.gate.set()
+        assert await second == 2
+        await fetcher.close()
+        assert directory.calls == ["lookup 1", "release 1", "lookup 2", "release 2"]
+        assert directory.released == [(1, "c"), (2, "c")] and fetcher.release_failures == 0
+
+    asyncio.run(main())
+
+
+def test_an_abandoned_fetch_still_releases_and_a_failed_release_is_counted(fake_ray: FakeRay) -> None:
+    directory = GatedDirectory()
+    directory.gate.set()
+
+    async def main() -> None:
+        pub = osx.ObjectStorePublisher(directory)
+        ref1, ref2 = await pub.publish(1, weights()), await pub.publish(2, weights())
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")  # no locality query (fake refs)
+        stream = fetcher.fetch(ref1)
+        async for _ in stream:
+            break  # the consumer stops after the first bucket
+        await stream.aclose()
+        await fetcher.settle()
+        assert directory.released == [(1, "c")]
+        directory.fail = True
+        assert await _count(fetcher.fetch(ref2)) == 2
+        await fetcher.close()  # the failure is logged and counted, not raised: the hold's TTL frees it
+        assert fetcher.release_failures == 1 and directory.released == [(1, "c")]
+
+    asyncio.run(main())
+
+
+async def _count(stream: Any) -> int:
+    return len([b async for b in stream])

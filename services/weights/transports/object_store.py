@@ -8,6 +8,11 @@
     rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
              ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify)
+             ─▶ after the last bucket, the release (handle call) is sent at once and its answer
+             awaited beside the caller: the consumer does not wait for it; this fetcher's next
+             fetch (or close) does, so holds are released in order; the request is delivered by
+             the handle's router even if the caller's loop ends first; a failed release is logged
+             and counted (the hold's TTL frees it)
 
 The param server keeps the refs (as a borrower) until retention evicts the version, so the
 objects live exactly as long as the version is retained; then the publisher (their owner) frees
@@ -21,10 +26,9 @@ raises Unavailable; the next version it publishes after restarting is fine).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -61,7 +65,10 @@ class ObjectDirectory(Protocol):
 
     async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]: ...
 
-    async def release(self, policy_version: int, consumer_id: str) -> None: ...
+    def release(self, policy_version: int, consumer_id: str) -> Awaitable[None]:
+        """Drop `consumer_id`'s hold. Sent when called (the awaitable is its outcome), where the
+        directory can: a fetcher's loop that ends before awaiting it must not leak the hold."""
+        ...
 
 
 class ServeDirectory:
@@ -83,14 +90,21 @@ class ServeDirectory:
         raw, refs = await self.handle.object_store_version.remote(policy_version, consumer_id)
         return pb.Manifest.FromString(raw), list(refs)
 
-    async def release(self, policy_version: int, consumer_id: str) -> None:
-        await self.handle.release_version.remote(policy_version, consumer_id)
+    def release(self, policy_version: int, consumer_id: str) -> Awaitable[None]:
+        # .remote() hands the request to the handle's router (its own loop and thread) at once
+        return self.handle.release_version.remote(policy_version, consumer_id)  # type: ignore[no-any-return]
 
 
 def _layout_arrays(planned: PlannedBucket) -> list[tuple[int, np.ndarray]]:
     """(offset, host bytes) of a bucket's tensors, in layout order."""
     pairs = sorted(zip(planned.metas, planned.named, strict=True), key=lambda x: x[0].offset)
     return [(meta.offset, as_bytes(t).cpu().numpy()) for meta, (_, t) in pairs]
+
+
+def _views_only(planned: PlannedBucket) -> bool:
+    """Whether `_layout_arrays` only makes views (host tensors, contiguous): then it runs inline,
+    a thread hop costing more than the work; a device copy or a gather runs in a thread."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for _, t in planned.named)
 
 
 def _put_bucket(ray: Any, arrays: list[tuple[int, np.ndarray]]) -> list[Any]:
@@ -161,7 +175,7 @@ class ObjectStorePublisher:
         builder = ManifestBuilder(version)
         refs: list[list[Any]] = []
         async for planned in plan_buckets(buckets):
-            arrays = await asyncio.to_thread(_layout_arrays, planned)
+            arrays = _layout_arrays(planned) if _views_only(planned) else await asyncio.to_thread(_layout_arrays, planned)
             fingerprint = asyncio.ensure_future(_fingerprint(planned.nbytes, arrays))
             put = asyncio.to_thread(_put_bucket, ray, arrays)
             refs.append(await asyncio.wait_for(put, timeout=deadline.check(f"putting bucket {planned.index}")))
@@ -174,14 +188,16 @@ class ObjectStorePublisher:
         return convert.weights_ref(manifest, self.address)
 
 
-def _is_local(ray: Any, ref: Any) -> bool:
+def _local(ray: Any, refs: list[Any]) -> list[bool]:
+    """Whether each ref's object has a copy on this node (one query for a version's buckets)."""
     try:
         from ray.experimental import get_object_locations
 
-        nodes = get_object_locations([ref])[ref]["node_ids"]
-        return ray.get_runtime_context().get_node_id() in nodes
+        where = get_object_locations(refs)
+        node = ray.get_runtime_context().get_node_id()
+        return [node in where[ref]["node_ids"] for ref in refs]
     except Exception:  # noqa: BLE001 -- locality is an optimisation; unknown means verify
-        return False
+        return [False] * len(refs)
 
 
 def _check_arrays(manifest: Manifest, index: int, arrays: Any, verify: bool) -> Bucket:
@@ -229,11 +245,49 @@ class ObjectStoreFetcher:
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.verified_buckets = 0
+        self.release_failures = 0
+        # holds being released: a fetch's release runs after its last bucket, beside the caller
+        # (one handle call the consumer need not wait for); strong refs keep the tasks alive
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def _release(self, version: int, sent: Awaitable[None]) -> None:
+        try:
+            await asyncio.wait_for(sent, timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 -- the hold expires after param_server.hold_ttl_s
+            self.release_failures += 1
+            log.warning("release_failed", policy_version=version, consumer_id=self.consumer_id,
+                        error=f"{type(exc).__name__}: {exc}")
+
+    def _release_soon(self, version: int) -> None:
+        sent: Awaitable[None] | None = None
+        try:
+            sent = self.directory.release(version, self.consumer_id)  # on its way now (ServeDirectory)
+            task = asyncio.get_running_loop().create_task(self._release(version, sent))
+        except Exception as exc:  # noqa: BLE001 -- e.g. no loop (a generator finalized outside one)
+            if asyncio.iscoroutine(sent):
+                sent.close()
+            self.release_failures += 1
+            log.warning("release_failed", policy_version=version, consumer_id=self.consumer_id,
+                        error=f"{type(exc).__name__}: {exc}")
+            return
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def settle(self) -> None:
+        """Wait for the releases of earlier fetches to reach the param server."""
+        while pending := [t for t in self._releases if not t.done()]:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.settle()
 
     async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Bucket]:
         ray = _ray()
         version = ref.policy_version
         deadline = Deadline(self.timeout_s, f"fetch of version {version} from the object store")
+        # this consumer's earlier releases land first (done long since when fetches are a
+        # training step apart): holds are released in order and never pile up
+        await asyncio.wait_for(self.settle(), timeout=deadline.check("releasing earlier versions"))
         raw, refs = await asyncio.wait_for(self.directory.lookup(version, self.consumer_id),
                                            timeout=deadline.check("looking up the version"))
         try:
@@ -242,8 +296,10 @@ class ObjectStoreFetcher:
             version = manifest.policy_version  # a negative ref version asked for the newest
             if len(refs) != len(manifest.buckets):
                 raise DataLoss(f"version {version}: {len(refs)} objects for {len(manifest.buckets)} buckets")
+            firsts = [orefs[0] for orefs in refs if orefs]
+            local = dict(zip(firsts, _local(ray, firsts), strict=True)) if self.verify != "always" and firsts else {}
             for i, orefs in enumerate(refs):
-                verify = self.verify == "always" or not orefs or not _is_local(ray, orefs[0])
+                verify = self.verify == "always" or not orefs or not local.get(orefs[0], False)
                 for attempt in range(1, self.max_attempts + 1):
                     try:
                         arrays = await asyncio.to_thread(ray.get, list(orefs), timeout=deadline.check(f"getting bucket {i}"))
@@ -255,7 +311,9 @@ class ObjectStoreFetcher:
                             "its owner (the publishing trainer) may have exited: fetch a newer version"
                         ) from exc
                     try:
-                        bucket = await asyncio.to_thread(_check_arrays, manifest, i, _bucket_arrays(arrays), verify)
+                        # unverified, the check reads no bytes (sizes and views): inline
+                        bucket = (await asyncio.to_thread(_check_arrays, manifest, i, _bucket_arrays(arrays), True)
+                                  if verify else _check_arrays(manifest, i, _bucket_arrays(arrays), False))
                         break
                     except DataLoss:
                         if attempt == self.max_attempts:
@@ -267,5 +325,4 @@ class ObjectStoreFetcher:
                 yield bucket
                 del bucket, arrays
         finally:
-            with contextlib.suppress(Exception):
-                await self.directory.release(version, self.consumer_id)
+            self._release_soon(version)
