@@ -186,6 +186,8 @@ class MeshRun:
         self._serve_checked = 0.0
         self.startup: dict[str, Any] = {}
         """Seconds of each start-up phase (Ray and Serve, each deploy wave): in summary.json."""
+        self.early_ranks: Any = None
+        """The trainer's rank actors, asked for before Serve starts (`deploy`); this driver owns them."""
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -208,6 +210,13 @@ class MeshRun:
             builders = pool.submit(_app_builders)
             init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
                      log_to_driver=False, env=self.secret_env)
+            # The trainer's ranks are asked for now, before Serve: their processes load torch and
+            # the model libraries (the longest part of a trainer's start) while Serve starts and
+            # deploys; the trainer replica claims them (services/trainer/ranks.py).
+            from services.trainer.ranks import spawn_for
+
+            self.early_ranks = spawn_for(self.cfg, outside_replica=True)
+            self.startup["ranks_asked_s"] = round(time.monotonic() - t0, 2)
             start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
                         else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
             if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
@@ -216,7 +225,7 @@ class MeshRun:
             apps = builders.result()
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
-                "session": uuid.uuid4().hex}
+                "session": uuid.uuid4().hex, "ranks": self.early_ranks}
         quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
         # Every application at once (serve.run_many returns when every replica is healthy), as
         # `serve deploy` of `meshrl serve-config` starts them: a rollout or trainer replica spends

@@ -14,7 +14,7 @@ One replica serves three doors onto one store:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
@@ -28,10 +28,11 @@ from services.common.priority import set_niceness
 from services.common.security import serve_replica_security
 from services.common.serve_util import grpc_shim, log_init_errors
 from services.common.startup import StartupClock
-from services.weights import convert
 
 from . import metrics as ps_metrics
-from .server import ParamServerServer
+
+if TYPE_CHECKING:
+    from .server import ParamServerServer
 
 log = get_logger(__name__)
 DEPLOYMENT_NAME = "ParamServer"
@@ -51,7 +52,11 @@ class ParamServerDeployment:
         configure_logging("param_server", json=True, run_id=run_id or None)
         set_niceness(cfg.tuning.nice.param_server, key="tuning.nice.param_server")
         serve_replica_security(cfg, None, "param_server")
-        self.server = ParamServerServer(cfg, run_dir)
+        # The store (torch) loads here, in the replica: `meshrl train`'s driver imports this module
+        # for `build_app` while Ray and Serve start, and torch would cost it seconds of its GIL.
+        from .server import ParamServerServer
+
+        self.server: ParamServerServer = ParamServerServer(cfg, run_dir)
         await self.server.start()
         self._servicer = self.server.servicer
         self._metrics = ReplicaMetrics(ps_metrics.FAMILIES)
@@ -76,6 +81,8 @@ class ParamServerDeployment:
 
     async def register_object_store_version(self, manifest: bytes, refs: list[Any]) -> bytes:
         """Register a version whose buckets are `refs` (nested in a list, so they stay refs)."""
+        from services.weights import convert  # loaded with the store (torch) by __init__
+
         m = convert.manifest_from_proto(pb.Manifest.FromString(manifest))
         stored = self._servicer.store.register(m.with_transports(["object_store"]), time.time(), payload=list(refs))
         log.info("version_registered", transport="object_store", policy_version=stored.policy_version,
@@ -84,6 +91,8 @@ class ParamServerDeployment:
 
     async def object_store_version(self, policy_version: int, consumer_id: str) -> tuple[bytes, list[Any]]:
         """Pin a version for `consumer_id` and return (manifest, bucket refs); negative = newest."""
+        from services.weights import convert  # loaded with the store (torch) by __init__
+
         now = time.time()
         m = self._servicer.store.acquire(consumer_id, policy_version, now)
         stored = self._servicer.store.get(m.policy_version)

@@ -3,9 +3,12 @@ transfer counters (bytes through the grpc transport; the others carry bytes else
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from services.common.metrics import Family, ReplicaMetrics
 
-from .servicer import ParamServerServicer
+if TYPE_CHECKING:
+    from .servicer import ParamServerServicer
 
 FAMILIES = (
     Family("meshrl_param_server_bytes_in", "Weight bytes received from publishers (grpc transport).", "counter"),

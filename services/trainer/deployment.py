@@ -13,6 +13,7 @@ restarts the replica, which resumes from the newest checkpoint. `build_app` is a
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from ray import serve
@@ -29,7 +30,7 @@ from services.common.serve_util import grpc_shim, log_init_errors
 from services.common.startup import StartupClock
 
 from . import metrics as trainer_metrics
-from .ranks import spawn_for
+from .ranks import SpawnedRanks, spawn_for
 
 if TYPE_CHECKING:
     from .factory import TrainerParts
@@ -56,10 +57,18 @@ class TrainerDeployment:
         # Every client this replica makes (coordinator, param server) sends the trainer token.
         serve_replica_security(cfg, "trainer", "trainer")
         extras = extras or {}
-        # This module does not import torch: the ranks are asked for before this replica's own
-        # imports (the factory's, seconds), which their spawn and imports overlap.
-        ranks = spawn_for(cfg)
-        clock.mark("ranks_requested")
+        self._replica = str(getattr(getattr(serve.get_replica_context(), "replica_id", None), "unique_id", ""))
+        # Ranks `meshrl train` asked for before Serve started are this replica's if it is the
+        # first to claim them; else (a replica replacing a failed one, `serve deploy`) this module,
+        # which does not import torch, asks for them before the replica's own imports (the
+        # factory's, seconds), which their spawn and imports overlap.
+        given: SpawnedRanks | None = extras.pop("ranks", None)
+        if given is not None and await given.claim(self._replica or uuid.uuid4().hex):
+            ranks = given
+            clock.mark("ranks_claimed")
+        else:
+            ranks = spawn_for(cfg)
+            clock.mark("ranks_requested")
         try:
             from .factory import build_trainer
         except BaseException:
@@ -74,8 +83,6 @@ class TrainerDeployment:
         self._metrics = ReplicaMetrics(trainer_metrics.FAMILIES)
         self._metrics_task = export_periodically(
             "trainer", lambda: trainer_metrics.export(self._metrics, self.parts.loop.status()))
-        # Which replica answers: after a failure, `meshrl train` tells the failed one from its replacement.
-        self._replica = str(getattr(getattr(serve.get_replica_context(), "replica_id", None), "unique_id", ""))
         clock.mark("ready")
 
     async def status(self) -> trainer_pb2.GetTrainerStatusResponse:
@@ -103,8 +110,9 @@ def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder: args = {config: dict, run_dir: str} plus, from Python only,
-    `algorithm`, `publisher` and `model_init` objects (tests; a param-server publisher)."""
+    `algorithm`, `publisher` and `model_init` objects (tests; a param-server publisher) and
+    `ranks` (`meshrl train`: rank actors it spawned before Serve started, `ranks.spawn_for`)."""
     cfg = MeshConfig.model_validate(args.get("config", {}))
-    extras = {k: args[k] for k in ("algorithm", "publisher", "model_init") if args.get(k) is not None}
+    extras = {k: args[k] for k in ("algorithm", "publisher", "model_init", "ranks") if args.get(k) is not None}
     deployment = TrainerDeployment.options(**deployment_options(cfg.serve.trainer))  # type: ignore[attr-defined]
     return deployment.bind(cfg.model_dump(mode="json"), str(args["run_dir"]), extras or None)  # type: ignore[no-any-return]

@@ -1,7 +1,10 @@
 """A training group's rank actors (`TrainWorker`), and `spawn`, which asks Ray for them. Light on
 purpose (no torch at import): a trainer replica asks for its ranks before its own imports, and a
 rank process loads torch and the model libraries while the replica prepares the engine's spec
-(BENCHMARKS.md, "Start-up"). `services.trainer.workers.RayTrainGroup` drives the ranks."""
+(BENCHMARKS.md, "Start-up"). `meshrl train` goes further: it asks for the ranks right after Ray
+starts, before Serve, and hands them to the trainer replica, which claims them (`SpawnedRanks.claim`:
+the first replica only; one that replaces a failed replica takes the orphans down and spawns its
+own). `services.trainer.workers.RayTrainGroup` drives the ranks."""
 
 from __future__ import annotations
 
@@ -58,12 +61,20 @@ class TrainWorker:
         self.spec: EngineSpec | None = None
         self.sender: RankSender | None = None
         self.own_shards = False
+        self.owner = ""
         self._clock = StartupClock(f"trainer_rank{rank}")
         # This module is light (no torch) so that a trainer replica can ask for its ranks before
         # its own imports; the libraries the engine needs load here while the replica still
         # prepares the engine's spec, and `init_engine` waits for them.
         self._prewarm = threading.Thread(target=_prewarm, name="rank-imports", daemon=True)
         self._prewarm.start()
+
+    def claim(self, owner: str) -> bool:
+        """Whether this rank is OWNER's: true for the first owner that asks, before any engine."""
+        if self.owner or self.engine is not None:
+            return self.owner == owner and self.engine is None
+        self.owner = owner
+        return True
 
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port (asked of rank 0 for MASTER_ADDR/PORT)."""
@@ -176,6 +187,21 @@ class SpawnedRanks:
         self.workers = workers
         self.pg = pg
 
+    async def claim(self, owner: str, timeout_s: float = 120.0) -> bool:
+        """Make these ranks OWNER's (a trainer replica handed ranks that `meshrl train` spawned).
+        False when they are not to be had: another replica claimed them (this one replaces it),
+        they died, or they did not come up within TIMEOUT_S; then they are taken down here (their
+        owner is the driver, so a failed replica leaves them running) and the caller spawns its own."""
+        try:
+            got = await asyncio.wait_for(asyncio.gather(*[w.claim.remote(owner) for w in self.workers]), timeout_s)
+        except Exception as exc:  # noqa: BLE001 -- a dead or unplaced rank: these ranks are not usable
+            log.warning("ranks_not_claimed", owner=owner, error=f"{type(exc).__name__}: {exc}")
+            got = []
+        if got and all(got):
+            return True
+        self.kill()
+        return False
+
     async def start(self, spec: EngineSpec, backend: str, *, nice: int | None = None,
                     timeout_s: float = 600.0) -> RayTrainGroup:
         """Join the process group and build every rank's engine; on any failure (cancellation
@@ -203,9 +229,10 @@ class SpawnedRanks:
 
 
 def spawn(device: str, world_size: int, *, num_cpus: float = 1.0,
-          resources: dict[str, float] | None = None) -> SpawnedRanks:
+          resources: dict[str, float] | None = None, runtime_env: dict[str, Any] | None = None) -> SpawnedRanks:
     """Ask Ray for WORLD_SIZE rank actors on DEVICE now (their placement group, their processes
-    and imports go on in the background); `SpawnedRanks.start` builds the engines."""
+    and imports go on in the background); `SpawnedRanks.start` builds the engines. RUNTIME_ENV:
+    the trainer replica's, which ranks it spawns itself inherit, for ranks spawned elsewhere."""
     resource = ray_resource(device)
     bundle: dict[str, float] = {"CPU": num_cpus} if num_cpus > 0 else {}
     bundle.update(resources or {})  # custom resources: which nodes may hold a rank
@@ -220,6 +247,8 @@ def spawn(device: str, world_size: int, *, num_cpus: float = 1.0,
         custom[resource] = 1
     if custom:
         options["resources"] = custom
+    if runtime_env:
+        options["runtime_env"] = dict(runtime_env)
     actor_cls: Any = ray.remote(concurrency_groups={WEIGHTS_GROUP: 1})(TrainWorker)  # type: ignore[call-overload]
     workers: list[Any] = [
         actor_cls.options(
@@ -248,9 +277,11 @@ def resolve_device(cfg: MeshConfig, cluster_resources: dict[str, float] | None =
     return detect("auto").kind
 
 
-def spawn_for(cfg: MeshConfig) -> SpawnedRanks:
+def spawn_for(cfg: MeshConfig, *, outside_replica: bool = False) -> SpawnedRanks:
     """The ranks a trainer of CFG needs (trainer.nnodes x trainer.n_gpus_per_node on
-    trainer.device, with `trainer_service.worker_*` shares), asked of Ray now."""
+    trainer.device, with `trainer_service.worker_*` shares), asked of Ray now. OUTSIDE_REPLICA:
+    asked by `meshrl train`'s driver, so they get the trainer replica's runtime_env themselves."""
     ts = cfg.trainer_service
     return spawn(resolve_device(cfg, ray.cluster_resources()), cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node,
-                 num_cpus=ts.worker_num_cpus, resources=ts.worker_resources)
+                 num_cpus=ts.worker_num_cpus, resources=ts.worker_resources,
+                 runtime_env=cfg.serve.trainer.runtime_env if outside_replica else None)

@@ -22,13 +22,14 @@ and releases what it held.
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 from meshrl.v1 import common_pb2
 
-Bucket = list[tuple[str, torch.Tensor]]
+if TYPE_CHECKING:  # torch costs seconds at import; the driver and light services import this module
+    import torch
+
+Bucket: TypeAlias = list[tuple[str, "torch.Tensor"]]
 """(Hugging Face parameter name, tensor) pairs that travel together."""
 Buckets = Iterable[Bucket] | AsyncIterable[Bucket]
 """What `publish` takes: a plain or an async iterable of buckets (consumed once, lazily)."""

@@ -1,5 +1,7 @@
 """What the trainer's start-up relies on: the Serve replica's module and the rank actor's class
-load without torch (the ranks are asked for before the replica's own imports), the pad id comes
+load without torch (the ranks are asked for before the replica's own imports), `meshrl train`'s
+driver builds every application without torch (it imports them while Ray and Serve start, and
+torch would hold its GIL for seconds), the pad id comes
 from the checkpoint's config.json without transformers, and ranks of a trainer that failed to
 start are taken down in every state."""
 
@@ -25,6 +27,19 @@ def test_the_modules_a_trainer_spawns_its_ranks_from_do_not_import_torch(module:
     code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_driver_builds_every_application_without_torch() -> None:
+    code = (
+        "import sys\n"
+        "from meshrl.train import _app_builders\n"
+        "from services.common.config import MeshConfig\n"
+        "args = {'config': MeshConfig.model_validate({}).model_dump(mode='json'), 'run_dir': 'runs/x', 'session': 's'}\n"
+        "names = [name for name, build in _app_builders() if build(args) is not None]\n"
+        "print(names, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['coordinator', 'param_server', 'reward', 'rollout', 'trainer'] []", out.stdout + out.stderr
 
 
 def _cfg(path: Path) -> MeshConfig:
@@ -96,3 +111,54 @@ def test_abandon_takes_ranks_down_whether_unstarted_starting_built_or_failed() -
         return unstarted.killed, killed_on_cancel.killed, starting.cancelled(), group.closed
 
     assert asyncio.run(scenario()) == (1, 1, True, 1)
+
+
+def test_a_rank_belongs_to_the_first_replica_that_claims_it_until_its_engine_is_built() -> None:
+    from services.trainer.ranks import TrainWorker
+
+    w = TrainWorker(0, 1)
+    w._prewarm.join()
+    assert w.claim("replica-a") and w.claim("replica-a")  # asking again (a retried call) is fine
+    assert not w.claim("replica-b")  # a replica replacing a failed one spawns its own
+    fresh = TrainWorker(0, 1)
+    fresh.engine = object()  # type: ignore[assignment]  # built: no one may claim it
+    assert not fresh.claim("replica-a")
+
+
+class _Method:
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def remote(self, owner: str) -> Any:
+        async def call() -> bool:
+            if isinstance(self.answer, BaseException):
+                raise self.answer
+            if self.answer == "hang":
+                await asyncio.sleep(3600)
+            return bool(self.answer)
+
+        return call()
+
+
+class _Worker:
+    def __init__(self, answer: Any) -> None:
+        self.claim = _Method(answer)
+
+
+@pytest.mark.parametrize(("answers", "claimed"), [
+    ([True, True], True),
+    ([True, False], False),  # one rank was another replica's
+    ([True, RuntimeError("The actor died unexpectedly")], False),
+    ([True, "hang"], False),  # never placed within the timeout
+])
+def test_given_ranks_are_claimed_whole_or_taken_down(answers: list[Any], claimed: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.trainer import ranks as ranks_mod
+
+    killed: list[Any] = []
+    monkeypatch.setattr(ranks_mod.ray, "kill", killed.append)
+    monkeypatch.setattr(ranks_mod, "remove_placement_group", lambda pg: killed.append(pg))
+    workers = [_Worker(a) for a in answers]
+    given = ranks_mod.SpawnedRanks("cpu", workers, "pg")
+    assert asyncio.run(given.claim("replica-a", timeout_s=0.2)) is claimed
+    assert killed == ([] if claimed else [*workers, "pg"])
