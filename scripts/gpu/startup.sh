@@ -39,7 +39,7 @@ run() {  # run NAME OVERRIDES...: one case, alone on the host, stopped 15 s afte
   t0=$(date +%s)
   timeout -k 10 150 "$PY" -m meshrl.cli bench e2e "actor_rollout_ref.model.path=$warm" trainer.device=cuda \
     rollout_worker.device=cuda serve.rollout.num_gpus=1 actor_rollout_ref.rollout.checkpoint_engine.backend=nccl \
-    trainer.test_freq=-1 trainer.val_before_train=false trainer.save_freq=-1 "$@" --modes fully_async --no-baseline \
+    trainer.test_freq=-1 trainer.val_before_train=false trainer.save_freq=-1 "$@" ${MESHRL_STARTUP_OVERRIDES:-} --modes fully_async --no-baseline \
     --max-train-s 15 --run-root "$W/runs/$name" --label "$name" --out "$W/$name.json" > "$W/$name.log" 2>&1
   say "$name: rc=$? wall=$(($(date +%s) - t0))s"
 }

@@ -3,6 +3,8 @@
 # example on 2 GPUs, nccl weight sync, stopped 15 s after its first step) from a base tree and
 # from this tree, alternating, PAIRS times, new first.
 #   (GPU host, 2 GPUs) OUT=/dir BASE=ab_base PAIRS=2 scripts/gpu/startup_ab.sh   # carry [".wheels/ray", ".wheels/warm"]
+# MESHRL_STARTUP_OVERRIDES: more config overrides for every run (e.g. a 1-GPU host: both on GPU 0,
+#   RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, serve.rollout.num_gpus=0, a host weight transport).
 # BASE: an older commit's tree (`git archive COMMIT | tar -x -C ab_base`), travelling untracked.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
