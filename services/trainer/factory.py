@@ -224,7 +224,8 @@ async def _abandon(ranks: SpawnedRanks, starting: asyncio.Future[RayTrainGroup] 
 
 def check_model(cfg: MeshConfig, model_init: Callable[[], Any] | None = None) -> None:
     """Reject model/config combinations (packing with gated delta-net layers, Ulysses head
-    counts) from the HF config alone (`build_trainer` runs it while the ranks start)."""
+    counts) from the HF config alone (`build_trainer` has rank 0 run it before its engine build,
+    `SpawnedRanks.check_model`; with a MODEL_INIT callable, the replica runs it)."""
     from .engines import hf_model
 
     model = cfg.actor_rollout_ref.model
@@ -326,16 +327,22 @@ async def build_trainer(
     device = ranks.device
     ts = cfg.trainer_service
     starting: asyncio.Future[RayTrainGroup] | None = None
+    checked: asyncio.Future[None] | None = None
     try:
+        # The model's config is checked on rank 0, which has transformers' model stack loaded by
+        # now (this replica would spend seconds importing it), before its engine build.
+        checked = ranks.check_model(cfg) if model_init is None else None
         algorithm = algorithm or algorithm_from_config(cfg)
         size = dataset_size(cfg)
         spec = engine_spec(cfg, device, size, model_init)
         settings = loop_settings(ts, run_dir, size, pad_token_id(cfg), vocab_size_of(cfg.actor_rollout_ref.model.path))
-        # The engines build while this replica checks the model's config (transformers' model
-        # stack: seconds of imports) in a thread and builds its clients and publisher.
+        # The engines build while this replica builds its clients and publisher.
         starting = asyncio.ensure_future(
             ranks.start(spec, cfg.actor_rollout_ref.actor.strategy, nice=cfg.tuning.nice.trainer_ranks))
-        await asyncio.to_thread(check_model, cfg, model_init)
+        if checked is not None:
+            await checked
+        else:  # a model_init callable (tests, built-in models): checked here
+            await asyncio.to_thread(check_model, cfg, model_init)
         if clock is not None:
             clock.mark("model_checked")
         client = coordinator_client(cfg)
@@ -345,6 +352,8 @@ async def build_trainer(
             cfg = await with_discovered_address(cfg)  # param_server.host=0.0.0.0: ask the app where it is
         pub = publisher or _publisher(cfg, run_dir, client)
     except BaseException:
+        if checked is not None:
+            checked.cancel()
         await _abandon(ranks, starting)
         raise
     if clock is not None:

@@ -76,6 +76,15 @@ class TrainWorker:
         self.owner = owner
         return True
 
+    def check_model(self, config: dict[str, Any]) -> None:
+        """`factory.check_model` here, where transformers is loaded (`_prewarm`) anyway."""
+        self._prewarm.join()
+        from services.common.config import MeshConfig
+
+        from .factory import check_model
+
+        check_model(MeshConfig.model_validate(config))
+
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port (asked of rank 0 for MASTER_ADDR/PORT)."""
         with socket.socket() as s:
@@ -201,6 +210,22 @@ class SpawnedRanks:
             return True
         self.kill()
         return False
+
+    def check_model(self, cfg: MeshConfig) -> asyncio.Future[None]:
+        """Rank 0 checks the model's config: sent now, so before `start` asks it to build its
+        engine. The future raises a rejection as the check raised it (ConfigError naming the fix)."""
+        sent = self.workers[0].check_model.remote(cfg.model_dump(mode="json"))
+
+        async def outcome() -> None:
+            try:
+                await sent
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, Exception):
+                    raise cause from None
+                raise
+
+        return asyncio.ensure_future(outcome())
 
     async def start(self, spec: EngineSpec, backend: str, *, nice: int | None = None,
                     timeout_s: float = 600.0) -> RayTrainGroup:

@@ -162,3 +162,48 @@ def test_given_ranks_are_claimed_whole_or_taken_down(answers: list[Any], claimed
     given = ranks_mod.SpawnedRanks("cpu", workers, "pg")
     assert asyncio.run(given.claim("replica-a", timeout_s=0.2)) is claimed
     assert killed == ([] if claimed else [*workers, "pg"])
+
+
+def _heads_cfg(tmp_path: Path, ulysses: int) -> MeshConfig:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 128, "head_dim": 16}))
+    return MeshConfig.model_validate({"actor_rollout_ref": {"model": {"path": str(tmp_path)},
+                                                            "actor": {"ulysses_sequence_parallel_size": ulysses}}})
+
+
+def test_rank_zero_checks_the_model_config_and_names_the_fix(tmp_path: Path) -> None:
+    from services.common.errors import ConfigError
+    from services.trainer.ranks import TrainWorker
+
+    w = TrainWorker(0, 1)
+    w.check_model(_heads_cfg(tmp_path, 2).model_dump(mode="json"))  # 2 divides 4 heads and 2 KV heads
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=3 must divide the attention heads"):
+        w.check_model(_heads_cfg(tmp_path, 3).model_dump(mode="json"))
+
+
+def test_a_rejection_on_rank_zero_reaches_the_replica_as_the_check_raised_it(tmp_path: Path) -> None:
+    import ray
+
+    from services.common.errors import ConfigError
+    from services.trainer import ranks as ranks_mod
+
+    rejection = ConfigError("actor_rollout_ref.actor.ulysses_sequence_parallel_size=3 must divide ...")
+
+    class _Rank0:
+        class check_model:  # an actor method: its `.remote`
+            @staticmethod
+            def remote(config: dict[str, Any]) -> Any:
+                assert config["actor_rollout_ref"]["actor"]["ulysses_sequence_parallel_size"] == 3
+
+                async def call() -> None:
+                    raise ray.exceptions.RayTaskError("check_model", "Traceback ...", rejection)
+
+                return call()
+
+    async def scenario() -> None:
+        await ranks_mod.SpawnedRanks("cpu", [_Rank0()], "pg").check_model(_heads_cfg(tmp_path, 3))
+
+    with pytest.raises(ConfigError) as got:
+        asyncio.run(scenario())
+    assert got.value is rejection
