@@ -110,6 +110,9 @@ def _mesh_case(config: str | None, mode: str, overrides: list[str], targets: Seq
         "mode": mode,
         "steps": len(steps),
         "startup_s": round(start - t0, 2),
+        # the first step's end: its batch was generated and its update applied (startup_s is when
+        # the trainer began it, its wait for that batch included)
+        "first_step_done_s": round(steps[0]["time"] - t0, 2) if steps else None,
         "startup_phases_s": summary.get("startup_s", {}),
         "train_loop_s": loop,
         "per_step_s": round(loop / len(steps), 4) if loop is not None and steps else None,

@@ -58,7 +58,7 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     except ValueError:
         continue
     for name, c in d.get("cases", {}).items():
-        out[f.stem] = {"to_first_step_s": c.get("startup_s"), "steps": c.get("steps"), "per_step_s": c.get("per_step_s"),
+        out[f.stem] = {"to_first_step_s": c.get("startup_s"), "first_step_done_s": c.get("first_step_done_s"), "steps": c.get("steps"), "per_step_s": c.get("per_step_s"),
                        "audit_balanced": c.get("audit_balanced"), "phases": c.get("startup_phases_s")}
 print(json.dumps(out, indent=1))
 PYEOF
