@@ -28,9 +28,7 @@ per round, how much shared memory (/dev/shm) its publish newly touched (`shm_gro
 0 once the store reuses pages). gloo / nccl rounds time the broadcast (publish until the receiver has every byte);
 the RPCs publish leaves running in the background (the manifest registration and the rendezvous
 check-in, a few ms that overlap the next train step in a run) are awaited between rounds and
-reported on their own (`background_after_publish_ms`). The object_store publish also registers
-in the background: the fetch's lookup waits for that registration at the param server, and the
-wait for its answer is timed inside the fetch (and reported as `background_after_publish_ms`). Targets: grpc >= 1 GB/s (publish and fetch each), object_store >= 50% of memcpy
+reported on their own (`background_after_publish_ms`). Targets: grpc >= 1 GB/s (publish and fetch each), object_store >= 50% of memcpy
 (end to end: publish then fetch), nccl >= 80% of the raw broadcast.
 """
 
@@ -252,32 +250,16 @@ def bench_object_store(weights: list, nbytes: int, rounds: int, warmup: int = 0)
                     growth.append(max(0, after - before))
                 return ref
 
-            async def fetch(ref: common_pb2.WeightsRef) -> int:
-                got = await _drain(fetcher.fetch(ref))
-                # the registration publish sent in the background, inside the timed round (the
-                # lookup already waited for it at the param server; what is left is its answer)
-                t0 = time.perf_counter()
-                await pub.settle()
-                background.append(time.perf_counter() - t0)
-                return got
-
             try:
-                return await _rounds(publish, fetch, rounds, warmup)
+                return await _rounds(publish, lambda ref: _drain(fetcher.fetch(ref)), rounds, warmup)
             finally:
                 await fetcher.close()  # the last fetch's release, before the loop ends
-                await pub.close()
 
         growth: list[int] = []
-        background: list[float] = []
-        result = {"where": "Ray object store, same node (zero-copy reads; one put per bucket, fingerprint at publish, "
-                           "registration in the background, its answer awaited inside the timed fetch)",
+        result = {"where": "Ray object store, same node (zero-copy reads; one put per bucket, fingerprint at publish)",
                   **_summary(nbytes, asyncio.run(main()), warmup)}
         if growth:  # fresh shared memory each publish touched; other processes' /dev/shm use adds noise
             result["shm_growth_bytes"] = growth
-        if background:  # waits for the background registration after the fetch, timed (in the fetch)
-            waits = sorted(background)
-            result["background_after_publish_ms"] = {"median": round(waits[len(waits) // 2] * 1e3, 3),
-                                                     "max": round(waits[-1] * 1e3, 3)}
     finally:
         serve.delete(APP_NAME)
         if started:

@@ -178,7 +178,7 @@ def _object_store_case(payloads: dict[str, Payload], rounds: int) -> dict[str, A
             fetcher = ObjectStoreFetcher(directory, consumer_id="bench", verify="remote")
 
             async def manifest(ref: common_pb2.WeightsRef) -> Any:
-                raw, _ = await directory.lookup(ref.policy_version, "bench-manifest", 10.0)  # registration may be on its way
+                raw, _ = await directory.lookup(ref.policy_version, "bench-manifest")
                 await directory.release(ref.policy_version, "bench-manifest")
                 return convert.manifest_from_proto(raw)
 
@@ -187,7 +187,6 @@ def _object_store_case(payloads: dict[str, Payload], rounds: int) -> dict[str, A
                                     lambda ref: _collect(fetcher.fetch(ref)), manifest)
             finally:
                 await fetcher.close()  # the last fetch's release, before the loop ends
-                await pub.close()  # the last registration's answer
 
         return {"where": "Ray object store, same node", **asyncio.run(main())}
     finally:

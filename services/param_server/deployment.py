@@ -20,6 +20,7 @@ from ray import serve
 
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.config import MeshConfig
+from services.common.errors import FailedPrecondition
 from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import ReplicaMetrics, export_periodically
@@ -30,7 +31,6 @@ from services.common.startup import StartupClock
 from services.weights import convert
 
 from . import metrics as ps_metrics
-from .object_versions import ObjectVersions
 from .server import ParamServerServer
 
 log = get_logger(__name__)
@@ -54,7 +54,6 @@ class ParamServerDeployment:
         self.server = ParamServerServer(cfg, run_dir)
         await self.server.start()
         self._servicer = self.server.servicer
-        self._object_versions = ObjectVersions(self._servicer.store)
         self._metrics = ReplicaMetrics(ps_metrics.FAMILIES)
         self._metrics_task = export_periodically("param_server", lambda: ps_metrics.export(self._metrics, self._servicer))
         clock.mark("ready")
@@ -77,16 +76,22 @@ class ParamServerDeployment:
 
     async def register_object_store_version(self, manifest: bytes, refs: list[Any]) -> bytes:
         """Register a version whose buckets are `refs` (nested in a list, so they stay refs)."""
-        stored = self._object_versions.register(manifest, refs)
+        m = convert.manifest_from_proto(pb.Manifest.FromString(manifest))
+        stored = self._servicer.store.register(m.with_transports(["object_store"]), time.time(), payload=list(refs))
         log.info("version_registered", transport="object_store", policy_version=stored.policy_version,
                  total_bytes=stored.total_bytes)
         return convert.manifest_to_proto(stored).SerializeToString()  # type: ignore[no-any-return]
 
-    async def object_store_version(self, policy_version: int, consumer_id: str,
-                                   wait_s: float = 0.0) -> tuple[bytes, list[Any]]:
-        """Pin a version for `consumer_id` and return (manifest, bucket refs); negative = newest. A
-        version newer than the newest waits up to `wait_s` for its (background) registration."""
-        return await self._object_versions.lookup(policy_version, consumer_id, wait_s)
+    async def object_store_version(self, policy_version: int, consumer_id: str) -> tuple[bytes, list[Any]]:
+        """Pin a version for `consumer_id` and return (manifest, bucket refs); negative = newest."""
+        now = time.time()
+        m = self._servicer.store.acquire(consumer_id, policy_version, now)
+        stored = self._servicer.store.get(m.policy_version)
+        if not isinstance(stored.payload, list):
+            raise FailedPrecondition(
+                f"version {m.policy_version} is not in the object store (it travels over {list(m.transports)})"
+            )
+        return convert.manifest_to_proto(m).SerializeToString(), list(stored.payload)
 
     async def release_version(self, policy_version: int, consumer_id: str) -> None:
         self._servicer.store.release(consumer_id, policy_version, time.time())

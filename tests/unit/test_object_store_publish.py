@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import types
-from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import InvalidArgument
 from services.weights.layout import Fingerprinter, fingerprint_bytes
 from services.weights.transports import object_store as osx
 
@@ -51,12 +50,10 @@ class FakeDirectory:
         self.versions: dict[int, tuple[bytes, list[Any]]] = {}
         self.released: list[tuple[int, str]] = []
 
-    def register(self, manifest: pb.Manifest, refs: list[Any]) -> Awaitable[Any]:
-        self.versions[manifest.policy_version] = (manifest.SerializeToString(), refs)  # sent when called
-        return asyncio.sleep(0)
+    async def register(self, manifest: pb.Manifest, refs: list[Any]) -> None:
+        self.versions[manifest.policy_version] = (manifest.SerializeToString(), refs)
 
-    async def lookup(self, policy_version: int, consumer_id: str,
-                     wait_s: float = 0.0) -> tuple[pb.Manifest, list[Any]]:
+    async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
         raw, refs = self.versions[policy_version]
         return pb.Manifest.FromString(raw), refs
 
@@ -165,10 +162,9 @@ class GatedDirectory(FakeDirectory):
         self.fail = False
         self.calls: list[str] = []
 
-    async def lookup(self, policy_version: int, consumer_id: str,
-                     wait_s: float = 0.0) -> tuple[pb.Manifest, list[Any]]:
+    async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
         self.calls.append(f"lookup {policy_version}")
-        return await super().lookup(policy_version, consumer_id, wait_s)
+        return await super().lookup(policy_version, consumer_id)
 
     async def release(self, policy_version: int, consumer_id: str) -> None:
         await self.gate.wait()
@@ -223,78 +219,3 @@ def test_an_abandoned_fetch_still_releases_and_a_failed_release_is_counted(fake_
 
 async def _count(stream: Any) -> int:
     return len([b async for b in stream])
-
-
-class AnsweringDirectory(FakeDirectory):
-    """Registrations are recorded when sent and answered when the test says (or fail)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.answers: list[asyncio.Future[None]] = []
-
-    def register(self, manifest: pb.Manifest, refs: list[Any]) -> Awaitable[Any]:
-        super().register(manifest, refs).close()  # type: ignore[attr-defined]
-        self.answers.append(asyncio.get_running_loop().create_future())
-        return self.answers[-1]
-
-
-def test_publish_returns_with_the_registration_on_its_way_and_the_next_publish_waits_for_it(
-        fake_ray: FakeRay) -> None:
-    directory = AnsweringDirectory()
-
-    async def main() -> None:
-        pub = osx.ObjectStorePublisher(directory)
-        ref = await pub.publish(1, weights())  # returns although the registration is unanswered
-        assert ref.policy_version == 1 and 1 in directory.versions and not directory.answers[0].done()
-        second = asyncio.ensure_future(pub.publish(2, weights()))
-        await asyncio.sleep(0.01)
-        assert 2 not in directory.versions  # waits for version 1's answer before any work
-        directory.answers[0].set_result(None)
-        assert (await second).policy_version == 2
-        directory.answers[1].set_result(None)
-        await pub.close()
-
-    asyncio.run(main())
-
-
-def test_a_failed_registration_is_raised_by_the_next_publish_and_by_settle(fake_ray: FakeRay) -> None:
-    directory = AnsweringDirectory()
-
-    async def main() -> None:
-        pub = osx.ObjectStorePublisher(directory)
-        await pub.publish(1, weights())
-        directory.answers[0].set_exception(FailedPrecondition("version 1 was already published"))
-        with pytest.raises(FailedPrecondition, match="already published"):
-            await pub.publish(2, weights())
-        assert 2 not in directory.versions  # nothing of version 2 was sent
-        await pub.publish(3, weights())
-        directory.answers[1].set_exception(RuntimeError("param server unreachable"))
-        with pytest.raises(RuntimeError, match="unreachable"):
-            await pub.settle()
-        await pub.close()  # settled: nothing left to raise
-
-    asyncio.run(main())
-
-
-def test_the_fetcher_asks_the_lookup_to_wait_for_a_registration_only_for_a_given_version(
-        fake_ray: FakeRay) -> None:
-    waits: list[float] = []
-
-    class Recording(FakeDirectory):
-        async def lookup(self, policy_version: int, consumer_id: str,
-                         wait_s: float = 0.0) -> tuple[pb.Manifest, list[Any]]:
-            waits.append(wait_s)
-            return await super().lookup(max(self.versions) if policy_version < 0 else policy_version, consumer_id)
-
-    directory = Recording()
-
-    async def main() -> None:
-        ref = await osx.ObjectStorePublisher(directory).publish(1, weights())
-        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always", timeout_s=3.0)
-        assert await _count(fetcher.fetch(ref)) == 2
-        newest = type(ref)(policy_version=-1)
-        assert await _count(fetcher.fetch(newest)) == 2
-        await fetcher.close()
-
-    asyncio.run(main())
-    assert 0 < waits[0] <= 3.0 and waits[1] == 0.0  # bounded by the fetch deadline; "newest" never waits

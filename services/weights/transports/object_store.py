@@ -4,10 +4,7 @@
              out-of-band buffers of one object (one copy into shared memory, one create/seal
              round trip with the raylet per bucket instead of per tensor; the bucket's
              fingerprint is computed alongside, in another thread) ─▶ the param server
-             deployment registers the manifest + refs (handle call; refs stay refs), sent when
-             the last put is done and not awaited: publish returns with it on its way, the next
-             publish (or settle/close) waits for it and raises its error; a lookup that arrives
-             first waits for it at the param server (bounded, REGISTRATION_WAIT_S)
+             deployment registers the manifest + refs (handle call; refs stay refs)
     rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
              ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify)
@@ -64,16 +61,9 @@ def _ray() -> Any:
 class ObjectDirectory(Protocol):
     """Where versions' object refs are registered: the param server deployment (ServeDirectory)."""
 
-    def register(self, manifest: pb.Manifest, refs: list[Any]) -> Awaitable[Any]:
-        """Register a version. Sent when called (the awaitable is its outcome), where the directory
-        can: a lookup made after this call must find the request ahead of it or wait for it."""
-        ...
+    async def register(self, manifest: pb.Manifest, refs: list[Any]) -> None: ...
 
-    async def lookup(self, policy_version: int, consumer_id: str,
-                     wait_s: float = 0.0) -> tuple[pb.Manifest, list[Any]]:
-        """Pin a version for `consumer_id`: (manifest, refs). A version newer than the newest
-        registered one waits up to `wait_s` for its registration."""
-        ...
+    async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]: ...
 
     def release(self, policy_version: int, consumer_id: str) -> Awaitable[None]:
         """Drop `consumer_id`'s hold. Sent when called (the awaitable is its outcome), where the
@@ -93,13 +83,11 @@ class ServeDirectory:
 
         return cls(serve.get_deployment_handle(deployment, app_name=app_name))
 
-    def register(self, manifest: pb.Manifest, refs: list[Any]) -> Awaitable[Any]:
-        # .remote() hands the request to the handle's router at once (see release)
-        return self.handle.register_object_store_version.remote(manifest.SerializeToString(), refs)  # type: ignore[no-any-return]
+    async def register(self, manifest: pb.Manifest, refs: list[Any]) -> None:
+        await self.handle.register_object_store_version.remote(manifest.SerializeToString(), refs)
 
-    async def lookup(self, policy_version: int, consumer_id: str,
-                     wait_s: float = 0.0) -> tuple[pb.Manifest, list[Any]]:
-        raw, refs = await self.handle.object_store_version.remote(policy_version, consumer_id, wait_s)
+    async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
+        raw, refs = await self.handle.object_store_version.remote(policy_version, consumer_id)
         return pb.Manifest.FromString(raw), list(refs)
 
     def release(self, policy_version: int, consumer_id: str) -> Awaitable[None]:
@@ -132,11 +120,6 @@ def _bucket_arrays(got: list[Any]) -> Any:
         return got[0]
     return got
 
-
-# How long a lookup of a version newer than the newest waits at the param server for its
-# registration (sent in the background by the publisher; it lands within milliseconds unless it
-# failed, and then the publisher's next publish raises the error).
-REGISTRATION_WAIT_S = 10.0
 
 # Threads a bucket's fingerprint is split over: it runs beside the put, whose copy is parallel,
 # and a single-threaded pass would outlast it.
@@ -185,24 +168,10 @@ class ObjectStorePublisher:
         self.directory = directory
         self.address = address
         self.timeout_s = timeout_s
-        # the last version's registration, on its way (publish does not wait for the answer)
-        self._registering: asyncio.Future[Any] | None = None
-
-    async def settle(self) -> None:
-        """Wait for the last version's registration; its error (e.g. FailedPrecondition: the
-        version was published before with other content) is raised here."""
-        task, self._registering = self._registering, None
-        if task is not None:
-            await task
-
-    async def close(self) -> None:
-        await self.settle()
 
     async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         ray = _ray()
         deadline = Deadline(self.timeout_s, f"publish of version {version} to the object store")
-        # the previous version's registration first: its error surfaces here, before more work
-        await asyncio.wait_for(self.settle(), timeout=deadline.check("registering the previous version"))
         builder = ManifestBuilder(version)
         refs: list[list[Any]] = []
         async for planned in plan_buckets(buckets):
@@ -212,9 +181,8 @@ class ObjectStorePublisher:
             refs.append(await asyncio.wait_for(put, timeout=deadline.check(f"putting bucket {planned.index}")))
             builder.add(planned, await fingerprint)
         manifest = builder.build([TRANSPORT])
-        sent = self.directory.register(convert.manifest_to_proto(manifest), refs)  # on its way now (ServeDirectory)
-        self._registering = asyncio.ensure_future(
-            asyncio.wait_for(sent, timeout=deadline.check("registering the version")))
+        await asyncio.wait_for(self.directory.register(convert.manifest_to_proto(manifest), refs),
+                               timeout=deadline.check("registering the version"))
         log.info("weights_published", transport=TRANSPORT, policy_version=version, total_bytes=manifest.total_bytes,
                  buckets=len(refs))
         return convert.weights_ref(manifest, self.address)
@@ -320,9 +288,7 @@ class ObjectStoreFetcher:
         # this consumer's earlier releases land first (done long since when fetches are a
         # training step apart): holds are released in order and never pile up
         await asyncio.wait_for(self.settle(), timeout=deadline.check("releasing earlier versions"))
-        # a version's registration may still be on its way (publishers send it in the background)
-        wait_s = min(REGISTRATION_WAIT_S, deadline.check("looking up the version")) if version >= 0 else 0.0
-        raw, refs = await asyncio.wait_for(self.directory.lookup(version, self.consumer_id, wait_s),
+        raw, refs = await asyncio.wait_for(self.directory.lookup(version, self.consumer_id),
                                            timeout=deadline.check("looking up the version"))
         try:
             manifest = convert.manifest_from_proto(raw)
