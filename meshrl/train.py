@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.config import MeshConfig, derive, load_config, write_resolved_config
 from services.common.errors import first_cause
@@ -38,6 +38,9 @@ from services.common.serve_util import free_port, port_is_free
 
 from .tokens import prepare_run_secrets
 from .watchdog import RunFailed, RunFailure, Watchdog
+
+if TYPE_CHECKING:
+    from services.trainer.ranks import SpawnedRanks
 
 log = get_logger(__name__)
 
@@ -186,7 +189,7 @@ class MeshRun:
         self._serve_checked = 0.0
         self.startup: dict[str, Any] = {}
         """Seconds of each start-up phase (Ray and Serve, each deploy wave): in summary.json."""
-        self.early_ranks: Any = None
+        self.early_ranks: SpawnedRanks | None = None
         """The trainer's rank actors, asked for before Serve starts (`deploy`); this driver owns them."""
 
     # ---- lifecycle -----------------------------------------------------------------------------
