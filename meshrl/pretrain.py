@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.bytecode import cache_root
 from services.common.data import RecordList, synthetic_records
 from services.common.logging import get_logger
 
@@ -88,13 +89,9 @@ TOOL_FRACTION = 0.3
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {"tool_add": {"stop_loss": 0.2}}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MESHRL_CACHE_DIR", Path.home() / ".cache" / "meshrl"))
-
-
 def checkpoint_path(spec: PretrainSpec) -> Path:
     tail = "" if spec.length_tail_alpha is None else "tail"
-    return cache_dir() / f"tiny-{spec.arch}-{spec.task}{spec.digits}{tail}-{spec.key()}"
+    return cache_root() / f"tiny-{spec.arch}-{spec.task}{spec.digits}{tail}-{spec.key()}"
 
 
 def _sft_examples(records: RecordList, tok: Any) -> list[tuple[list[int], list[int]]]:

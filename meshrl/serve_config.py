@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from services.common.auth import OPERATOR, ROLLOUT, TRAINER, env_names
+from services.common.bytecode import worker_env
 from services.common.config import MeshConfig
 from services.common.config.param_server import discovers_address
 from services.common.errors import ConfigError
@@ -164,7 +165,9 @@ def build_serve_config(cfg: MeshConfig, run_dir: Path) -> dict[str, Any]:
             "name": name,
             "route_prefix": f"/{name}",
             "import_path": import_path,
-            "runtime_env": {"env_vars": {"MESHRL_LOG_DIR": str(run_dir / "logs")}},
+            # serve.bytecode_cache: an explicit directory only ("auto" judges a local Ray's environment).
+            "runtime_env": {"env_vars": {"MESHRL_LOG_DIR": str(run_dir / "logs"),
+                                         **worker_env(cfg.serve.bytecode_cache, local_ray=False)}},
             "deployments": [_deployment_entry(name, app, cfg)],
             "args": args,
         })

@@ -212,7 +212,7 @@ class MeshRun:
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="app-imports") as pool:
             builders = pool.submit(_app_builders)
             init_ray(self.cfg.serve.ray_address, num_cpus=self.cfg.serve.num_cpus or max(8, os.cpu_count() or 1),
-                     log_to_driver=False, env=self.secret_env)
+                     log_to_driver=False, env=self.secret_env, bytecode_cache=self.cfg.serve.bytecode_cache)
             # The trainer's ranks are asked for now, before Serve: their processes load torch and
             # the model libraries (the longest part of a trainer's start) while Serve starts and
             # deploys; the trainer replica claims them (services/trainer/ranks.py).
@@ -220,10 +220,10 @@ class MeshRun:
 
             self.early_ranks = spawn_for(self.cfg, outside_replica=True)
             self.startup["ranks_asked_s"] = round(time.monotonic() - t0, 2)
-            start_serve(self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
-                        else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s)
-            if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
-                renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
+            # The applications deploy while Serve's proxies start (start_serve's wait_for_proxies).
+            proxies_ready = start_serve(
+                self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
+                else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s, wait_for_proxies=False)
             self.startup["ray_and_serve_s"] = round(time.monotonic() - t0, 2)
             apps = builders.result()
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
@@ -246,6 +246,9 @@ class MeshRun:
                 errors = "\n".join(f"{name} did not start: {_last_error(self.run_dir, name)}" for name, _ in wave)
                 raise RuntimeError(f"{exc}\n{errors}") from None
             self.startup["deploy_" + "+".join(name for name, _ in wave) + "_s"] = round(time.monotonic() - t0, 2)
+        proxies_ready()
+        if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons (the proxies among them) may step back
+            renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
         self.deployed = True
         from services.common.startup import timeline
 

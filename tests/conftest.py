@@ -33,7 +33,8 @@ def serve_grpc_port() -> Iterator[int]:
 
     port = free_port()
     init_ray(num_cpus=4)
-    start_serve(port, http_port=free_port())
+    proxies_ready = start_serve(port, http_port=free_port(), wait_for_proxies=False)  # as `meshrl train` does
+    proxies_ready()
     yield port
     serve.shutdown()
     ray.shutdown()

@@ -123,12 +123,15 @@ OBJECT_STORE_ENV_DEFAULTS = {"RAY_free_objects_period_milliseconds": "10"}
 
 def init_ray(
     address: str | None = None, *, num_cpus: int | None = None, namespace: str = "meshrl", log_to_driver: bool = True,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, bytecode_cache: str = "off",
 ) -> None:
     """Start a local Ray (address None) or join one, with workers importing this process's code
     (and writing structured logs to MESHRL_LOG_DIR when that is set). ENV: more variables for every
-    worker (the run's tokens: the job's runtime_env, never a config)."""
+    worker (the run's tokens: the job's runtime_env, never a config). BYTECODE_CACHE:
+    `serve.bytecode_cache` (services/common/bytecode.py)."""
     import ray
+
+    from services.common.bytecode import worker_env
 
     if ray.is_initialized():
         return
@@ -147,6 +150,7 @@ def init_ray(
         if os.environ.get(key):
             env_vars[key] = os.environ[key]
     env_vars.update({k: v for k, v in (env or {}).items() if v})
+    env_vars.update(worker_env(bytecode_cache, local_ray=address is None))  # "" is meant: it turns writing on
     ray.init(
         # "local": always a fresh instance. None would join any Ray found running on this host
         # (another user's, another test's), and our Serve shutdown would then tear theirs down.
@@ -161,19 +165,59 @@ def init_ray(
 
 
 def start_serve(grpc_port: int, *, http_port: int = 8000, request_timeout_s: float | None = None,
-                proxy_location: str = "HeadOnly") -> None:
-    """Start Serve with the gRPC ingress serving every meshrl service."""
+                proxy_location: str = "HeadOnly", wait_for_proxies: bool = True) -> Callable[[], None]:
+    """Start Serve with the gRPC ingress serving every meshrl service.
+
+    With WAIT_FOR_PROXIES false this returns once Serve's controller is up and the proxies are
+    asked for (a Ray without Serve: `meshrl train`'s own); the caller deploys meanwhile (a replica's
+    start needs the controller, not the proxies: their process start and imports took 2.7-3.2 s on
+    the GPU host, BENCHMARKS.md) and then calls the returned function, which waits for the proxies
+    as `serve.start` does. Otherwise, or where Serve already runs, the wait happens here and the
+    returned function does nothing."""
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
-    serve.start(
-        proxy_location=proxy_location,
-        http_options=HTTPOptions(port=http_port),
-        grpc_options=gRPCOptions(
-            port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS, request_timeout_s=request_timeout_s
-        ),
-        logging_config={"enable_access_log": False, "log_level": "WARNING"},
-    )
+    http = HTTPOptions(port=http_port)
+    grpc = gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS, request_timeout_s=request_timeout_s)
+    logging_config = {"enable_access_log": False, "log_level": "WARNING"}
+    if not wait_for_proxies:
+        started = _start_controller(http, grpc, logging_config, proxy_location)
+        if started is not None:
+            return started
+    serve.start(proxy_location=proxy_location, http_options=http, grpc_options=grpc, logging_config=logging_config)
+    return lambda: None
+
+
+def _start_controller(http: Any, grpc: Any, logging_config: dict[str, Any],
+                      proxy_location: str) -> Callable[[], None] | None:
+    """`serve.start`'s steps without its wait for the proxies (Ray 2.60's private API, pinned in
+    pyproject.toml); None where Serve already runs or that API is not there (`serve.start` then)."""
+    import ray
+
+    try:
+        from ray.serve._private import api as serve_api
+        from ray.serve._private.client import ServeControllerClient
+        from ray.serve.context import _get_global_client, _set_global_client
+        from ray.serve.schema import LoggingConfig
+    except ImportError:
+        return None
+    create = getattr(serve_api, "_create_controller_and_proxy_refs", None)
+    coerce = getattr(serve_api, "_coerce_controller_options", None)
+    if create is None or coerce is None or _get_global_client(raise_if_no_controller_running=False) is not None:
+        return None
+    controller, proxy_refs = create(http, grpc, LoggingConfig(**logging_config), None, coerce(None), proxy_location)
+    _set_global_client(ServeControllerClient(controller))
+    timeout_s = getattr(serve_api, "HTTP_PROXY_TIMEOUT", 60)
+
+    def proxies_ready() -> None:
+        if not proxy_refs:
+            return
+        try:
+            ray.get(proxy_refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"Serve's proxies were not up after {timeout_s} s") from None
+
+    return proxies_ready
 
 
 def log_init_errors(init: Callable[..., Any]) -> Callable[..., Any]:

@@ -213,3 +213,12 @@ def test_the_reward_handle_is_looked_up_when_first_needed_and_waits_for_the_app(
     monkeypatch.setattr(serve, "get_app_handle", lambda name: (_ for _ in ()).throw(RayServeException("no app")))
     with pytest.raises(RayServeException):
         asyncio.run(AppHandleScorer("reward", wait_s=0)(items))
+
+
+def test_an_explicit_bytecode_cache_reaches_every_application(tmp_path: Path) -> None:
+    _, doc = _yaml(tmp_path)
+    assert all("PYTHONPYCACHEPREFIX" not in a["runtime_env"]["env_vars"] for a in doc["applications"])
+    _, doc = _yaml(tmp_path, f"serve.bytecode_cache={tmp_path / 'pyc'}")
+    for app in doc["applications"]:
+        env = app["runtime_env"]["env_vars"]
+        assert env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pyc") and env["PYTHONDONTWRITEBYTECODE"] == ""

@@ -69,6 +69,12 @@ class ServeConfig(ConfigModel):
     """Ray cluster address; null: start a local Ray."""
     num_cpus: int | None = None
     """CPUs given to a local Ray; null: all."""
+    bytecode_cache: str = "auto"
+    """Where the mesh's processes keep compiled byte code: "auto" (a local Ray: under
+    $MESHRL_CACHE_DIR/pycache when torch or transformers ships none and the environment would not
+    write it, e.g. PYTHONDONTWRITEBYTECODE=1; else as the environment says), "off", or a directory
+    (always). Without it such an image compiles torch in every process of every run (seconds each);
+    services/common/bytecode.py."""
     parallel_deploy: bool = True
     """`meshrl train` deploys every application at once (as `serve deploy` of its serve config
     does); false: one application after the other (the start-up baseline)."""
