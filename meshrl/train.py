@@ -224,6 +224,8 @@ class MeshRun:
             proxies_ready = start_serve(
                 self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
                 else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s, wait_for_proxies=False)
+            if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
+                renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
             self.startup["ray_and_serve_s"] = round(time.monotonic() - t0, 2)
             apps = builders.result()
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
@@ -243,11 +245,12 @@ class MeshRun:
             try:
                 serve.run_many(targets)
             except RuntimeError as exc:
+                proxies_ready()  # a proxy that failed to start (its port taken) is the error to report
                 errors = "\n".join(f"{name} did not start: {_last_error(self.run_dir, name)}" for name, _ in wave)
                 raise RuntimeError(f"{exc}\n{errors}") from None
             self.startup["deploy_" + "+".join(name for name, _ in wave) + "_s"] = round(time.monotonic() - t0, 2)
         proxies_ready()
-        if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons (the proxies among them) may step back
+        if not self.cfg.serve.ray_address:  # the proxies, which started beside the deploy, step back too
             renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
         self.deployed = True
         from services.common.startup import timeline

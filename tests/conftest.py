@@ -4,6 +4,7 @@ security, etc."""
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def serve_grpc_port() -> Iterator[int]:
     init_ray(num_cpus=4)
     proxies_ready = start_serve(port, http_port=free_port(), wait_for_proxies=False)  # as `meshrl train` does
     proxies_ready()
+    with socket.create_connection(("127.0.0.1", port), timeout=5):  # the gRPC ingress listens once it returns
+        pass
     yield port
     serve.shutdown()
     ray.shutdown()

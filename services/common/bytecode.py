@@ -10,8 +10,9 @@ ranks) at once, on every run.
 `serve.bytecode_cache` (`meshrl train` with a local Ray):
 - "auto" (default): when torch or transformers has no byte code next to its sources and this
   environment would not write it there (writing is off, or the directory is read-only), the mesh's
-  processes get `PYTHONPYCACHEPREFIX=$MESHRL_CACHE_DIR/pycache` and writing on. The first process to
-  import a module compiles it once for the host, every later one (and every later run) reads it.
+  processes get `PYTHONPYCACHEPREFIX=$MESHRL_CACHE_DIR/pycache` and writing on. The processes of
+  the host's first run compile what they import (those starting together may each compile a module;
+  the writes are atomic), every later process and run reads it.
   Where the byte code is there, or PYTHONPYCACHEPREFIX is already set, nothing changes: a prefix
   makes Python ignore the `__pycache__` next to the sources.
 - "off": the environment as it is.
@@ -36,7 +37,8 @@ def cache_root() -> Path:
 
 def writes_bytecode() -> bool:
     """Whether a process started from this environment writes byte code (PYTHONDONTWRITEBYTECODE
-    set to anything non-empty turns it off, as does this interpreter's -B)."""
+    set to anything non-empty turns it off). This interpreter's -B counts too, though Ray's workers
+    do not inherit it: at worst a prefix they did not need."""
     return not (os.environ.get("PYTHONDONTWRITEBYTECODE") or sys.flags.dont_write_bytecode)
 
 

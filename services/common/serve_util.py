@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.descriptor import ServiceDescriptor
 
+from services.common.bytecode import worker_env
 from services.common.grpc_util import LocalContext
 
 T = TypeVar("T")
@@ -131,8 +132,6 @@ def init_ray(
     `serve.bytecode_cache` (services/common/bytecode.py)."""
     import ray
 
-    from services.common.bytecode import worker_env
-
     if ray.is_initialized():
         return
     if address is None:
@@ -191,12 +190,14 @@ def start_serve(grpc_port: int, *, http_port: int = 8000, request_timeout_s: flo
 def _start_controller(http: Any, grpc: Any, logging_config: dict[str, Any],
                       proxy_location: str) -> Callable[[], None] | None:
     """`serve.start`'s steps without its wait for the proxies (Ray 2.60's private API, pinned in
-    pyproject.toml); None where Serve already runs or that API is not there (`serve.start` then)."""
+    pyproject.toml; `serve.run_many` then finds the client cached here); None where Serve already
+    runs or that API is not there (`serve.start` then)."""
     import ray
 
     try:
         from ray.serve._private import api as serve_api
         from ray.serve._private.client import ServeControllerClient
+        from ray.serve._private.constants import HTTP_PROXY_TIMEOUT
         from ray.serve.context import _get_global_client, _set_global_client
         from ray.serve.schema import LoggingConfig
     except ImportError:
@@ -205,17 +206,20 @@ def _start_controller(http: Any, grpc: Any, logging_config: dict[str, Any],
     coerce = getattr(serve_api, "_coerce_controller_options", None)
     if create is None or coerce is None or _get_global_client(raise_if_no_controller_running=False) is not None:
         return None
-    controller, proxy_refs = create(http, grpc, LoggingConfig(**logging_config), None, coerce(None), proxy_location)
+    controller, proxy_refs = create(
+        http_options=http, grpc_options=grpc, global_logging_config=LoggingConfig(**logging_config),
+        global_tracing_config=None, controller_options=coerce(None), proxy_location=proxy_location,
+    )
     _set_global_client(ServeControllerClient(controller))
-    timeout_s = getattr(serve_api, "HTTP_PROXY_TIMEOUT", 60)
 
     def proxies_ready() -> None:
+        """Wait for the proxies; a proxy that failed (its port taken) raises its error here."""
         if not proxy_refs:
             return
         try:
-            ray.get(proxy_refs, timeout=timeout_s)
+            ray.get(proxy_refs, timeout=HTTP_PROXY_TIMEOUT)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"Serve's proxies were not up after {timeout_s} s") from None
+            raise TimeoutError(f"Serve's proxies were not up after {HTTP_PROXY_TIMEOUT} s") from None
 
     return proxies_ready
 

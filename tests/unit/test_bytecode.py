@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from meshrl.train import resolve_config
 from services.common import bytecode
 from services.common.config import MeshConfig
 
@@ -67,6 +69,17 @@ def test_off_and_an_explicit_directory(tmp_path: Path) -> None:
     assert bytecode.worker_env(str(tmp_path / "bc"), local_ray=False) == {
         "PYTHONPYCACHEPREFIX": str(tmp_path / "bc"), "PYTHONDONTWRITEBYTECODE": ""}
     assert MeshConfig().serve.bytecode_cache == "auto"
+
+
+def test_the_config_key_takes_off_unquoted_and_makes_a_directory_absolute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # YAML (overrides and config files) reads an unquoted off as False.
+    assert resolve_config(None, ["serve.bytecode_cache=off"]).serve.bytecode_cache == "off"
+    assert resolve_config(None, ["serve.bytecode_cache=auto"]).serve.bytecode_cache == "auto"
+    monkeypatch.chdir(tmp_path)  # each Ray worker has its own working directory: the driver's is kept
+    assert resolve_config(None, ["serve.bytecode_cache=pyc"]).serve.bytecode_cache == str(tmp_path / "pyc")
+    with pytest.raises(ValidationError, match="bytecode_cache"):
+        MeshConfig.model_validate({"serve": {"bytecode_cache": " "}})
 
 
 def test_a_process_with_that_environment_compiles_once_into_the_prefix(pkg: Path, tmp_path: Path) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import ConfigModel
 
@@ -73,8 +74,8 @@ class ServeConfig(ConfigModel):
     """Where the mesh's processes keep compiled byte code: "auto" (a local Ray: under
     $MESHRL_CACHE_DIR/pycache when torch or transformers ships none and the environment would not
     write it, e.g. PYTHONDONTWRITEBYTECODE=1; else as the environment says), "off", or a directory
-    (always). Without it such an image compiles torch in every process of every run (seconds each);
-    services/common/bytecode.py."""
+    (always; made absolute). Without it such an image compiles torch in every process of every run
+    (seconds each); services/common/bytecode.py."""
     parallel_deploy: bool = True
     """`meshrl train` deploys every application at once (as `serve deploy` of its serve config
     does); false: one application after the other (the start-up baseline)."""
@@ -88,3 +89,14 @@ class ServeConfig(ConfigModel):
     """Param server replicas."""
     trainer: AppDeployConfig = AppDeployConfig()
     """The trainer driver replica (its ranks are separate actors in a placement group)."""
+
+    @field_validator("bytecode_cache", mode="before")
+    @classmethod
+    def _bytecode_cache(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # YAML reads an unquoted off / on as a bool
+            return "off" if not value else "auto"
+        if isinstance(value, str) and value not in ("auto", "off"):
+            if not value.strip():
+                raise ValueError('serve.bytecode_cache is empty; use "auto", "off" or a directory')
+            return str(Path(value).expanduser().absolute())  # every worker has its own working directory
+        return value
