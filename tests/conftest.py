@@ -36,8 +36,7 @@ def serve_grpc_port() -> Iterator[int]:
     init_ray(num_cpus=4)
     proxies_ready = start_serve(port, http_port=free_port(), wait_for_proxies=False)  # as `meshrl train` does
     proxies_ready()
-    with socket.create_connection(("127.0.0.1", port), timeout=5):  # the gRPC ingress listens once it returns
-        pass
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()  # the gRPC ingress listens once it returns
     yield port
     serve.shutdown()
     ray.shutdown()

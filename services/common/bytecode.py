@@ -48,9 +48,8 @@ def compiled_in_place(package: str) -> bool | None:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return None
-    cached = Path(importlib.util.cache_from_source(spec.origin))
-    if sys.pycache_prefix is not None:  # cache_from_source follows this interpreter's prefix
-        cached = Path(spec.origin).parent / "__pycache__" / cached.name
+    # Beside the source, whatever prefix this interpreter has (cache_from_source would follow it).
+    cached = Path(spec.origin).parent / "__pycache__" / Path(importlib.util.cache_from_source(spec.origin)).name
     if cached.exists():
         return True
     return writes_bytecode() and os.access(Path(spec.origin).parent, os.W_OK)
@@ -62,7 +61,7 @@ def worker_env(setting: str, *, local_ray: bool) -> dict[str, str]:
     if setting == "off":
         return {}
     if setting != "auto":
-        return {"PYTHONPYCACHEPREFIX": str(Path(setting).expanduser()), "PYTHONDONTWRITEBYTECODE": ""}
+        return {"PYTHONPYCACHEPREFIX": setting, "PYTHONDONTWRITEBYTECODE": ""}  # made absolute by the config
     if not local_ray or os.environ.get("PYTHONPYCACHEPREFIX"):
         return {}
     if all(compiled_in_place(p) is not False for p in PACKAGES):
