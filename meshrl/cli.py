@@ -202,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     pws.add_argument("--senders", type=int, default=2, help="trainer ranks")
     pws.add_argument("--receivers", type=int, default=2, help="rollout ranks")
     pws.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU processes (a check, not a measurement)")
+    pwd = bsub.add_parser("weights-delta", help="nccl sync of whole versions vs delta sync (changed elements), 2 GPUs")
+    pwd.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pwd.add_argument("--size-gb", type=float, default=4.0, help="bf16 bytes of one version, in GiB")
+    pwd.add_argument("--bucket-mb", type=int, default=512, help="bucket size")
+    pwd.add_argument("--rounds", type=int, default=5, help="rounds after the first (whole) version")
+    pwd.add_argument("--lrs", default="1e-6,1e-5", help="comma list: the walk's step per element (sets how many change)")
+    pwd.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU processes (a check, not a measurement)")
     pt = bsub.add_parser("trainer", help="training tokens/s: the fsdp engine vs a plain PyTorch loop (CPU, one rank)")
     pt.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
@@ -563,6 +570,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = run_sharded_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
                                        senders=args.senders, receivers=args.receivers, backend=args.backend)
+    elif args.bench_command == "weights-delta":
+        from meshrl.bench.weights_delta import run_benchmark as run_delta_benchmark
+
+        result = run_delta_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
+                                     lrs=tuple(float(x) for x in args.lrs.split(",") if x.strip()), backend=args.backend)
     elif args.bench_command == "trainer":
         from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
 

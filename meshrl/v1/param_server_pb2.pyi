@@ -562,6 +562,7 @@ class RendezvousRequest(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     FAILED_GENERATION_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
     group: _builtins.str
     """Collective group name (one per rollout group)."""
     role: _builtins.str
@@ -583,6 +584,10 @@ class RendezvousRequest(_message.Message):
     dropped it: that group's generation (0: none). The param server retires it: every member,
     the sender included, must join a new generation before the next broadcast.
     """
+    delta_base_version: _builtins.int
+    """Receiver with delta sync (param_server.delta_sync): the version whose whole weights it holds,
+    the base a delta may be sent against (0: none; the version then goes whole).
+    """
     def __init__(
         self,
         *,
@@ -595,10 +600,11 @@ class RendezvousRequest(_message.Message):
         backend: _builtins.str = ...,
         policy_version: _builtins.int = ...,
         failed_generation: _builtins.int = ...,
+        delta_base_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "failed_generation", b"failed_generation", "group", b"group", "master_address", b"master_address", "master_port", b"master_port", "member_id", b"member_id", "policy_version", b"policy_version", "role", b"role", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "delta_base_version", b"delta_base_version", "failed_generation", b"failed_generation", "group", b"group", "master_address", b"master_address", "master_port", b"master_port", "member_id", b"member_id", "policy_version", b"policy_version", "role", b"role", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -615,6 +621,7 @@ class RendezvousResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     world_size: _builtins.int
     master_address: _builtins.str
@@ -626,6 +633,10 @@ class RendezvousResponse(_message.Message):
     generation rebuild their process group.
     """
     policy_version: _builtins.int
+    delta_base_version: _builtins.int
+    """To the sender: the delta base every receiver checked in with for this version (0 when they
+    differ or any holds none: the version goes whole).
+    """
     def __init__(
         self,
         *,
@@ -636,10 +647,11 @@ class RendezvousResponse(_message.Message):
         backend: _builtins.str = ...,
         generation: _builtins.int = ...,
         policy_version: _builtins.int = ...,
+        delta_base_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "generation", b"generation", "master_address", b"master_address", "master_port", b"master_port", "policy_version", b"policy_version", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "delta_base_version", b"delta_base_version", "generation", b"generation", "master_address", b"master_address", "master_port", b"master_port", "policy_version", b"policy_version", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

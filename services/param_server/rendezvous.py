@@ -46,6 +46,15 @@ class GroupState:
     """receiver member_id -> rank (1..world_size-1) in this generation."""
     checked_in: dict[int, set[str]] = field(default_factory=dict)
     """policy_version -> receivers that asked for it in this generation."""
+    delta_bases: dict[int, dict[str, int]] = field(default_factory=dict)
+    """policy_version -> receiver -> the delta base it checked in with (delta sync)."""
+
+    def delta_base(self, policy_version: int) -> int:
+        """The base every receiver checked in for `policy_version` with (0: they differ, or one
+        holds none): what the sender may send a delta against."""
+        members = self.checked_in.get(policy_version, set())
+        bases = {self.delta_bases.get(policy_version, {}).get(m, 0) for m in members}
+        return bases.pop() if len(bases) == 1 and len(members) >= self.world_size - 1 else 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,7 @@ class RendezvousBoard:
         state.sender_version = policy_version
         for v in [v for v in state.checked_in if v < policy_version]:
             del state.checked_in[v]
+            state.delta_bases.pop(v, None)
         return state
 
     def sender_ready(self, group: str, policy_version: int, checked_in_as: GroupState | None = None) -> tuple[bool, str]:
@@ -148,10 +158,13 @@ class RendezvousBoard:
         return len(have) >= need, f"{len(have)} of {need} receivers checked in for version {policy_version} ({sorted(have)})"
 
     def receiver_check_in(self, group: str, member_id: str, *, backend: str, world_size: int,
-                          policy_version: int, failed_generation: int = 0) -> tuple[Assignment | None, bool]:
+                          policy_version: int, failed_generation: int = 0,
+                          delta_base_version: int = 0) -> tuple[Assignment | None, bool]:
         """(the assignment once the sender and every receiver checked in for `policy_version` in
         the current generation, else None; whether this call changed the board)."""
         self._check_common(group, member_id, backend)
+        if delta_base_version < 0:
+            raise InvalidArgument("delta_base_version", f"{delta_base_version}; the version this receiver holds whole, or 0")
         state = self._groups.get(group)
         if state is None:
             return None, False
@@ -188,6 +201,7 @@ class RendezvousBoard:
         if member_id not in members:
             members.add(member_id)
             changed = True
+        state.delta_bases.setdefault(policy_version, {})[member_id] = delta_base_version
         if state.sender_version < policy_version or len(members) < state.world_size - 1:
             return None, changed
         return Assignment(rank, state.world_size, state.master_address, state.master_port, state.backend,
@@ -199,6 +213,7 @@ class RendezvousBoard:
         state = self._groups.get(group)
         if state is not None:
             state.checked_in.get(policy_version, set()).discard(member_id)
+            state.delta_bases.get(policy_version, {}).pop(member_id, None)
 
 
 def _key(state: GroupState) -> tuple[int, str, str, int, str]:

@@ -332,7 +332,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
             return param_server_pb2.RendezvousResponse(
                 rank=0, world_size=state.world_size, master_address=state.master_address,
                 master_port=state.master_port, backend=state.backend, generation=state.generation,
-                policy_version=request.policy_version,
+                policy_version=request.policy_version, delta_base_version=state.delta_base(request.policy_version),
             )
         if request.role != "receiver":
             raise InvalidArgument("role", f"{request.role!r}; use sender or receiver")
@@ -340,6 +340,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
             got, changed = self.board.receiver_check_in(
                 request.group, request.member_id, backend=request.backend, world_size=request.world_size,
                 policy_version=request.policy_version, failed_generation=request.failed_generation,
+                delta_base_version=request.delta_base_version,
             )
             if changed:
                 self._notify()

@@ -660,12 +660,14 @@ class RolloutWorker:
 
     def status(self) -> rollout_pb2.GetRolloutStatusResponse:
         """GetRolloutStatus's answer (also the deployment's handle call)."""
+        from services.weights.delta import fetch_stats
+
         c = self.counters
         return rollout_pb2.GetRolloutStatusResponse(
             replica_id=self.replica_id, engine=self.engine.name, policy_version=self.engine.version,
             groups_in_flight=len(self._groups), groups_submitted=c.groups_submitted,
             tokens_generated=c.tokens_generated, paused=self.engine.paused, draining=self._draining,
-            engine_stats=self.engine.stats(), uptime_s=time.monotonic() - self._started_at,
+            engine_stats={**self.engine.stats(), **fetch_stats(self.fetcher)}, uptime_s=time.monotonic() - self._started_at,
             busy_s=c.busy_s + (time.monotonic() - self._busy_since if self._groups else 0.0),
             last_weight_load_s=c.last_weight_load_s, weights_failed=self._weights_failed, weights_synced=self._synced,
             groups_expired=c.groups_expired, groups_failed=c.groups_failed, leases_returned=c.leases_returned,

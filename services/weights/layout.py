@@ -347,6 +347,27 @@ def fingerprint_columns_async(buffer: torch.Tensor, nbytes: int) -> torch.Tensor
     return _device_columns(buffer, nbytes)
 
 
+def tensor_columns(t: torch.Tensor) -> torch.Tensor:
+    """The K column sums of one tensor's bytes (any length, any offset), as an int64 tensor on its
+    device: enqueued without a host sync on an accelerator, computed at once on the CPU. Equal
+    tensors give equal columns on every device (delta sync checks rebuilt tensors with them)."""
+    raw = as_bytes(t)
+    n = raw.numel()
+    if t.device.type == "cpu":
+        fp = Fingerprinter(n)
+        fp.update(0, raw.numpy())
+        return fp.columns()
+    full = n // 8 * 8
+    if raw.storage_offset() % 8:
+        raw = raw.clone()  # an int64 view needs 8-byte alignment
+    cols = _device_columns(raw, full) if full else torch.zeros(FINGERPRINT_COLUMNS, dtype=torch.int64, device=t.device)
+    if n > full:
+        tail = torch.zeros(8, dtype=torch.uint8, device=t.device)
+        tail[: n - full] = raw[full:]
+        cols[(full // 8) % FINGERPRINT_COLUMNS] += tail.view(torch.int64)[0]
+    return cols
+
+
 def _device_columns(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
     k = FINGERPRINT_COLUMNS
     words = buffer[: round_up(nbytes, 8)].view(torch.int64)

@@ -157,17 +157,23 @@ def test_sync_mode_is_on_policy(tmp_path: Path, mode: str) -> None:
     assert summary["audit"]["balanced"]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: int) -> None:
+@pytest.mark.parametrize(("ranks", "delta"), [(1, False), (2, False), (1, True)], ids=["1 rank", "2 ranks", "delta sync"])
+def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: int, delta: bool) -> None:
     """The trainer broadcasts every version to the rollout over the collective transport (gloo:
     the CPU twin of nccl/hccl), announced through the coordinator, the group steady after the
     first version: each version is loaded, the books balance, no check-in fails. With two ranks
     (FSDP shards every parameter over both) rank 0 sends and rank 1 only takes part in the
     export's all-gathers: if it did not, rank 0's export would wait for it and the run would hang
-    (checked: with rank 1's export skipped, `meshrl train` was still running after 150 s)."""
+    (checked: with rank 1's export skipped, `meshrl train` was still running after 150 s). With
+    delta sync (bf16 weights on the wire, a small learning rate: few bf16 elements move per step)
+    every version after the first travels as the elements that changed and is rebuilt on the
+    rollout, checked against the sender's fingerprint of each tensor."""
     run_dir = tmp_path / "run"
     steps = 10
     layout = [f"trainer.n_gpus_per_node={ranks}", "trainer_service.worker_num_cpus=0.5"] if ranks > 1 else []
+    if delta:
+        layout += ["param_server.delta_sync=true", "actor_rollout_ref.rollout.dtype=bfloat16",
+                   "actor_rollout_ref.actor.optim.lr=1e-6"]
     summary = _train(run_dir, f"rollout.total_rollout_steps={32 * steps}", "trainer.test_freq=-1",
                      "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo", "param_server.collective_receivers=1",
                      *layout, timeout_s=400)  # ~40 s; a rank left out of the export hangs it
@@ -185,3 +191,10 @@ def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: 
     assert loaded and loaded == sorted(loaded) and max(loaded) >= steps - 1, loaded  # the rollout kept up
     logs = _log_tails(run_dir, lines=10_000)
     assert "rendezvous_check_in_failed" not in logs and "bucket_corrupt_nacked" not in logs, logs[-4000:]
+    if delta:  # what the rollout's status said about the version it held at each sample
+        samples = [json.loads(line) for line in (run_dir / "metrics" / "rollout.jsonl").read_text().splitlines() if line]
+        by_version = {int(r["rollout/weights/delta_version"]): r for r in samples if "rollout/weights/delta_version" in r}
+        deltas = {v: r for v, r in by_version.items() if r["rollout/weights/delta_base_version"] == v - 1}
+        assert deltas and all(r["rollout/weights/delta_tensors"] > 0 for r in deltas.values()), by_version
+        # bf16 on the wire, few elements moved: far less than the whole version travelled
+        assert all(r["rollout/weights/sent_fraction"] < 0.6 for r in deltas.values()), deltas

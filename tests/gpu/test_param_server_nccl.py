@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.collective_workers import check_nacks_and_abort, check_steady_group_version_mismatch, run_pair
+from tests.integration.collective_workers import (
+    check_delta_sync,
+    check_nacks_and_abort,
+    check_steady_group_version_mismatch,
+    run_pair,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,3 +44,7 @@ def test_nccl_nacks_mid_stream_and_on_the_last_bucket_and_gives_up_after_max_att
 
 def test_nccl_a_receiver_on_another_version_fails_both_sides_at_the_first_step() -> None:
     check_steady_group_version_mismatch("nccl", deadline_s=420.0)
+
+
+def test_nccl_delta_sync_sends_changed_elements_and_goes_whole_after_a_receiver_drifts() -> None:
+    check_delta_sync("nccl", receivers=1, deadline_s=420.0)

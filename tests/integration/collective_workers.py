@@ -30,7 +30,27 @@ def make_many_buckets(seed: int, device: str = "cpu", count: int = 10) -> list[l
     return [[(f"model.layers.{i}.weight", torch.randn(50 + 37 * i, 11, generator=g).to(device))] for i in range(count)]
 
 
+def make_delta_buckets(version: int, device: str = "cpu") -> list[list[tuple[str, torch.Tensor]]]:
+    """Version v of a model whose every version changes ~1% of each large tensor's elements (the
+    same function of v on every side): what delta sync sends as changed elements."""
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(400, 300, generator=g).bfloat16()  # 240 KB: sent as a delta
+    mlp = torch.randn(200, 100, generator=g)  # fp32, 80 KB: a delta too
+    norm = torch.randn(13, generator=g).bfloat16()  # small: always whole
+    for k in range(1, version + 1):
+        gk = torch.Generator().manual_seed(k)
+        for t in (emb, mlp, norm):
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=gk)
+            flat[idx] = flat[idx] + float(k)
+    buckets = [[("model.embed_tokens.weight", emb), ("model.norm.weight", norm), ("flag", torch.tensor(version % 2 == 0))],
+               [("model.layers.0.mlp.down_proj.weight", mlp)]]
+    return [[(n, t.to(device)) for n, t in b] for b in buckets]
+
+
 def buckets_for(version: int, mode: str, device: str = "cpu") -> list[list[tuple[str, torch.Tensor]]]:
+    if mode.startswith("delta"):
+        return make_delta_buckets(version, device)
     return make_many_buckets(version, device) if mode.startswith("many") else make_buckets(version, device)
 
 
@@ -52,7 +72,8 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
         async def announce(ref: Any) -> None:
             notify.put(ref.SerializeToString())
 
-        pub = CollectivePublisher(backend, address, receivers=receivers, group="test", timeout_s=timeout_s)
+        pub = CollectivePublisher(backend, address, receivers=receivers, group="test", timeout_s=timeout_s,
+                                  delta_sync=any(mode.startswith("delta") for _, mode in plan))
         for version, mode in plan:
             pub.announce = announce if mode == "announce" else None
             pub.wire_bucket_bytes = 2000 if mode == "split" else 512 << 20  # "split": 4 wire buckets, not 3
@@ -61,6 +82,9 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
                 buckets = _hanging(version, timeout_s + 2) if mode == "hang" else buckets_for(version, mode, device)
                 ref = await pub.publish(version, buckets)
                 outcome = "announced ref" if mode == "announce" and not ref.manifest_checksum else ref.manifest_checksum
+                if pub.delta is not None:
+                    last = pub.delta.last.as_dict()
+                    outcome = f"base={last['base_version']} sent_fraction={last['sent_fraction']:.4f}"
                 results.put(("sent", version, outcome, pub.resent_buckets))
             except Exception as exc:
                 results.put(("sent", version, f"{type(exc).__name__}: {exc}", pub.resent_buckets))
@@ -73,8 +97,10 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
              consumer_id: str = "rollout-0", role: str = "recv") -> None:
     """Fetch each (version, mode, timeout_s): mode "ok", "corrupt" (damage bucket 1 once),
     "corrupt_last" (bucket 2, the last, once), "corrupt_always" (bucket 1, every time it comes),
-    "many" / "many_corrupt" (the sender's make_many_buckets; bucket 5 damaged once) or "announced"
-    (wait for the sender's announcement and fetch the ref it carries)."""
+    "many" / "many_corrupt" (the sender's make_many_buckets; bucket 5 damaged once), "announced"
+    (wait for the sender's announcement and fetch the ref it carries), "delta" (delta sync:
+    make_delta_buckets) or "delta_drift" (delta sync after one element of this receiver's copy
+    of the base was changed by hand). With delta sync the count is the version's base."""
     from meshrl.v1 import common_pb2
     from services.weights.transports.collective import CollectiveFetcher
 
@@ -91,8 +117,12 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
         if backend == "nccl":
             torch.cuda.set_device(1 if torch.cuda.device_count() > 1 else 0)
             device = "cuda"
-        fetcher = CollectiveFetcher(backend, address, consumer_id=consumer_id, group="test", corrupt_hook=damage)
+        fetcher = CollectiveFetcher(backend, address, consumer_id=consumer_id, group="test", corrupt_hook=damage,
+                                    delta_sync=any(mode.startswith("delta") for _, mode, _ in plan))
         for version, mode, timeout_s in plan:
+            if mode == "delta_drift":
+                held = fetcher.delta.mirror["model.embed_tokens.weight"]  # type: ignore[union-attr]
+                held.view(-1)[12345] += 1.0
             fetcher.timeout_s = timeout_s
             state["bucket"] = {"corrupt": 1, "corrupt_last": 2, "corrupt_always": 1, "many_corrupt": 5}.get(mode)
             state["always"] = mode == "corrupt_always"
@@ -109,9 +139,11 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                 same = set(got) == set(want) and all(
                     got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items()
                 )
-                results.put((role, version, "identical" if same else "DIFFERENT", fetcher.nacks_sent))
+                count = fetcher.delta.last.base_version if fetcher.delta is not None else fetcher.nacks_sent
+                results.put((role, version, "identical" if same else "DIFFERENT", count))
             except Exception as exc:
-                results.put((role, version, f"{type(exc).__name__}: {exc}", fetcher.nacks_sent))
+                count = fetcher.delta.last.base_version if fetcher.delta is not None else fetcher.nacks_sent
+                results.put((role, version, f"{type(exc).__name__}: {exc}", count))
         await fetcher.close()
 
     asyncio.run(main())
@@ -220,3 +252,38 @@ def check_steady_group_version_mismatch(backend: str, deadline_s: float = 240.0)
     assert got[("recv", 5)][0] == "identical" and len(got[("sent", 5)][0]) == 64, got
     assert got["versions"][-1] == 5, got
     assert time.monotonic() - t0 < 100, "the mismatch waited for a deadline"
+
+
+def check_delta_sync(backend: str, receivers: int = 1, deadline_s: float = 240.0) -> None:
+    """Delta sync (param_server.delta_sync). Each version changes ~1% of every large tensor: the
+    first goes whole, the next as deltas against the base every receiver holds (agreed at the
+    rendezvous), rebuilt bit for bit. The first receiver's copy is altered by hand before version
+    3: its rebuilt tensor fails the sender's fingerprint (DataLoss), version 4 goes whole to every
+    receiver, version 5 is a delta again."""
+    timeout = 120.0 if backend == "nccl" else 60.0
+    got = run_pair(
+        backend,
+        sender_plan=[(v, "delta") for v in range(1, 6)],
+        receiver_plan=[(v, "delta_drift" if v == 3 else "delta", timeout) for v in range(1, 6)],
+        more_receivers=tuple([(v, "delta", timeout) for v in range(1, 6)] for _ in range(receivers - 1)),
+        deadline_s=deadline_s,
+    )
+    roles = ["recv"] + [f"recv{i}" for i in range(1, receivers)]
+
+    def sent(version: int) -> tuple[int, float]:
+        base, fraction = (part.split("=")[1] for part in got[("sent", version)][0].split())
+        return int(base), float(fraction)
+
+    assert sent(1) == (0, 1.0), got  # nobody holds a base yet
+    for role in roles:
+        assert got[(role, 1)] == ("identical", 0), got
+        assert got[(role, 2)] == ("identical", 1), got  # rebuilt from version 1, bit for bit
+    assert sent(2)[0] == 1 and sent(2)[1] < 0.15, got
+    # the drifted copy: the rebuilt tensor does not match the sender's fingerprint of it
+    assert got[("recv", 3)][0].startswith("DataLoss") and "drifted" in got[("recv", 3)][0], got
+    # version 4 goes whole (the receivers no longer hold one base), version 5 is a delta again
+    assert sent(4) == (0, 1.0), got
+    assert sent(5)[0] == 4 and sent(5)[1] < 0.15, got
+    for role in roles:
+        assert got[(role, 4)] == ("identical", 0), got
+        assert got[(role, 5)] == ("identical", 4), got

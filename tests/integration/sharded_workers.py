@@ -24,17 +24,32 @@ def full_weights(version: int) -> dict[str, torch.Tensor]:
     }
 
 
+def weights_for(version: int, mode: str) -> dict[str, torch.Tensor]:
+    """"delta": version v moves ~1% of the elements of version v-1 (delta sync's case); else random."""
+    if mode != "delta":
+        return full_weights(version)
+    weights = full_weights(0)
+    for k in range(1, version + 1):
+        g = torch.Generator().manual_seed(k)
+        for t in weights.values():
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 100),), generator=g)
+            flat[idx] = flat[idx] + float(k)
+    return weights
+
+
 def owned_rows(rows: int, rank: int, senders: int) -> tuple[int, int]:
     """FSDP2's dim-0 split (torch.chunk): ceil(rows / senders) rows per rank, the last ones fewer or none."""
     chunk = -(-rows // senders)
     return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 
-def shard_buckets(version: int, rank: int, senders: int, device: str = "cpu") -> list[list[tuple[str, torch.Tensor]]]:
+def shard_buckets(version: int, rank: int, senders: int, device: str = "cpu",
+                  mode: str = "ok") -> list[list[tuple[str, torch.Tensor]]]:
     from services.weights.shards import shard_name
 
     out: list[tuple[str, torch.Tensor]] = []
-    for name, t in full_weights(version).items():
+    for name, t in weights_for(version, mode).items():
         start, stop = owned_rows(t.shape[0], rank, senders)
         if stop > start:
             out.append((shard_name(name, start, stop, t.shape[0]), t[start:stop].to(device)))
@@ -50,7 +65,9 @@ def _hanging(version: int, rank: int, senders: int, hang_s: float) -> Iterator[l
 
 def sender(address: str, backend: str, rank: int, senders: int, receivers: int, plan: list[tuple[int, str]],
            results: Any, timeout_s: float) -> None:
-    """Trainer rank `rank`: publish each (version, mode): "ok" or "hang" (this rank stalls)."""
+    """Trainer rank `rank`: publish each (version, mode): "ok", "hang" (this rank stalls) or
+    "delta" (delta sync; the outcome is "ok base=B deltas=N": the base this rank's version went
+    against, and how many of its tensors went as deltas)."""
     from services.weights.shards import sender_group
     from services.weights.transports.collective import CollectivePublisher
 
@@ -60,14 +77,16 @@ def sender(address: str, backend: str, rank: int, senders: int, receivers: int, 
             torch.cuda.set_device(rank)
             device = "cuda"
         pub = CollectivePublisher(backend, address, receivers=receivers, group=sender_group("test", rank),
-                                  timeout_s=timeout_s, register=False)
+                                  timeout_s=timeout_s, register=False, delta_sync=any(m == "delta" for _, m in plan))
         for version, mode in plan:
             try:
                 buckets = (_hanging(version, rank, senders, timeout_s + 2) if mode == "hang"
-                           else shard_buckets(version, rank, senders, device))
+                           else shard_buckets(version, rank, senders, device, mode))
                 ref = await pub.publish(version, buckets)
-                results.put((f"sent{rank}", version, "ok" if ref.policy_version == version else "wrong ref",
-                             pub.resent_buckets))
+                outcome = "ok" if ref.policy_version == version else "wrong ref"
+                if pub.delta is not None:
+                    outcome += f" base={pub.delta.last.base_version} deltas={pub.delta.last.delta_tensors}"
+                results.put((f"sent{rank}", version, outcome, pub.resent_buckets))
             except Exception as exc:
                 results.put((f"sent{rank}", version, f"{type(exc).__name__}: {exc}", pub.resent_buckets))
         await pub.close()
@@ -92,7 +111,8 @@ def receiver(address: str, backend: str, index: int, senders: int, plan: list[tu
     async def main() -> None:
         if backend == "nccl":
             torch.cuda.set_device(senders + index)
-        fetcher = ShardedFetcher(backend, address, consumer_id=f"rollout-{index}", senders=senders, group="test")
+        fetcher = ShardedFetcher(backend, address, consumer_id=f"rollout-{index}", senders=senders, group="test",
+                                 delta_sync=any(m == "delta" for _, m, _ in plan))
         fetcher.parts[min(1, senders - 1)]._corrupt_hook = damage
         for version, mode, timeout_s in plan:
             for part in fetcher.parts:
@@ -104,7 +124,7 @@ def receiver(address: str, backend: str, index: int, senders: int, plan: list[tu
                     for name, t in bucket:
                         assert name not in got, name
                         got[name] = t.cpu().clone()
-                want = {**full_weights(version), "flag": torch.tensor(True)}
+                want = {**weights_for(version, mode), "flag": torch.tensor(True)}
                 same = set(got) == set(want) and all(got[n].dtype == t.dtype and torch.equal(got[n], t)
                                                      for n, t in want.items())
                 results.put((f"recv{index}", version, "identical" if same else f"DIFFERENT {sorted(got)}",

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.errors import MissingDependency
 
-from .collective_workers import check_nacks_and_abort, check_steady_group_version_mismatch, run_pair
+from .collective_workers import check_delta_sync, check_nacks_and_abort, check_steady_group_version_mismatch, run_pair
 
 
 def test_gloo_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
@@ -71,3 +71,8 @@ def test_hccl_fails_fast_without_torch_npu() -> None:
         CollectivePublisher("hccl", "127.0.0.1:1", receivers=1)
     with pytest.raises(MissingDependency, match="CANN"):
         CollectiveFetcher("hccl", "127.0.0.1:1", consumer_id="r")
+
+
+
+def test_gloo_delta_sync_sends_changed_elements_and_goes_whole_after_a_receiver_drifts() -> None:
+    check_delta_sync("gloo", receivers=2)

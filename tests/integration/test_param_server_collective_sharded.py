@@ -35,3 +35,18 @@ def test_gloo_two_trainer_ranks_to_two_rollout_ranks_checksums_nack_stuck_rank_a
     # healthy group was not frozen by the release of the stuck one)
     assert got[("recv0", 4)] == ("identical", 1) and got[("recv1", 4)] == ("identical", 0), got
     assert got[("sent0", 4)][0] == "ok" and got[("sent1", 4)][0] == "ok", got
+
+
+def test_gloo_delta_sync_from_every_trainer_rank_rebuilds_whole_tensors() -> None:
+    """Delta sync with weight sync from every rank: each trainer rank keeps a copy of the rows it
+    sent, each rollout rank one per trainer rank, so each rank's rows go as deltas against the
+    base its own group agreed on, and the rollout ranks rebuild whole tensors bit for bit."""
+    plan = [(v, "delta") for v in range(1, 4)]
+    got = run_sharded("gloo", 2, sender_plans=[plan, plan],
+                      receiver_plans=[[(v, "delta", 60.0) for v in range(1, 4)] for _ in range(2)])
+    for version in range(1, 4):
+        for role in ("recv0", "recv1"):
+            assert got[(role, version)][0] == "identical", got
+        for role in ("sent0", "sent1"):  # the first version whole, then each against the one before
+            # down_proj's rows (200 KB per rank) go as a delta; the smaller tensors whole
+            assert got[(role, version)][0] == f"ok base={version - 1} deltas={int(version > 1)}", got

@@ -137,3 +137,16 @@ def test_resolution_changes_no_validated_section() -> None:
     assert (cfg.async_training.staleness_threshold, cfg.async_training.trigger_parameter_sync_step) == (0, 1)
     assert cfg.actor_rollout_ref.actor.loss_scale_factor == cfg.data.max_response_length
     assert MeshConfig.model_validate(cfg.model_dump()) == cfg
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["param_server.delta_sync=true"], "delta_sync needs a collective transport"),  # grpc by default
+    (["param_server.delta_sync=true", "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+      "actor_rollout_ref.model.lora_rank=8"], "a LoRA run's versions are the adapter alone"),
+])
+def test_delta_sync_is_refused_where_receivers_may_skip_versions_or_versions_are_adapters(
+        overrides: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+    cfg = load_config(None, ["param_server.delta_sync=true", "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"])
+    assert cfg.param_server.delta_sync

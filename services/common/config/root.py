@@ -111,6 +111,18 @@ class MeshConfig(ConfigModel):
                 f"{arr.actor.strategy} engine (it would train the full weights); use "
                 "actor_rollout_ref.actor.strategy=fsdp2 for LoRA, or set actor_rollout_ref.model.lora_rank=0"
             )
+        if self.param_server.delta_sync:
+            if arr.rollout.checkpoint_engine.backend not in ("nccl", "hccl", "gloo"):
+                raise ValueError(
+                    "param_server.delta_sync needs a collective transport (every receiver takes every version, so "
+                    "all hold the base); set actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or hccl, gloo), "
+                    "or param_server.delta_sync=false"
+                )
+            if arr.model.lora_rank > 0:
+                raise ValueError(
+                    "param_server.delta_sync sends changed elements of the full weights; a LoRA run's versions are the "
+                    "adapter alone (small): set param_server.delta_sync=false with actor_rollout_ref.model.lora_rank>0"
+                )
         if self.param_server.collective_sharded:
             if arr.rollout.checkpoint_engine.backend not in ("nccl", "hccl", "gloo"):
                 raise ValueError(

@@ -94,8 +94,18 @@ def make_publisher(
         name, address, receivers=collective_receivers(cfg),
         group=sender_group(ps.collective_group, sender_rank) if sender_rank is not None and sharded else ps.collective_group,
         master_address=ps.collective_master_address or local_ip(), timeout_s=ps.transfer_timeout_s,
-        max_attempts=ps.max_fetch_attempts, announce=announce, register=not sharded,
+        max_attempts=ps.max_fetch_attempts, announce=announce, register=not sharded, delta_sync=ps.delta_sync,
+        delta_dtype=_wire_dtype(cfg) if ps.delta_sync else None,
     )
+
+
+def _wire_dtype(cfg: MeshConfig) -> Any:
+    """Delta sync: floating-point weights travel in the rollout's dtype when the config names one
+    (`actor_rollout_ref.rollout.dtype`; "auto": as the trainer exports them)."""
+    import torch
+
+    name = cfg.actor_rollout_ref.rollout.dtype
+    return None if name == "auto" else getattr(torch, name)
 
 
 def make_fetcher(
@@ -134,8 +144,9 @@ def make_fetcher(
     if ps.collective_sharded:
         return mod.ShardedFetcher(  # type: ignore[no-any-return]
             name, address, consumer_id=consumer_id, senders=cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node,
-            group=ps.collective_group, timeout_s=ps.transfer_timeout_s,
+            group=ps.collective_group, timeout_s=ps.transfer_timeout_s, delta_sync=ps.delta_sync,
         )
     return mod.CollectiveFetcher(  # type: ignore[no-any-return]
         name, address, consumer_id=consumer_id, group=ps.collective_group, timeout_s=ps.transfer_timeout_s,
+        delta_sync=ps.delta_sync,
     )

@@ -18,6 +18,7 @@ from services.common.errors import DataLoss, DeadlineExceeded, FailedPreconditio
 from services.common.logging import get_logger
 
 from ... import convert
+from ...delta import DeltaDecoder
 from ...layout import (
     FINGERPRINT_COLUMNS,
     BucketMeta,
@@ -79,6 +80,7 @@ class CollectiveFetcher(GroupMember):
         group: str = "rollout",
         timeout_s: float = 300.0,
         corrupt_hook: Callable[[int, int, torch.Tensor], None] | None = None,
+        delta_sync: bool = False,
     ) -> None:
         if not consumer_id:
             raise InvalidArgument("consumer_id", "required (a stable id of this rank)")
@@ -86,6 +88,7 @@ class CollectiveFetcher(GroupMember):
         self._corrupt_hook = corrupt_hook  # tests: damage received bytes (step, bucket, buffer)
         self.nacks_sent = 0
         self._started = False  # CTRL(0) of the version went through
+        self.delta = DeltaDecoder() if delta_sync else None  # services/weights/delta.py
 
     @property
     def transport(self) -> str:
@@ -94,7 +97,8 @@ class CollectiveFetcher(GroupMember):
     def _rendezvous_request(self, version: int) -> pb.RendezvousRequest:
         return pb.RendezvousRequest(group=self.group_name, role="receiver", member_id=self.member_id,
                                     backend=self.backend, policy_version=version,
-                                    failed_generation=self._failed_generation)
+                                    failed_generation=self._failed_generation,
+                                    delta_base_version=self.delta.version if self.delta is not None else 0)
 
     async def _ensure_group(self, version: int, deadline: Deadline) -> Group:
         req = self._rendezvous_request(version)
@@ -134,13 +138,16 @@ class CollectiveFetcher(GroupMember):
         else:
             group = await self._ensure_group(version, deadline)
         done = False
+        delta = self.delta
+        if delta is not None:
+            delta.begin(version)
         try:
             while True:
                 self._started = False
                 try:
                     try:
                         async for bucket in self._receive(group, version, deadline):
-                            yield bucket
+                            yield delta.decode(bucket) if delta is not None else bucket
                         break
                     except Unavailable:
                         # the steady group broke before its first step went through (the sender
@@ -153,11 +160,16 @@ class CollectiveFetcher(GroupMember):
                     self.drop_group(failed=False)
                     self._moved = None
                     group = await self._join(moved.response, deadline)
+            if delta is not None:
+                delta.commit()
+                log.info("weights_delta_received", transport=self.backend, **delta.last.as_dict())
             done = True
             self._steady = True
         finally:
             if not done:
                 self.drop_group(failed=True)  # a broken-off receive leaves the group out of step: re-form it
+                if delta is not None:
+                    delta.reset()
 
     async def _moved_after_break(self) -> None:
         """Raise GroupMoved if the steady group broke before CTRL(0) went through and the version's

@@ -19,6 +19,7 @@ from services.common.errors import DataLoss, InvalidArgument
 from services.common.logging import get_logger
 
 from ... import convert
+from ...delta import DeltaEncoder
 from ...layout import (
     FINGERPRINT_COLUMNS,
     BucketMeta,
@@ -121,6 +122,8 @@ class CollectivePublisher(GroupMember):
         corrupt_hook: Callable[[int, torch.Tensor], None] | None = None,
         wire_bucket_bytes: int = WIRE_BUCKET_BYTES,
         register: bool = True,
+        delta_sync: bool = False,
+        delta_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(backend, address, group=group, timeout_s=timeout_s,
                          member_id=member_id or f"sender-{uuid.uuid4().hex[:8]}", slots=SEND_SLOTS)
@@ -137,6 +140,8 @@ class CollectivePublisher(GroupMember):
         self._corrupt_hook = corrupt_hook  # tests: damage a packed slot after its fingerprint is taken
         self.wire_bucket_bytes = wire_bucket_bytes
         self.register = register  # False: one of several senders of a version (sharded.py), none holds the manifest
+        self.delta = DeltaEncoder(self.dev.device, delta_dtype) if delta_sync else None  # services/weights/delta.py
+        self._agreed_base = 0  # the rendezvous' answer: the version every receiver holds whole
 
     @property
     def transport(self) -> str:
@@ -155,6 +160,7 @@ class CollectivePublisher(GroupMember):
         req = self._rendezvous_request(version)
         resp = await self.client.rendezvous(req, timeout_s=max(deadline.check("rendezvous"), 0.001))
         self._failed_generation = 0  # reported
+        self._agreed_base = resp.delta_base_version
         if self.group is None or self.group.generation != resp.generation:
             self.drop_group(failed=False)  # a member failed the last version in it (retired), or a first join
             self.group = await self._build_group(self._store, 0, resp.world_size, resp.generation, deadline)
@@ -190,6 +196,12 @@ class CollectivePublisher(GroupMember):
         # RPC runs while the first buckets are planned and packed; receivers on a steady group
         # start at once and move to a new generation if it answers one (receiver.py).
         group: asyncio.Future[Group] = asyncio.ensure_future(self._ensure_group(version, deadline))
+        if self.delta is not None:
+            async def agreed_base() -> int:
+                await asyncio.shield(group)
+                return self._agreed_base
+
+            buckets = self.delta.encode(version, buckets, agreed_base)
         try:
             planned = plan_buckets(split_buckets(buckets, self.wire_bucket_bytes)).__aiter__()
             manifest = await _SendSession(self, group, version, planned, deadline).run()
@@ -199,7 +211,12 @@ class CollectivePublisher(GroupMember):
                 await group
             self.drop_group(failed=True)
             self._store = None
+            if self.delta is not None:
+                self.delta.reset()
             raise
+        if self.delta is not None:
+            self.delta.commit(version)
+            log.info("weights_delta_sent", transport=self.backend, **self.delta.last.as_dict())
         if self.dev.accelerator:  # every broadcast is done: the trainer's next steps may use the
             self.slots.release()  # slots' memory (the caching allocator hands it back at the next publish)
         if self.register:
