@@ -43,12 +43,36 @@ run() {  # run NAME OVERRIDES...: one case, alone on the host, stopped 15 s afte
     --max-train-s 15 --run-root "$W/runs/$name" --label "$name" --out "$W/$name.json" > "$W/$name.log" 2>&1
   say "$name: rc=$? wall=$(($(date +%s) - t0))s"
 }
+# Delta sync (issue 21, item 4): "whole_lrX" (bf16 rollout, whole versions) and "delta_lrX" (the
+# same with param_server.delta_sync) at learning rate X; their weights/* numbers land in delta.json.
 for r in ${MESHRL_STARTUP_RUNS:-at_once_1 one_at_a_time at_once_2 one_at_a_time_2 at_once_3}; do
   case $r in
     one_at_a_time*) run "$r" serve.parallel_deploy=false ;;
+    whole_lr*) run "$r" actor_rollout_ref.rollout.dtype=bfloat16 "actor_rollout_ref.actor.optim.lr=${r#whole_lr}" ;;
+    delta_lr*) run "$r" actor_rollout_ref.rollout.dtype=bfloat16 "actor_rollout_ref.actor.optim.lr=${r#delta_lr}" \
+                 param_server.delta_sync=true ;;
     *) run "$r" ;;
   esac
 done
+"$PY" - "$W/runs" > "$OUT/delta.json" <<'PYEOF'
+import json, pathlib, statistics, sys
+out = {}
+for run in sorted(pathlib.Path(sys.argv[1]).iterdir()):
+    roll = [json.loads(x) for f in run.rglob("metrics/rollout.jsonl") for x in f.read_text().splitlines() if x]
+    train = [json.loads(x) for f in run.rglob("metrics/trainer.jsonl") for x in f.read_text().splitlines() if x]
+    by_v = {int(r["rollout/weights/delta_version"]): r for r in roll if "rollout/weights/delta_version" in r}
+    deltas = [r for v, r in sorted(by_v.items()) if r["rollout/weights/delta_base_version"] == v - 1]
+    pub = [t["timing_s/publish"] for t in train if "timing_s/publish" in t]
+    out[run.name] = {
+        "steps": len(train), "publish_s_median": statistics.median(pub) if pub else None,
+        "rollout_versions_sampled": len(by_v), "delta_versions_sampled": len(deltas),
+        "sent_fraction": [round(r["rollout/weights/sent_fraction"], 4) for r in deltas],
+        "changed_fraction": [round(r.get("rollout/weights/changed_fraction", 0.0), 4) for r in deltas],
+        "whole_bytes": deltas[0]["rollout/weights/whole_bytes"] if deltas else None,
+        "weight_load_s_median": statistics.median(r["rollout/weight_load_s"] for r in roll) if roll else None,
+    }
+print(json.dumps(out, indent=1))
+PYEOF
 "$PY" - "$W" > "$OUT/startup.json" <<'PYEOF'
 import json, pathlib, sys
 out = {}

@@ -145,13 +145,13 @@ class DeltaEncoder:
 
         out: Bucket = []
         for name, t in bucket:
+            if self.device is not None and t.device != torch.device(self.device):
+                t = t.to(self.device, non_blocking=t.is_pinned())  # then cast there: faster than on the host
             if t.is_floating_point() and self.dtype is not None and t.dtype != self.dtype:
                 t = t.to(dtype=self.dtype)
             nbytes = tensor_nbytes(t)
             stats.whole_bytes += nbytes
             if _eligible(t):
-                if self.device is not None and t.device != torch.device(self.device):
-                    t = t.to(self.device, non_blocking=t.is_pinned())
                 base = self.base.get(name)
                 if base is None or base.shape != t.shape or base.dtype != t.dtype or base.device != t.device:
                     base = self.base[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -296,8 +296,10 @@ def fetch_stats(fetcher: object) -> dict[str, float]:
     if not last:
         return {}
     whole, sent = sum(x.whole_bytes for x in last), sum(x.sent_bytes for x in last)
+    changed = sum(x.changed_elements for x in last)
     return {"weights/delta_version": float(min(x.version for x in last)),
             "weights/delta_base_version": float(min(x.base_version for x in last)),
             "weights/whole_bytes": float(whole), "weights/sent_bytes": float(sent),
             "weights/sent_fraction": sent / whole if whole else 1.0,
-            "weights/delta_tensors": float(sum(x.delta_tensors for x in last))}
+            "weights/delta_tensors": float(sum(x.delta_tensors for x in last)),
+            "weights/changed_fraction": changed / elements if (elements := sum(x.delta_elements for x in last)) else 0.0}
