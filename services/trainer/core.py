@@ -183,6 +183,7 @@ class TrainerLoop:
         self.tokens_trained = 0
         """Tokens trained on (x ppo_epochs) since this loop started (its Prometheus counter)."""
         self._since_publish = 0
+        self._checkpoint_s: float | None = None  # the last step-end checkpoint's seconds, for the next row
         self._ckpt_waiters: list[asyncio.Future[tuple[int, str]]] = []
         self.weights_version = 0
         """Version of the group's weights: policy_version, or the version being published."""
@@ -352,12 +353,16 @@ class TrainerLoop:
             timing["timing_s/publish"] = self.clock() - t + blocked
         elif blocked:
             timing["timing_s/publish"] = blocked
+        if self._checkpoint_s is not None:  # the checkpoint after the step before (see below)
+            timing["timing_s/last_checkpoint"], self._checkpoint_s = self._checkpoint_s, None
+        end = self.clock()
+        # The step's metrics row is written before its checkpoint is committed: a trainer lost
+        # between the two would resume after a step that has no row (seen in the multinode tier).
+        self._record(batch, got, results, {**correction, **timing}, wait_s=got.wait_s, train_s=end - t1, step_s=end - t0)
         if self.s.save_freq > 0 and self.step % self.s.save_freq == 0:
             t = self.clock()
             await self._checkpoint()
-            timing["timing_s/checkpoint"] = self.clock() - t
-        end = self.clock()
-        self._record(batch, got, results, {**correction, **timing}, wait_s=got.wait_s, train_s=end - t1, step_s=end - t0)
+            self._checkpoint_s = self.clock() - t  # reported in the next step's row
         return not got.exhausted
 
     async def _update_overlapped(self, batch: SequenceBatch, got: _Collected) -> tuple[list[StepResult], float]:

@@ -153,8 +153,20 @@ def test_resume_continues_from_the_newest_checkpoint_and_republishes(tmp_path: P
         _settings(tmp_path, overlap=overlap, save_freq=1, total_steps=2, trigger_parameter_sync_step=1), first, coord,
         InProcessPublisher(), fake_algorithm()[0],
     )
+    rows_at_save: list[tuple[int, list[int]]] = []
+    save = first.save_checkpoint
+
+    async def save_after_looking(path: Any) -> Any:  # which metrics rows exist when a checkpoint is taken
+        rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+        rows_at_save.append((loop.step, [json.loads(r)["step"] for r in rows]))
+        return await save(path)
+
+    first.save_checkpoint = save_after_looking  # type: ignore[method-assign]
     _run(loop)
     assert [s for s, _, _ in coord.checkpoints] == [1, 2] and coord.policy_version == 2
+    # a step's row is written before its checkpoint: a trainer lost in between cannot resume past a
+    # step that has no row
+    assert rows_at_save == [(1, [1]), (2, [1, 2])], rows_at_save
     saved = _export(first)
     (tmp_path / "ckpt" / "global_step_3.partial").mkdir()  # a crash mid-save is ignored
     assert checkpoints.newest(tmp_path / "ckpt") == tmp_path / "ckpt" / "global_step_2"
