@@ -142,10 +142,13 @@ async def _rounds(publish: Callable[[int], Any], fetch: Callable[[common_pb2.Wei
     return out
 
 
-async def _drain(stream: Any) -> int:
+async def _drain(stream: Any, keep: dict[str, torch.Tensor] | None = None) -> int:
+    """Read a fetch to its end; the bytes it yielded. `keep`: copies of its tensors go there."""
     n = 0
     async for bucket in stream:
         n += sum(t.numel() * t.element_size() for _, t in bucket)
+        if keep is not None:
+            keep.update((name, t.clone()) for name, t in bucket)
     return n
 
 

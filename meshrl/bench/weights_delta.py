@@ -26,7 +26,7 @@ import torch
 import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 
-from .weights import GiB, MiB, _summary, run_collective_pair
+from .weights import GiB, MiB, _drain, _summary, run_collective_pair
 
 TENSOR_BYTES = 64 * MiB
 """bf16 bytes per tensor of the walk (a 7B model's large matrices are 50-260 MiB)."""
@@ -102,11 +102,7 @@ def _worker(role: str, backend: str, address: str, total: int, bucket: int, roun
         for v in range(1, rounds + 2):
             await asyncio.to_thread(barrier.wait)
             t0 = time.perf_counter()
-            got = 0
-            async for b in fetcher.fetch(common_pb2.WeightsRef(policy_version=v)):
-                got += sum(t.numel() * t.element_size() for _, t in b)
-                if v == rounds + 1:
-                    last.update((n, t.clone()) for n, t in b)
+            got = await _drain(fetcher.fetch(common_pb2.WeightsRef(policy_version=v)), last if v == rounds + 1 else None)
             sync()
             times.append(time.perf_counter() - t0)
             assert got == total, f"received {got} of {total} bytes"

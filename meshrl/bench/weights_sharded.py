@@ -32,7 +32,7 @@ import torch
 import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
 
-from .weights import GiB, MiB, _summary, make_weights
+from .weights import GiB, MiB, _drain, _summary, make_weights
 
 
 def _rows(rows: int, rank: int, senders: int) -> tuple[int, int]:
@@ -165,9 +165,7 @@ def _worker(rank: int, senders: int, receivers: int, address: str, total: int, b
                 for v in range(1, rounds + 2):
                     await asyncio.to_thread(barrier.wait)
                     t0 = time.perf_counter()
-                    got = 0
-                    async for b in fetcher.fetch(common_pb2.WeightsRef(policy_version=v)):
-                        got += sum(t.numel() * t.element_size() for _, t in b)
+                    got = await _drain(fetcher.fetch(common_pb2.WeightsRef(policy_version=v)))
                     sync()
                     times.append(time.perf_counter() - t0)
                     assert got == total, f"{case}: received {got} of {total} bytes"

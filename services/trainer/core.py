@@ -357,7 +357,7 @@ class TrainerLoop:
             timing["timing_s/last_checkpoint"], self._checkpoint_s = self._checkpoint_s, None
         end = self.clock()
         # The step's metrics row is written before its checkpoint is committed: a trainer lost
-        # between the two would resume after a step that has no row (seen in the multinode tier).
+        # between the two would resume after a step that has no row.
         self._record(batch, got, results, {**correction, **timing}, wait_s=got.wait_s, train_s=end - t1, step_s=end - t0)
         if self.s.save_freq > 0 and self.step % self.s.save_freq == 0:
             t = self.clock()

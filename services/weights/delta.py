@@ -138,15 +138,15 @@ class DeltaEncoder:
             yield out
 
     def _bucket(self, bucket: Bucket, delta: bool, stats: DeltaStats) -> Bucket:
-        """One bucket's entries, in order. `nonzero` reads its count back to the host once per
-        tensor; on an H200 that is cheaper than counting every tensor of the bucket first and
-        reading the counts at once (0.13 ms against 0.20 + 0.10 ms per 64 MiB tensor)."""
+        """One bucket's entries, in order. Each tensor's `nonzero` reads its count back to the
+        host: counting the whole bucket first to read the counts at once costs more than the
+        syncs it saves (BENCHMARKS.md, "Delta sync")."""
         import torch
 
         out: Bucket = []
         for name, t in bucket:
             if self.device is not None and t.device != torch.device(self.device):
-                t = t.to(self.device, non_blocking=t.is_pinned())  # then cast there: faster than on the host
+                t = t.to(self.device, non_blocking=t.is_pinned())  # cast on the device, not on the host's CPUs
             if t.is_floating_point() and self.dtype is not None and t.dtype != self.dtype:
                 t = t.to(dtype=self.dtype)
             nbytes = tensor_nbytes(t)
@@ -256,9 +256,10 @@ class DeltaDecoder:
                 held, same = self._apply(target, parts)
                 out.append((target, held))
                 checks.append((target, same))
-        for parts in self._parts.values():  # split across buckets: the slot is reused after this one
-            for kind, t in parts.items():
-                parts[kind] = t.clone()
+        for name, t in bucket:  # parts still waiting for the rest: the slot is reused after this bucket
+            part = split_part(name)
+            if part is not None and part[0] in self._parts:
+                self._parts[part[0]][part[1]] = t.clone()
         if checks:  # one host sync per bucket, before any rebuilt tensor reaches the consumer
             for (name, _), ok in zip(checks, torch.stack([same for _, same in checks]).tolist(), strict=True):
                 if not ok:

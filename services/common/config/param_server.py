@@ -80,10 +80,10 @@ class ParamServerConfig(ConfigModel):
     """nccl/hccl/gloo: send each version as the elements that changed since the version every
     receiver holds (bitwise), whole tensors when a receiver holds another version or none.
     Floating-point weights travel in `actor_rollout_ref.rollout.dtype` when it names one (set
-    bfloat16: in bf16 a step changes few elements; in fp32 nearly all). Pays where the link is slow
-    next to the devices (between nodes: 8-18x less time over TCP at 1.5-4% changed); over NVLink
-    within a host whole versions are faster (BENCHMARKS.md). Costs a copy of the weights on the
-    sender's and on every receiver's device (services/weights/delta.py)."""
+    bfloat16: in bf16 a step changes few elements; in fp32 nearly all). It pays where the link is
+    slow next to the devices (between nodes); over NVLink within a host whole versions are faster
+    (BENCHMARKS.md, "Delta sync"). Costs a copy of the weights on the sender's and on every
+    receiver's device (services/weights/delta.py)."""
 
     @model_validator(mode="after")
     def _check(self) -> ParamServerConfig:
