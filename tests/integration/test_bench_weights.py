@@ -56,3 +56,16 @@ def test_bench_weights_sharded_runs_every_case_on_gloo(tmp_path) -> None:  # typ
     for case in ("raw_rank0", "raw_sharded", "rank0", "sharded", "gather"):
         assert r["cases"][case]["best_GBps"] > 0, case
     assert set(r["ratios"]) >= {"sharded_vs_rank0_speedup_median", "sharded_of_raw_best"}
+
+
+def test_bench_weights_delta_runs_both_cases_on_gloo(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`meshrl bench weights-delta` on CPU (gloo): whole and delta versions of the same walk, the
+    last one rebuilt identically on the receiver, deltas smaller than the whole version."""
+    out = tmp_path / "delta.json"
+    assert main(["bench", "weights-delta", "--backend", "gloo", "--size-gb", str(16 / 1024), "--bucket-mb", "8",
+                 "--rounds", "2", "--lrs", "1e-6", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["cases"]) == {"whole@lr=1e-06", "delta@lr=1e-06"}
+    assert all(c["identical"] for c in r["cases"].values()), r["cases"]
+    assert r["cases"]["delta@lr=1e-06"]["first_version"]["base_version"] == 0
+    assert 0 < r["ratios"]["lr=1e-06"]["bytes_delta_over_whole_median"] < 0.5, r["ratios"]
