@@ -1,11 +1,13 @@
 """The object_store transport's publish format without Ray: one object per bucket holding the
-bucket's arrays, fingerprints split over threads, and the fetch side reading both this format and
-the older one object per tensor (a fake object store stands in for ray.put / ray.get)."""
+bucket's arrays, fingerprints split over threads, buckets put two at once (in bucket order in the
+manifest; a failed put registers nothing), and the fetch side reading both this format and the
+older one object per tensor (a fake object store stands in for ray.put / ray.get)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import types
 from typing import Any
 
@@ -219,3 +221,95 @@ def test_an_abandoned_fetch_still_releases_and_a_failed_release_is_counted(fake_
 
 async def _count(stream: Any) -> int:
     return len([b async for b in stream])
+
+
+class GatedRay(FakeRay):
+    """ray.put blocks until its bucket's gate opens (or raises for the bucket in `fail`); records
+    how many puts ran at once."""
+
+    def __init__(self, buckets: int) -> None:
+        super().__init__()
+        self.gates = [threading.Event() for _ in range(buckets)]
+        self.started = [threading.Event() for _ in range(buckets)]
+        self.fail: int | None = None
+        self.running = self.most = 0
+        self.lock = threading.Lock()
+
+    def put(self, value: Any) -> int:
+        n = int(value[0].nbytes)  # each test bucket's first array has a distinct size: its index
+        index = SIZES.index(n)
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.started[index].set()
+        try:
+            assert self.gates[index].wait(5)
+            if self.fail == index:
+                raise RuntimeError(f"object store full at bucket {index}")
+            return super().put(value)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+SIZES = [4096, 8192, 12288]
+
+
+def three_buckets() -> list[list[tuple[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(5)
+    return [[(f"w{i}", torch.randn(n // 4, generator=g)), (f"b{i}", torch.randn(3, generator=g))]
+            for i, n in enumerate(SIZES)]
+
+
+def test_two_buckets_are_put_at_once_and_the_manifest_keeps_bucket_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = GatedRay(3)
+    monkeypatch.setattr(osx, "_ray", lambda: fake)
+    directory = FakeDirectory()
+
+    async def main() -> dict[str, torch.Tensor]:
+        publish = asyncio.ensure_future(osx.ObjectStorePublisher(directory, puts_in_flight=2).publish(1, three_buckets()))
+        assert await asyncio.to_thread(fake.started[1].wait, 5)  # bucket 1 went in while bucket 0 was still copying
+        assert not fake.started[2].is_set()  # no third: two in flight at most
+        for gate in reversed(fake.gates):  # the later buckets finish first
+            gate.set()
+            await asyncio.sleep(0.01)
+        ref = await publish
+        raw, refs = directory.versions[1]
+        assert [b.index for b in pb.Manifest.FromString(raw).buckets] == [0, 1, 2]
+        assert [fake.objects[r[0]][0].nbytes for r in refs] == SIZES  # refs in bucket order
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")
+        got = {n: t.clone() async for b in fetcher.fetch(ref) for n, t in b}
+        await fetcher.close()
+        return got
+
+    got = asyncio.run(main())
+    assert fake.most == 2
+    want = {n: t for b in three_buckets() for n, t in b}
+    assert set(got) == set(want) and all(torch.equal(got[n], t) for n, t in want.items())
+
+
+def test_one_bucket_in_flight_puts_them_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = GatedRay(3)
+    for gate in fake.gates:
+        gate.set()
+    monkeypatch.setattr(osx, "_ray", lambda: fake)
+    directory = FakeDirectory()
+    asyncio.run(osx.ObjectStorePublisher(directory, puts_in_flight=1).publish(1, three_buckets()))
+    assert fake.most == 1 and [len(r) for r in directory.versions[1][1]] == [1, 1, 1]
+
+
+def test_a_failed_put_fails_the_publish_and_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = GatedRay(3)
+    fake.fail = 1
+    for gate in fake.gates:
+        gate.set()
+    monkeypatch.setattr(osx, "_ray", lambda: fake)
+    directory = FakeDirectory()
+    with pytest.raises(RuntimeError, match="object store full at bucket 1"):
+        asyncio.run(osx.ObjectStorePublisher(directory, puts_in_flight=2).publish(1, three_buckets()))
+    assert directory.versions == {}
+
+
+def test_puts_in_flight_must_be_positive() -> None:
+    with pytest.raises(InvalidArgument, match="puts_in_flight"):
+        osx.ObjectStorePublisher(FakeDirectory(), puts_in_flight=0)

@@ -3,8 +3,9 @@
     trainer: one ray.put per bucket: its tensors' bytes as a list of arrays, which Ray writes as
              out-of-band buffers of one object (one copy into shared memory, one create/seal
              round trip with the raylet per bucket instead of per tensor; the bucket's
-             fingerprint is computed alongside, in another thread) ─▶ the param server
-             deployment registers the manifest + refs (handle call; refs stay refs)
+             fingerprint is computed alongside, in other threads; on a host with >= 8 CPUs two
+             buckets are put at once, the next bucket exported while they copy) ─▶ the param
+             server deployment registers the manifest + refs (handle call; refs stay refs)
     rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
              ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify)
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import os
 import warnings
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Literal, Protocol
 
@@ -121,9 +123,21 @@ def _bucket_arrays(got: list[Any]) -> Any:
     return got
 
 
+def _cpus() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 # Threads a bucket's fingerprint is split over: it runs beside the put, whose copy is parallel,
 # and a single-threaded pass would outlast it.
-FINGERPRINT_THREADS = max(1, min(4, os.cpu_count() or 1))
+FINGERPRINT_THREADS = max(1, min(4, _cpus()))
+# Buckets being put at once. Ray copies one object with a fixed 6 threads, which leaves a many-core
+# host's memory bandwidth idle; a second bucket in flight (its own put and fingerprint) uses it. On
+# a few cores the two would only take turns. Each one in flight holds its bucket's host memory.
+PUTS_IN_FLIGHT = 2 if _cpus() >= 8 else 1
 
 
 def _split(arrays: list[tuple[int, np.ndarray]], parts: int) -> list[list[tuple[int, np.ndarray]]]:
@@ -164,22 +178,46 @@ class ObjectStorePublisher:
 
     transport = TRANSPORT
 
-    def __init__(self, directory: ObjectDirectory, *, address: str = "", timeout_s: float = 300.0) -> None:
+    def __init__(self, directory: ObjectDirectory, *, address: str = "", timeout_s: float = 300.0,
+                 puts_in_flight: int | None = None) -> None:
+        puts_in_flight = PUTS_IN_FLIGHT if puts_in_flight is None else puts_in_flight
+        if puts_in_flight < 1:
+            raise InvalidArgument("puts_in_flight", f"{puts_in_flight}: at least one bucket must be put at a time")
         self.directory = directory
         self.address = address
         self.timeout_s = timeout_s
+        self.puts_in_flight = puts_in_flight
 
     async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         ray = _ray()
         deadline = Deadline(self.timeout_s, f"publish of version {version} to the object store")
         builder = ManifestBuilder(version)
         refs: list[list[Any]] = []
-        async for planned in plan_buckets(buckets):
-            arrays = _layout_arrays(planned) if _views_only(planned) else await asyncio.to_thread(_layout_arrays, planned)
-            fingerprint = asyncio.ensure_future(_fingerprint(planned.nbytes, arrays))
-            put = asyncio.to_thread(_put_bucket, ray, arrays)
+        # buckets being put, oldest first: (bucket, its put, its fingerprint); finished in order
+        pending: deque[tuple[PlannedBucket, asyncio.Future[list[Any]], asyncio.Future[str]]] = deque()
+
+        async def finish_oldest() -> None:
+            planned, put, fingerprint = pending[0]
             refs.append(await asyncio.wait_for(put, timeout=deadline.check(f"putting bucket {planned.index}")))
             builder.add(planned, await fingerprint)
+            pending.popleft()
+
+        try:
+            async for planned in plan_buckets(buckets):
+                arrays = _layout_arrays(planned) if _views_only(planned) else await asyncio.to_thread(_layout_arrays, planned)
+                pending.append((planned, asyncio.ensure_future(asyncio.to_thread(_put_bucket, ray, arrays)),
+                                asyncio.ensure_future(_fingerprint(planned.nbytes, arrays))))
+                while len(pending) >= self.puts_in_flight:
+                    await finish_oldest()
+            while pending:
+                await finish_oldest()
+        finally:
+            # a failed publish: its other buckets are abandoned (a put's thread runs to its end;
+            # nothing references what it made, so the store frees it)
+            for _, put, fingerprint in pending:
+                for f in (put, fingerprint):
+                    if not f.cancel() and not f.cancelled():
+                        f.exception()  # done: its error (if any) is this failure's, already raised or moot
         manifest = builder.build([TRANSPORT])
         await asyncio.wait_for(self.directory.register(convert.manifest_to_proto(manifest), refs),
                                timeout=deadline.check("registering the version"))
