@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="per-device link speed in Gbit/s: also estimate weight-sync seconds per version")
+    p.add_argument("--changed-fraction", type=float, default=None,
+                   help="with --link-gbps: share of elements one version changes, for the delta-sync "
+                        "estimate (default 0.02; verl reports 1-3%% of bf16 elements per step)")
 
     p = sub.add_parser("coordinator", help="run the coordinator without Ray")
     csub = p.add_subparsers(dest="coordinator_command", required=True)
@@ -331,7 +334,7 @@ def _plan(args: argparse.Namespace) -> int:
     from meshrl.plan import make_plan
 
     config, overrides = _split_config_and_overrides(args)
-    plan = make_plan(config, overrides, link_gbps=args.link_gbps)
+    plan = make_plan(config, overrides, link_gbps=args.link_gbps, changed_fraction=args.changed_fraction)
     if args.json:
         print(json.dumps(plan, indent=2))
     else:

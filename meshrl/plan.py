@@ -71,8 +71,10 @@ def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
     }
 
 
-def make_plan(config: str | None, overrides: list[str], link_gbps: float | None = None) -> dict[str, Any]:
-    """The plan of a config; with `link_gbps`, also the weight-sync estimate (plan_sync.py)."""
+def make_plan(config: str | None, overrides: list[str], link_gbps: float | None = None,
+              changed_fraction: float | None = None) -> dict[str, Any]:
+    """The plan of a config; with `link_gbps`, also the weight-sync estimate (plan_sync.py;
+    `changed_fraction`: the share of elements a version changes, for its delta-sync case)."""
     cfg = load_config(resolve_config_path(config), overrides)
     dataset_size: int | None
     try:
@@ -94,9 +96,11 @@ def make_plan(config: str | None, overrides: list[str], link_gbps: float | None 
     counts = arch.param_counts()
     extra: dict[str, Any] = {}
     if link_gbps is not None:
-        from .plan_sync import weight_sync_estimate
+        from .plan_sync import DELTA_CHANGED_FRACTION, weight_sync_estimate
 
-        extra["weight_sync"] = weight_sync_estimate(cfg, arch, link_gbps)
+        extra["weight_sync"] = weight_sync_estimate(
+            cfg, arch, link_gbps,
+            changed_fraction=DELTA_CHANGED_FRACTION if changed_fraction is None else changed_fraction)
     return {
         "derived": {**derived.as_dict(), "dataset_size": dataset_size},
         "async_training": cfg.async_training.model_dump(mode="json"),

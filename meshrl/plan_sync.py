@@ -19,6 +19,21 @@ The model (the numbers it was checked against are in BENCHMARKS.md, "Weight sync
                efficiency: what the transport reaches of a raw broadcast of the same bytes
                (0.6-0.75 measured on 2 H100 / H200 for one sender; BENCHMARKS.md)
 
+With delta sync (`param_server.delta_sync`; services/weights/delta.py), versions after the first
+carry only the elements that changed since the version every rollout rank holds:
+
+    f          the share of elements that change per version (--changed-fraction; verl reports
+               1-3% of bf16 elements per RL step, 1.45-1.86% was measured at lr 1e-6)
+    w          bytes per element on the wire: the rollout's dtype when it names one, else the export's
+    delta B  = params x f x (4 + w)   an int32 index and the new value per changed element (a tensor
+               whose delta would not be smaller goes whole: delta B is capped at params x w)
+    device_s = params x w x (enc / S + dec)   the sender's compare and gather (each sender its own
+               part) and each receiver's rebuild and check, per byte (H200: enc 4.1, dec 1.6 ms per
+               GiB; BENCHMARKS.md, "Delta sync")
+    expected_s = max(delta wire_s, gather_s) / efficiency + device_s
+               rank 0's gather still moves every byte of a sharded trainer: there delta sync
+               shortens the wire, not the gather
+
 It ignores per-bucket latency (~0.2 ms per 512 MiB bucket: under 1% at these sizes), the copy of
 every byte to every device inside a rollout node (NVLink / HCCS, usually several times a NIC), the
 host export of engines that go through host memory, and links shared with training traffic.
@@ -36,18 +51,36 @@ DEFAULT_EFFICIENCY = 0.7
 H100 and H200 from 2026-11-26 to 27)."""
 
 
+DELTA_CHANGED_FRACTION = 0.02
+"""Default share of elements that change per version (verl: 1-3% of bf16 elements per RL step)."""
+DELTA_ENCODE_S_PER_GIB = 0.0041
+DELTA_DECODE_S_PER_GIB = 0.0016
+"""Delta sync's device work per GiB of wire-dtype weights, one H200: the sender's encode 16.3 ms and
+a receiver's rebuild and check 6.5 ms per 4 GiB at 1.5% changed (BENCHMARKS.md, "Delta sync")."""
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def export_bytes_per_param(cfg: MeshConfig) -> int:
     """Bytes per parameter of what the trainer exports: its parameter dtype."""
     return 4 if cfg.actor_rollout_ref.model.dtype == "float32" else 2
 
 
+def delta_wire_bytes_per_param(cfg: MeshConfig) -> int:
+    """Bytes per element a delta carries values in: the rollout's dtype when it names one."""
+    return _DTYPE_BYTES.get(cfg.actor_rollout_ref.rollout.dtype, export_bytes_per_param(cfg))
+
+
 def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
-                         efficiency: float = DEFAULT_EFFICIENCY) -> dict[str, Any]:
-    """Seconds per version for rank-0 and every-rank sync (the config's own mode marked)."""
+                         efficiency: float = DEFAULT_EFFICIENCY,
+                         changed_fraction: float = DELTA_CHANGED_FRACTION) -> dict[str, Any]:
+    """Seconds per version for rank-0 and every-rank sync (the config's own mode marked), and
+    with delta sync in the config's mode."""
     if link_gbps <= 0:
         raise ValueError(f"--link-gbps must be positive, got {link_gbps}")
     if not 0 < efficiency <= 1:
         raise ValueError(f"the transport efficiency must be in (0, 1], got {efficiency}")
+    if not 0 <= changed_fraction <= 1:
+        raise ValueError(f"--changed-fraction must be in [0, 1], got {changed_fraction}")
     nbytes = arch.total_params * export_bytes_per_param(cfg)
     link = link_gbps / 8 * 1e9
     trainer_world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -63,6 +96,9 @@ def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
     rank0 = case(1, trainer_world > 1)
     every = case(trainer_world, False)
     mode = "every_rank" if cfg.param_server.collective_sharded else "rank0"
+    whole = every if mode == "every_rank" else rank0
+    delta = _delta_case(cfg, arch.total_params, whole, link, per_node, efficiency, changed_fraction)
+    delta["vs_whole"] = round(delta["expected_s"] / whole["expected_s"], 3) if whole["expected_s"] else 1.0
     return {
         "bytes_per_version": nbytes,
         "link_gbps": link_gbps,
@@ -72,6 +108,28 @@ def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
         "rank0": rank0,
         "every_rank": {**every, "available": sharded_ok},
         "speedup_every_rank": round(rank0["expected_s"] / every["expected_s"], 2),
+        "delta": delta,
         "note": "every_rank needs param_server.collective_sharded=true and the fsdp engine"
         if not sharded_ok or mode == "rank0" else "",
+    }
+
+
+def _delta_case(cfg: MeshConfig, params: int, whole: dict[str, float], link: float, per_node: int,
+                efficiency: float, changed: float) -> dict[str, Any]:
+    """Delta sync in the config's mode (`whole`: that mode's case): a version after the first."""
+    senders = int(whole["senders"])
+    w = delta_wire_bytes_per_param(cfg)
+    nbytes = min(params * changed * (4 + w), params * w)
+    wire = nbytes / (min(senders, per_node) * link)
+    device = params * w / 2**30 * (DELTA_ENCODE_S_PER_GIB / senders + DELTA_DECODE_S_PER_GIB)
+    arr = cfg.actor_rollout_ref
+    return {
+        "enabled": cfg.param_server.delta_sync,
+        "available": arr.rollout.checkpoint_engine.backend in ("nccl", "hccl", "gloo") and arr.model.lora_rank == 0,
+        "changed_fraction": changed,
+        "bytes_per_version": int(nbytes),
+        "wire_s": round(wire, 3),
+        "gather_s": whole["gather_s"],
+        "device_s": round(device, 3),
+        "expected_s": round(max(wire, whole["gather_s"]) / efficiency + device, 3),
     }

@@ -44,3 +44,48 @@ def test_cli_flag_and_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "weight_sync" not in make_plan("qwen3_5_27b_grpo_fsdp", [])
     with pytest.raises(ValueError, match="link-gbps"):
         make_plan("qwen3_5_27b_grpo_fsdp", [], link_gbps=0)
+
+
+SHARDED = ["trainer.nnodes=1", "trainer.n_gpus_per_node=8", "rollout.nnodes=1", "rollout.n_gpus_per_node=8",
+           "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "param_server.collective_sharded=true",
+           "actor_rollout_ref.rollout.dtype=bfloat16"]
+
+
+def test_delta_sync_on_a_slow_link_sends_the_changed_elements_with_their_indices() -> None:
+    sync = make_plan("qwen3_5_27b_grpo_fsdp", [*SHARDED, "param_server.delta_sync=true"], link_gbps=100,
+                     changed_fraction=0.02)["weight_sync"]
+    params = sync["bytes_per_version"] // 2  # bf16 export
+    delta = sync["delta"]
+    assert delta["enabled"] and delta["available"]
+    assert delta["bytes_per_version"] == int(params * 0.02 * (4 + 2))  # int32 index + bf16 value
+    assert delta["wire_s"] == pytest.approx(delta["bytes_per_version"] / (8 * 12.5e9), rel=1e-2)
+    # the device work: each of 8 senders encodes its part, every receiver rebuilds the whole
+    assert delta["device_s"] == pytest.approx(params * 2 / 2**30 * (0.0041 / 8 + 0.0016), rel=1e-2)
+    assert delta["expected_s"] == pytest.approx(delta["wire_s"] / 0.7 + delta["device_s"], abs=2e-3)
+    assert delta["vs_whole"] < 0.5  # 6% of the bytes on a 100 Gbit/s link
+
+
+def test_delta_sync_behind_rank_0s_gather_saves_nothing() -> None:
+    base = [s for s in SHARDED if not s.startswith("param_server.collective_sharded")]
+    sync = make_plan("qwen3_5_27b_grpo_fsdp", base, link_gbps=400)["weight_sync"]
+    assert sync["mode"] == "rank0" and sync["delta"]["gather_s"] == sync["rank0"]["gather_s"] > 0
+    assert sync["delta"]["vs_whole"] >= 1  # the full tensors still cross rank 0's link to be gathered
+
+
+def test_a_delta_never_carries_more_than_the_whole_version() -> None:
+    sync = make_plan("qwen3_5_27b_grpo_fsdp", SHARDED, link_gbps=100, changed_fraction=1.0)["weight_sync"]
+    assert sync["delta"]["bytes_per_version"] == sync["bytes_per_version"]  # bf16 wire, every element changed
+    assert sync["delta"]["enabled"] is False  # delta_sync off in the config: an estimate all the same
+
+
+def test_delta_sync_is_marked_unavailable_without_a_collective_transport_and_bad_fractions_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    sync = make_plan("qwen3_5_27b_grpo_fsdp", [], link_gbps=100)["weight_sync"]
+    assert sync["delta"]["changed_fraction"] == 0.02
+    grpc = make_plan("qwen3_5_27b_grpo_fsdp", ["actor_rollout_ref.rollout.checkpoint_engine.backend=grpc"],
+                     link_gbps=100)["weight_sync"]
+    assert grpc["delta"]["available"] is False
+    with pytest.raises(ValueError, match="changed-fraction"):
+        make_plan("qwen3_5_27b_grpo_fsdp", [], link_gbps=100, changed_fraction=1.5)
+    assert main(["plan", "qwen3_5_27b_grpo_fsdp", "--link-gbps", "100", "--changed-fraction", "0.05", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["weight_sync"]["delta"]["changed_fraction"] == 0.05
