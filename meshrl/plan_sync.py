@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.config import MeshConfig
+from services.common.config.actor_rollout_ref import COLLECTIVE_BACKENDS
 from services.common.model_arch import ModelArch
 
 DEFAULT_EFFICIENCY = 0.7
@@ -62,7 +63,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def export_bytes_per_param(cfg: MeshConfig) -> int:
     """Bytes per parameter of what the trainer exports: its parameter dtype."""
-    return 4 if cfg.actor_rollout_ref.model.dtype == "float32" else 2
+    return _DTYPE_BYTES[cfg.actor_rollout_ref.model.dtype]
 
 
 def delta_wire_bytes_per_param(cfg: MeshConfig) -> int:
@@ -97,8 +98,6 @@ def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
     every = case(trainer_world, False)
     mode = "every_rank" if cfg.param_server.collective_sharded else "rank0"
     whole = every if mode == "every_rank" else rank0
-    delta = _delta_case(cfg, arch.total_params, whole, link, per_node, efficiency, changed_fraction)
-    delta["vs_whole"] = round(delta["expected_s"] / whole["expected_s"], 3) if whole["expected_s"] else 1.0
     return {
         "bytes_per_version": nbytes,
         "link_gbps": link_gbps,
@@ -108,7 +107,7 @@ def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
         "rank0": rank0,
         "every_rank": {**every, "available": sharded_ok},
         "speedup_every_rank": round(rank0["expected_s"] / every["expected_s"], 2),
-        "delta": delta,
+        "delta": _delta_case(cfg, arch.total_params, whole, link, per_node, efficiency, changed_fraction),
         "note": "every_rank needs param_server.collective_sharded=true and the fsdp engine"
         if not sharded_ok or mode == "rank0" else "",
     }
@@ -122,14 +121,16 @@ def _delta_case(cfg: MeshConfig, params: int, whole: dict[str, float], link: flo
     nbytes = min(params * changed * (4 + w), params * w)
     wire = nbytes / (min(senders, per_node) * link)
     device = params * w / 2**30 * (DELTA_ENCODE_S_PER_GIB / senders + DELTA_DECODE_S_PER_GIB)
+    expected = round(max(wire, whole["gather_s"]) / efficiency + device, 3)
     arr = cfg.actor_rollout_ref
     return {
         "enabled": cfg.param_server.delta_sync,
-        "available": arr.rollout.checkpoint_engine.backend in ("nccl", "hccl", "gloo") and arr.model.lora_rank == 0,
+        "available": arr.rollout.checkpoint_engine.backend in COLLECTIVE_BACKENDS and arr.model.lora_rank == 0,
         "changed_fraction": changed,
         "bytes_per_version": int(nbytes),
         "wire_s": round(wire, 3),
         "gather_s": whole["gather_s"],
         "device_s": round(device, 3),
-        "expected_s": round(max(wire, whole["gather_s"]) / efficiency + device, 3),
+        "expected_s": expected,
+        "vs_whole": round(expected / whole["expected_s"], 3) if whole["expected_s"] else 1.0,
     }

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.config import MeshConfig, derive
+from services.common.config.actor_rollout_ref import COLLECTIVE_BACKENDS
 from services.common.config.trainer_loop import TrainerLoopConfig
 from services.common.config.trainer_service import TrainerServiceConfig
 from services.common.errors import MissingDependency
@@ -253,7 +254,6 @@ class TrainerParts:
         await self.coordinator.close()
 
 
-COLLECTIVE_BACKENDS = ("nccl", "hccl", "gloo")
 
 
 def _publisher(

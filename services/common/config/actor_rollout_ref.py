@@ -267,6 +267,10 @@ class ValKwargs(ConfigModel):
     """Sample (true) or decode greedily (false)."""
 
 
+COLLECTIVE_BACKENDS = ("nccl", "hccl", "gloo")
+"""`checkpoint_engine.backend` values that broadcast every version to every rollout rank."""
+
+
 class CheckpointEngineConfig(ConfigModel):
     """How weights reach this rollout group (verl `rollout.checkpoint_engine`)."""
 

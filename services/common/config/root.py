@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from .actor_rollout_ref import ActorRolloutRefConfig
+from .actor_rollout_ref import COLLECTIVE_BACKENDS, ActorRolloutRefConfig
 from .agent import AgentConfig
 from .algorithm import AlgorithmConfig, CustomRewardFunctionConfig, RewardModelConfig
 from .async_training import AsyncTrainingConfig
@@ -112,7 +112,7 @@ class MeshConfig(ConfigModel):
                 "actor_rollout_ref.actor.strategy=fsdp2 for LoRA, or set actor_rollout_ref.model.lora_rank=0"
             )
         if self.param_server.delta_sync:
-            if arr.rollout.checkpoint_engine.backend not in ("nccl", "hccl", "gloo"):
+            if arr.rollout.checkpoint_engine.backend not in COLLECTIVE_BACKENDS:
                 raise ValueError(
                     "param_server.delta_sync needs a collective transport (every receiver takes every version, so "
                     "all hold the base); set actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or hccl, gloo), "
@@ -124,7 +124,7 @@ class MeshConfig(ConfigModel):
                     "adapter alone (small): set param_server.delta_sync=false with actor_rollout_ref.model.lora_rank>0"
                 )
         if self.param_server.collective_sharded:
-            if arr.rollout.checkpoint_engine.backend not in ("nccl", "hccl", "gloo"):
+            if arr.rollout.checkpoint_engine.backend not in COLLECTIVE_BACKENDS:
                 raise ValueError(
                     "param_server.collective_sharded needs a collective transport; set "
                     "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or hccl, gloo)"
