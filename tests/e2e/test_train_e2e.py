@@ -99,7 +99,9 @@ def test_example_learns_within_bound_and_balances_the_books(tmp_path: Path) -> N
     AutoModelForCausalLM.from_pretrained(run_dir / "hf_export")
 
 
-@pytest.mark.parametrize("backend", ["grpc", "gloo"])
+# grpc's Ctrl-C and resume run in the slow tier (tests/e2e/test_agent_e2e.py, the tool task over grpc,
+# stopped mid-conversation); this one costs ~100 s, so the default suite runs the harder transport.
+@pytest.mark.parametrize("backend", ["gloo"])
 def test_ctrl_c_then_resume_trains_every_prompt_once(tmp_path: Path, backend: str) -> None:
     """gloo: the collective transport (rank 0 broadcasts): a version the trainer publishes after
     the stop reaches no rollout, and the stop must not wait for receivers that left."""
@@ -157,7 +159,9 @@ def test_sync_mode_is_on_policy(tmp_path: Path, mode: str) -> None:
     assert summary["audit"]["balanced"]
 
 
-@pytest.mark.parametrize(("ranks", "delta"), [(1, False), (2, False), (1, True)], ids=["1 rank", "2 ranks", "delta sync"])
+# Two ranks and delta sync share a run (each run costs ~55 s here): whole versions with one rank,
+# delta versions exported through two ranks' all-gathers.
+@pytest.mark.parametrize(("ranks", "delta"), [(1, False), (2, True)], ids=["1 rank", "2 ranks, delta sync"])
 def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: int, delta: bool) -> None:
     """The trainer broadcasts every version to the rollout over the collective transport (gloo:
     the CPU twin of nccl/hccl), announced through the coordinator, the group steady after the
