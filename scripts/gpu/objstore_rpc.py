@@ -49,16 +49,11 @@ async def main(rounds: int) -> None:
     for r in range(rounds + 3):
         refs = [ray.put(os.urandom(64)), ray.put(os.urandom(64))]
         for kind in (("serve", "actor") if r % 2 == 0 else ("actor", "serve")):
+            target = handle if kind == "serve" else actor  # both answer `.method.remote(...)`, awaitable
             t0 = time.perf_counter()
-            if kind == "serve":
-                await handle.register.remote(r, manifest, refs)
-            else:
-                await actor.register.remote(r, manifest, refs)
+            await target.register.remote(r, manifest, refs)
             t1 = time.perf_counter()
-            if kind == "serve":
-                _, got = await handle.lookup.remote(r)
-            else:
-                _, got = await actor.lookup.remote(r)
+            _, got = await target.lookup.remote(r)
             t2 = time.perf_counter()
             assert len(got) == 2
             if r >= 3:  # the first rounds warm the router and the actor's worker
