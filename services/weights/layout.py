@@ -40,6 +40,7 @@ from .adapter import AdapterSpec
 
 FINGERPRINT_COLUMNS = 509
 _MASK64 = (1 << 64) - 1
+_FOLD = 64  # rows of the host column sum: _FOLD * FINGERPRINT_COLUMNS words (see Fingerprinter)
 
 # torch dtype -> (meshrl.v1.DType value, safetensors name). Values match param_server.proto.
 _DTYPES: dict[torch.dtype, tuple[int, str]] = {
@@ -297,10 +298,16 @@ class Fingerprinter:
         lead = min(len(words), (k - start) % k)
         if lead:
             self._cols[start : start + lead] += words[:lead]
-        rest = words[lead:]
+        rest = words[lead:]  # rest[i] lands in column i % k
+        # Rows of k * _FOLD words first (one row's sum folded into k columns after): numpy's
+        # column sum runs ~15% faster on wide rows than on rows of k (a single core of a Xeon)
+        wide = len(rest) // (k * _FOLD) * (k * _FOLD)
+        if wide:
+            self._cols += rest[:wide].reshape(-1, k * _FOLD).sum(axis=0, dtype=np.uint64).reshape(_FOLD, k).sum(
+                axis=0, dtype=np.uint64)
         full = len(rest) // k * k
-        if full:
-            self._cols += rest[:full].reshape(-1, k).sum(axis=0, dtype=np.uint64)
+        if full > wide:
+            self._cols += rest[wide:full].reshape(-1, k).sum(axis=0, dtype=np.uint64)
         tail = rest[full:]
         if len(tail):
             self._cols[: len(tail)] += tail

@@ -60,6 +60,21 @@ def test_pieces_in_any_order_give_the_reference_digest(n: int, seed: int, cuts: 
     assert fp.hexdigest() == want
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(min_value=layout._FOLD * _ROW - 9, max_value=(2 * layout._FOLD + 3) * _ROW + 37),
+       seed=st.integers(0, 2**32 - 1), cuts=st.lists(st.floats(0, 1), max_size=4))
+def test_long_pieces_give_the_reference_digest(n: int, seed: int, cuts: list[float]) -> None:
+    """Pieces long enough for the wide rows (_FOLD rows of K words summed at once, then folded),
+    starting at any column and byte."""
+    raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+    want = reference(raw)
+    bounds = sorted({0, n, *(int(c * n) for c in cuts)})
+    fp = Fingerprinter(n)
+    for a, b in itertools.pairwise(bounds):
+        fp.update(a, raw[a:b])
+    assert fp.hexdigest() == want == fingerprint_bytes(raw)
+
+
 @settings(max_examples=30, deadline=None)
 @given(n=sizes, seed=st.integers(0, 2**32 - 1))
 def test_the_torch_columns_give_the_reference_digest(n: int, seed: int) -> None:
