@@ -119,18 +119,21 @@ class BenchSide:
         ref = await self._publishers[backend].publish(version, self.weights)
         return ref.SerializeToString(), time.perf_counter() - t0
 
-    async def fetch(self, backend: str, ref_bytes: bytes) -> tuple[int, float]:
+    async def fetch(self, backend: str, ref_bytes: bytes) -> tuple[int, float, int]:
+        """(bytes, seconds, buckets the fetcher fingerprinted: object_store checks what crossed nodes)"""
         from meshrl.v1 import common_pb2
         from services.weights.transports import make_fetcher
 
         if backend not in self._fetchers:
             self._fetchers[backend] = make_fetcher(await self._cfg(), consumer_id=f"bench-{backend}", backend=backend)
         ref = common_pb2.WeightsRef.FromString(ref_bytes)
+        fetcher = self._fetchers[backend]
+        verified = getattr(fetcher, "verified_buckets", 0)
         t0 = time.perf_counter()
         n = 0
-        async for bucket in self._fetchers[backend].fetch(ref):
+        async for bucket in fetcher.fetch(ref):
             n += sum(t.numel() * t.element_size() for _, t in bucket)
-        return n, time.perf_counter() - t0
+        return n, time.perf_counter() - t0, getattr(fetcher, "verified_buckets", 0) - verified
 
     async def close(self) -> None:
         for p in [*self._publishers.values(), *self._fetchers.values()]:
@@ -174,14 +177,15 @@ def _driver(args: dict[str, Any]) -> dict[str, Any]:
         result["baselines"][f"raw_tcp_{src}_to_{dst}"] = _summary(total, [{"copy": t} for t in times])["copy"]
     version = 0
     for backend in args["transports"]:
-        per_round = []
+        per_round, verified = [], []
         for _ in range(rounds + 1):
             version += 1
             ref, pub_s = ray.get(nodes["c"].publish.remote(backend, version))
-            got, fetch_s = ray.get(nodes["b"].fetch.remote(backend, ref))
+            got, fetch_s, checked = ray.get(nodes["b"].fetch.remote(backend, ref))
             assert got == total, f"{backend}: fetched {got} of {total} bytes"
             per_round.append({"publish": pub_s, "fetch": fetch_s, "end_to_end": pub_s + fetch_s})
-        result["transports"][backend] = _summary(total, per_round)
+            verified.append(checked)
+        result["transports"][backend] = {**_summary(total, per_round), "verified_buckets": verified}
     ray.get([a.close.remote() for a in nodes.values()])
     serve.shutdown()
     return result

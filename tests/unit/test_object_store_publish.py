@@ -20,9 +20,24 @@ from services.common.errors import InvalidArgument
 from services.weights.layout import Fingerprinter, fingerprint_bytes
 from services.weights.transports import object_store as osx
 
+HERE, ELSEWHERE = "a1" * 28, "b2" * 28  # node ids as Ray writes them (hex of 28 bytes)
+
+
+class FakeRef:
+    """An object ref: an id and the node of its owner (the process that put it)."""
+
+    def __init__(self, n: int, owner_node: str) -> None:
+        self.n, self.owner_node = n, owner_node
+
+    def owner_address(self) -> bytes:
+        from ray.core.generated.common_pb2 import Address
+
+        return Address(node_id=bytes.fromhex(self.owner_node), ip_address="10.0.0.1", port=1).SerializeToString()  # type: ignore[no-any-return]
+
 
 class FakeRay:
-    """ray.put / ray.get over a dict; values are kept as put (no copy, as on one node)."""
+    """ray.put / ray.get over a dict; values are kept as put (no copy, as on one node). The
+    fetcher runs on node HERE; `owner_node` is where puts come from."""
 
     class exceptions:  # mirrors ray.exceptions
         class GetTimeoutError(Exception):
@@ -32,19 +47,20 @@ class FakeRay:
             """ray.exceptions.ObjectLostError"""
 
     def __init__(self) -> None:
-        self.objects: dict[int, Any] = {}
+        self.objects: dict[FakeRef, Any] = {}
         self.ids = itertools.count()
+        self.owner_node = HERE
 
-    def put(self, value: Any) -> int:
-        ref = next(self.ids)
+    def put(self, value: Any) -> FakeRef:
+        ref = FakeRef(next(self.ids), self.owner_node)
         self.objects[ref] = value
         return ref
 
-    def get(self, refs: list[int], timeout: float | None = None) -> list[Any]:
+    def get(self, refs: list[FakeRef], timeout: float | None = None) -> list[Any]:
         return [self.objects[r] for r in refs]
 
     def get_runtime_context(self) -> Any:
-        return types.SimpleNamespace(get_node_id=lambda: "node")
+        return types.SimpleNamespace(get_node_id=lambda: HERE)
 
 
 class FakeDirectory:
@@ -155,6 +171,42 @@ def test_a_corrupted_object_fails_its_fingerprint(fake_ray: FakeRay) -> None:
     asyncio.run(main())
 
 
+def test_only_objects_put_on_this_node_are_read_unverified(fake_ray: FakeRay) -> None:
+    """`remote`: an object put on the fetcher's node is the publisher's own bytes (mapped, never
+    transferred); one put elsewhere is fingerprinted, and a corrupted one fails."""
+    directory = FakeDirectory()
+
+    async def fetch_all(version: int, **kw: Any) -> tuple[int, dict[str, torch.Tensor]]:
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id=f"c{version}", verify="remote", **kw)
+        ref = await osx.ObjectStorePublisher(directory).publish(version, weights())
+        got = {n: t.clone() async for b in fetcher.fetch(ref) for n, t in b}
+        return fetcher.verified_buckets, got
+
+    async def main() -> None:
+        assert (await fetch_all(1))[0] == 0
+        fake_ray.owner_node = ELSEWHERE
+        verified, got = await fetch_all(2)
+        assert verified == 2 and torch.equal(got["d"], weights()[1][0][1])
+        ref = await osx.ObjectStorePublisher(directory).publish(3, weights())
+        _, refs = directory.versions[3]
+        fake_ray.objects[refs[1][0]][0][3] ^= 1  # a copy pulled from the other node, corrupted
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="remote", max_attempts=1)
+        with pytest.raises(osx.DataLoss, match="fingerprint"):
+            [b async for b in fetcher.fetch(ref)]
+
+    asyncio.run(main())
+
+
+def test_an_owner_that_cannot_be_read_means_verify() -> None:
+    class Opaque:
+        def owner_address(self) -> bytes:
+            return b"\xff not an address"
+
+    ray = types.SimpleNamespace(get_runtime_context=lambda: types.SimpleNamespace(get_node_id=lambda: HERE))
+    assert osx._put_here(ray, [FakeRef(0, HERE), FakeRef(1, ELSEWHERE), Opaque()]) == [True, False, False]
+    assert osx._put_here(types.SimpleNamespace(), [FakeRef(0, HERE)]) == [False]  # no runtime context
+
+
 class GatedDirectory(FakeDirectory):
     """Releases wait for `gate` (or fail when `fail` is set); lookups are recorded in order."""
 
@@ -182,7 +234,7 @@ def test_a_fetch_releases_its_hold_after_the_last_bucket_and_the_next_fetch_wait
     async def main() -> None:
         pub = osx.ObjectStorePublisher(directory)
         ref1, ref2 = await pub.publish(1, weights()), await pub.publish(2, weights())
-        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")  # no locality query (fake refs)
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")
         assert len([b async for b in fetcher.fetch(ref1)]) == 2  # returns with the release pending
         assert directory.calls == ["lookup 1"] and directory.released == []
         second = asyncio.ensure_future(_count(fetcher.fetch(ref2)))
@@ -204,7 +256,7 @@ def test_an_abandoned_fetch_still_releases_and_a_failed_release_is_counted(fake_
     async def main() -> None:
         pub = osx.ObjectStorePublisher(directory)
         ref1, ref2 = await pub.publish(1, weights()), await pub.publish(2, weights())
-        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")  # no locality query (fake refs)
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")
         stream = fetcher.fetch(ref1)
         async for _ in stream:
             break  # the consumer stops after the first bucket

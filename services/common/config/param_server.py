@@ -48,9 +48,11 @@ class ParamServerConfig(ConfigModel):
     """Also put a sha256 per bucket in manifests (and check it). The always-on fingerprint already
     catches corruption; sha256 costs about 1.5 GB/s of one core on each side."""
     object_store_verify: Literal["always", "remote"] = "remote"
-    """`object_store` fetch: fingerprint every bucket (`always`) or only buckets that crossed nodes
-    (`remote`; a same-node read maps the publisher's shared memory, nothing was transferred).
-    Sizes, names and dtypes are always checked against the manifest."""
+    """`object_store` fetch: fingerprint every bucket (`always`) or only buckets not put on the
+    fetcher's node (`remote`: a read of an object the publisher put on this node maps its shared
+    memory, nothing was transferred; a copy pulled from another node is checked by every reader,
+    also when another consumer here pulled it first). Sizes, names and dtypes are always checked
+    against the manifest."""
     max_message_mb: int = Field(default=64, ge=1)
     """gRPC message size limit (both directions)."""
     max_concurrent_uploads: int = Field(default=4, ge=1)

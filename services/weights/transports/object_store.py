@@ -8,7 +8,8 @@
              server deployment registers the manifest + refs (handle call; refs stay refs)
     rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
-             ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify)
+             ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify:
+             `remote` fingerprints every bucket not put on this node, read from the ref's owner)
              ─▶ after the last bucket, the release (handle call) is sent at once and its answer
              awaited beside the caller: the consumer does not wait for it; this fetcher's next
              fetch (or close) does, so holds are released in order; the request is delivered by
@@ -226,16 +227,26 @@ class ObjectStorePublisher:
         return convert.weights_ref(manifest, self.address)
 
 
-def _local(ray: Any, refs: list[Any]) -> list[bool]:
-    """Whether each ref's object has a copy on this node (one query for a version's buckets)."""
+def _put_here(ray: Any, refs: list[Any]) -> list[bool]:
+    """Whether each ref's object was put on this node: its owner (the process that put it) runs
+    here, and a put writes the object into its own node's store, so these bytes are the
+    publisher's own, never transferred. Anything else was pulled from another node (a copy another
+    consumer here pulled earlier too: each reader verifies it). Read from the refs themselves, no
+    round trip; unknown means verify."""
     try:
-        from ray.experimental import get_object_locations
+        from ray.core.generated.common_pb2 import Address
 
-        where = get_object_locations(refs)
-        node = ray.get_runtime_context().get_node_id()
-        return [node in where[ref]["node_ids"] for ref in refs]
-    except Exception:  # noqa: BLE001 -- locality is an optimisation; unknown means verify
+        here = bytes.fromhex(ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 -- locality only spares a check; unknown means verify
         return [False] * len(refs)
+
+    def put_here(ref: Any) -> bool:
+        try:
+            return bool(Address.FromString(ref.owner_address()).node_id == here)
+        except Exception:  # noqa: BLE001
+            return False
+
+    return [put_here(ref) for ref in refs]
 
 
 def _check_arrays(manifest: Manifest, index: int, arrays: Any, verify: bool) -> Bucket:
@@ -335,7 +346,7 @@ class ObjectStoreFetcher:
             if len(refs) != len(manifest.buckets):
                 raise DataLoss(f"version {version}: {len(refs)} objects for {len(manifest.buckets)} buckets")
             firsts = [orefs[0] for orefs in refs if orefs]
-            local = dict(zip(firsts, _local(ray, firsts), strict=True)) if self.verify != "always" and firsts else {}
+            local = dict(zip(firsts, _put_here(ray, firsts), strict=True)) if self.verify != "always" and firsts else {}
             for i, orefs in enumerate(refs):
                 verify = self.verify == "always" or not orefs or not local.get(orefs[0], False)
                 for attempt in range(1, self.max_attempts + 1):
