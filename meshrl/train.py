@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from services.common.config import MeshConfig, derive, load_config, write_resolved_config
 from services.common.errors import first_cause
 from services.common.logging import get_logger
-from services.common.serve_util import free_port, port_is_free
+from services.common.serve_util import APP_LOGGING, free_port, port_is_free
 
 from .tokens import prepare_run_secrets
 from .watchdog import RunFailed, RunFailure, Watchdog
@@ -231,7 +231,7 @@ class MeshRun:
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
                 "session": uuid.uuid4().hex, "ranks": self.early_ranks}
-        quiet = LoggingConfig(enable_access_log=False, log_level="WARNING")
+        quiet = LoggingConfig(**APP_LOGGING)
         # Every application at once (serve.run_many returns when every replica is healthy), as
         # `serve deploy` of `meshrl serve-config` starts them: a rollout or trainer replica spends
         # its first seconds spawning and importing, by which time the coordinator, param server and

@@ -179,7 +179,7 @@ def _serve(seconds: float) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from services.common.serve_util import init_ray, start_serve
+    from services.common.serve_util import APP_LOGGING, init_ray, start_serve
     from services.coordinator.deployment import build_app
 
     port, http = free_port(), free_port()
@@ -189,7 +189,7 @@ def _serve(seconds: float) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as d:
             cfg = _bench_config(d, 0)
             serve.run(build_app({"config": cfg.model_dump(mode="json"), "run_dir": d}), name="coordinator",
-                      route_prefix="/coordinator")
+                      route_prefix="/coordinator", logging_config=APP_LOGGING)
             return asyncio.run(_measure(f"127.0.0.1:{port}", "coordinator", seconds))
     finally:
         serve.shutdown()

@@ -150,6 +150,7 @@ def _driver(args: dict[str, Any]) -> dict[str, Any]:
 
     from meshrl.bench.weights import _summary
     from services.common.config import MeshConfig
+    from services.common.serve_util import APP_LOGGING
     from services.param_server.deployment import APP_NAME, build_app
 
     total, bucket, rounds = args["bytes"], args["bucket_bytes"], args["rounds"]
@@ -161,7 +162,7 @@ def _driver(args: dict[str, Any]) -> dict[str, Any]:
     config = cfg.model_dump(mode="json")
     ray.init(logging_level="ERROR", log_to_driver=False)  # type: ignore[arg-type]  # ray accepts names
     serve.start(http_options={"host": "127.0.0.1", "port": 8000}, logging_config={"enable_access_log": False})
-    serve.run(build_app({"config": config}), name=APP_NAME, route_prefix=None)
+    serve.run(build_app({"config": config}), name=APP_NAME, route_prefix=None, logging_config=APP_LOGGING)
     from meshrl.bench.crossnode import BenchSide as Side  # by reference, not pickled from __main__
 
     side: Any = ray.remote(Side)

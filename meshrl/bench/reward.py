@@ -175,7 +175,7 @@ def _serve_cases(
     import ray
     from ray import serve
 
-    from services.common.serve_util import init_ray, start_serve
+    from services.common.serve_util import APP_LOGGING, init_ray, start_serve
     from services.reward.deployment import build_app
 
     out: dict[str, Any] = {}
@@ -189,7 +189,7 @@ def _serve_cases(
         for name, overrides in apps.items():
             app = name.replace("_", "-")
             cfg = _cfg(["reward.max_batch_size=16", *overrides])
-            serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=app, route_prefix=f"/{app}")
+            serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=app, route_prefix=f"/{app}", logging_config=APP_LOGGING)
 
             async def go(app: str = app) -> dict[str, Any]:
                 async with client_cls(f"127.0.0.1:{grpc_port}", application=app, timeout_s=120) as client:

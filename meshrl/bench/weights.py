@@ -230,7 +230,7 @@ def bench_object_store(weights: list, nbytes: int, rounds: int, warmup: int = 0)
     from ray import serve
 
     from services.common.config import MeshConfig
-    from services.common.serve_util import init_ray
+    from services.common.serve_util import APP_LOGGING, init_ray
     from services.param_server.deployment import APP_NAME, build_app
     from services.weights.transports.object_store import ObjectStoreFetcher, ObjectStorePublisher, ServeDirectory
 
@@ -238,7 +238,7 @@ def bench_object_store(weights: list, nbytes: int, rounds: int, warmup: int = 0)
     init_ray(num_cpus=4)
     serve.start(logging_config={"enable_access_log": False, "log_level": "WARNING"})
     cfg = MeshConfig.model_validate({"param_server": {"port": 0, "retain_versions": 1}})
-    serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=APP_NAME, route_prefix="/param_server")
+    serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=APP_NAME, route_prefix="/param_server", logging_config=APP_LOGGING)
     try:
         async def main() -> list[dict[str, float]]:
             directory = ServeDirectory.from_app()

@@ -161,7 +161,7 @@ def _object_store_case(payloads: dict[str, Payload], rounds: int) -> dict[str, A
     from ray import serve
 
     from services.common.config import MeshConfig
-    from services.common.serve_util import init_ray
+    from services.common.serve_util import APP_LOGGING, init_ray
     from services.param_server.deployment import APP_NAME, build_app
     from services.weights import convert
     from services.weights.transports.object_store import ObjectStoreFetcher, ObjectStorePublisher, ServeDirectory
@@ -170,7 +170,7 @@ def _object_store_case(payloads: dict[str, Payload], rounds: int) -> dict[str, A
     init_ray(num_cpus=4)
     serve.start(logging_config={"enable_access_log": False, "log_level": "WARNING"})
     cfg = MeshConfig.model_validate({"param_server": {"port": 0, "retain_versions": 2}})
-    serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=APP_NAME, route_prefix="/param_server")
+    serve.run(build_app({"config": cfg.model_dump(mode="json")}), name=APP_NAME, route_prefix="/param_server", logging_config=APP_LOGGING)
     try:
         async def main() -> dict[str, Any]:
             directory = ServeDirectory.from_app()

@@ -163,6 +163,11 @@ def init_ray(
     )
 
 
+APP_LOGGING: dict[str, Any] = {"enable_access_log": False, "log_level": "WARNING"}
+"""How `meshrl train` runs every application and Serve itself: no access-log line per call
+(benches deploy with it too, or their replicas would log every handle call that training does not)."""
+
+
 def start_serve(grpc_port: int, *, http_port: int = 8000, request_timeout_s: float | None = None,
                 proxy_location: str = "HeadOnly", wait_for_proxies: bool = True) -> Callable[[], None]:
     """Start Serve with the gRPC ingress serving every meshrl service.
@@ -178,7 +183,7 @@ def start_serve(grpc_port: int, *, http_port: int = 8000, request_timeout_s: flo
 
     http = HTTPOptions(port=http_port)
     grpc = gRPCOptions(port=grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS, request_timeout_s=request_timeout_s)
-    logging_config = {"enable_access_log": False, "log_level": "WARNING"}
+    logging_config = dict(APP_LOGGING)
     if not wait_for_proxies:
         started = _start_controller(http, grpc, logging_config, proxy_location)
         if started is not None:

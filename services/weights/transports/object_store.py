@@ -234,7 +234,7 @@ def _put_here(ray: Any, refs: list[Any]) -> list[bool]:
     consumer here pulled earlier too: each reader verifies it). Read from the refs themselves, no
     round trip; unknown means verify."""
     try:
-        from ray.core.generated.common_pb2 import Address
+        from ray.core.generated.common_pb2 import Address  # type: ignore[attr-defined]  # generated, unstubbed
 
         here = bytes.fromhex(ray.get_runtime_context().get_node_id())
     except Exception:  # noqa: BLE001 -- locality only spares a check; unknown means verify
