@@ -201,6 +201,7 @@ def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: 
         # base 0: the version went whole (the first one, or after a resync); version numbers start at 1
         deltas = {v: r for v, r in by_version.items() if 0 < r["rollout/weights/delta_base_version"] == v - 1}
         assert deltas and all(r["rollout/weights/delta_tensors"] > 0 for r in deltas.values()), by_version
-        assert all(v == 1 for v, r in by_version.items() if r["rollout/weights/delta_base_version"] == 0), by_version
+        # whole only before any delta could be: the base model (0: nothing received yet) and version 1
+        assert all(v <= 1 for v, r in by_version.items() if r["rollout/weights/delta_base_version"] == 0), by_version
         # bf16 on the wire, few elements moved: far less than the whole version travelled
         assert all(r["rollout/weights/sent_fraction"] < 0.6 for r in deltas.values()), deltas
