@@ -65,7 +65,17 @@ def test_pieces_in_any_order_give_the_reference_digest(n: int, seed: int, cuts: 
        seed=st.integers(0, 2**32 - 1), cuts=st.lists(st.floats(0, 1), max_size=4))
 def test_long_pieces_give_the_reference_digest(n: int, seed: int, cuts: list[float]) -> None:
     """Pieces long enough for the wide rows (_FOLD rows of K words summed at once, then folded),
-    starting at any column and byte."""
+    starting at any column and byte (wide rows from the first one on, so that short inputs take
+    that path: the default waits for _WIDE_MIN_ROWS of them)."""
+    layout_min_rows = layout._WIDE_MIN_ROWS
+    layout._WIDE_MIN_ROWS = 1
+    try:
+        _check_pieces(n, seed, cuts)
+    finally:
+        layout._WIDE_MIN_ROWS = layout_min_rows
+
+
+def _check_pieces(n: int, seed: int, cuts: list[float]) -> None:
     raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
     want = reference(raw)
     bounds = sorted({0, n, *(int(c * n) for c in cuts)})
@@ -107,3 +117,20 @@ def test_digests_of_fixed_inputs_do_not_change() -> None:
     assert fingerprint_bytes(data[:8144]) == "bdd7eda6816b012a25893785e70625be"
     assert fingerprint_bytes(data[:13]) == "eed8f17e945cd47109239d4f721a61c7"
     assert fingerprint_bytes(b"") == "0" * 32
+
+
+def test_a_piece_past_the_threshold_takes_wide_rows_with_the_same_digest(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """At the default threshold (~8 MB) the wide rows give what rows of K give (those are checked
+    against the definition above)."""
+    n = layout._WIDE_MIN_ROWS * layout._FOLD * _ROW + 12345
+    raw = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+
+    def digest() -> str:  # the long piece starts mid-word and mid-row: a head, a lead, then rows
+        fp = Fingerprinter(n)
+        fp.update(0, raw[:5])
+        fp.update(5, raw[5:])
+        return fp.hexdigest()
+
+    wide = digest()
+    monkeypatch.setattr(layout, "_WIDE_MIN_ROWS", 10**9)
+    assert digest() == wide == fingerprint_bytes(raw)
