@@ -457,9 +457,8 @@ def run_benchmark(
             except Exception as exc:  # noqa: BLE001 -- one transport failing must not lose the others
                 result["transports"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         del weights
-        # Measured again after them: a host busy for a moment during the first measurement would
-        # make a slow yardstick, which flatters every ratio to it (a 24 ms best of three against
-        # 14-15.5 ms in the other runs of one call happened on the GPU host). The best of both counts.
+        # Measured again after them, the faster counting: a host busy while the first ran would
+        # make a slow yardstick, which flatters every ratio to it.
         again = memcpy_baseline(total)["memcpy"]
         result["baselines"]["memcpy_best_s_before_after"] = [result["baselines"]["memcpy"]["best_s"], again["best_s"]]
         if again["best_s"] < result["baselines"]["memcpy"]["best_s"]:

@@ -17,13 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import statistics
 import subprocess
 import sys
 import threading
-import time
 
 import torch
+from objstore_prof import run_interleaved  # this directory (sys.path[0] when run as a script)
 
 from meshrl.bench.weights import make_weights
 from services.common.serve_util import init_ray
@@ -95,21 +94,13 @@ def main(rounds: int = 12) -> None:
         "arr_then_fp": lambda: streams(arr_then_fp),
         "arr_pipe": lambda: streams(arr_pipe),
     }
-    digests = {}
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(rounds):
-        for k, f in variants.items():
-            t0 = time.perf_counter()
-            r = f()
-            times[k].append(time.perf_counter() - t0)
-            if k in ("shipped", "arr_then_fp", "arr_pipe"):
-                digests.setdefault(k, [x[1] for x in r])
-            del r
-            time.sleep(0.05)  # the raylet frees released objects every 10 ms (init_ray)
-    for k, xs in times.items():
-        xs = xs[2:]
-        print(json.dumps({"variant": k, "best_ms": round(min(xs) * 1e3, 1),
-                          "median_ms": round(statistics.median(xs) * 1e3, 1)}), flush=True)
+    digests: dict[str, list[str]] = {}
+
+    def seen(k: str, r: list) -> None:
+        if k in ("shipped", "arr_then_fp", "arr_pipe"):
+            digests.setdefault(k, [x[1] for x in r])
+
+    run_interleaved(variants, rounds, seen)
     print(json.dumps({"same_fingerprints": len({json.dumps(v) for v in digests.values()}) == 1}), flush=True)
     ray.shutdown()
 

@@ -19,7 +19,7 @@ def main(rounds: int = 20) -> None:
     import ray
     from ray import serve
 
-    from meshrl.bench.weights import make_weights
+    from meshrl.bench.weights import _drain, make_weights
     from services.common.config import MeshConfig
     from services.common.serve_util import APP_LOGGING, init_ray
     from services.param_server.deployment import APP_NAME, build_app
@@ -54,7 +54,7 @@ def main(rounds: int = 20) -> None:
             for i, orefs in enumerate(refs):
                 arrays = await asyncio.to_thread(ray.get, list(orefs))
                 t = note(f"get_bucket_{i}", t)
-                osm._check_arrays(manifest, i, osm._bucket_arrays(arrays), not here[0])
+                osm._check_arrays(manifest, i, osm._bucket_arrays(arrays), not here[i])
                 t = note(f"check_bucket_{i}", t)
                 del arrays
             sent = directory.release(v, "steps")
@@ -62,8 +62,7 @@ def main(rounds: int = 20) -> None:
             await sent
             t = note("release_answer", t)
             t0 = time.perf_counter()
-            async for _ in fetcher.fetch(ref):
-                pass
+            await _drain(fetcher.fetch(ref))
             note("whole_fetch", t0)
             await fetcher.settle()
         await fetcher.close()

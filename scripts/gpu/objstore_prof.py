@@ -12,6 +12,8 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,19 +73,28 @@ def main(rounds: int = 12) -> None:
         **{f"split{k}_put+fp{n}": (lambda k=k, n=n: put_split(k, [lambda: fp(n, 0), lambda: fp(n, 1)]))
            for k in (2, 4) for n in (4, 8)},
     }
+    run_interleaved(variants, rounds)
+    ray.shutdown()
+
+
+def run_interleaved(variants: dict[str, Callable[[], Any]], rounds: int,
+                    seen: Callable[[str, Any], None] | None = None) -> None:
+    """Every variant once per round, in turn; prints best / median ms per variant, the first two
+    rounds left out (warm-up). `seen(name, result)` looks at a result before it is dropped."""
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(rounds):
         for k, f in variants.items():
             t0 = time.perf_counter()
             r = f()
             times[k].append(time.perf_counter() - t0)
+            if seen is not None:
+                seen(k, r)
             del r
             time.sleep(0.05)  # the raylet frees released objects every 10 ms (init_ray)
     for k, xs in times.items():
         xs = xs[2:]
         print(json.dumps({"variant": k, "best_ms": round(min(xs) * 1e3, 1),
                           "median_ms": round(statistics.median(xs) * 1e3, 1)}), flush=True)
-    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from .adapter import AdapterSpec
 FINGERPRINT_COLUMNS = 509
 _MASK64 = (1 << 64) - 1
 _FOLD = 64  # rows of the host column sum: _FOLD * FINGERPRINT_COLUMNS words (see Fingerprinter)
-_WIDE_MIN_ROWS = 32  # ... for pieces of at least this many such rows (~8 MB); shorter ones lose by it
+_WIDE_MIN_ROWS = 32  # ... for pieces of at least this many such rows (~8 MB)
 
 # torch dtype -> (meshrl.v1.DType value, safetensors name). Values match param_server.proto.
 _DTYPES: dict[torch.dtype, tuple[int, str]] = {
@@ -300,9 +300,9 @@ class Fingerprinter:
         if lead:
             self._cols[start : start + lead] += words[:lead]
         rest = words[lead:]  # rest[i] lands in column i % k
-        # Rows of k * _FOLD words first (one row's sum folded into k columns after): numpy's
-        # column sum runs ~7-15% faster on wide rows than on rows of k for long pieces (one core,
-        # 64 MiB); on 1 MiB pieces the extra reduction made it ~10-20% slower, so those keep rows of k
+        # Long pieces in rows of k * _FOLD words first, each row's sum folded into k columns after:
+        # numpy sums wide rows faster; on short pieces the extra reduction costs more than it saves
+        # (BENCHMARKS.md, "A faster host kernel")
         wide = len(rest) // (k * _FOLD) * (k * _FOLD) if len(rest) >= _WIDE_MIN_ROWS * k * _FOLD else 0
         if wide:
             self._cols += rest[:wide].reshape(-1, k * _FOLD).sum(axis=0, dtype=np.uint64).reshape(_FOLD, k).sum(

@@ -15,7 +15,6 @@ def test_bench_weights_small(tmp_path, capsys) -> None:  # type: ignore[no-untyp
                  "--warmup-rounds", "1", "--transports", "grpc,disk", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["bytes"] == 8 << 20 and r["baselines"]["memcpy"]["best_GBps"] > 0 and r["warmup_rounds"] == 1
-    # the yardstick measured before and after the transports; the faster of the two counts
     assert r["baselines"]["memcpy"]["best_s"] == min(r["baselines"]["memcpy_best_s_before_after"])
     for name in ("grpc", "disk"):
         case = r["transports"][name]
