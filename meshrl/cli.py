@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     pwd.add_argument("--rounds", type=int, default=5, help="rounds after the first (whole) version")
     pwd.add_argument("--lrs", default="1e-6,1e-5", help="comma list: the walk's step per element (sets how many change)")
     pwd.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU processes (a check, not a measurement)")
+    pwd.add_argument("--cross-node", action="store_true",
+                     help="gloo: sender, receiver and param server on three network namespaces made for the run "
+                     "(root, iproute2)")
     pt = bsub.add_parser("trainer", help="training tokens/s: the fsdp engine vs a plain PyTorch loop (CPU, one rank)")
     pt.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pt.add_argument("--steps", type=int, default=12, help="measured steps per case (after 2 warm-up steps)")
@@ -577,7 +580,8 @@ def _bench(args: argparse.Namespace) -> int:
         from meshrl.bench.weights_delta import run_benchmark as run_delta_benchmark
 
         result = run_delta_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
-                                     lrs=tuple(float(x) for x in args.lrs.split(",") if x.strip()), backend=args.backend)
+                                     lrs=tuple(float(x) for x in args.lrs.split(",") if x.strip()), backend=args.backend,
+                                     cross_node=args.cross_node)
     elif args.bench_command == "trainer":
         from meshrl.bench.trainer import run_benchmark as run_trainer_benchmark
 

@@ -111,6 +111,31 @@ def pick_subnet(used: Sequence[ipaddress.IPv4Network] | None = None) -> ipaddres
     raise RuntimeError(f"no free /24 under {SUBNET_PREFIX}.0.0/16 in the root namespace")
 
 
+CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(netns: str) -> None:
+    """Move the calling thread into a namespace `ip netns` made (threads it starts afterwards
+    inherit it; sockets keep the namespace they were made in). For a process started with
+    `spawn` to run on a node without Ray: `run_in_netns` as its target."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into the network namespace {netns}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def run_in_netns(netns: str, target: Any, *args: Any) -> Any:
+    """A process's target: enter `netns` first, then run `target(*args)`."""
+    enter_netns(netns)
+    return target(*args)
+
+
 def namespace_pids(netns: str) -> list[int]:
     """Processes inside a network namespace."""
     out = _run(["ip", "netns", "pids", netns], check=False)

@@ -12,12 +12,20 @@ Cases, per lr: `whole` (delta_sync off) and `delta` (on; its first version goes 
 following ones as deltas). Each round is timed from a barrier until both sides are done (the
 sender's publish includes computing the delta, the receiver's fetch rebuilding and checking every
 tensor). The receiver checks the last version it rebuilt against the same walk computed locally.
+
+`--cross-node` (gloo): the sender on node c, the receiver on node b and their param server on node
+a of three network namespaces (meshrl/netns_cluster.py): the group forms on the address the sender
+reaches the param server from, and every byte crosses two veths and the bridge, as between hosts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import multiprocessing as mp
 import platform
+import queue
+import shutil
 import time
 from typing import Any
 
@@ -25,6 +33,7 @@ import torch
 
 import services.common.config  # noqa: F401  (config tree first)
 from meshrl.v1 import common_pb2
+from services.common.net import source_address
 
 from .weights import GiB, MiB, _drain, _summary, run_collective_pair
 
@@ -76,11 +85,16 @@ def _worker(role: str, backend: str, address: str, total: int, bucket: int, roun
         if device == "cuda":
             torch.cuda.synchronize()
 
+    # the address the receiver dials for the group (its store): the one this process reaches the
+    # param server from, on the network every member shares (loopback when all run on one host)
+    master = source_address(address.rsplit(":", 1)[0]) or "127.0.0.1"
+
     async def case(lr: float, delta: bool, group: str) -> dict[str, Any]:
         times, stats = [], []
         walk = _Walk(total, device, lr, seed=1)
         if role == "sender":
-            pub = CollectivePublisher(backend, address, receivers=1, group=group, timeout_s=600, delta_sync=delta)
+            pub = CollectivePublisher(backend, address, receivers=1, group=group, timeout_s=600, delta_sync=delta,
+                                      master_address=master)
             for v in range(1, rounds + 2):
                 walk.step()
                 buckets = walk.buckets(bucket)
@@ -122,19 +136,98 @@ def _worker(role: str, backend: str, address: str, total: int, bucket: int, roun
                     torch.cuda.empty_cache()
         return cases
 
-    out.put({"role": role, "cases": asyncio.run(main())})
+    out.put({"role": role, "cases": asyncio.run(main()), "master_address": master})
+
+
+def _param_server(host: str, out: Any, stop: Any) -> None:
+    """A param server on `host` (its rendezvous), until `stop` is set; puts its address on `out`."""
+    from services.common.config.param_server import ParamServerConfig
+    from services.param_server.server import ParamServerServer
+
+    async def main() -> None:
+        server = ParamServerServer(ParamServerConfig(host=host, port=0, retain_versions=1))
+        await server.start()
+        out.put({"role": "server", "address": server.address})
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+        await server.stop()
+
+    asyncio.run(main())
+
+
+def run_pair_across_nodes(cluster: Any, backend: str, total: int, bucket: int, rounds: int,
+                          extra: tuple[Any, ...]) -> dict[str, Any]:
+    """`_worker`'s sender on node c and receiver on node b of `cluster` (a NetnsCluster: processes
+    entered into its namespaces, no Ray), their param server on node a: the group's traffic
+    crosses the veths and the bridge, as between hosts. Returns what each role put on the queue."""
+    from meshrl.netns_cluster import run_in_netns
+
+    ctx = mp.get_context("spawn")
+    out, barrier, stop = ctx.Queue(), ctx.Barrier(2), ctx.Event()
+    node = {"server": "a", "sender": "c", "receiver": "b"}
+    server = ctx.Process(target=run_in_netns, args=(cluster.nodes["a"].netns, _param_server, cluster.ip("a"), out, stop),
+                         daemon=True)
+    server.start()
+    procs: list[Any] = []
+    try:
+        first = out.get(timeout=120)
+        if first.get("role") != "server":
+            raise RuntimeError(f"expected the param server's address first, got {first}")
+        address = first["address"]
+        procs = [ctx.Process(target=run_in_netns,
+                             args=(cluster.nodes[node[role]].netns, _worker, role, backend, address, total, bucket,
+                                   rounds, barrier, out, 0, *extra), daemon=True)
+                 for role in ("sender", "receiver")]
+        for p in procs:
+            p.start()
+        got: dict[str, Any] = {"server": first}
+        while len(got) < 3:
+            try:
+                r = out.get(timeout=1.0)
+                got[r["role"]] = r
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"a {backend} worker failed: exit codes {[p.exitcode for p in procs]}") from None
+        return got
+    finally:
+        stop.set()
+        for p in [*procs, server]:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
 
 
 def run_benchmark(*, size_gb: float = 4.0, bucket_mb: int = 512, rounds: int = 5, lrs: tuple[float, ...] = (1e-6, 1e-5),
-                  backend: str = "nccl") -> dict[str, Any]:
+                  backend: str = "nccl", cross_node: bool = False, cluster: Any = None) -> dict[str, Any]:
+    """`cross_node` (gloo only): the sender, the receiver and the param server on three nodes of
+    network namespaces (`cluster`, or one made for the run and removed after it: root, iproute2)."""
     total = int(size_gb * GiB) // 2 * 2
     bucket = bucket_mb * MiB
-    if backend == "nccl" and torch.cuda.device_count() < 2:
-        raise SystemExit(f"needs 2 GPUs (a sender and a receiver), found {torch.cuda.device_count()}")
-    got = run_collective_pair(backend, total, bucket, rounds, worker=_worker, extra=(lrs,))
+    if cross_node or cluster is not None:
+        if backend != "gloo":
+            raise SystemExit("--cross-node runs on CPUs: use --backend gloo")
+        with contextlib.ExitStack() as stack:
+            if cluster is None:
+                import tempfile
+                from pathlib import Path
+
+                from meshrl.netns_cluster import netns_cluster
+
+                work = Path(tempfile.mkdtemp(prefix="meshrl-delta-crossnode-"))
+                stack.callback(shutil.rmtree, work, True)
+                cluster = stack.enter_context(netns_cluster(("a", "b", "c"), work_dir=work, num_cpus=1,
+                                                            object_store_mb=128, dashboard=False))
+            got = run_pair_across_nodes(cluster, backend, total, bucket, rounds, extra=(lrs,))
+        placement = {"param_server": got["server"]["address"], "sender_master": got["sender"]["master_address"],
+                     "link": "veth pairs on a Linux bridge, one network namespace per node, one machine"}
+    else:
+        if backend == "nccl" and torch.cuda.device_count() < 2:
+            raise SystemExit(f"needs 2 GPUs (a sender and a receiver), found {torch.cuda.device_count()}")
+        got = run_collective_pair(backend, total, bucket, rounds, worker=_worker, extra=(lrs,))
+        placement = {"where": "two processes of this host"}
     result: dict[str, Any] = {
         "benchmark": "weights_delta", "bytes": total, "bucket_bytes": bucket, "rounds": rounds, "backend": backend,
-        "tensor_bytes": TENSOR_BYTES,
+        "tensor_bytes": TENSOR_BYTES, "placement": placement,
         "machine": {"platform": platform.platform(), "torch": torch.__version__,
                     "gpus": [torch.cuda.get_device_name(i) for i in range(2)] if backend == "nccl" else []},
         "cases": {}, "ratios": {},

@@ -23,3 +23,20 @@ def local_ip() -> str:
             return str(s.getsockname()[0])
         except OSError:
             return "127.0.0.1"
+
+
+def source_address(host: str, port: int = 1) -> str | None:
+    """The local address this host reaches `host` from (the route's source address: no traffic
+    sent), or None when there is no route or `host` does not resolve."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(addr)
+                return str(s.getsockname()[0])
+            except OSError:
+                continue
+    return None

@@ -1,6 +1,6 @@
 """The parts of multi-node support that run without Ray or namespaces: the param server's address
 discovery (the multi-node switch), the subnet choice and the skip reasons of the namespace
-cluster, the node address a process reports."""
+cluster, the node address a process reports, the address gloo binds to."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from meshrl import netns_cluster
 from services.common.config import MeshConfig
 from services.common.config.param_server import data_address, discovers_address
 from services.common.errors import Unavailable
-from services.common.net import local_ip
+from services.common.net import local_ip, source_address
 from services.weights.transports import discovery
 
 
@@ -100,3 +100,24 @@ def test_a_stale_cluster_is_swept_only_when_its_owner_is_gone(tmp_path: Path, mo
 
 def test_local_ip_outside_ray_is_an_address() -> None:
     ipaddress.ip_address(local_ip())
+
+
+def test_source_address_is_the_routes_own_end() -> None:
+    assert source_address("127.0.0.1") == "127.0.0.1"
+    assert source_address("127.0.0.5") == "127.0.0.1"  # loopback's /8 is reached from 127.0.0.1
+    assert source_address("no-such-host.invalid") is None
+
+
+def test_gloo_binds_where_it_reaches_the_master_unless_the_operator_names_an_interface(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's default resolves the hostname, which is loopback in many containers and on Debian
+    (127.0.1.1): peers on other hosts would dial their own loopback."""
+    from services.weights.transports.collective import group
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    seen: list[str] = []
+    monkeypatch.setattr(group, "source_address", lambda host: seen.append(host) or "10.9.8.7")
+    assert group.gloo_device("10.9.8.1") == "10.9.8.7" and seen == ["10.9.8.1"]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
+    assert group.gloo_device("10.9.8.1") is None  # torch reads the variable itself

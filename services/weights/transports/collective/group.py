@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from meshrl.v1 import param_server_pb2 as pb
 from services.common.device import import_torch_npu
 from services.common.errors import FailedPrecondition, MeshError, Unavailable
 from services.common.logging import get_logger
+from services.common.net import source_address
 
 from ...buffers import ByteBuffers
 from ...client import ParamServerClient
@@ -39,11 +41,29 @@ W_NACK, W_NEXT_KIND, W_NEXT_SIZE, W_NACK_NOW, W_JOIN, W_JOIN_SQ = 4, 8, 9, 10, 1
 DATA, FLUSH, DONE, ABORT = 1, 2, 3, 4
 
 
-def _make_backend(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+def gloo_device(master: str) -> str | None:
+    """The local address gloo listens on for its peers: the one this host reaches the group's
+    master (the rendezvous store) from, which is on the network the members share. Left to torch
+    (None) when GLOO_SOCKET_IFNAME names the interface, or the master has no route. Torch's own
+    default resolves the hostname, which is loopback on many hosts (Debian's 127.0.1.1, a
+    container's 127.0.0.1): peers on other hosts would then dial their own loopback."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    return source_address(master)
+
+
+def _make_backend(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta,
+                  master: str | None = None) -> Any:
     import torch.distributed as dist
 
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        address = gloo_device(master) if master else None
+        if address is None:
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # public in torch, unstubbed
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -59,7 +79,7 @@ class Group:
     NCCL's watchdog (BENCHMARKS.md, "Measurement notes moved out of code comments")."""
 
     def __init__(self, backend: str, store: Any, rank: int, size: int, generation: int, timeout_s: float,
-                 dev: Device) -> None:
+                 dev: Device, master: str | None = None) -> None:
         self.backend = backend
         self.rank = rank
         self.size = size
@@ -68,7 +88,7 @@ class Group:
         self.store = store
         if dev.accelerator:
             dev.mod.set_device(dev.device)  # this may run in a worker thread (device is per thread)
-        self.pg = _make_backend(backend, store, rank, size, datetime.timedelta(seconds=timeout_s))
+        self.pg = _make_backend(backend, store, rank, size, datetime.timedelta(seconds=timeout_s), master)
         self.broken = False
         # One tiny all-reduce forms the communicator here (NCCL/HCCL create it lazily, blocking the
         # caller), inside the caller's deadline-bounded thread rather than on the event loop later.
@@ -215,7 +235,8 @@ class GroupMember:
         import torch.distributed as dist
 
         prefix = dist.PrefixStore(f"meshrl/{self.group_name}/{generation}", store)
-        build = asyncio.to_thread(Group, self.backend, prefix, rank, size, generation, self._pg_timeout_s(), self.dev)
+        build = asyncio.to_thread(Group, self.backend, prefix, rank, size, generation, self._pg_timeout_s(), self.dev,
+                                  store.host)
         try:
             return await asyncio.wait_for(build, timeout=max(deadline.remaining(), 0.001))
         except TimeoutError:
