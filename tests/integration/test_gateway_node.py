@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshrl.v1 import common_pb2
-from tests.unit.test_gateway import ANSWER, CALL, play
+from tests.unit.test_gateway import ANSWER, CALL, SCORED, play
 
 NODE_DIR = Path(__file__).resolve().parents[2] / "examples" / "gateway_agent" / "node"
 
@@ -35,8 +35,11 @@ def node_agent() -> list[str]:
 @pytest.mark.parametrize("reward_self", [True, False])
 def test_a_node_openai_agent_trains_through_the_gateway(node_agent: list[str], reward_self: bool) -> None:
     command = [*node_agent, "--reward-self"] if reward_self else node_agent
+    scored = len(SCORED)
     group, ga, policy = asyncio.run(play(None, [CALL, ANSWER], n=2, command=command))
     assert isinstance(group, common_pb2.TrajectoryGroup), group
+    # both ways give 1.0 below: who gave it is told by whether the reward service was asked
+    assert (len(SCORED) > scored) is not reward_self, SCORED[scored:]
     assert ga.registry.counters["stitch_mismatches"] == 0 and ga.registry.counters["stitched_calls"] == 2
     for r in group.responses:
         assert r.env_reward == 1.0  # its own check of 123+456, or the reward service's of "579"

@@ -11,6 +11,7 @@ trained exactly once.
     kill b (SIGKILL to every process of its namespace) while leases are in flight
       -> no node has node_b: the rollout replicas wait, unplaced; nothing generates
       -> their leases expire (coordinator.lease_timeout_s) and their prompts go back to retry
+         (or, when the groups were faster than the kill, they were submitted: either is checked)
       -> b rejoins (`ray start` again): Serve starts both replicas there; the run goes on
     kill c after a checkpoint, with a step past it already delivered to the trainer
       -> the trainer is gone; the rollouts fill the queue up to the staleness budget and wait
@@ -236,7 +237,6 @@ def test_serve_deploy_across_nodes_survives_losing_the_rollout_and_trainer_nodes
                 lambda w: w.totals.in_flight == 0
                 and (w.totals.leases_expired > expired_before or submitted(w) > submitted_before),
                 timeout_s=LEASE_TIMEOUT_S + 120)
-        expired_at_b = w.totals.leases_expired
         print(f"node b lost: leases expired {w.totals.leases_expired - expired_before}, "
               f"groups submitted meanwhile {submitted(w) - submitted_before}", flush=True)
         assert not any(_count(t, "ray::ServeReplica:rollout:") for t in _titles(cluster).values())  # it waits
@@ -262,7 +262,7 @@ def test_serve_deploy_across_nodes_survives_losing_the_rollout_and_trainer_nodes
                 and w.totals.consumed == PROMPTS)
         audit = _audit(cluster)
         assert audit["balanced"] and audit["issued"] >= PROMPTS and not audit["in_flight"], audit
-        assert w.totals.prompts_total == PROMPTS and w.totals.leases_expired >= expired_at_b
+        assert w.totals.prompts_total == PROMPTS
     finally:
         _serve_cli(cluster, "shutdown", "-y")
 

@@ -420,7 +420,7 @@ def test_multi_turn_continues_from_exact_ids_across_updates(engine: Any, model: 
         loop.run(restore())
     prompt_ids = list(g.prompt_token_ids)
     assert tok.decode(prompt_ids).endswith("<|im_start|>assistant\n")
-    multi = 0
+    multi = spanning = 0
     for r in g.responses:
         mask, ids, vers, lps = list(r.loss_mask), list(r.token_ids), list(r.versions), list(r.logprobs)
         assert len(mask) == len(ids) == len(vers) == len(lps) <= 160
@@ -439,7 +439,10 @@ def test_multi_turn_continues_from_exact_ids_across_updates(engine: Any, model: 
         if old:
             assert (ref_old[old] - torch.tensor(lps)[old]).abs().max().item() < TOL[engine.name]
         new = [i for i, (m, v) in enumerate(zip(mask, vers, strict=True)) if m and v == before + 1]
+        spanning += bool(old and new)
         if new and mode == "abort":
             ref_new = reference_logprobs(new_model, prompt_ids, ids, 1.0)
             assert (ref_new[new] - torch.tensor(lps)[new]).abs().max().item() < TOL[engine.name]
     assert multi >= 1, "at least one trajectory had an environment turn"
+    # the update landed mid-trajectory somewhere: otherwise the checks above saw one version only
+    assert spanning >= 1, f"no trajectory has tokens of both versions ({len(g.responses)} played)"
