@@ -37,7 +37,8 @@ def test_an_openai_sdk_agent_program_produces_the_groups_the_trainer_consumes(tm
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "MESHRL_LOG_LEVEL": "WARNING",
            "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "meshrl.cli", "train", str(CONFIG), "actor_rollout_ref.rollout.multi_turn.enable=false",
-           "agent.command=[python, examples/gateway_agent/tool_add_agent.py]",  # as README writes it "agent.max_concurrent=8", "actor_rollout_ref.rollout.n=4",
+           "agent.command=[python, examples/gateway_agent/tool_add_agent.py]",  # as README writes it
+           "agent.max_concurrent=8", "actor_rollout_ref.rollout.n=4",
            "actor_rollout_ref.actor.ppo_mini_batch_size=4", f"rollout.total_rollout_steps={4 * steps}",
            "async_training.concurrent_samples_per_replica=4", "trainer.test_freq=-1", "trainer.save_freq=-1",
            "--run-dir", str(run_dir)]
