@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -40,3 +41,35 @@ def source_address(host: str, port: int = 1) -> str | None:
             except OSError:
                 continue
     return None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface whose (primary) IPv4 address is `address`, or
+    None (Linux: SIOCGIFADDR; elsewhere, or for IPv6, None)."""
+    try:
+        import fcntl
+        import struct
+
+        packed = socket.inet_aton(address)
+    except (ImportError, OSError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))[20:24]  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            if got == packed:
+                return name
+    return None
+
+
+def gloo_interface(master: str) -> str | None:
+    """GLOO_SOCKET_IFNAME for a process group whose master is `master`: the interface this host
+    reaches it from. Torch's default resolves the hostname instead, which is loopback in many
+    containers and on Debian (127.0.1.1): members on other hosts would dial their own loopback.
+    None (leave torch's default) when the operator set the variable or nothing is found."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    source = source_address(master)
+    return interface_of(source) if source else None

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from services.common.device import ray_resource
 from services.common.logging import configure_logging, get_logger
+from services.common.net import gloo_interface
 from services.common.priority import set_niceness
 from services.common.startup import StartupClock
 
@@ -49,6 +50,17 @@ def _prewarm() -> None:
         from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
     except ImportError:  # the engine build imports what it needs again and reports what is missing
         return
+
+
+def rank_environment(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """torchrun's variables for one rank, and the interface its CPU (gloo) group listens on: the
+    one this node reaches the master from (`gloo_interface`), so that ranks on other nodes can dial
+    it; torch's default, the hostname's address, is loopback on many hosts."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
+           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+    if ifname := gloo_interface(master_addr):
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return env
 
 
 class TrainWorker:
@@ -95,10 +107,7 @@ class TrainWorker:
     def init_engine(
         self, spec: EngineSpec, backend: str, master_addr: str, master_port: int, nice: int | None = None
     ) -> dict[str, int]:
-        os.environ.update(
-            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-        )
+        os.environ.update(rank_environment(self.rank, self.world_size, master_addr, master_port))
         self._prewarm.join()
         import torch
 

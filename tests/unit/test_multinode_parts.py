@@ -16,7 +16,7 @@ from meshrl import netns_cluster
 from services.common.config import MeshConfig
 from services.common.config.param_server import data_address, discovers_address
 from services.common.errors import Unavailable
-from services.common.net import local_ip, source_address
+from services.common.net import gloo_interface, interface_of, local_ip, source_address
 from services.weights.transports import discovery
 
 
@@ -121,3 +121,12 @@ def test_gloo_binds_where_it_reaches_the_master_unless_the_operator_names_an_int
     assert group.gloo_device("10.9.8.1") == "10.9.8.7" and seen == ["10.9.8.1"]
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
     assert group.gloo_device("10.9.8.1") is None  # torch reads the variable itself
+
+
+def test_trainer_ranks_name_the_interface_toward_their_master(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert interface_of("127.0.0.1") == "lo" and gloo_interface("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.9") is None  # no interface holds it
+    assert interface_of("not an address") is None
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
+    assert gloo_interface("127.0.0.1") is None  # the operator's choice stands
