@@ -96,6 +96,7 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
 def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any, notify: Any = None,
              consumer_id: str = "rollout-0", role: str = "recv") -> None:
     """Fetch each (version, mode, timeout_s): mode "ok", "corrupt" (damage bucket 1 once),
+    "corrupt_meta" (a bit of bucket 1's metadata, once),
     "corrupt_last" (bucket 2, the last, once), "corrupt_always" (bucket 1, every time it comes),
     "many" / "many_corrupt" (the sender's make_many_buckets; bucket 5 damaged once), "announced"
     (wait for the sender's announcement and fetch the ref it carries), "delta" (delta sync:
@@ -104,13 +105,16 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
     from meshrl.v1 import common_pb2
     from services.weights.transports.collective import CollectiveFetcher
 
-    state: dict[str, Any] = {"bucket": None, "always": False}
+    state: dict[str, Any] = {"bucket": None, "always": False, "meta": False}
 
     def damage(step: int, bucket: int, buf: torch.Tensor) -> None:
         if bucket == state["bucket"]:
             if not state["always"]:
                 state["bucket"] = None
-            buf[17] ^= 0xFF
+            if state["meta"]:  # a byte of the metadata that follows the bucket's bytes in the slot
+                buf[-7] ^= 0x01
+            else:
+                buf[17] ^= 0xFF
 
     async def main() -> None:
         device = "cpu"
@@ -124,7 +128,9 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                 held = fetcher.delta.mirror["model.embed_tokens.weight"]  # type: ignore[union-attr]
                 held.view(-1)[12345] += 1.0
             fetcher.timeout_s = timeout_s
-            state["bucket"] = {"corrupt": 1, "corrupt_last": 2, "corrupt_always": 1, "many_corrupt": 5}.get(mode)
+            state["bucket"] = {"corrupt": 1, "corrupt_last": 2, "corrupt_always": 1, "many_corrupt": 5,
+                               "corrupt_meta": 1}.get(mode)
+            state["meta"] = mode == "corrupt_meta"
             state["always"] = mode == "corrupt_always"
             try:
                 ref = common_pb2.WeightsRef(policy_version=version)

@@ -34,11 +34,21 @@ RING = 4  # pinned header buffers, by step: one is rewritten only after its copy
 # CTRL words: this step's kind, bucket index, padded bytes, metadata bytes; the receivers' verdict on
 # step t-2 (W_NACK); version; the manifest checksum (DONE, 2 words); the next step's kind and slot
 # bytes; the receivers' verdict on step t-1 (W_NACK_NOW: only when step t was announced as no DATA);
-# a spare word; in CTRL(0), the sum of the versions the receivers asked for and of their squares
-# (all equal to the sender's exactly when both sums are n*v and n*v^2)
+# the checksum of this step's bucket metadata (W_META, `meta_checksum`: the fingerprint columns
+# cover the bucket's bytes, not the names, shapes and offsets that follow them in the slot); in
+# CTRL(0), the sum of the versions the receivers asked for and of their squares (all equal to the
+# sender's exactly when both sums are n*v and n*v^2)
 CTRL_WORDS = 14
-W_NACK, W_NEXT_KIND, W_NEXT_SIZE, W_NACK_NOW, W_JOIN, W_JOIN_SQ = 4, 8, 9, 10, 12, 13
+W_NACK, W_NEXT_KIND, W_NEXT_SIZE, W_NACK_NOW, W_META, W_JOIN, W_JOIN_SQ = 4, 8, 9, 10, 11, 12, 13
 DATA, FLUSH, DONE, ABORT = 1, 2, 3, 4
+
+
+def meta_checksum(meta: torch.Tensor) -> torch.Tensor:
+    """sum of b_i * (2i + 1) over a bucket's metadata bytes, as an int64[1] on their device (no
+    host sync): any changed byte changes it, as does any swap of two unequal bytes. Exact (no
+    wrap) below 2^24 bytes of metadata."""
+    weights = torch.arange(1, 2 * meta.numel(), 2, dtype=torch.int64, device=meta.device)
+    return (meta.to(torch.int64) * weights).sum().reshape(1)
 
 
 def gloo_device(master: str) -> str | None:

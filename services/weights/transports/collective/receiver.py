@@ -40,12 +40,14 @@ from .group import (
     RING,
     W_JOIN,
     W_JOIN_SQ,
+    W_META,
     W_NACK,
     W_NACK_NOW,
     Group,
     GroupMember,
     GroupMoved,
     checksum_words,
+    meta_checksum,
 )
 
 log = get_logger(__name__)
@@ -59,6 +61,7 @@ class _RecvRecord:
     nbytes: int
     meta_len: int  # the metadata follows the bucket's bytes in the slot
     expected: torch.Tensor  # the sender's fingerprint columns: CTRL(t)'s tail, on the device
+    expected_meta: torch.Tensor  # the sender's meta_checksum: CTRL(t)'s W_META word, on the device
     data_work: Any
     bad: torch.Tensor | None = None  # int64[1] on the device: 1 if the columns differ from `expected`
     meta_host: torch.Tensor | None = None
@@ -220,8 +223,12 @@ class CollectiveFetcher(GroupMember):
             if dev.accelerator:
                 rec.data_work.wait()
                 rec.expected.record_stream(dev.verify_stream)  # allocated on the comm stream, read here
+                rec.expected_meta.record_stream(dev.verify_stream)
             columns = fingerprint_columns_async(buf, rec.nbytes)  # zero padding: the same columns
-            rec.bad = (columns != rec.expected).any().to(torch.int64).reshape(1)
+            # the metadata too: it names where each tensor's bytes go and is parsed before the
+            # version's checksum (at DONE) could notice
+            meta_bad = meta_checksum(buf[rec.nbytes : rec.nbytes + rec.meta_len]) != rec.expected_meta
+            rec.bad = ((columns != rec.expected).any() | meta_bad[0]).to(torch.int64).reshape(1)
             rec.columns_host = dev.pinned_copy(columns, ("columns", rec.slot))
             rec.bad_host = dev.pinned_copy(rec.bad, ("bad", rec.slot))
             rec.meta_host = dev.pinned_copy(buf[rec.nbytes : rec.nbytes + rec.meta_len], ("meta", rec.slot))
@@ -286,7 +293,8 @@ class CollectiveFetcher(GroupMember):
                 if posted[1] != nbytes + meta_len:
                     raise DataLoss(f"version {version}: step {t} was announced as {posted[1]} bytes and "
                                    f"carries {nbytes + meta_len} (the peers disagree on the protocol)")
-                rec = unreported[t] = _RecvRecord(t, index, slot, nbytes, meta_len, ctrl[CTRL_WORDS:], posted[0])
+                rec = unreported[t] = _RecvRecord(t, index, slot, nbytes, meta_len, ctrl[CTRL_WORDS:],
+                                                  ctrl[W_META : W_META + 1], posted[0])
             report = [unreported.pop(t - 1, None), None]  # the verdicts CTRL(t+1) carries
             if rec is not None and next_kind != DATA:
                 await self._land(group, rec, deadline)

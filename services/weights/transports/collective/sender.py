@@ -41,12 +41,14 @@ from .group import (
     FLUSH,
     RING,
     SEND_SLOTS,
+    W_META,
     W_NACK,
     W_NACK_NOW,
     WIRE_BUCKET_BYTES,
     Group,
     GroupMember,
     checksum_words,
+    meta_checksum,
 )
 
 log = get_logger(__name__)
@@ -63,6 +65,7 @@ class _SendRecord:
     columns: torch.Tensor  # the fingerprint columns of the slot's bytes, on the device
     columns_host: torch.Tensor  # ... copied to host memory once `columns_ready`
     columns_ready: Any
+    meta_sum: int = 0  # meta_checksum of the metadata (CTRL's W_META word)
     attempts: int = 1
 
 
@@ -247,7 +250,8 @@ class CollectivePublisher(GroupMember):
         if self._corrupt_hook is not None:
             self._corrupt_hook(planned.index, buf)
         return _SendRecord(planned.index, slot, planned.nbytes, padded, len(meta), list(planned.metas), columns,
-                           self.dev.pinned_copy(columns, ("columns", slot)), self.dev.record())
+                           self.dev.pinned_copy(columns, ("columns", slot)), self.dev.record(),
+                           int(meta_checksum(torch.frombuffer(bytearray(meta), dtype=torch.uint8))[0]) if meta else 0)
 
     def _meta_bytes(self, version: int, planned: PlannedBucket) -> bytes:
         """The bucket's metadata as a serialized Manifest. Its tensors part is the same for every
@@ -391,6 +395,8 @@ class _SendSession:
         kind = self._kind(rec)
         header = [kind, rec.index if rec else 0, rec.padded if rec else 0, rec.meta_len if rec else 0,
                   0, version, 0, 0, DATA if nxt.data else 0, nxt.size()] + [0] * (CTRL_WORDS - 10)
+        if rec is not None:
+            header[W_META] = rec.meta_sum
         manifest = None
         if kind == DONE:
             if self.manifest is None:
