@@ -21,6 +21,7 @@ to a rendezvous as the sender.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -143,6 +144,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         upload: Upload | None = None
         early_buckets: list[param_server_pb2.BucketMeta] = []
         manifest_only = None
+        writing: concurrent.futures.Future[None] | None = None  # the chunk write in the io pool
         it = request_iterator.__aiter__()
         try:
             while True:
@@ -187,7 +189,8 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                         raise InvalidArgument("chunk.policy_version", f"{item.policy_version} in an upload of "
                                               f"version {upload.policy_version}")
                     bucket = upload.check_chunk(item.bucket_index, item.offset, len(item.data))
-                    await loop.run_in_executor(self._io, Upload.write, bucket, item.offset, item.data)
+                    writing = self._io.submit(Upload.write, bucket, item.offset, item.data)
+                    await asyncio.wrap_future(writing)
                     self.counters.bytes_in += len(item.data)
                 else:
                     raise InvalidArgument("item", "empty PublishWeightsRequest")
@@ -202,7 +205,12 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                 upload = None
         finally:
             if upload is not None and not upload.done:
-                upload.abort()
+                if writing is not None and not writing.done():
+                    # cancelled mid-write: the thread still writes into the upload's buffers, which
+                    # go back to the pool (and to another upload) only once it has finished
+                    writing.add_done_callback(_abort_when_written(loop, upload))
+                else:
+                    upload.abort()
         elapsed = time.monotonic() - start
         self.counters.publishes += 1
         self.counters.publish_s += elapsed
@@ -216,8 +224,12 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
 
     def _begin(self, policy_version: int, early: list[param_server_pb2.BucketMeta], now: float) -> Upload:
         upload = self.store.begin_upload(policy_version, now)
-        for meta in early:
-            upload.begin_bucket(convert.bucket_from_proto(meta))
+        try:
+            for meta in early:
+                upload.begin_bucket(convert.bucket_from_proto(meta))
+        except BaseException:
+            upload.abort()  # refused: no upload left registered, no buffer held
+            raise
         early.clear()
         return upload
 
@@ -369,3 +381,11 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
             await asyncio.wait_for(event.wait(), timeout=max(0.0, min(1.0, deadline - time.monotonic())))
         except TimeoutError:
             pass
+
+
+def _abort_when_written(loop: asyncio.AbstractEventLoop, upload: Upload) -> Callable[[object], None]:
+    """A write's done-callback (in the io thread): abort the upload on its loop."""
+    def done(_: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing left to give back
+            loop.call_soon_threadsafe(upload.abort)
+    return done

@@ -95,6 +95,7 @@ def test_round_trip_is_bit_exact_with_dtypes_and_cold_start_and_name_filter() ->
             stale = common_pb2.WeightsRef(policy_version=2, param_server_address=server.address, manifest_checksum="0" * 64)
             with pytest.raises(DataLoss, match="republished"):
                 await fetch_all(fetcher, stale)
+            assert "rollout-0" not in server.servicer.store.get(2).holds  # the refused fetch let go of its pin
         finally:
             await pub.close()
             await fetcher.close()

@@ -122,6 +122,16 @@ def test_upload_quota_and_concurrent_uploads(tmp_path: Path) -> None:
                 await GrpcPublisher(server.address, chunk_bytes=1 << 20).publish(1, _weights(6))
             assert server.servicer.store.versions() == [] and server.servicer.uploads_in_flight == 0
 
+            async def early_bucket_over_quota() -> AsyncIterator[pb.PublishWeightsRequest]:
+                # a bucket's metadata before the manifest: checked when the manifest opens the upload
+                yield pb.PublishWeightsRequest(bucket=pb.BucketMeta(index=0, nbytes=8 << 20, fingerprint="0" * 32))
+                yield pb.PublishWeightsRequest(manifest=pb.Manifest(policy_version=3))
+
+            async with ParamServerClient(server.address) as a:
+                with pytest.raises(ResourceExhausted, match="max_upload_mb"):
+                    await a.publish(early_bucket_over_quota(), timeout_s=30)
+            assert server.servicer.store._uploads == {}  # refused: nothing stays registered for version 3
+
             release = asyncio.Event()
 
             async def slow() -> AsyncIterator[pb.PublishWeightsRequest]:
@@ -232,5 +242,43 @@ def test_the_reward_pipeline_kills_timed_out_scorers(tmp_path: Path) -> None:
             assert pipeline.unhealthy_reason() is None
         finally:
             await pipeline.close()
+
+    asyncio.run(main())
+
+
+def test_a_publish_cancelled_mid_write_gives_its_buffers_back_only_after_the_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chunk write runs in an io thread that a cancelled call cannot stop: the upload's buffers
+    return to the pool (where another upload may take them) only once that thread is done."""
+    import threading
+
+    from services.param_server.store import Upload
+
+    real, entered, go = Upload.write, threading.Event(), threading.Event()
+
+    def blocking_write(bucket: object, offset: int, data: object) -> None:
+        entered.set()
+        go.wait(30)
+        real(bucket, offset, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Upload, "write", staticmethod(blocking_write))
+    cfg = load_config(None, [*OVERRIDES, "param_server.chunk_mb=1"])
+
+    async def main() -> None:
+        server = ParamServerServer(cfg, tmp_path)
+        await server.start()
+        try:
+            publishing = asyncio.ensure_future(GrpcPublisher(server.address, chunk_bytes=1 << 20).publish(1, _weights(1)))
+            await _poll(entered.is_set)
+            publishing.cancel()
+            await _poll(lambda: server.servicer.uploads_in_flight == 0)  # the call is over
+            upload = server.servicer.store._uploads.get(1)
+            assert upload is not None and not upload.aborted  # its buffer is still being written
+            go.set()
+            await _poll(lambda: 1 not in server.servicer.store._uploads and upload.aborted)
+        finally:
+            go.set()
+            await server.stop()
 
     asyncio.run(main())

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import InvalidArgument
+from services.common.errors import DataLoss, InvalidArgument
 from services.weights.layout import Fingerprinter, fingerprint_bytes
 from services.weights.transports import object_store as osx
 
@@ -365,3 +366,26 @@ def test_a_failed_put_fails_the_publish_and_registers_nothing(monkeypatch: pytes
 def test_puts_in_flight_must_be_positive() -> None:
     with pytest.raises(InvalidArgument, match="puts_in_flight"):
         osx.ObjectStorePublisher(FakeDirectory(), puts_in_flight=0)
+
+
+def test_a_refused_fetch_of_the_newest_releases_the_version_it_pinned(fake_ray: FakeRay) -> None:
+    """A cold consumer asks for the newest (-1): the hold is on the version the lookup pinned, and a
+    manifest the ref refuses must release that one, not -1."""
+
+    class Newest(FakeDirectory):
+        async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
+            return await super().lookup(max(self.versions) if policy_version < 0 else policy_version, consumer_id)
+
+    directory = Newest()
+
+    async def main() -> None:
+        await osx.ObjectStorePublisher(directory).publish(4, weights())
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c")
+        wrong = common_pb2.WeightsRef(policy_version=-1, manifest_checksum="0" * 64)
+        with pytest.raises(DataLoss, match="republished"):
+            async for _ in fetcher.fetch(wrong):
+                pass
+        await fetcher.settle()
+        assert directory.released == [(4, "c")]
+
+    asyncio.run(main())

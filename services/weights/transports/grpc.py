@@ -221,9 +221,9 @@ class GrpcFetcher:
         deadline = Deadline(self.timeout_s, f"fetch of version {version} from {address}")
         client = self._client(address)
         manifest = await client.acquire(self.consumer_id, version, timeout_s=deadline.check("AcquireVersion"))
-        check_against_manifest(manifest, ref, f"fetch from {address}")
-        version = manifest.policy_version  # a negative ref version asked for the newest
+        version = manifest.policy_version  # a negative ref version asked for the newest: the one pinned
         try:
+            check_against_manifest(manifest, ref, f"fetch from {address}")  # a mismatch releases the hold too
             todo = manifest.buckets_for_names(self.names) if self.names else list(range(len(manifest.buckets)))
             attempts = dict.fromkeys(todo, 0)
             first = True

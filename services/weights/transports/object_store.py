@@ -339,10 +339,10 @@ class ObjectStoreFetcher:
         await asyncio.wait_for(self.settle(), timeout=deadline.check("releasing earlier versions"))
         raw, refs = await asyncio.wait_for(self.directory.lookup(version, self.consumer_id),
                                            timeout=deadline.check("looking up the version"))
+        version = raw.policy_version  # a negative ref version asked for the newest: the one pinned
         try:
             manifest = convert.manifest_from_proto(raw)
             check_against_manifest(manifest, ref, "object_store fetch")
-            version = manifest.policy_version  # a negative ref version asked for the newest
             if len(refs) != len(manifest.buckets):
                 raise DataLoss(f"version {version}: {len(refs)} objects for {len(manifest.buckets)} buckets")
             firsts = [orefs[0] for orefs in refs if orefs]
