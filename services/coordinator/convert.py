@@ -32,6 +32,7 @@ MAX_PATH_CHARS = 4096
 MAX_ADDRESS_CHARS = 1024
 MAX_CHECKSUM_CHARS = 128
 LEASE_REPLY_OVERHEAD = 64
+MIN_REPLY_BYTES = 4096
 """Bytes of a LeasePromptsResponse besides its leases and sampling params."""
 
 
@@ -70,6 +71,9 @@ def check_length(value: str, field: str, limit: int) -> str:
 def reply_limit(server_limit: int, request: coordinator_pb2.LeasePromptsRequest | coordinator_pb2.FetchBatchRequest) -> int:
     """The largest reply to send: the server's message limit or the caller's, whichever is smaller."""
     if request.HasField("max_reply_bytes"):
+        if request.max_reply_bytes < MIN_REPLY_BYTES:
+            raise InvalidArgument("max_reply_bytes", f"must be at least {MIN_REPLY_BYTES} (a reply's framing and "
+                                  f"one item), got {request.max_reply_bytes}; leave it unset for the server's limit")
         return min(server_limit, request.max_reply_bytes)
     return server_limit
 

@@ -488,6 +488,7 @@ class CoordinatorCore:
         """Extend active leases; returns (renewed, lost, new deadline)."""
         self.expire(now)
         deadline = now + self.settings.lease_timeout_s
+        lease_ids = list(dict.fromkeys(lease_ids))  # a repeated id renews once (one heap entry, one write)
         renewed = [i for i in lease_ids if i in self._leases]
         lost = [i for i in lease_ids if i not in self._leases]
         if renewed:
@@ -848,6 +849,18 @@ class CoordinatorCore:
         head of the queue in their original order (prompts of groups whose payload was dropped go
         back to the retry queue). Returns how many were returned."""
         check_int64(checkpoint_step, "checkpoint_step")
+        if checkpoint_step > self._state.trainer_step:
+            # it would move trainer_step past what was delivered, and a later ReportCheckpoint
+            # of that step would mark delivered, untrained groups consumed
+            raise FailedPrecondition(
+                f"checkpoint_step {checkpoint_step} is past the last step this coordinator delivered groups for "
+                f"({self._state.trainer_step}): the checkpoint is not from this run's ledger (coordinator.ledger_path)"
+            )
+        if checkpoint_step < self._state.last_checkpoint_step:
+            log.warning("trainer_resumed_before_last_checkpoint", checkpoint_step=checkpoint_step,
+                        last_checkpoint_step=self._state.last_checkpoint_step,
+                        lost_steps=self._state.last_checkpoint_step - checkpoint_step,
+                        note="groups of the steps in between were trained into a checkpoint this trainer did not load")
         back = sorted((d for d in self._delivered.values() if d.step > checkpoint_step), key=lambda d: d.qpos)
         with_payload = [d for d in back if d.payload is not None]
         without = [d for d in back if d.payload is None]

@@ -76,8 +76,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def _sweep(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            if self.core.expire(self.clock()):
-                self._notify()
+            try:
+                if self.core.expire(self.clock()):
+                    self._notify()
+            except Exception as exc:  # noqa: BLE001 -- e.g. a ledger write failed: next tick tries again (calls expire too)
+                log.warning("coordinator_sweep_failed", error=f"{type(exc).__name__}: {exc}")
 
     # ---- rollout side --------------------------------------------------------------------------
 
@@ -105,9 +108,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         convert.require_id(request.replica_id, "replica_id")
         convert.check_count(len(request.lease_ids), "lease_ids", 1, self.max_groups)
         now = self.clock()
-        if request.error:
-            self.core.report_failure(request.replica_id, request.error, len(set(request.lease_ids)), now)
         n = self.core.return_leases(request.replica_id, list(request.lease_ids), now)
+        if request.error and n:
+            # the leases this call returned: a resent request (its first reply lost), unknown or
+            # already settled ids count nothing, and a failed return counts nothing either
+            self.core.report_failure(request.replica_id, request.error, n, now)
         if n:
             self._notify()
         return coordinator_pb2.ReturnLeasesResponse(returned=n)

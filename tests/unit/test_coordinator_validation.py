@@ -203,3 +203,35 @@ def test_servicer_refuses_before_touching_state(tmp_path: Path) -> None:
         )
 
     asyncio.run(main())
+
+
+def test_resume_from_a_step_never_delivered_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """A checkpoint past what this ledger delivered is not this run's: moving trainer_step past it
+    would let a later ReportCheckpoint mark delivered, untrained groups consumed."""
+    core = make_core(tmp_path / "l.db")
+    _fill(core)
+    core.fetch("t", 1, 3, 0.0)
+    before = core.status(0.0)
+    with pytest.raises(FailedPrecondition, match="checkpoint_step 1000000000 is past"):
+        core.resume_trainer(10**9)
+    after = core.status(0.0)
+    assert (after.trainer_step, after.totals, after.queued) == (before.trainer_step, before.totals, before.queued)
+    assert core.resume_trainer(0) == 3  # a real checkpoint (before step 1) still resumes
+
+
+def test_a_lease_id_repeated_in_one_renewal_renews_once(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "l.db")
+    lease = core.lease("r", 1, 0.0).leases[0]
+    heap = len(core._deadlines)
+    renewed, lost, _ = core.renew("r", [lease.lease_id] * 50 + ["gone"], 1.0)
+    assert renewed == [lease.lease_id] and lost == ["gone"] and len(core._deadlines) == heap + 1
+
+
+@pytest.mark.parametrize("limit", [0, 1, convert.MIN_REPLY_BYTES - 1])
+def test_a_reply_limit_too_small_for_any_reply_is_refused_by_name(limit: int) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        convert.reply_limit(64 << 20, coordinator_pb2.LeasePromptsRequest(replica_id="r", max_groups=1,
+                                                                           max_reply_bytes=limit))
+    assert err.value.field == "max_reply_bytes"
+    assert convert.reply_limit(64 << 20, coordinator_pb2.LeasePromptsRequest(max_reply_bytes=1 << 20)) == 1 << 20
+

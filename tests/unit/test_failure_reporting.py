@@ -66,6 +66,10 @@ def test_failed_groups_reach_get_status_and_halt_leasing(tmp_path: Path) -> None
         resp = await servicer.ReturnLeases(coordinator_pb2.ReturnLeasesRequest(replica_id="r", lease_ids=ids[:3],
                                                                                error=error), ctx)
         assert resp.returned == 3
+        # The same return sent again (its first reply lost) returns nothing and counts nothing.
+        again_resp = await servicer.ReturnLeases(coordinator_pb2.ReturnLeasesRequest(
+            replica_id="r", lease_ids=ids[:3], error=error), ctx)
+        assert again_resp.returned == 0
         # A drain's return carries no error and counts nothing.
         await servicer.ReturnLeases(coordinator_pb2.ReturnLeasesRequest(replica_id="r", lease_ids=ids[3:]), ctx)
         again = await servicer.LeasePrompts(coordinator_pb2.LeasePromptsRequest(replica_id="r", max_groups=4), ctx)
