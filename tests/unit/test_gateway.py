@@ -70,13 +70,15 @@ AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[None]]
 
 async def play(agent: AgentFn | None, turns: Sequence[str], *, n: int = 2, command: Sequence[str] | None = None,
                eta: int | None = None, timeout_s: float = 60.0, max_model_len: int = 512, budget: int = 256,
-               policy: ScriptedPolicy | None = None) -> tuple[common_pb2.TrajectoryGroup | Exception, GatewayAgent, ScriptedPolicy]:
+               policy: ScriptedPolicy | None = None, secret_env: frozenset[str] = frozenset(),
+               ) -> tuple[common_pb2.TrajectoryGroup | Exception, GatewayAgent, ScriptedPolicy]:
     tok = build_tokenizer(tools=True)
     policy = policy or ScriptedPolicy(tok, turns)
     registry = SessionRegistry(tok, GatewayLimits(max_model_len=max_model_len, response_budget=budget,
                                                   max_staleness_versions=eta))
     ga = GatewayAgent(tok, registry, GatewaySettings(command=tuple(command) if command else None, endpoint=None,
-                                                     sample_timeout_s=timeout_s, max_concurrent=4, launch=agent),
+                                                     sample_timeout_s=timeout_s, max_concurrent=4, launch=agent,
+                                                     secret_env=secret_env),
                       scorer=score_by_text)
     server = GatewayServer(build_app(registry), "127.0.0.1", 0)
     port = await server.start()
@@ -349,6 +351,8 @@ AGENT_PROGRAM = textwrap.dedent("""
     import json, os, sys, time, httpx, openai
     prompt = json.load(sys.stdin)
     assert not [k for k in os.environ if k.startswith("MESHRL_") and k != "MESHRL_SESSION_ID"], "mesh secrets leaked"
+    assert not {"RAY_AUTH_TOKEN", "RUN_OP_TOKEN"} & set(os.environ), "Ray's or a renamed role token leaked"
+    assert os.environ["AGENT_OWN_KEY"] == "kept", "the agent's own environment is passed on"
     mode = sys.argv[1]
     if mode == "fail" and prompt["sample_index"] == 1:
         sys.exit(3)
@@ -366,10 +370,14 @@ AGENT_PROGRAM = textwrap.dedent("""
 @pytest.mark.parametrize("mode", ["finish", "exit0", "fail", "hang"])
 def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHRL_ROLLOUT_TOKEN", "secret")
+    # security.operator_token_env: RUN_OP_TOKEN names a role token outside MESHRL_*
+    monkeypatch.setenv("RUN_OP_TOKEN", "secret")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    monkeypatch.setenv("AGENT_OWN_KEY", "kept")
     prog = tmp_path / "agent.py"
     prog.write_text(AGENT_PROGRAM)
     group, ga, _ = asyncio.run(play(None, [ANSWER], n=2, command=[sys.executable, str(prog), mode],
-                                    timeout_s=3.0 if mode == "hang" else 60.0))
+                                    timeout_s=3.0 if mode == "hang" else 60.0, secret_env=frozenset({"RUN_OP_TOKEN"})))
     if mode in ("finish", "exit0"):
         assert isinstance(group, common_pb2.TrajectoryGroup), group
         assert [r.env_reward for r in group.responses] == ([0.25] * 2 if mode == "finish" else [1.0] * 2)
@@ -378,6 +386,37 @@ def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPat
     else:
         assert isinstance(group, GatewayGroupFailed) and "agent.sample_timeout_s" in str(group)
         assert ga.counters["deadlines"] >= 1  # the first deadline fails the group and stops the other agent
+
+
+def test_the_secrets_agents_never_inherit_are_named_by_the_config() -> None:
+    from services.rollout.gateway import secret_env_names
+
+    cfg = MeshConfig.model_validate({
+        "security": {"operator_token_env": "RUN_OP_TOKEN"},
+        "reward": {"endpoints": [{"address": "127.0.0.1:1", "name": "judge", "data_sources": ["x"],
+                                  "token_env": "JUDGE_KEY"}]},
+    })
+    assert {"RUN_OP_TOKEN", "JUDGE_KEY", "MESHRL_ROLLOUT_TOKEN", "MESHRL_TRAINER_TOKEN"} <= secret_env_names(cfg)
+
+
+def test_the_gateway_server_starts_once_for_groups_that_arrive_together() -> None:
+    tok = build_tokenizer(tools=True)
+    ga = GatewayAgent(tok, SessionRegistry(tok, GatewayLimits(max_model_len=64, response_budget=32)),
+                      GatewaySettings(command=None, endpoint=None, sample_timeout_s=1, max_concurrent=1))
+    starts = []
+
+    async def start() -> None:
+        starts.append(1)
+        await asyncio.sleep(0.05)  # binding takes a moment: the other groups arrive meanwhile
+        ga.base_url = lambda sid: f"http://127.0.0.1:1/sessions/{sid}/v1"
+
+    ga.start_server = start
+
+    async def main() -> None:
+        await asyncio.gather(*(ga.ensure_server() for _ in range(4)))
+
+    asyncio.run(main())
+    assert starts == [1]
 
 
 def test_agent_config_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,7 @@ def build_gateway_agent(cfg: MeshConfig, tokenizer: Any, *, scorer: Scorer | Non
     registry = SessionRegistry(tokenizer, limits)
     agent = GatewayAgent(tokenizer, registry, GatewaySettings(
         command=tuple(a.command) if a.command else None, endpoint=a.endpoint, sample_timeout_s=a.sample_timeout_s,
-        max_concurrent=a.max_concurrent,
+        max_concurrent=a.max_concurrent, secret_env=secret_env_names(cfg),
     ), scorer=scorer)
     server = GatewayServer(build_app(registry, max_request_bytes=a.max_request_bytes), a.host, a.port)
 
@@ -43,6 +43,14 @@ def build_gateway_agent(cfg: MeshConfig, tokenizer: Any, *, scorer: Scorer | Non
     agent.start_server = start
     agent.stop_server = server.stop
     return agent
+
+
+def secret_env_names(cfg: MeshConfig) -> frozenset[str]:
+    """The variables holding the mesh's secrets under names the config chose: the role tokens
+    (`security.*_token_env`) and the reward endpoints' tokens (`token_env`)."""
+    from services.common.auth import env_names
+
+    return frozenset(env_names(cfg).values()) | {ep.token_env for ep in cfg.reward.endpoints if ep.token_env}
 
 
 def _node_ip() -> str:

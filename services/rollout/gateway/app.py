@@ -73,6 +73,8 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
             return json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise bad("body", f"is not valid JSON ({exc})") from exc
+        except RecursionError:
+            raise bad("body", "nests deeper than this server parses") from None
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat(session_id: str, request: Request) -> Response:

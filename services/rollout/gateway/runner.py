@@ -77,9 +77,19 @@ class GatewaySettings:
     max_concurrent: int
     launch: Launch | None = None
     """Used when neither command nor endpoint is set (tests, Python agents in process)."""
+    secret_env: frozenset[str] = frozenset()
+    """Environment variables agent programs must not inherit (beside every MESHRL_* one and Ray's
+    cluster token): the names the config gives the mesh's role tokens and the reward endpoints'."""
     reward_source: str = "environment"
     """What the worker applies: every response's env_reward is its final reward (play sets it:
     the agent's /finish reward, else the reward service's score)."""
+
+
+RAY_SECRETS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # Ray's cluster token: the whole cluster's keys
+
+
+def _secret(name: str, extra: frozenset[str]) -> bool:
+    return name.startswith("MESHRL_") or name in RAY_SECRETS or name in extra
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,7 @@ class GatewayAgent:
         self._slots = asyncio.Semaphore(settings.max_concurrent)
         self.base_url: Callable[[str], str] | None = None
         self.start_server: Callable[[], Any] | None = None
+        self._starting = asyncio.Lock()
         self.stop_server: Callable[[], Any] | None = None
         self.counters = {"groups": 0, "groups_failed": 0, "agents_started": 0, "agents_failed": 0, "deadlines": 0,
                          "samples_restarted": 0}
@@ -109,6 +120,14 @@ class GatewayAgent:
         does) costs ~20 ms of replica CPU. A client per sample on it costs ~0.3 ms; one pooled client
         does not do: its pool scans every waiting request on each event, and with hundreds of POSTs
         held open for whole samples that took ~40% of the replica (the tool task at 256 samples)."""
+
+    async def ensure_server(self) -> None:
+        """Start the HTTP server once: the first groups of a replica arrive together, and a second
+        start would bind a second listener (or, on a fixed port, fail the replica's loop)."""
+        if self.base_url is None and self.start_server is not None:
+            async with self._starting:
+                if self.base_url is None:
+                    await self.start_server()
 
     async def play(
         self,
@@ -122,8 +141,7 @@ class GatewayAgent:
         cancelled: Callable[[], bool],
         version: Callable[[], int],
     ) -> common_pb2.TrajectoryGroup:
-        if self.base_url is None and self.start_server is not None:
-            await self.start_server()
+        await self.ensure_server()
         assert self.base_url is not None, "the gateway server is not started"
         t0 = time.monotonic()
         # The worker passes its request id as the lease id when no lease is held (the Generate RPC:
@@ -248,7 +266,7 @@ class GatewayAgent:
 
     async def _run_command(self, s: SampleSession, url: str, payload: dict[str, Any]) -> _Outcome:
         assert self.s.command is not None
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRL_")}
+        env = {k: v for k, v in os.environ.items() if not _secret(k, self.s.secret_env)}
         env.update(OPENAI_BASE_URL=url, OPENAI_API_KEY=s.key, MESHRL_SESSION_ID=s.id)
         argv = list(self.s.command)
         if argv[0] in ("python", "python3"):  # the replica's own interpreter (its packages, its venv)
@@ -271,8 +289,8 @@ class GatewayAgent:
                         os.killpg(proc.pid, signal.SIGKILL)
                     await proc.wait()
             if rc != 0:
-                err.seek(0)
-                tail = err.read()[-800:].decode(errors="replace").strip()
+                err.seek(max(0, err.seek(0, os.SEEK_END) - 800))  # the tail only, however much it wrote
+                tail = err.read().decode(errors="replace").strip()
                 return _Outcome(False, f"the agent of sample {s.index} exited with {rc}: {tail}")
         if s.state == "open":  # exited 0 without /finish: its last answer is scored
             await self.registry.finish(s, None)

@@ -143,7 +143,7 @@ def _call_key(m: Mapping[str, Any]) -> tuple[Any, ...]:
 def _canon_args(args: str) -> str:
     try:
         return json.dumps(json.loads(args), sort_keys=True)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # compared as given
         return args
 
 
@@ -249,9 +249,13 @@ class SessionRegistry:
         key = json.dumps(list(tools), sort_keys=True)
         r = self._renderers.get(key)
         if r is None:
+            try:
+                made = ChatRenderer(self.tok, tools)
+            except Exception as exc:  # the schemas are the caller's: its fault, said so (no renderer kept)
+                raise bad("tools", f"the chat template cannot use them ({type(exc).__name__}: {exc})") from exc
             if len(self._renderers) > 256:
                 self._renderers.clear()
-            r = self._renderers[key] = ChatRenderer(self.tok, tools)
+            r = self._renderers[key] = made
         return r, key
 
     def _check_staleness(self, s: SampleSession) -> None:
@@ -283,7 +287,12 @@ class SessionRegistry:
             )
             new_msgs = [_template_message(m) for m in req.messages[len(seg.request_messages):]] if stitched and seg else []
             if stitched and seg is not None:
-                env_ids = renderer.env_ids(seg.messages[:-1], seg.messages[-1], new_msgs, seg.generated_end)
+                try:
+                    env_ids = renderer.env_ids(seg.messages[:-1], seg.messages[-1], new_msgs, seg.generated_end)
+                except ApiError:
+                    raise
+                except Exception as exc:  # as for a full render: the new messages are the request's
+                    raise bad("messages", f"the chat template cannot render them ({type(exc).__name__}: {exc})") from exc
                 prompt_ids, ctx = seg.prompt_ids, seg.prompt_ids + seg.traj.token_ids + env_ids
                 traj_len = len(seg.traj) + len(env_ids)
             else:
