@@ -211,6 +211,10 @@ def test_errors_are_openai_errors_the_sdk_raises() -> None:
         with pytest.raises(openai.BadRequestError) as e:
             await c.chat.completions.create(model="m", messages=msgs, max_tokens=0)
         seen["max_tokens"] = e.value.param
+        async with httpx.AsyncClient() as h:  # JSON nested past the parser's depth: the body's fault, a 400
+            r = await h.post(url + "/chat/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                             headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        seen["deep"] = (r.status_code, r.json()["error"]["param"])
         assert (await finish(url, key, {"reward": "high"})).status_code == 400
         assert (await finish(url, key, {"reward": 0.5})).status_code == 200
         with pytest.raises(openai.ConflictError) as e:
@@ -225,7 +229,7 @@ def test_errors_are_openai_errors_the_sdk_raises() -> None:
     assert isinstance(group, common_pb2.TrajectoryGroup), group
     assert [r.env_reward for r in group.responses] == [0.5, 1.0]
     assert seen == {"401": seen["401"], "n": "n", "role": "messages[0].role", "long": "context_length_exceeded",
-                    "max_tokens": "max_tokens", "409": "session_closed"}
+                    "max_tokens": "max_tokens", "409": "session_closed", "deep": (400, "body")}
     assert seen["401"]["code"] == "invalid_api_key"
     assert ga.registry.counters["calls"] == 3  # the refused requests left no trace
     assert ga.registry.counters["rejected_auth"] == 2
