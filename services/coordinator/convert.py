@@ -32,7 +32,7 @@ MAX_PATH_CHARS = 4096
 MAX_ADDRESS_CHARS = 1024
 MAX_CHECKSUM_CHARS = 128
 LEASE_REPLY_OVERHEAD = 64
-MIN_REPLY_BYTES = 4096
+MIN_REPLY_BYTES = 1024
 """Bytes of a LeasePromptsResponse besides its leases and sampling params."""
 
 

@@ -52,13 +52,15 @@ def _prewarm() -> None:
         return
 
 
-def rank_environment(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
-    """torchrun's variables for one rank, and the interface its CPU (gloo) group listens on: the
-    one this node reaches the master from (`gloo_interface`), so that ranks on other nodes can dial
-    it; torch's default, the hostname's address, is loopback on many hosts."""
+def rank_environment(rank: int, world_size: int, master_addr: str, master_port: int,
+                     spans_nodes: bool = True) -> dict[str, str]:
+    """torchrun's variables for one rank and, when the group `spans_nodes`, the interface its CPU
+    (gloo) group listens on: the one this node reaches the master from (`gloo_interface`), so that
+    ranks on other nodes can dial it; torch's default, the hostname's address, is loopback on many
+    hosts. A group on one node keeps torch's default (loopback there is right, and the fastest)."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
-    if ifname := gloo_interface(master_addr):
+    if spans_nodes and (ifname := gloo_interface(master_addr)):
         env["GLOO_SOCKET_IFNAME"] = ifname
     return env
 
@@ -105,9 +107,10 @@ class TrainWorker:
         return ray.util.get_node_ip_address(), port
 
     def init_engine(
-        self, spec: EngineSpec, backend: str, master_addr: str, master_port: int, nice: int | None = None
+        self, spec: EngineSpec, backend: str, master_addr: str, master_port: int, nice: int | None = None,
+        spans_nodes: bool = False,
     ) -> dict[str, int]:
-        os.environ.update(rank_environment(self.rank, self.world_size, master_addr, master_port))
+        os.environ.update(rank_environment(self.rank, self.world_size, master_addr, master_port, spans_nodes))
         self._prewarm.join()
         import torch
 
@@ -246,8 +249,10 @@ class SpawnedRanks:
         try:
             await asyncio.wait_for(self.pg.ready(), timeout=timeout_s)
             addr, port = await workers[0].address.remote()
+            nodes = {ip for ip, _ in await asyncio.gather(*[w.address.remote() for w in workers[1:]])} | {addr}
             layout = await asyncio.wait_for(
-                asyncio.gather(*[w.init_engine.remote(spec, backend, addr, port, nice) for w in workers]), timeout=timeout_s
+                asyncio.gather(*[w.init_engine.remote(spec, backend, addr, port, nice, len(nodes) > 1) for w in workers]),
+                timeout=timeout_s,
             )
             step = await workers[0].step.remote()
         except BaseException:
