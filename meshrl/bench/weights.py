@@ -457,8 +457,8 @@ def run_benchmark(
             except Exception as exc:  # noqa: BLE001 -- one transport failing must not lose the others
                 result["transports"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         del weights
-        # Measured again after them, the faster counting: a host busy while the first ran would
-        # make a slow yardstick, which flatters every ratio to it.
+        # The yardstick again, the faster of the two counting: one taken while the host was busy
+        # would be slow and flatter every ratio to it.
         again = memcpy_baseline(total)["memcpy"]
         result["baselines"]["memcpy_best_s_before_after"] = [result["baselines"]["memcpy"]["best_s"], again["best_s"]]
         if again["best_s"] < result["baselines"]["memcpy"]["best_s"]:

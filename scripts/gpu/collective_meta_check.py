@@ -1,10 +1,12 @@
-"""On CUDA (scripts/gpu; one GPU is enough): the collective receiver's metadata check as `_land`
-runs it, on a side stream: meta_checksum agrees with the sender's host computation and a flipped bit
-in the metadata or in the bytes gives a bad verdict. The nccl tests (2 GPUs) run the whole path."""
+"""On CUDA (scripts/gpu; one GPU is enough): the collective receiver's check (`bucket_verdict`,
+as `_land` runs it) on a side stream: meta_checksum agrees with the sender's host computation, and
+a flipped bit in the metadata or in the bytes gives a bad verdict. The nccl tests (2 GPUs) run the
+whole path."""
 import torch
 
 from services.weights.layout import FINGERPRINT_COLUMNS, fingerprint_columns_async
 from services.weights.transports.collective.group import CTRL_WORDS, W_META, meta_checksum
+from services.weights.transports.collective.receiver import bucket_verdict
 
 g = torch.Generator().manual_seed(0)
 meta = torch.randint(0, 256, (12345,), dtype=torch.uint8, generator=g)
@@ -28,9 +30,7 @@ for flip in (None, nbytes + 77, 5):
         expected, expected_meta = ctrl[CTRL_WORDS:], ctrl[W_META:W_META + 1]
         expected.record_stream(verify)
         expected_meta.record_stream(verify)
-        columns = fingerprint_columns_async(b, nbytes)
-        meta_bad = meta_checksum(b[nbytes:nbytes + meta.numel()]) != expected_meta
-        bad = ((columns != expected).any() | meta_bad[0]).to(torch.int64).reshape(1)
+        _, bad = bucket_verdict(b, nbytes, meta.numel(), expected, expected_meta)
     torch.cuda.synchronize()
     results.append(int(bad[0]))
 print("host checksum", host, "device", int(meta_checksum(buf[nbytes:nbytes + meta.numel()])[0]))

@@ -64,12 +64,19 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def gloo_interface(master: str) -> str | None:
-    """GLOO_SOCKET_IFNAME for a process group whose master is `master`: the interface this host
-    reaches it from. Torch's default resolves the hostname instead, which is loopback in many
-    containers and on Debian (127.0.1.1): members on other hosts would dial their own loopback.
-    None (leave torch's default) when the operator set the variable or nothing is found."""
+def gloo_address(master: str) -> str | None:
+    """The local address a gloo group member listens on for its peers: the one this host reaches
+    the group's master from, on the network the members share. Torch's default resolves the
+    hostname instead, which is loopback in many containers and on Debian (127.0.1.1): members on
+    other hosts would dial their own loopback. None (leave torch's default) when the operator set
+    GLOO_SOCKET_IFNAME or the master has no route."""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
-    source = source_address(master)
-    return interface_of(source) if source else None
+    return source_address(master)
+
+
+def gloo_interface(master: str) -> str | None:
+    """GLOO_SOCKET_IFNAME for a process group whose master is `master` (torch's default groups
+    take an interface, not an address): the interface holding `gloo_address(master)`."""
+    address = gloo_address(master)
+    return interface_of(address) if address else None

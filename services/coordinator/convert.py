@@ -32,8 +32,9 @@ MAX_PATH_CHARS = 4096
 MAX_ADDRESS_CHARS = 1024
 MAX_CHECKSUM_CHARS = 128
 LEASE_REPLY_OVERHEAD = 64
-MIN_REPLY_BYTES = 1024
 """Bytes of a LeasePromptsResponse besides its leases and sampling params."""
+MIN_REPLY_BYTES = 1024
+"""The smallest `max_reply_bytes` a caller may ask for (below it no reply is useful)."""
 
 
 def lease_wire_bytes(lease: GrantedLease) -> int:

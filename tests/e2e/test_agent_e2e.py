@@ -35,9 +35,7 @@ def _train(run_dir: Path, *overrides: str, timeout_s: float = 1200) -> dict:
 
 def test_tool_task_learns_to_call_the_tool(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    # 28 steps: on 2 idle cores (2026-11-29) the reward's first/last fifth went 0.11 -> 0.32 by
-    # step 28 (0.42 by 40) and the tool-call rate 0.21 -> 0.86; the check below asks for +0.1
-    steps = 28
+    steps = 28  # the reward's rise is clear by then, well past the +0.1 asked below (BENCHMARKS.md, "CI time")
     summary = _train(run_dir, f"rollout.total_rollout_steps={16 * steps}", "trainer.test_freq=14", "trainer.save_freq=-1")
     assert summary["audit"]["balanced"], summary["audit"]
     assert summary["audit"]["lost"] == 0 and summary["audit"]["duplicated"] == 0

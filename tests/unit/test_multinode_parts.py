@@ -113,14 +113,14 @@ def test_gloo_binds_where_it_reaches_the_master_unless_the_operator_names_an_int
 ) -> None:
     """torch's default resolves the hostname, which is loopback in many containers and on Debian
     (127.0.1.1): peers on other hosts would dial their own loopback."""
-    from services.weights.transports.collective import group
+    from services.common import net
 
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     seen: list[str] = []
-    monkeypatch.setattr(group, "source_address", lambda host: seen.append(host) or "10.9.8.7")
-    assert group.gloo_device("10.9.8.1") == "10.9.8.7" and seen == ["10.9.8.1"]
+    monkeypatch.setattr(net, "source_address", lambda host: seen.append(host) or "10.9.8.7")
+    assert net.gloo_address("10.9.8.1") == "10.9.8.7" and seen == ["10.9.8.1"]
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")
-    assert group.gloo_device("10.9.8.1") is None  # torch reads the variable itself
+    assert net.gloo_address("10.9.8.1") is None  # torch reads the variable itself
 
 
 def test_trainer_ranks_name_the_interface_toward_their_master(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -383,8 +383,7 @@ def test_a_refused_fetch_of_the_newest_releases_the_version_it_pinned(fake_ray: 
         fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c")
         wrong = common_pb2.WeightsRef(policy_version=-1, manifest_checksum="0" * 64)
         with pytest.raises(DataLoss, match="republished"):
-            async for _ in fetcher.fetch(wrong):
-                pass
+            await anext(fetcher.fetch(wrong))  # refused before its first bucket
         await fetcher.settle()
         assert directory.released == [(4, "c")]
 

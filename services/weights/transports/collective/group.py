@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from meshrl.v1 import param_server_pb2 as pb
 from services.common.device import import_torch_npu
 from services.common.errors import FailedPrecondition, MeshError, Unavailable
 from services.common.logging import get_logger
-from services.common.net import source_address
+from services.common.net import gloo_address
 
 from ...buffers import ByteBuffers
 from ...client import ParamServerClient
@@ -51,23 +50,12 @@ def meta_checksum(meta: torch.Tensor) -> torch.Tensor:
     return (meta.to(torch.int64) * weights).sum().reshape(1)
 
 
-def gloo_device(master: str) -> str | None:
-    """The local address gloo listens on for its peers: the one this host reaches the group's
-    master (the rendezvous store) from, which is on the network the members share. Left to torch
-    (None) when GLOO_SOCKET_IFNAME names the interface, or the master has no route. Torch's own
-    default resolves the hostname, which is loopback on many hosts (Debian's 127.0.1.1, a
-    container's 127.0.0.1): peers on other hosts would then dial their own loopback."""
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return None
-    return source_address(master)
-
-
 def _make_backend(backend: str, store: Any, rank: int, size: int, timeout: datetime.timedelta,
                   master: str | None = None) -> Any:
     import torch.distributed as dist
 
     if backend == "gloo":
-        address = gloo_device(master) if master else None
+        address = gloo_address(master) if master else None  # master: the rendezvous store's host
         if address is None:
             return dist.ProcessGroupGloo(store, rank, size, timeout)
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # public in torch, unstubbed

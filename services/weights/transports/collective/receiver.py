@@ -70,6 +70,17 @@ class _RecvRecord:
     landed: Any = None  # event: the bucket arrived, was checked, and its columns reached host memory
 
 
+def bucket_verdict(buf: torch.Tensor, nbytes: int, meta_len: int, expected: torch.Tensor,
+                   expected_meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fingerprint columns of a received slot's `nbytes`, int64[1] 1 if they or its metadata
+    differ from the sender's), enqueued on the current stream. The metadata counts too: it names
+    where each tensor's bytes go and is parsed before the version's checksum (at DONE) could
+    notice. Zero padding up to `nbytes` gives the same columns."""
+    columns = fingerprint_columns_async(buf, nbytes)
+    meta_bad = meta_checksum(buf[nbytes : nbytes + meta_len]) != expected_meta
+    return columns, ((columns != expected).any() | meta_bad[0]).to(torch.int64).reshape(1)
+
+
 class CollectiveFetcher(GroupMember):
     """A rollout rank: receives versions broadcast in its group (into its current device; the
     yielded tensors are views of a receive buffer, valid until the next bucket is requested)."""
@@ -224,11 +235,7 @@ class CollectiveFetcher(GroupMember):
                 rec.data_work.wait()
                 rec.expected.record_stream(dev.verify_stream)  # allocated on the comm stream, read here
                 rec.expected_meta.record_stream(dev.verify_stream)
-            columns = fingerprint_columns_async(buf, rec.nbytes)  # zero padding: the same columns
-            # the metadata too: it names where each tensor's bytes go and is parsed before the
-            # version's checksum (at DONE) could notice
-            meta_bad = meta_checksum(buf[rec.nbytes : rec.nbytes + rec.meta_len]) != rec.expected_meta
-            rec.bad = ((columns != rec.expected).any() | meta_bad[0]).to(torch.int64).reshape(1)
+            columns, rec.bad = bucket_verdict(buf, rec.nbytes, rec.meta_len, rec.expected, rec.expected_meta)
             rec.columns_host = dev.pinned_copy(columns, ("columns", rec.slot))
             rec.bad_host = dev.pinned_copy(rec.bad, ("bad", rec.slot))
             rec.meta_host = dev.pinned_copy(buf[rec.nbytes : rec.nbytes + rec.meta_len], ("meta", rec.slot))
