@@ -187,6 +187,9 @@ class DeltaDecoder:
         self._base: int | None = None
         self._parts: dict[str, dict[str, torch.Tensor]] = {}
         self.last = DeltaStats()
+        """The last version received whole or rebuilt (what the rollout's status reports): a
+        version in progress shows here only once commit() checked it, never half counted."""
+        self._stats = DeltaStats()  # the version in progress
 
     @property
     def version(self) -> int:
@@ -201,7 +204,7 @@ class DeltaDecoder:
         self._in_progress = version
         self._base = None
         self._parts = {}
-        self.last = DeltaStats(version=version)
+        self._stats = DeltaStats(version=version)
 
     def reset(self) -> None:
         """The version in progress failed or was broken off: the next one goes whole."""
@@ -220,13 +223,14 @@ class DeltaDecoder:
             raise DataLoss(f"version {version}: no {BASE!r} entry (the sender does not use delta sync; set "
                            "param_server.delta_sync the same on the trainer and the rollouts)")
         self._held = version
+        self.last = self._stats
 
     def decode(self, bucket: Bucket) -> Bucket:
         import torch
 
         out: Bucket = []
         checks: list[tuple[str, torch.Tensor]] = []
-        stats = self.last
+        stats = self._stats
         for name, t in bucket:
             if name == BASE:
                 base, version = (int(x) for x in t.tolist())
@@ -281,7 +285,7 @@ class DeltaDecoder:
                            f"version {self._held} does not hold as {values.dtype} (the next version goes whole)")
         held.view(-1)[idx] = values
         same = (tensor_columns(held) == parts[SUM].to(held.device)).all()
-        stats = self.last
+        stats = self._stats
         stats.whole_bytes += tensor_nbytes(held)
         stats.delta_tensors += 1
         stats.changed_elements += idx.numel()

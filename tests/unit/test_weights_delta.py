@@ -85,6 +85,28 @@ def test_versions_after_the_first_travel_as_changed_elements_and_rebuild_bit_for
         assert dec.last.as_dict()["sent_bytes"] == stats["sent_bytes"]
 
 
+def test_the_receivers_stats_show_a_version_only_once_it_is_committed() -> None:
+    """The rollout's status reports `last` at any moment, also while a version loads: a version in
+    progress must not show as the latest one with no base and half its bytes (the collective e2e
+    read such a sample as "version 9 went whole")."""
+    enc, dec = DeltaEncoder(), DeltaDecoder()
+    _receive(dec, 1, _send(enc, 1, agreed=0))
+    _receive(dec, 2, _send(enc, 2, agreed=1))
+    done = dec.last.as_dict()
+    assert done["version"] == 2 and done["base_version"] == 1 and done["delta_tensors"] == 2
+    wire = _send(enc, 3, agreed=2)
+    dec.begin(3)
+    dec.decode([(n, t.clone()) for n, t in wire[0]])
+    assert dec.last.as_dict() == done  # in progress: still version 2's numbers
+    for bucket in wire[1:]:
+        dec.decode([(n, t.clone()) for n, t in bucket])
+    dec.commit()
+    assert dec.last.version == 3 and dec.last.base_version == 2 and dec.last.sent_bytes == enc.last.sent_bytes
+    dec.begin(4)
+    dec.reset()  # a failed version: the last good one still shows
+    assert dec.last.version == 3
+
+
 def test_a_sender_whose_base_is_not_the_receivers_sends_whole_tensors() -> None:
     enc, dec = DeltaEncoder(), DeltaDecoder()
     _receive(dec, 1, _send(enc, 1, agreed=0))
