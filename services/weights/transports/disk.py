@@ -27,10 +27,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from google.protobuf.message import DecodeError
 
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    Unavailable,
+)
 from services.common.logging import get_logger
 
 from .. import convert
@@ -126,6 +135,7 @@ class DiskPublisher:
         final = version_dir(self.root, version)
         tmp = self.root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        created = registered = False
         try:
             builder = ManifestBuilder(version)
             async for planned in plan_buckets(buckets):
@@ -135,23 +145,58 @@ class DiskPublisher:
             manifest = builder.build([TRANSPORT])
             (tmp / MANIFEST_FILE).write_bytes(convert.manifest_to_proto(manifest).SerializeToString())
             if final.exists():
-                existing = read_manifest(final)
-                if existing.checksum != manifest.checksum:
-                    raise FailedPrecondition(
-                        f"{final} already holds version {version} with other content; versions are immutable"
-                    )
+                if _checksum_on_disk(final) != manifest.checksum:
+                    await self._replace(final, tmp, manifest, deadline)
+                    registered = True
             else:
                 os.rename(tmp, final)
+                created = True
         except TimeoutError:
             raise deadline.stalled("writing to the shared filesystem", self.timeout_s) from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-        if self.client is not None:
-            await self.client.register(manifest, timeout_s=max(deadline.remaining(), 1.0))
+        if self.client is not None and not registered:
+            try:
+                await self.client.register(manifest, timeout_s=max(deadline.remaining(), 1.0))
+            except (Unavailable, DeadlineExceeded):
+                raise  # it may have landed: the directory stays for the retry (same content) to register
+            except MeshError:
+                if created:  # refused: no registration will ever evict it, so nothing may stay behind
+                    shutil.rmtree(final, ignore_errors=True)
+                raise
         log.info("weights_published", transport=TRANSPORT, policy_version=version, total_bytes=manifest.total_bytes,
                  path=str(final))
         return convert.weights_ref(manifest, self.address)
+
+    async def _replace(self, final: Path, tmp: Path, manifest: Manifest, deadline: Deadline) -> None:
+        """`final` holds this version number with other content: the orphan of a trainer that died
+        between publish and commit, republished by its successor resumed from a checkpoint (the
+        param server's rule, store.py `_commit`). Only the param server knows whether a consumer
+        has seen the old content, so it decides first; the files are swapped after it agreed (a
+        fetcher that reads in between compares the manifest on disk with the one it acquired and
+        waits for the swap, DiskFetcher)."""
+        if self.client is None:
+            raise FailedPrecondition(
+                f"{final} already holds version {manifest.policy_version} with other content, and without a param "
+                "server nothing can tell whether a consumer read it; versions are immutable: publish a newer version"
+            )
+        await self.client.register(manifest, timeout_s=max(deadline.remaining(), 1.0))  # refused: files untouched
+        old = final.with_name(f".{final.name}.replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        log.warning("disk_version_replaced", policy_version=manifest.policy_version, path=str(final),
+                    checksum=manifest.checksum[:12])
+
+
+def _checksum_on_disk(directory: Path) -> str:
+    """The checksum of the version in `directory` ("" when its manifest is missing or unreadable:
+    a directory some other tool left, never one this publisher renamed into place)."""
+    try:
+        return read_manifest(directory).checksum
+    except (MeshError, OSError, DecodeError):
+        return ""
 
 
 def read_manifest(directory: Path) -> Manifest:
@@ -205,6 +250,11 @@ def _read_bucket(path: Path, metas: list[TensorMeta], nbytes: int, buf: torch.Te
     return fp.hexdigest()
 
 
+SWAP_WAIT_S = 5.0
+"""How long a fetcher waits for a version directory to match what the param server holds (a
+replaced orphan's files are swapped just after the param server accepted the new manifest)."""
+
+
 class DiskFetcher:
     """Reads versions from `root`; pins them at the param server named in the ref, if any."""
 
@@ -229,19 +279,38 @@ class DiskFetcher:
             await c.close()
         self._io.shutdown(wait=False)
 
+    @staticmethod
+    async def _wait_for_swap(directory: Path, manifest: Manifest, checksum: str, deadline: Deadline) -> Manifest:
+        """The manifest on disk once it is the one the param server handed out (`checksum`)."""
+        waited = 0.0
+        while manifest.checksum != checksum:
+            if waited >= min(SWAP_WAIT_S, deadline.remaining()):
+                raise DataLoss(
+                    f"{directory} holds version {manifest.policy_version} with manifest {manifest.checksum[:12]}, the "
+                    f"param server holds {checksum[:12]} (after {waited:.1f}s): param_server.disk_dir names another "
+                    "directory on this host than on the trainer's, or a publisher without the param server wrote it"
+                )
+            await asyncio.sleep(0.05)
+            waited += 0.05
+            with contextlib.suppress(NotFound):  # between the swap's two renames
+                manifest = read_manifest(directory)
+        return manifest
+
     async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Bucket]:
         version = ref.policy_version
         deadline = Deadline(self.timeout_s, f"fetch of version {version} from {self.root}")
         client = None
         if ref.param_server_address:
             client = self._clients.setdefault(ref.param_server_address, ParamServerClient(ref.param_server_address))
-            m = await client.acquire(self.consumer_id, version, timeout_s=deadline.check("AcquireVersion"))
-            version = m.policy_version
+            acquired = await client.acquire(self.consumer_id, version, timeout_s=deadline.check("AcquireVersion"))
+            version = acquired.policy_version
         elif version < 0:
             version = newest_on_disk(self.root)
         try:
             directory = version_dir(self.root, version)
             manifest = read_manifest(directory)
+            if client is not None:
+                manifest = await self._wait_for_swap(directory, manifest, acquired.checksum, deadline)
             check_against_manifest(manifest, ref, f"fetch from {directory}")
             loop = asyncio.get_running_loop()
 
