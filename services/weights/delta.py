@@ -214,14 +214,14 @@ class DeltaDecoder:
     def commit(self) -> None:
         """Every bucket of the version was decoded, and the transport checked them all."""
         version, self._in_progress = self._in_progress, 0
-        if self._parts:
-            self._held = 0
-            raise DataLoss(f"version {version}: delta entries without all their parts ({sorted(self._parts)[:4]}); "
-                           "the peers disagree on the protocol")
         if self._base is None:
             self._held = 0
             raise DataLoss(f"version {version}: no {BASE!r} entry (the sender does not use delta sync; set "
                            "param_server.delta_sync the same on the trainer and the rollouts)")
+        if self._parts:
+            self._held = 0
+            raise DataLoss(f"version {version}: delta entries without all their parts ({sorted(self._parts)[:4]}); "
+                           "the peers disagree on the protocol")
         self._held = version
         self.last = self._stats
 
@@ -239,6 +239,12 @@ class DeltaDecoder:
                                    f"for version {version}; this receiver holds version {self._held} (the next "
                                    "version goes whole)")
                 self._base = stats.base_version = base
+                # Delta entries that came first wait whole in _parts: the bucket carrying this
+                # entry was resent after a NACK and arrived after later buckets.
+                for target in [n for n, p in self._parts.items() if len(p) == len(PARTS)]:
+                    held, same = self._apply(target, self._parts.pop(target))
+                    out.append((target, held))
+                    checks.append((target, same))
                 continue
             part = split_part(name)
             if part is None:
@@ -255,7 +261,7 @@ class DeltaDecoder:
             parts = self._parts.setdefault(target, {})
             parts[kind] = t
             stats.sent_bytes += tensor_nbytes(t)
-            if len(parts) == len(PARTS):
+            if len(parts) == len(PARTS) and self._base is not None:
                 del self._parts[target]
                 held, same = self._apply(target, parts)
                 out.append((target, held))

@@ -100,8 +100,10 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
     "corrupt_last" (bucket 2, the last, once), "corrupt_always" (bucket 1, every time it comes),
     "many" / "many_corrupt" (the sender's make_many_buckets; bucket 5 damaged once), "announced"
     (wait for the sender's announcement and fetch the ref it carries), "delta" (delta sync:
-    make_delta_buckets) or "delta_drift" (delta sync after one element of this receiver's copy
-    of the base was changed by hand). With delta sync the count is the version's base."""
+    make_delta_buckets), "delta_drift" (delta sync after one element of this receiver's copy
+    of the base was changed by hand) or "delta_corrupt_base" (delta sync, bucket 0, the one
+    carrying #delta.base, damaged once: its resend lands after the buckets behind it). With delta
+    sync the count is the version's base."""
     from meshrl.v1 import common_pb2
     from services.weights.transports.collective import CollectiveFetcher
 
@@ -129,7 +131,7 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                 held.view(-1)[12345] += 1.0
             fetcher.timeout_s = timeout_s
             state["bucket"] = {"corrupt": 1, "corrupt_last": 2, "corrupt_always": 1, "many_corrupt": 5,
-                               "corrupt_meta": 1}.get(mode)
+                               "corrupt_meta": 1, "delta_corrupt_base": 0}.get(mode)
             state["meta"] = mode == "corrupt_meta"
             state["always"] = mode == "corrupt_always"
             try:
@@ -265,18 +267,20 @@ def check_delta_sync(backend: str, receivers: int = 1, deadline_s: float = 240.0
     first goes whole, the next as deltas against the base every receiver holds (agreed at the
     rendezvous), rebuilt bit for bit. The first receiver's copy is altered by hand before version
     3: its rebuilt tensor fails the sender's fingerprint (DataLoss), version 4 goes whole to every
-    receiver, version 5 is a delta again."""
+    receiver, version 5 is a delta again (on the first receiver, the bucket carrying the delta's
+    base is damaged once: NACKed, resent after the others, and the version still rebuilds)."""
     timeout = 120.0 if backend == "nccl" else 60.0
     got = run_pair(
         backend,
         sender_plan=[(v, "delta") for v in range(1, 6)],
-        receiver_plan=[(v, "delta_drift" if v == 3 else "delta", timeout) for v in range(1, 6)],
+        receiver_plan=[(v, {3: "delta_drift", 5: "delta_corrupt_base"}.get(v, "delta"), timeout) for v in range(1, 6)],
         more_receivers=tuple([(v, "delta", timeout) for v in range(1, 6)] for _ in range(receivers - 1)),
         deadline_s=deadline_s,
     )
     roles = ["recv"] + [f"recv{i}" for i in range(1, receivers)]
 
     def sent(version: int) -> tuple[int, float]:
+        assert got[("sent", version)][0].startswith("base="), got  # else the sender's error
         base, fraction = (part.split("=")[1] for part in got[("sent", version)][0].split())
         return int(base), float(fraction)
 
