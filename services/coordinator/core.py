@@ -48,6 +48,8 @@ from .liveness import ReplicaLiveness
 log = get_logger(__name__)
 
 MAX_REPLICAS_SEEN = 4096
+COMPACT_SLACK = 1024
+"""Stale expiry-heap entries allowed beyond twice the live leases before the heap is rebuilt."""
 INT64_MAX = (1 << 63) - 1
 """The ledger (SQLite) stores integers as int64: larger request values are refused up front."""
 FETCH_REPLY_OVERHEAD = 128
@@ -354,7 +356,7 @@ class CoordinatorCore:
         self._state = state
         for lease in snap.active_leases:
             self._leases[lease.lease_id] = lease
-            heapq.heappush(self._deadlines, (lease.deadline, lease.seq, lease.lease_id))
+            self._push_deadline(lease.deadline, lease.seq, lease.lease_id)
         self._expired = dict(snap.expired_leases)
         self._refused = set(snap.refused_lease_ids)
         self._submitted = set(snap.submitted_lease_ids)
@@ -480,7 +482,7 @@ class CoordinatorCore:
                 del self._retry[seq]
             for row in rows:
                 self._leases[row.lease_id] = row
-                heapq.heappush(self._deadlines, (row.deadline, row.seq, row.lease_id))
+                self._push_deadline(row.deadline, row.seq, row.lease_id)
         self._replica_seen[replica_id] = now
         return LeaseGrant(granted, limit, self._state.policy_version)
 
@@ -496,7 +498,7 @@ class CoordinatorCore:
                 self.ledger.set_lease_deadlines((i, deadline) for i in renewed)
             for i in renewed:
                 self._leases[i].deadline = deadline
-                heapq.heappush(self._deadlines, (deadline, self._leases[i].seq, i))
+                self._push_deadline(deadline, self._leases[i].seq, i)
         self._replica_seen[replica_id] = now
         return renewed, lost, deadline
 
@@ -527,6 +529,15 @@ class CoordinatorCore:
             del self._leases[r.lease_id]
             self._retry[r.seq] = None
             self._expired[r.lease_id] = r.seq
+
+    def _push_deadline(self, deadline: float, seq: int, lease_id: str) -> None:
+        """Every renewal pushes an entry and leaves the older one to pop at its deadline, so the
+        heap holds ~lease_timeout_s / renew interval entries per lease: rebuilt from the live
+        leases when it outgrows them twice over (a burst of renewals, of finished leases)."""
+        heapq.heappush(self._deadlines, (deadline, seq, lease_id))
+        if len(self._deadlines) > 2 * len(self._leases) + COMPACT_SLACK:
+            self._deadlines = [(r.deadline, r.seq, r.lease_id) for r in self._leases.values()]
+            heapq.heapify(self._deadlines)
 
     def expire(self, now: float) -> int:
         """Expire leases whose deadline passed, and those of silent replicas; their prompts go to
@@ -577,7 +588,7 @@ class CoordinatorCore:
         for replica_id, leases in lost.items():
             for lease in leases:
                 lease.deadline = now
-                heapq.heappush(self._deadlines, (now, lease.seq, lease.lease_id))
+                self._push_deadline(now, lease.seq, lease.lease_id)
                 self._silent_leases.add(lease.lease_id)
             log.warning("replica_lost", replica_id=replica_id, leases=len(leases),
                         silent_s=round(now - self._replica_seen[replica_id], 1),

@@ -117,6 +117,23 @@ def test_renew_keeps_lease_alive(tmp_path: Path) -> None:
     assert core.expire(18.0) == 1
 
 
+def test_the_expiry_heap_stays_bounded_under_frequent_renewals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each renewal leaves its older heap entry to pop at its old deadline: with renewals far more
+    frequent than the lease timeout the heap would hold timeout/interval entries per lease. It is
+    rebuilt from the live leases, and expiry is unchanged by that."""
+    monkeypatch.setattr("services.coordinator.core.COMPACT_SLACK", 8)
+    core = make_core(tmp_path / "l.db", lease_timeout_s=1000.0, staleness=1.0)
+    leases = core.lease("r", 4, 0.0).leases
+    ids = [lease.lease_id for lease in leases]
+    for k in range(1, 200):
+        core.renew("r", ids, float(k))
+        assert len(core._deadlines) <= 2 * len(ids) + 8 + 1
+    assert core.expire(1198.0) == 0
+    core.submit("r", [group_for(leases[0].lease_id, leases[0].seq, 0)], 1198.0)  # finished: never expires
+    assert core.expire(1199.0) == 3
+    assert core.audit()["balanced"]
+
+
 def test_return_leases_requeues_prompts_first(tmp_path: Path) -> None:
     core = make_core(tmp_path / "l.db", staleness=1.0)
     leases = core.lease("r", 3, 0.0).leases
