@@ -359,6 +359,7 @@ AGENT_PROGRAM = textwrap.dedent("""
     assert os.environ["AGENT_OWN_KEY"] == "kept", "the agent's own environment is passed on"
     mode = sys.argv[1]
     if mode == "fail" and prompt["sample_index"] == 1:
+        print("openai.AuthenticationError: key", os.environ["OPENAI_API_KEY"], "refused", file=sys.stderr)
         sys.exit(3)
     if mode == "hang":
         time.sleep(3600)
@@ -387,6 +388,8 @@ def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPat
         assert [r.env_reward for r in group.responses] == ([0.25] * 2 if mode == "finish" else [1.0] * 2)
     elif mode == "fail":
         assert isinstance(group, GatewayGroupFailed) and "exited with 3" in str(group)
+        # its stderr's tail travels to the coordinator and its logs: the session's key does not
+        assert "key <the session's key> refused" in str(group), group
     else:
         assert isinstance(group, GatewayGroupFailed) and "agent.sample_timeout_s" in str(group)
         assert ga.counters["deadlines"] >= 1  # the first deadline fails the group and stops the other agent

@@ -290,7 +290,8 @@ class GatewayAgent:
                     await proc.wait()
             if rc != 0:
                 err.seek(max(0, err.seek(0, os.SEEK_END) - 800))  # the tail only, however much it wrote
-                tail = err.read().decode(errors="replace").strip()
+                # it reaches the coordinator's failure messages and logs: never the session's key
+                tail = err.read().decode(errors="replace").strip().replace(s.key, "<the session's key>")
                 return _Outcome(False, f"the agent of sample {s.index} exited with {rc}: {tail}")
         if s.state == "open":  # exited 0 without /finish: its last answer is scored
             await self.registry.finish(s, None)
