@@ -32,6 +32,8 @@ def _extra_info(text: str, field: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(field, f"is not valid JSON ({exc.msg} at {exc.pos})") from exc
+    except RecursionError:
+        raise InvalidArgument(field, "is nested too deeply") from None
     if not isinstance(value, dict):
         raise InvalidArgument(field, f"must be a JSON object, got {type(value).__name__}")
     return value

@@ -11,7 +11,10 @@ Why: the rollout's calls are delivered at least once (a timed-out call is sent a
 method must act once per key and answer repeats from what it stored. Calls racing on one key
 (a retry while the first attempt still runs) share the first attempt's result. A session that
 sees no call for `session_ttl_s` (its rollout died) is closed by `expire()`. Closed sessions'
-answers are kept for a while (`closed_keep`) so a repeated Close still gets its reward.
+answers are kept for a while (`closed_keep`) so a repeated Close still gets its reward, or the
+error its close failed with (never an empty reward the trajectory would be trained on). A close
+waits `close_wait_s` at most for the session's calls still running (a hung tool), then cancels
+them: one stuck session never holds the others' expiry up.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
+from services.common.errors import FailedPrecondition, MeshError, NotFound, ResourceExhausted
 from services.common.logging import get_logger
 
 from .base import CloseResult, Environment, EnvPrompt, StartResult, StepResult, ToolCall
@@ -61,15 +64,17 @@ class SessionTable:
         max_sessions: int = 4096,
         session_ttl_s: float = 900.0,
         closed_keep: int = 4096,
+        close_wait_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.env = env
         self.max_sessions = max_sessions
         self.session_ttl_s = session_ttl_s
         self.closed_keep = closed_keep
+        self.close_wait_s = close_wait_s
         self.clock = clock
         self._open: dict[str, _Session] = {}
-        self._closed: OrderedDict[str, CloseResult] = OrderedDict()
+        self._closed: OrderedDict[str, CloseResult | MeshError] = OrderedDict()
         self.counters = SessionCounters()
 
     @property
@@ -107,7 +112,8 @@ class SessionTable:
             if session_id in self._closed:
                 raise FailedPrecondition(f"session {session_id!r} is closed")
             raise NotFound(f"no session {session_id!r} (never started, or expired after {self.session_ttl_s:g}s idle)")
-        s.last_seen = self.clock()
+        if s.closing is not None:
+            raise FailedPrecondition(f"session {session_id!r} is closing")
         return s
 
     async def step(
@@ -122,6 +128,8 @@ class SessionTable:
                 raise FailedPrecondition(f"session {session_id!r}: turn {turn} out of order; the next turn is {s.next_turn}")
             if s.done:
                 raise FailedPrecondition(f"session {session_id!r} is done (turn {turn - 1} ended the episode)")
+        s.last_seen = self.clock()  # only a call the session takes keeps it alive
+        if fut is None:
             # Only the latest answer is kept: a repeat of an older turn cannot arrive once the
             # caller moved on (it waits for each answer before the next turn).
             s.steps = {}
@@ -148,7 +156,10 @@ class SessionTable:
     async def close(self, session_id: str) -> CloseResult:
         if session_id in self._closed:
             self.counters.repeats += 1
-            return self._closed[session_id]
+            answer = self._closed[session_id]
+            if isinstance(answer, MeshError):
+                raise answer
+            return answer
         s = self._open.get(session_id)
         if s is None:
             return CloseResult()  # never started (or expired): nothing to release
@@ -157,29 +168,50 @@ class SessionTable:
         return await asyncio.shield(s.closing)
 
     async def _close(self, session_id: str, s: _Session) -> CloseResult:
+        answer: CloseResult | MeshError | None = None
         try:
-            await asyncio.gather(s.start, *s.steps.values(), return_exceptions=True)
-            if s.start.exception() is not None:
-                result = CloseResult()
+            await self._settle(session_id, [s.start, *s.steps.values()])
+            if s.start.cancelled() or s.start.exception() is None:  # a cancelled start may have begun
+                answer = await self.env.close(session_id)
             else:
-                result = await self.env.close(session_id)
+                answer = CloseResult()
+        except Exception as exc:
+            # The reward is unknown: a repeated Close (the client retries UNAVAILABLE) must fail
+            # as well, never answer an empty reward the trajectory would be trained on.
+            answer = FailedPrecondition(f"session {session_id!r}: its close failed ({exc!r}); its reward is unknown, "
+                                        "so the trajectory must not be trained on")
+            self.counters.errors += 1
+            raise
         finally:
             self._open.pop(session_id, None)
-        self._closed[session_id] = result
-        while len(self._closed) > self.closed_keep:
-            self._closed.popitem(last=False)
+            if answer is not None:
+                self._closed[session_id] = answer
+                while len(self._closed) > self.closed_keep:
+                    self._closed.popitem(last=False)
         self.counters.closed += 1
-        return result
+        return answer
+
+    async def _settle(self, session_id: str, calls: list[asyncio.Future[Any]]) -> None:
+        """Wait for the session's calls still running, `close_wait_s` at most, then cancel them."""
+        running = [f for f in calls if not f.done()]
+        if not running:
+            return
+        _, late = await asyncio.wait(running, timeout=self.close_wait_s)
+        if late:
+            log.warning("environment_calls_cancelled", session_id=session_id, calls=len(late),
+                        hint=f"they ran past environment close_wait_s={self.close_wait_s:g}s (a hung tool?)")
+            for f in late:
+                f.cancel()
+            await asyncio.wait(late, timeout=1.0)  # a call that ignores its cancellation is left behind
 
     async def expire(self) -> int:
         """Close sessions idle for more than session_ttl_s. Returns how many."""
         now = self.clock()
         stale = [sid for sid, s in self._open.items() if s.closing is None and now - s.last_seen > self.session_ttl_s]
-        for sid in stale:
-            try:
-                await self.close(sid)
-            except Exception as exc:  # noqa: BLE001 - one bad session must not stop the sweep
-                log.warning("environment_session_close_failed", session_id=sid, error=repr(exc))
+        outcomes = await asyncio.gather(*(self.close(sid) for sid in stale), return_exceptions=True)  # all at once
+        for sid, outcome in zip(stale, outcomes, strict=True):
+            if isinstance(outcome, Exception):  # one bad session must not stop the sweep
+                log.warning("environment_session_close_failed", session_id=sid, error=repr(outcome))
             self.counters.expired += 1
         if stale:
             log.info("environment_sessions_expired", sessions=len(stale))

@@ -53,6 +53,26 @@ def _numeric(metrics: Any) -> dict[str, float]:
     return out
 
 
+def _check_extra_info(extra: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any]]:
+    """(tools_kwargs, interaction_kwargs) of a prompt's extra_info, their shapes checked before a
+    session is created (the data is at fault, not the server: INVALID_ARGUMENT naming the key)."""
+    field = "prompt.extra_info_json"
+    tools_kwargs = extra.get("tools_kwargs") or {}
+    if not isinstance(tools_kwargs, Mapping):
+        raise InvalidArgument(f"{field}.tools_kwargs", f"must be an object of tool name -> kwargs, got {type(tools_kwargs).__name__}")
+    for tool, kw in tools_kwargs.items():
+        if not isinstance(kw, Mapping) or not isinstance(kw.get("create_kwargs") or {}, Mapping):
+            raise InvalidArgument(f"{field}.tools_kwargs.{tool}", 'must be an object like {"create_kwargs": {...}}')
+    ikw = extra.get("interaction_kwargs") or {}
+    if not isinstance(ikw, Mapping):
+        raise InvalidArgument(f"{field}.interaction_kwargs", f"must be an object, got {type(ikw).__name__}")
+    if not isinstance(ikw.get("name", ""), str):
+        raise InvalidArgument(f"{field}.interaction_kwargs.name", "must be a string (an interaction's name)")
+    if "instance_id" in ikw:
+        raise InvalidArgument(f"{field}.interaction_kwargs.instance_id", "is reserved (the session id is the instance id)")
+    return tools_kwargs, dict(ikw)
+
+
 class ToolEnvironment(Environment):
     """verl tools (+ interactions) as an Environment (see the module docstring)."""
 
@@ -74,9 +94,7 @@ class ToolEnvironment(Environment):
         self.errors = 0
 
     async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
-        extra = prompt.extra_info
-        tools_kwargs = extra.get("tools_kwargs") or {}
-        ikw = dict(extra.get("interaction_kwargs") or {})
+        tools_kwargs, ikw = _check_extra_info(prompt.extra_info)
         interaction = None
         if self.interactions:
             name = ikw.get("name")
@@ -103,16 +121,22 @@ class ToolEnvironment(Environment):
         self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *, policy_version: int = 0
     ) -> StepResult:
         s = self._session(session_id)
-        s.history.append({"role": "assistant", "content": assistant_text})
+        # The history grows only once the turn succeeded: a failed turn is retried (core.py) and
+        # must not leave its assistant message twice in what an interaction reads.
+        assistant = {"role": "assistant", "content": assistant_text}
         if tool_calls:
-            return await self._run_calls(session_id, s, list(tool_calls))
-        if s.interaction is not None:
-            terminate, content, score, metrics = await s.interaction.generate_response(session_id, list(s.history), **s.interaction_kwargs)
-            s.history.append({"role": "user", "content": str(content)})
+            result = await self._run_calls(session_id, s, list(tool_calls))
+        elif s.interaction is not None:
+            terminate, content, score, metrics = await s.interaction.generate_response(
+                session_id, [*s.history, assistant], **s.interaction_kwargs)
             reward = None if score is None else float(score)
-            return StepResult(messages=(Message("user", str(content)),), done=bool(terminate), reward=reward,
-                              metrics=_numeric(metrics))
-        return StepResult(done=True)
+            result = StepResult(messages=(Message("user", str(content)),), done=bool(terminate), reward=reward,
+                                metrics=_numeric(metrics))
+        else:
+            result = StepResult(done=True)
+        s.history.append(assistant)
+        s.history.extend(m.as_dict() for m in result.messages)
+        return result
 
     async def _run_calls(self, session_id: str, s: _Session, calls: list[ToolCall]) -> StepResult:
         run, extra = calls[: self.max_parallel_calls], calls[self.max_parallel_calls :]
@@ -133,7 +157,6 @@ class ToolEnvironment(Environment):
         self.calls += len(calls)
         self.errors += errors
         msgs = tuple(Message("tool", o[0]) for o in outcomes)
-        s.history.extend(m.as_dict() for m in msgs)
         return StepResult(messages=msgs, done=False, reward=reward, metrics=metrics, tool_errors=errors)
 
     async def _create(self, session_id: str, s: _Session, name: str) -> None:
@@ -166,17 +189,29 @@ class ToolEnvironment(Environment):
         s = self._sessions.pop(session_id, None)
         if s is None:
             return CloseResult()
+        # Every instance is released and the interaction finalized whatever fails on the way
+        # (the first error is raised after: the session's reward is then unknown).
         reward = 0.0
+        error: BaseException | None = None
         for name, instance_id in s.instances.items():
             tool = self.tools[name]
             try:
                 reward += float(await tool.calc_reward(instance_id))
-            finally:
+            except Exception as exc:  # noqa: BLE001 - raised below, after the others are released
+                error = error or exc
+            try:
                 await tool.release(instance_id)
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
         if s.interaction is not None:
             fin = s.interaction.finalize_interaction
             params = inspect.signature(fin).parameters
-            await (fin(session_id) if params else fin())
+            try:
+                await (fin(session_id) if params else fin())
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            raise error
         return CloseResult(reward=reward)
 
     def status(self) -> dict[str, Any]:

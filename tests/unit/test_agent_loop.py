@@ -291,6 +291,38 @@ def test_an_environment_failure_fails_the_group_and_closes_every_session(tok: An
     assert env.open == set()
 
 
+def test_a_group_that_fails_or_is_cancelled_before_its_turns_closes_every_started_session(tok: Any) -> None:
+    """The sessions are started before the prompt is rendered and truncated: a prompt over
+    max_prompt_length (truncation=error) or a cancelled group (drain, stop) must not leave them
+    open (the in-process environment has no expiry)."""
+    env = ScriptedEnv()
+    with pytest.raises(InvalidArgument, match="max_prompt_length"):
+        _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), env, SamplingSpec(n=4, max_tokens=50), max_prompt_length=3)
+    assert env.open == set()
+
+    class SlowStarts(ScriptedEnv):
+        async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
+            self.open.add(session_id)
+            if sample_index == 3:
+                await asyncio.sleep(30)
+            return StartResult()
+
+    slow = SlowStarts()
+    loop = AgentLoop(tok, EnvironmentRouter(slow, []), AgentSettings())
+
+    async def cancelled_while_starting() -> None:
+        engine = ScriptedEngine(tok, ["a<|im_end|>"])
+        group = asyncio.ensure_future(loop.run_group(_prompt(), SamplingSpec(n=4, max_tokens=50), "r/L2", engine.generate,
+                                                     lambda: False, lambda: 0))
+        await asyncio.sleep(0.05)
+        group.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await group
+
+    asyncio.run(cancelled_while_starting())
+    assert slow.open == set()
+
+
 def test_aborted_turn_continues_from_its_partial_tokens(tok: Any) -> None:
     engine = ScriptedEngine(tok, [CALL + "<|im_end|>", "579<|im_end|>"], abort_first=True)
     _, (t,) = _run(tok, engine, ToolEnvironment(load_tools(TOOLS)), SamplingSpec(n=1, max_tokens=120))

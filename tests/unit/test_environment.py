@@ -128,6 +128,66 @@ def test_session_table_bounds_and_expiry() -> None:
     asyncio.run(go())
 
 
+def test_a_hung_call_holds_neither_its_close_nor_the_other_sessions_expiry() -> None:
+    """A tool that never returns (no timeout in its sandbox) and a rollout that gave up: the
+    expiry still closes every stale session, the hung call cancelled after close_wait_s. A Step
+    that arrives while its session closes is refused (it would run beside, or after, env.close),
+    and a rejected Step does not count as the session being alive."""
+    async def go() -> None:
+        env, clock = CountingEnv(), Clock()
+        table = SessionTable(env, session_ttl_s=10, close_wait_s=0.2, clock=clock)
+        await table.start("hung", EnvPrompt())
+        await table.start("other", EnvPrompt())
+        env.gate = asyncio.Event()  # never set: the step hangs
+        caller = asyncio.ensure_future(table.step("hung", 0, "x", []))
+        await asyncio.sleep(0.01)
+        caller.cancel()  # the rollout's call timed out
+        clock.t = 8
+        with pytest.raises(FailedPrecondition, match="out of order"):
+            await table.step("other", 3, "x", [])  # rejected: "other" stays idle since 0
+        clock.t = 11
+        assert await asyncio.wait_for(table.expire(), timeout=5) == 2
+        assert sorted(env.closes) == ["hung", "other"] and table.open_sessions == 0
+
+        await table.start("s", EnvPrompt())
+        env.gate = asyncio.Event()
+        running = asyncio.ensure_future(table.step("s", 0, "x", []))
+        await asyncio.sleep(0.01)
+        closing = asyncio.ensure_future(table.close("s"))
+        await asyncio.sleep(0.01)
+        with pytest.raises(FailedPrecondition, match="closing"):
+            await table.step("s", 1, "y", [])
+        env.gate.set()
+        await running
+        assert (await closing).reward == 1.0 and ("s", 1) not in env.steps
+
+    asyncio.run(go())
+
+
+class FailingClose(CountingEnv):
+    async def close(self, session_id: str) -> CloseResult:
+        self.closes.append(session_id)
+        from services.common.errors import Unavailable
+
+        raise Unavailable("the reward sandbox is down")
+
+
+def test_a_failed_close_fails_its_repeats_too_never_an_empty_reward() -> None:
+    """The client retries UNAVAILABLE: the retry must not get CloseResult(reward=None), which the
+    trajectory would be trained on without its environment reward."""
+    async def go() -> None:
+        env = FailingClose()
+        table = SessionTable(env)
+        await table.start("s", EnvPrompt())
+        with pytest.raises(Exception, match="sandbox is down"):
+            await table.close("s")
+        with pytest.raises(FailedPrecondition, match="reward is unknown"):
+            await table.close("s")
+        assert env.closes == ["s"] and table.open_sessions == 0
+
+    asyncio.run(go())
+
+
 # ---- the tool environment --------------------------------------------------------------------------
 
 
@@ -197,6 +257,83 @@ def test_interaction_answers_turns_without_tool_calls(tmp_path: Path) -> None:
             await env.start("t", EnvPrompt(extra_info={"interaction_kwargs": {"name": "nobody"}}))
 
     asyncio.run(go())
+
+
+class FlakyTool:
+    """A tool whose instance creation fails once, and whose reward fails at close."""
+
+    name = "flaky"
+    tool_schema = type("S", (), {"model_dump": staticmethod(lambda **_: {"type": "function", "function": {"name": "flaky"}})})()
+
+    def __init__(self) -> None:
+        self.creates = 0
+        self.released: list[str] = []
+
+    async def create(self, instance_id: str, **kwargs: Any) -> tuple[str, None]:
+        self.creates += 1
+        if self.creates == 1:
+            raise RuntimeError("sandbox busy")
+        return instance_id, None
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any]) -> tuple[str, float, dict[str, Any]]:
+        return "ok", 0.0, {}
+
+    async def calc_reward(self, instance_id: str) -> float:
+        raise RuntimeError("grader down")
+
+    async def release(self, instance_id: str) -> None:
+        self.released.append(instance_id)
+
+
+def test_a_failed_turn_leaves_the_history_as_it_was_and_a_failed_close_still_releases() -> None:
+    async def go() -> None:
+        tool = FlakyTool()
+        other = load_tools(TOOLS)[0]
+        env = ToolEnvironment([tool, other], max_parallel_calls=2)  # type: ignore[list-item]
+        await env.start("s", EnvPrompt(messages=(Message("user", "hi"),)))
+        calls = _calls(("add", '{"a": 1, "b": 2}'), ("flaky", "{}"))
+        with pytest.raises(RuntimeError, match="sandbox busy"):
+            await env.step("s", 0, "call them", calls)
+        assert env._sessions["s"].history == [{"role": "user", "content": "hi"}]
+        r = await env.step("s", 0, "call them", calls)  # the retry
+        assert [m.content for m in r.messages] == ["3", "ok"]
+        assert [m["role"] for m in env._sessions["s"].history] == ["user", "assistant", "tool", "tool"]
+        with pytest.raises(RuntimeError, match="grader down"):
+            await env.close("s")
+        assert tool.released == ["s/flaky"] and env.status()["open_sessions"] == 0
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"interaction_kwargs": "abc"}, "interaction_kwargs"),
+        ({"interaction_kwargs": {"name": "echo", "instance_id": "z"}}, r"interaction_kwargs\.instance_id"),
+        ({"interaction_kwargs": {"name": [1]}}, r"interaction_kwargs\.name"),
+        ({"tools_kwargs": ["x"]}, "tools_kwargs"),
+        ({"tools_kwargs": {"add": {"create_kwargs": 3}}}, r"tools_kwargs\.add"),
+    ],
+)
+def test_bad_extra_info_is_refused_at_start_naming_the_key(tmp_path: Path, extra: dict[str, Any], field: str) -> None:
+    path = tmp_path / "interaction.yaml"
+    path.write_text(f"interaction:\n  - name: echo\n    class_name: {__name__}.EchoUser\n    config: {{}}\n")
+
+    async def go() -> None:
+        env = ToolEnvironment(load_tools(TOOLS), load_interactions(str(path)))
+        with pytest.raises(InvalidArgument, match=field):
+            await env.start("s", EnvPrompt(extra_info=extra))
+        assert env.status()["open_sessions"] == 0
+
+    asyncio.run(go())
+
+
+def test_extra_info_nested_past_the_parser_is_invalid_argument() -> None:
+    from meshrl.v1 import common_pb2
+
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(InvalidArgument, match="nested too deeply"):
+        convert.prompt_from_proto(common_pb2.Prompt(extra_info_json='{"a": ' + deep + "}"))
 
 
 @pytest.mark.parametrize(

@@ -57,6 +57,9 @@ class EnvironmentConfig(ConfigModel):
     """Open sessions a server holds at most (Start beyond it: RESOURCE_EXHAUSTED)."""
     session_ttl_s: float = Field(default=900.0, gt=0)
     """A session without a call for this long is closed by the server (a rollout that died)."""
+    close_wait_s: float = Field(default=30.0, gt=0)
+    """A Close (or the expiry) waits this long at most for the session's calls still running (a
+    hung tool), then cancels them and closes the session."""
     max_message_chars: int = Field(default=1 << 20, ge=1)
     """Largest assistant text a Step may carry."""
     max_tool_calls: int = Field(default=64, ge=1)

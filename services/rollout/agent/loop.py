@@ -158,22 +158,27 @@ class AgentLoop:
         env_prompt = env_convert.prompt_from_proto(prompt)
         messages = [m.as_dict() for m in env_prompt.messages] or [{"role": "user", "content": prompt.text}]
         sids = [f"{rid}/{i}" for i in range(spec.n)]
-        starts = await asyncio.gather(
-            *(env.start(sid, env_prompt, sample_index=i, policy_version=version()) for i, sid in enumerate(sids)),
-            return_exceptions=True,
-        )
-        failed = next((s for s in starts if isinstance(s, BaseException)), None)
-        if failed is not None:
-            await asyncio.gather(*(env.close(sid) for sid, s in zip(sids, starts, strict=True)
-                                   if not isinstance(s, BaseException)), return_exceptions=True)
-            raise failed
-        samples = []
-        for i, (sid, start) in enumerate(zip(sids, starts, strict=True)):
-            assert isinstance(start, StartResult)
-            msgs = [m.as_dict() for m in start.messages] or [dict(m) for m in messages]
-            renderer = ChatRenderer(self.tok, start.tools)
-            ids = _truncate_prompt(renderer.prompt_ids(msgs), self.s.max_prompt_length, self.s.truncation, prompt.prompt_id)
-            samples.append(_Sample(i, sid, start, msgs, renderer, ids))
+        try:
+            starts = await asyncio.gather(
+                *(env.start(sid, env_prompt, sample_index=i, policy_version=version()) for i, sid in enumerate(sids)),
+                return_exceptions=True,
+            )
+            failed = next((s for s in starts if isinstance(s, BaseException)), None)
+            if failed is not None:
+                raise failed
+            samples = []
+            for i, (sid, start) in enumerate(zip(sids, starts, strict=True)):
+                assert isinstance(start, StartResult)
+                msgs = [m.as_dict() for m in start.messages] or [dict(m) for m in messages]
+                renderer = ChatRenderer(self.tok, start.tools)
+                ids = _truncate_prompt(renderer.prompt_ids(msgs), self.s.max_prompt_length, self.s.truncation, prompt.prompt_id)
+                samples.append(_Sample(i, sid, start, msgs, renderer, ids))
+        except BaseException:
+            # Every session, also one whose start failed here but may have landed (a timed-out
+            # call): closing one never started is a no-op. Shielded: a cancelled group (drain,
+            # stop) still frees the environment's sessions.
+            await asyncio.shield(asyncio.gather(*(env.close(sid) for sid in sids), return_exceptions=True))
+            raise
         # Samples whose environment starts them differently share the common prefix as the
         # group's prompt; each one's remainder opens its trajectory as environment tokens.
         prompt_ids = samples[0].ids[: _common_prefix([s.ids for s in samples])]
