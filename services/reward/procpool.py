@@ -180,12 +180,24 @@ class ProcessPool:
         is killed); a RuntimeError naming the scorer's exception when it raised."""
         free = self._queue()
         worker = await free.get()
+        self.calls += 1
+        call = asyncio.get_running_loop().run_in_executor(self._threads, worker.call, spec, kwargs, timeout_s)
         try:
-            self.calls += 1
-            loop = asyncio.get_running_loop()
-            status, value = await loop.run_in_executor(self._threads, worker.call, spec, kwargs, timeout_s)
-        finally:
+            status, value = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # Its thread still talks to the worker over the pipe: the worker is free again only
+            # when that call has ended, or the next call's replies would cross with this one's.
+            def release(done: asyncio.Future[tuple[str, Any]]) -> None:
+                if not done.cancelled():
+                    done.exception()  # retrieved: nobody awaits it any more
+                free.put_nowait(worker)
+
+            call.add_done_callback(release)
+            raise
+        except BaseException:
             free.put_nowait(worker)
+            raise
+        free.put_nowait(worker)
         if status == "timeout":
             self.timeouts += 1
             self.killed += 1

@@ -18,3 +18,11 @@ def spin(data_source: str, solution_str: str, ground_truth: str, extra_info: Any
 
 def raises(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     raise ValueError("no")
+
+
+def echo(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+    """The answer as the score, after `extra_info["sleep"]` seconds: which call a score came from."""
+    import time
+
+    time.sleep(float((extra_info or {}).get("sleep", 0)))
+    return float(solution_str)

@@ -225,6 +225,32 @@ def test_a_scorer_past_its_deadline_is_killed() -> None:
     asyncio.run(main())
 
 
+def test_a_cancelled_scorer_call_never_hands_its_score_to_the_next_call() -> None:
+    """A cancelled call (its gRPC deadline passed, its client went away) leaves its worker busy
+    until the scorer answers; that worker must not take the next call meanwhile, or every later
+    call on it reads the previous call's score from the pipe, silently."""
+    echo = FunctionSpec.custom(str(HERE / "scorer_fixture.py"), "echo")
+
+    def kw(value: int, sleep: float = 0.0) -> dict:
+        return {"data_source": "x", "solution_str": str(value), "ground_truth": "", "extra_info": {"sleep": sleep}}
+
+    async def main() -> None:
+        pool = ProcessPool(2)  # two waiting threads: the cancelled call's thread still reads its pipe
+        try:
+            assert await asyncio.gather(pool.run(echo, kw(1), timeout_s=30), pool.run(echo, kw(2), timeout_s=30)) == [1.0, 2.0]
+            for round_ in range(4):
+                slow = asyncio.ensure_future(pool.run(echo, kw(1010, sleep=0.4), timeout_s=30))
+                await asyncio.sleep(0.1)
+                slow.cancel()
+                values = range(100 * round_, 100 * round_ + 12)
+                got = await asyncio.gather(*(pool.run(echo, kw(v, sleep=0.01), timeout_s=30) for v in values))
+                assert got == [float(v) for v in values], (round_, got)
+        finally:
+            pool.close()
+
+    asyncio.run(main())
+
+
 def test_the_reward_pipeline_kills_timed_out_scorers(tmp_path: Path) -> None:
     from services.reward.factory import build_pipeline
     from services.reward.samples import Sample
