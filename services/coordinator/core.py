@@ -867,11 +867,16 @@ class CoordinatorCore:
                 f"checkpoint_step {checkpoint_step} is past the last step this coordinator delivered groups for "
                 f"({self._state.trainer_step}): the checkpoint is not from this run's ledger (coordinator.ledger_path)"
             )
-        if checkpoint_step < self._state.last_checkpoint_step:
+        # Resumed from an older checkpoint than the last one reported (a rollback, or a newest
+        # checkpoint that went missing): the groups of the steps in between were consumed into a
+        # checkpoint this trainer did not load, their payloads dropped. Their prompts are issued
+        # again, like the delivered groups without a payload below, and the checkpoint mark goes
+        # back with the trainer (else its next ReportCheckpoint is refused as older).
+        rolled_back = self.ledger.consumed_after_step(checkpoint_step) if checkpoint_step < self._state.last_checkpoint_step else []
+        if rolled_back:
             log.warning("trainer_resumed_before_last_checkpoint", checkpoint_step=checkpoint_step,
-                        last_checkpoint_step=self._state.last_checkpoint_step,
-                        lost_steps=self._state.last_checkpoint_step - checkpoint_step,
-                        note="groups of the steps in between were trained into a checkpoint this trainer did not load")
+                        last_checkpoint_step=self._state.last_checkpoint_step, groups_regenerated=len(rolled_back),
+                        note="the groups of the steps in between go back to the rollouts as prompts")
         back = sorted((d for d in self._delivered.values() if d.step > checkpoint_step), key=lambda d: d.qpos)
         with_payload = [d for d in back if d.payload is not None]
         without = [d for d in back if d.payload is None]
@@ -887,14 +892,18 @@ class CoordinatorCore:
         s.min_qpos = min(s.min_qpos, base)
         for d in back:
             s.histogram[d.staleness] -= 1
-        s.totals.consumed -= len(back)
-        s.totals.regenerated += len(without)
+        for _, _, staleness in rolled_back:
+            s.histogram[staleness] -= 1
+        s.totals.consumed -= len(back) + len(rolled_back)
+        s.totals.regenerated += len(without) + len(rolled_back)
         s.budget_used += len(with_payload)  # outstanding work again
         s.trainer_step = checkpoint_step
+        s.last_checkpoint_step = min(s.last_checkpoint_step, checkpoint_step)
         with self.ledger.transaction():
             self.ledger.requeue_groups(moves)
-            self.ledger.set_group_state([d.group_id for d in without], GroupState.REJECTED_STALE)
-            self.ledger.push_retry([d.seq for d in without], RetryReason.TRAINER_RESUME)
+            self.ledger.set_group_state([d.group_id for d in without] + [g for g, _, _ in rolled_back],
+                                        GroupState.REJECTED_STALE)
+            self.ledger.push_retry([d.seq for d in without] + [seq for _, seq, _ in rolled_back], RetryReason.TRAINER_RESUME)
             self.ledger.save_state(s.to_json())
         self._state = s
         for d in back:
@@ -902,6 +911,8 @@ class CoordinatorCore:
             self._ahead -= int(d.train_version > s.policy_version)
         for d in without:
             self._retry[d.seq] = None
+        for _, seq, _ in rolled_back:
+            self._retry[seq] = None
         head.update(self._queue)
         self._queue = head
         return len(back)

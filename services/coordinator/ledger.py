@@ -203,6 +203,16 @@ class Ledger:
 
     # ---- reads ------------------------------------------------------------------------------
 
+    def consumed_after_step(self, step: int) -> list[tuple[int, int, int]]:
+        """(group_id, seq, staleness) of the groups a checkpoint after `step` consumed."""
+        return [
+            (r[0], r[1], r[2])
+            for r in self._db.execute(
+                "SELECT group_id, seq, staleness FROM groups WHERE state = ? AND step > ? ORDER BY qpos",
+                (int(GroupState.CONSUMED), step),
+            )
+        ]
+
     def load(self) -> LedgerSnapshot:
         row = self._db.execute("SELECT json FROM run_state WHERE id = 1").fetchone()
         state = json.loads(row[0]) if row else None

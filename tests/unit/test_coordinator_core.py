@@ -254,6 +254,35 @@ def test_trainer_resume_requeues_groups_after_checkpoint(tmp_path: Path) -> None
     assert core.audit()["balanced"]
 
 
+def test_a_trainer_resumed_from_an_older_checkpoint_gets_the_steps_after_it_again(tmp_path: Path) -> None:
+    """A rollback (resume_path to an older checkpoint, or the newest one gone): the groups that a
+    later checkpoint consumed were never trained into the weights now loaded; their prompts are
+    issued again (the payloads were dropped at that checkpoint), and the trainer's next
+    checkpoint is taken, not refused as older than the last one. Also after a restart."""
+    db = tmp_path / "l.db"
+    core = make_core(db, mini_batch=2, staleness=3.0)
+    leases = core.lease("r", 8, 0.0).leases
+    core.submit("r", [group_for(lease.lease_id, lease.seq, 0) for lease in leases], 1.0)
+    core.fetch("t", 1, 2, 1.0)
+    core.report_checkpoint(1, 0, "/ckpt/1")
+    later = [g.seq for step in (2, 3) for g in core.fetch("t", step, 2, 1.0).groups]
+    core.report_checkpoint(3, 0, "/ckpt/3")
+    assert core.status(1.0).totals.consumed == 6
+    assert core.resume_trainer(1) == 0  # nothing delivered after step 3 to put back
+    st = core.status(1.0)
+    assert st.totals.consumed == 2 and st.totals.regenerated == 4 and st.last_checkpoint_step == 1
+    assert core.audit()["balanced"]
+    core.ledger.close()
+    core = make_core(db, mini_batch=2, staleness=3.0)
+    core.commit_version(1, b"1")  # the budget of the prompts issued again
+    again = core.lease("r", 8, 2.0).leases
+    assert sorted(lease.seq for lease in again[:4]) == sorted(later)  # re-issued first
+    core.submit("r", [group_for(lease.lease_id, lease.seq, 1) for lease in again], 3.0)
+    core.fetch("t", 2, 2, 3.0)
+    core.report_checkpoint(2, 0, "/ckpt/2b")  # was refused: "older than the last checkpoint step 3"
+    assert core.audit()["balanced"]
+
+
 def test_filtered_groups_give_budget_back(tmp_path: Path) -> None:
     core = make_core(tmp_path / "l.db", mini_batch=2, staleness=0.0)
     leases = core.lease("r", 5, 0.0).leases
