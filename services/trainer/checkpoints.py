@@ -10,8 +10,10 @@ newest. `trainer_state.json` holds the loop's own state (local step, policy vers
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from services.common.errors import NotFound
 
 STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^global_step_(\d+)$")
+_REPLACED = re.compile(r"^global_step_(\d+)\.replaced-[0-9a-f]+$")
 
 
 @dataclass(frozen=True)
@@ -53,20 +56,59 @@ def begin(root: Path, step: int) -> Path:
 
 
 def commit(root: Path, step: int, state: LoopState) -> Path:
-    """Write the loop state and make the checkpoint visible (atomic rename)."""
+    """Write the loop state and make the checkpoint visible (atomic rename), durable first: the
+    coordinator consumes the checkpoint's groups once it is reported, so after a power loss it
+    must not be a renamed directory of truncated files. A checkpoint of the same step already
+    there is replaced only once the new one is in place (moved aside, never deleted first)."""
     tmp = partial_dir(root, step)
     (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    _fsync_tree(tmp)
     final = final_dir(root, step)
+    old = None
     if final.exists():
-        shutil.rmtree(final)
+        old = root / f"{final.name}.replaced-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
     tmp.rename(final)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _fsync_tree(directory: Path) -> None:
+    """Every file under `directory` and every directory's entries on stable storage."""
+    for path in sorted(directory.rglob("*"), reverse=True):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        elif path.is_dir():
+            _fsync_dir(path)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # a filesystem that cannot fsync a directory (some network ones)
+        pass
+    finally:
+        os.close(fd)
+
+
 def newest(root: Path) -> Path | None:
-    """The complete checkpoint with the highest step under root (None if there is none)."""
+    """The complete checkpoint with the highest step under root (None if there is none). A
+    checkpoint moved aside by a commit that died before its replacement was renamed in is put
+    back first."""
     if not root.is_dir():
         return None
+    for p in sorted(root.iterdir()):
+        m = _REPLACED.match(p.name)
+        if m and (p / STATE_FILE).exists() and not final_dir(root, int(m.group(1))).exists():
+            p.rename(final_dir(root, int(m.group(1))))
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / STATE_FILE).exists()]
     return max(found)[1] if found else None
 

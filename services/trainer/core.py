@@ -585,6 +585,11 @@ class TrainerLoop:
         await self._settle_publish()
         step = self.step
         root = self.s.checkpoint_dir
+        if step == self.last_checkpoint_step and Path(self.last_checkpoint_path).is_dir():
+            # Nothing trained since (a SaveCheckpoint right after a periodic save, or after a
+            # resume): the checkpoint there is this one, rewriting it would only risk it.
+            self._serve_checkpoint_waiters()
+            return
         tmp = checkpoints.begin(root, step)
         await self.group.save_checkpoint(tmp)
         state = checkpoints.LoopState(step, self.policy_version, self.group.step, list(self.pending_filtered))

@@ -256,6 +256,11 @@ def test_checkpoint_requests_from_coordinator_and_rpc(tmp_path: Path, overlap: b
             servicer.SaveCheckpoint(None, LocalContext([("authorization", "Bearer secret")], trusted=False)), timeout=60
         )
         assert (resp.step, Path(resp.path).name) == (1, "global_step_1")
+        # again, nothing trained since: the same checkpoint, not written (nor reported) twice
+        again = await asyncio.wait_for(
+            servicer.SaveCheckpoint(None, LocalContext([("authorization", "Bearer secret")], trusted=False)), timeout=60
+        )
+        assert (again.step, again.path) == (resp.step, resp.path) and len(coord.checkpoints) == 1
         status = await servicer.GetTrainerStatus(None, LocalContext())
         assert status.step == 1 and status.last_checkpoint_step == 1 and status.world_size == 1
         assert status.metrics["training/step"] == 1.0

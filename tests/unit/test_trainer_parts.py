@@ -177,6 +177,35 @@ def test_checkpoint_dirs_newest_and_rotation(tmp_path: Path) -> None:
         checkpoints.read_state(root / "global_step_4.partial")
 
 
+def test_a_checkpoint_saved_again_is_never_gone_while_its_replacement_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving step 3 again (a rolled-back trainer reaching it anew): the old one was deleted
+    before the new one was renamed in, so a crash between left no step 3 at all, while the
+    coordinator had consumed its groups. Now the old one is moved aside and put back by newest()."""
+    root = tmp_path / "ckpt"
+    checkpoints.begin(root, 3)
+    checkpoints.commit(root, 3, checkpoints.LoopState(3, 3, 6))
+    checkpoints.begin(root, 3)
+    real = Path.rename
+
+    def dies_at_the_partial(self: Path, target: Path) -> Path:
+        if self.name.endswith(".partial"):
+            raise OSError("killed")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", dies_at_the_partial)
+    with pytest.raises(OSError, match="killed"):
+        checkpoints.commit(root, 3, checkpoints.LoopState(3, 4, 6))
+    monkeypatch.setattr(Path, "rename", real)
+    assert checkpoints.newest(root) == root / "global_step_3"
+    assert checkpoints.read_state(root / "global_step_3") == checkpoints.LoopState(3, 3, 6)
+    checkpoints.begin(root, 3)
+    checkpoints.commit(root, 3, checkpoints.LoopState(3, 4, 6))  # and a whole save replaces it
+    assert checkpoints.read_state(checkpoints.newest(root)) == checkpoints.LoopState(3, 4, 6)  # type: ignore[arg-type]
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_3"]
+
+
 def test_loop_settings_follow_the_config(tmp_path: Path) -> None:
     cfg = load_config(None, [
         "actor_rollout_ref.actor.ppo_mini_batch_size=3", "async_training.trigger_parameter_sync_step=2",
