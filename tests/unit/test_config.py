@@ -48,12 +48,22 @@ def test_yaml_and_overrides(tmp_path: Path) -> None:
         (["reward_model.overlong_buffer.enable=true"], "overlong_buffer.len"),
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
         (["data.train_files=[]", "data.synthetic=null"], "set data.train_files or data.synthetic"),
+        # a checkpoint the coordinator counts as trained must be one a run resumes from
+        (["actor_rollout_ref.actor.checkpoint.save_contents=[model]"], "save_contents=['model'] lacks ['extra']"),
+        (["actor_rollout_ref.actor.checkpoint.save_contents=[model,extra]",
+          "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer,extra]"], "loads ['optimizer'], which"),
     ],
 )
 def test_bad_config_names_key_and_fix(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert needle in str(info.value)
+
+
+def test_checkpoint_load_contents_default_to_what_is_saved() -> None:
+    cfg = load_config(None, ["actor_rollout_ref.actor.checkpoint.save_contents=[model,extra,hf_model]"])
+    assert cfg.actor_rollout_ref.actor.checkpoint.load_contents == ["model", "extra"]  # verl: ${.save_contents}
+    assert load_config().actor_rollout_ref.actor.checkpoint.load_contents == ["model", "optimizer", "extra"]
 
 
 def test_override_syntax_errors() -> None:

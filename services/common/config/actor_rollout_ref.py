@@ -183,9 +183,27 @@ class CheckpointContentsConfig(ConfigModel):
     """What a checkpoint holds."""
 
     save_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] = ["model", "optimizer", "extra"]
-    """Parts to save."""
-    load_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] = ["model", "optimizer", "extra"]
-    """Parts to load."""
+    """Parts to save; `model` and `extra` (the step, the LR schedule, RNG) always: the coordinator
+    counts a checkpoint's groups as trained once it is saved, so it must be one a run resumes from."""
+    load_contents: list[Literal["model", "optimizer", "extra", "hf_model"]] | None = None
+    """Parts to load on resume; null: `save_contents` (verl's `${.save_contents}`). Only parts that
+    are saved, `model` and `extra` among them."""
+
+    @model_validator(mode="after")
+    def _resumable(self) -> CheckpointContentsConfig:
+        where = "actor_rollout_ref.actor.checkpoint"
+        if self.load_contents is None:
+            self.load_contents = [c for c in self.save_contents if c != "hf_model"]
+        for name, parts in (("save_contents", self.save_contents), ("load_contents", self.load_contents)):
+            missing = [c for c in ("model", "extra") if c not in parts]
+            if missing:
+                raise ValueError(f"{where}.{name}={list(parts)} lacks {missing}: a checkpoint must resume the model "
+                                 "and the trainer's step; add them")
+        unsaved = [c for c in self.load_contents if c not in self.save_contents]
+        if unsaved:
+            raise ValueError(f"{where}.load_contents={list(self.load_contents)} loads {unsaved}, which "
+                             f"{where}.save_contents={list(self.save_contents)} does not save; drop them, or save them")
+        return self
 
 
 class ActorConfig(ConfigModel):

@@ -99,7 +99,7 @@ def save_state(engine: FSDPEngine, path: Path) -> None:
 
 
 def load_state(engine: FSDPEngine, path: Path) -> None:
-    contents = set(engine.spec.actor.checkpoint.load_contents)
+    contents = set(engine.spec.actor.checkpoint.load_contents or ())  # resolved from save_contents when null
     if not (path / "dcp").exists():
         raise NotFound(f"{path} is not a trainer checkpoint (no dcp/ directory)")
     opts = _options(engine)
