@@ -17,7 +17,8 @@ While the breaker is open no call goes out; after `breaker_open_s` one probe is 
 long (up to `breaker_max_open_s`). Waiting units (the caller says how many items a call carries)
 are counted in `status()`, and the call fails with UNAVAILABLE only after `max_wait_s` (null:
 never). Non-transient answers are errors at once, each naming the endpoint: INVALID_ARGUMENT (the
-endpoint rejected the request, or sent back something that does not decode or validate),
+endpoint rejected the request), BadReply (INTERNAL: it sent back something that does not decode or
+validate, its fault and not the request's),
 NOT_FOUND / FAILED_PRECONDITION (kept: the caller decides), UNAUTHENTICATED / PERMISSION_DENIED
 (token), UNIMPLEMENTED, and the rest as EndpointError (INTERNAL). Delivery is at-least-once: a
 call that timed out may have been served before it is sent again, so the service must make its
@@ -41,6 +42,7 @@ from google.protobuf.message import DecodeError, Message
 
 from services.common.config.endpoint import EndpointConfig
 from services.common.errors import (
+    BadReply,
     FailedPrecondition,
     InvalidArgument,
     MeshError,
@@ -245,7 +247,7 @@ class ResilientEndpoint:
         self, method: str, request: Message, reply_type: type[R], check: Callable[[R], T], *, units: int = 1
     ) -> T:
         """`method` of the endpoint's service with `request`; the reply is decoded as `reply_type`
-        and `check(reply)` turns it into the result (it raises InvalidArgument(self.source, ...) for
+        and `check(reply)` turns it into the result (it raises BadReply(self.source, ...) for
         a reply that does not fit the request; one that does not decode is reported the same way).
         `units`: how many items the call carries, for the waiting count in status()."""
         call = self._callable(method)
@@ -275,7 +277,7 @@ class ResilientEndpoint:
                         reply = reply_type.FromString(raw)
                     except DecodeError as exc:
                         name = reply_type.DESCRIPTOR.full_name
-                        raise InvalidArgument(self.source, f"sent a reply that is not a {name} ({exc})") from None
+                        raise BadReply(self.source, f"sent a reply that is not a {name} ({exc})") from None
                     result = check(reply)
                     self.succeeded += 1
                     return result

@@ -81,6 +81,22 @@ class DataLoss(MeshError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class BadReply(MeshError):
+    """A peer (an external reward or environment endpoint) answered outside its contract. Its
+    fault, not the request's: the caller fails the work and returns it, and never takes the
+    request for bad input (a rollout stops on that). `source` names the peer."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, source: str, reason: str) -> None:
+        self.source = source
+        self.reason = reason
+        super().__init__(f"{source}: {reason}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return (type(self), (self.source, self.reason))
+
+
 class MissingDependency(MeshError, ImportError):
     """An optional dependency is not installed; the message says which extra to install."""
 

@@ -7,7 +7,8 @@ Retries are safe because the service is idempotent by session id and (session, t
 endpoint that stays down past `max_wait_s` makes the call fail with UNAVAILABLE: the rollout then
 returns the trajectory's lease and its prompt is re-queued (counted), never scored. A reply that
 does not decode or does not fit the request (another session, another turn, a non-finite reward, a
-role an environment may not send) is INVALID_ARGUMENT naming the endpoint.
+role an environment may not send) is BadReply naming the endpoint: its fault, not the sample's (the
+group fails and its lease goes back; a rollout stops only on InvalidArgument, bad input).
 """
 
 from __future__ import annotations

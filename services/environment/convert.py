@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshrl.v1 import common_pb2, environment_pb2
-from services.common.errors import InvalidArgument
+from services.common.errors import BadReply, InvalidArgument
 
 from .base import ROLES, CloseResult, EnvPrompt, Message, StartResult, StepResult, ToolCall
 
@@ -111,7 +111,7 @@ def close_response(r: CloseResult) -> environment_pb2.CloseResponse:
 def _check_metrics(metrics: Mapping[str, float], source: str, where: str) -> dict[str, float]:
     for k, v in metrics.items():
         if not math.isfinite(v):
-            raise InvalidArgument(source, f"{where}.metrics[{k!r}] is not finite ({v})")
+            raise BadReply(source, f"{where}.metrics[{k!r}] is not finite ({v})")
     return dict(metrics)
 
 
@@ -119,22 +119,22 @@ def _check_messages(msgs: Sequence[common_pb2.ChatMessage], source: str, where: 
     out = []
     for i, m in enumerate(msgs):
         if m.role not in roles:
-            raise InvalidArgument(source, f"{where}.messages[{i}].role is {m.role!r}; an environment may send {list(roles)}")
+            raise BadReply(source, f"{where}.messages[{i}].role is {m.role!r}; an environment may send {list(roles)}")
         out.append(Message(m.role, m.content))
     return tuple(out)
 
 
 def start_from_reply(resp: environment_pb2.StartResponse, session_id: str, source: str) -> StartResult:
     if resp.session_id != session_id:
-        raise InvalidArgument(source, f"StartResponse.session_id is {resp.session_id!r}, expected {session_id!r}")
+        raise BadReply(source, f"StartResponse.session_id is {resp.session_id!r}, expected {session_id!r}")
     tools = []
     for i, text in enumerate(resp.tools_json):
         try:
             tool = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise InvalidArgument(source, f"StartResponse.tools_json[{i}] is not valid JSON ({exc.msg})") from None
+            raise BadReply(source, f"StartResponse.tools_json[{i}] is not valid JSON ({exc.msg})") from None
         if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict) or not tool["function"].get("name"):
-            raise InvalidArgument(source, f"StartResponse.tools_json[{i}] is not an OpenAI function tool "
+            raise BadReply(source, f"StartResponse.tools_json[{i}] is not an OpenAI function tool "
                                           '({"type": "function", "function": {"name": ...}})')
         tools.append(tool)
     msgs = _check_messages(resp.messages, source, "StartResponse", ("system", "user", "assistant", "tool"))
@@ -143,12 +143,12 @@ def start_from_reply(resp: environment_pb2.StartResponse, session_id: str, sourc
 
 def step_from_reply(resp: environment_pb2.StepResponse, session_id: str, turn: int, source: str) -> StepResult:
     if resp.session_id != session_id or resp.turn != turn:
-        raise InvalidArgument(
+        raise BadReply(
             source, f"StepResponse is for ({resp.session_id!r}, turn {resp.turn}), expected ({session_id!r}, turn {turn})"
         )
     reward = resp.reward if resp.HasField("reward") else None
     if reward is not None and not math.isfinite(reward):
-        raise InvalidArgument(source, f"StepResponse.reward is not finite ({reward})")
+        raise BadReply(source, f"StepResponse.reward is not finite ({reward})")
     return StepResult(
         messages=_check_messages(resp.messages, source, "StepResponse", ROLES), done=resp.done, reward=reward,
         metrics=_check_metrics(resp.metrics, source, "StepResponse"), tool_errors=resp.tool_errors,
@@ -158,5 +158,5 @@ def step_from_reply(resp: environment_pb2.StepResponse, session_id: str, turn: i
 def close_from_reply(resp: environment_pb2.CloseResponse, source: str) -> CloseResult:
     reward = resp.reward if resp.HasField("reward") else None
     if reward is not None and not math.isfinite(reward):
-        raise InvalidArgument(source, f"CloseResponse.reward is not finite ({reward})")
+        raise BadReply(source, f"CloseResponse.reward is not finite ({reward})")
     return CloseResult(reward=reward, metrics=_check_metrics(resp.metrics, source, "CloseResponse"))

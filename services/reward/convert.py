@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from meshrl.v1 import reward_pb2
-from services.common.errors import InvalidArgument
+from services.common.errors import BadReply, InvalidArgument
 from services.common.jsonutil import DEFAULT_MAX_DEPTH, loads_object
 
 from .samples import Sample, Score
@@ -81,16 +81,16 @@ def scores_from_response(resp: reward_pb2.ScoreResponse, samples: Sequence[Sampl
     """Check what a RewardService sent back against what was asked (one result per item, in
     order, ids echoed, finite numbers). `source` names the sender in the error."""
     if len(resp.results) != len(samples):
-        raise InvalidArgument(source, f"returned {len(resp.results)} results for {len(samples)} items")
+        raise BadReply(source, f"returned {len(resp.results)} results for {len(samples)} items")
     out = []
     for i, (r, s) in enumerate(zip(resp.results, samples, strict=True)):
         if r.item_id != s.item_id:
-            raise InvalidArgument(source, f"results[{i}].item_id is {r.item_id!r}, expected {s.item_id!r} (results must be in request order)")
+            raise BadReply(source, f"results[{i}].item_id is {r.item_id!r}, expected {s.item_id!r} (results must be in request order)")
         if not math.isfinite(r.score):
-            raise InvalidArgument(source, f"results[{i}].score is {r.score} for item {s.item_id!r}")
+            raise BadReply(source, f"results[{i}].score is {r.score} for item {s.item_id!r}")
         bad = [k for k, v in r.metrics.items() if not math.isfinite(v)]
         if bad:
-            raise InvalidArgument(source, f"results[{i}].metrics {bad} are not finite for item {s.item_id!r}")
+            raise BadReply(source, f"results[{i}].metrics {bad} are not finite for item {s.item_id!r}")
         out.append(Score(r.item_id, r.score, dict(r.metrics)))
     return out
 

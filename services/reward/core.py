@@ -356,11 +356,24 @@ class RewardPipeline:
         )
 
     async def _score_remote(
-        self, scorer: RemoteScorer, samples: Sequence[Sample], idx: list[int], outcomes: list[Score | MeshError | None]
+        self, scorer: RemoteScorer, samples: Sequence[Sample], idx: list[int], outcomes: list[Score | MeshError | None],
+        *, count: bool = True,
     ) -> None:
-        self._totals.by_route[scorer.name] += len(idx)
+        if count:
+            self._totals.by_route[scorer.name] += len(idx)
         try:
             scores = await scorer.score([samples[i] for i in idx])
+        except InvalidArgument as exc:
+            if len(idx) > 1:
+                # The endpoint refused the call. Its items are several requests' (the deployment
+                # batches many rollout replicas' calls), and a replica stops on InvalidArgument:
+                # each item alone says whose it was, so only that request fails.
+                log.warning("reward_endpoint_refused_a_batch", endpoint=scorer.name, items=len(idx), error=str(exc),
+                            hint="scoring its items one at a time to find the one refused")
+                await asyncio.gather(*(self._score_remote(scorer, samples, [i], outcomes, count=False) for i in idx))
+                return
+            outcomes[idx[0]] = exc
+            return
         except MeshError as exc:
             for i in idx:
                 outcomes[i] = exc

@@ -17,7 +17,7 @@ import grpc.aio
 import pytest
 
 from meshrl.v1 import environment_pb2 as pb
-from services.common.errors import InvalidArgument, Unauthenticated, Unavailable
+from services.common.errors import BadReply, InvalidArgument, Unauthenticated, Unavailable
 from services.common.serve_util import free_port
 from services.environment.base import EnvPrompt, Message, ToolCall
 from services.environment.client import RemoteEnvironment
@@ -199,13 +199,17 @@ async def rejects(request: bytes, context: Any) -> bytes:
         (rejects, "rejected the Step request: tool_calls[0].arguments_json: too long"),
     ],
 )
-def test_garbage_is_invalid_argument_naming_the_endpoint(handler: Handler, reason: str) -> None:
+def test_garbage_or_a_refusal_names_the_endpoint(handler: Handler, reason: str) -> None:
+    """Garbage is the endpoint's fault (BadReply); a refusal of the request is the sample's
+    (InvalidArgument, on which a rollout replica stops)."""
     async def go() -> None:
         server, address = await start_raw_server(handler)
         env = RemoteEnvironment(endpoint(address), index=3)
-        with pytest.raises(InvalidArgument) as err:
+        with pytest.raises((BadReply, InvalidArgument)) as err:
             await env.step("s", 0, "x", ADD)
-        assert err.value.field == f"environment endpoint 'calc' ({address}, environment.endpoints[3])"
+        assert isinstance(err.value, InvalidArgument) == (handler is rejects)
+        source = err.value.field if isinstance(err.value, InvalidArgument) else err.value.source
+        assert source == f"environment endpoint 'calc' ({address}, environment.endpoints[3])"
         assert reason in err.value.reason
         assert env.status()["retries"] == 0  # garbage is not retried
         await env.aclose()

@@ -19,7 +19,7 @@ import pytest
 from meshrl.v1 import reward_pb2 as pb
 from meshrl.v1 import reward_pb2_grpc
 from services.common.config import MeshConfig, load_config
-from services.common.errors import InvalidArgument, Unauthenticated, Unavailable
+from services.common.errors import InvalidArgument, MeshError, Unauthenticated, Unavailable
 from services.common.serve_util import free_port
 from services.reward.client import RewardClient
 from services.reward.local import LocalScorer
@@ -164,14 +164,14 @@ async def rejects(request: bytes, context: Any) -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("handler", "reason"),
-    [
-        (not_a_proto, "not a meshrl.v1.ScoreResponse"),
-        (too_few, "returned 1 results for 3 items"),
-        (rejects, "rejected the items: items[0].ground_truth: must be a number"),
+    ("handler", "reason", "code"),
+    [  # garbage is the endpoint's fault (INTERNAL); a refusal is the items' (INVALID_ARGUMENT)
+        (not_a_proto, "not a meshrl.v1.ScoreResponse", grpc.StatusCode.INTERNAL),
+        (too_few, "returned 1 results for 3 items", grpc.StatusCode.INTERNAL),
+        (rejects, "rejected the items: items[0].ground_truth: must be a number", grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
-def test_garbage_from_an_endpoint_is_invalid_argument_naming_it(handler: GarbageHandler, reason: str) -> None:
+def test_garbage_from_an_endpoint_or_its_refusal_names_it(handler: GarbageHandler, reason: str, code: grpc.StatusCode) -> None:
     async def go() -> None:
         bad, address = await start_raw_server(handler)
         server = RewardServer(endpoint_cfg(address))
@@ -181,15 +181,16 @@ def test_garbage_from_an_endpoint_is_invalid_argument_naming_it(handler: Garbage
         channel = grpc.aio.insecure_channel(server.address)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await reward_pb2_grpc.RewardServiceStub(channel).Score(pb.ScoreRequest(items=items), timeout=30)
-        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code() is code
         assert f"reward endpoint 'judge' ({address}, reward.endpoints[0])" in (err.value.details() or "")
         assert reason in (err.value.details() or "")
         await channel.close()
-        # ... and what the Python client raises.
+        # ... and what the Python client raises (a rollout replica stops on InvalidArgument only).
         async with RewardClient(server.address) as client:
-            with pytest.raises(InvalidArgument) as ierr:
+            with pytest.raises(MeshError) as ierr:
                 await client(items)
-        assert ierr.value.field.startswith("reward endpoint 'judge'")
+        assert isinstance(ierr.value, InvalidArgument) == (code is grpc.StatusCode.INVALID_ARGUMENT)
+        assert "reward endpoint 'judge'" in str(ierr.value) and reason in str(ierr.value)
         st = server.pipeline.status()["endpoints"][0]
         assert st["retries"] == 0 and st["state"] == "closed"  # garbage is not retried
         await server.stop()

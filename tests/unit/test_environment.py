@@ -14,7 +14,14 @@ import pytest
 from pydantic import ValidationError
 
 from meshrl.v1 import environment_pb2 as pb
-from services.common.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import (
+    BadReply,
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from services.environment import convert
 from services.environment.base import CloseResult, Environment, EnvPrompt, Message, StartResult, StepResult, ToolCall
 from services.environment.config import EnvironmentConfig, EnvironmentEndpointConfig
@@ -387,15 +394,15 @@ def test_environment_config_rules() -> None:
     ],
 )
 def test_garbage_step_replies_name_the_endpoint(resp: pb.StepResponse, reason: str) -> None:
-    with pytest.raises(InvalidArgument) as err:
+    with pytest.raises(BadReply) as err:  # the endpoint's fault: a rollout stops on InvalidArgument
         convert.step_from_reply(resp, "s", 0, "environment endpoint 'calc'")
-    assert err.value.field == "environment endpoint 'calc'" and reason in err.value.reason
+    assert err.value.source == "environment endpoint 'calc'" and reason in err.value.reason
 
 
 def test_start_reply_tools_must_be_function_json() -> None:
-    with pytest.raises(InvalidArgument, match="not valid JSON"):
+    with pytest.raises(BadReply, match="not valid JSON"):
         convert.start_from_reply(pb.StartResponse(session_id="s", tools_json=["{"]), "s", "ep")
-    with pytest.raises(InvalidArgument, match="OpenAI function tool"):
+    with pytest.raises(BadReply, match="OpenAI function tool"):
         convert.start_from_reply(pb.StartResponse(session_id="s", tools_json=['{"type": "function"}']), "s", "ep")
     ok = convert.start_from_reply(pb.StartResponse(session_id="s", tools_json=[json.dumps({"function": {"name": "f"}})]), "s", "ep")
     assert ok.tools[0]["function"]["name"] == "f"

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from meshrl.v1 import reward_pb2 as pb
 from services.common.config.reward import RewardEndpointConfig, RewardServiceConfig
 from services.common.endpoints import BreakerState, CircuitBreaker, backoff_s
-from services.common.errors import InvalidArgument
+from services.common.errors import BadReply, InvalidArgument
 from services.reward import convert
 from services.reward.samples import Sample
 
@@ -65,10 +65,13 @@ SAMPLES = [Sample("a", "d", "x"), Sample("b", "d", "y")]
         ([pb.ScoreResult(item_id="a", metrics={"m": float("inf")}), pb.ScoreResult(item_id="b")], "not finite"),
     ],
 )
-def test_garbage_responses_are_invalid_argument_naming_the_source(results: list[pb.ScoreResult], reason: str) -> None:
-    with pytest.raises(InvalidArgument) as err:
+def test_garbage_responses_are_the_endpoints_fault_naming_it(results: list[pb.ScoreResult], reason: str) -> None:
+    """BadReply, never InvalidArgument: the reward service batches many replicas' requests, and a
+    rollout replica stops on InvalidArgument (bad input that would fail anywhere)."""
+    with pytest.raises(BadReply) as err:
         convert.scores_from_response(pb.ScoreResponse(results=results), SAMPLES, "reward endpoint 'judge'")
-    assert err.value.field == "reward endpoint 'judge'"
+    assert not isinstance(err.value, InvalidArgument)
+    assert err.value.source == "reward endpoint 'judge'"
     assert reason in err.value.reason
 
 

@@ -108,6 +108,28 @@ def test_remote_error_fails_only_its_items() -> None:
         run(p.score([sample("b", "ext/task", "x")]))
 
 
+class PickyRemote(FakeRemote):
+    """Refuses (INVALID_ARGUMENT) any call that holds the item "bad", as an endpoint does."""
+
+    async def score(self, samples: Sequence[Sample]) -> list[Score]:
+        self.seen.extend(s.item_id for s in samples)
+        if any(s.item_id == "bad" for s in samples):
+            raise InvalidArgument(f"reward endpoint '{self.name}'", "rejected the Score request: items[1].response: too long")
+        return [Score(s.item_id, float(len(s.response)), {"remote": 1.0}) for s in samples]
+
+
+def test_an_endpoint_refusing_a_batch_fails_only_the_item_it_refused() -> None:
+    """The deployment merges rollout replicas' requests into one batch; a replica stops on
+    InvalidArgument, so a refusal must reach only the request whose item was refused."""
+    picky = PickyRemote("judge")
+    p = RewardPipeline(remotes=[RemoteRoute(picky, frozenset({"ext/task"}))])
+    items = [sample("a", "ext/task", "xx"), sample("bad", "ext/task", "y"), sample("c", "ext/task", "zzz")]
+    outcomes = run(p.score_each(items))
+    assert [o.score if isinstance(o, Score) else type(o).__name__ for o in outcomes] == [2.0, "InvalidArgument", 3.0]
+    assert sorted(picky.seen) == sorted(["a", "bad", "c", "a", "bad", "c"])  # the batch, then each alone
+    assert p._totals.by_route["judge"] == 3  # each item counted once, not again when scored alone
+
+
 # ---- custom functions (verl signature) -----------------------------------------------------------
 
 
