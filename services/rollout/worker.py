@@ -45,6 +45,7 @@ from services.common.coalesce import Coalescer
 from services.common.errors import InvalidArgument, first_cause, transient
 from services.common.logging import get_logger
 from services.weights import WeightFetcher
+from services.weights.protocols import Bucket
 
 from . import convert
 from .agent import group as agent_group
@@ -641,12 +642,30 @@ class RolloutWorker:
             mode: PauseMode = self.s.partial_rollout_mode if self.s.partial_rollout else "wait"
             t0 = time.monotonic()
             await self.engine.pause(mode)
+            buckets = 0
+
+            async def counted(fetched: AsyncIterator[Bucket]) -> AsyncIterator[Bucket]:
+                nonlocal buckets
+                async for bucket in fetched:
+                    buckets += 1
+                    yield bucket
+
             try:
                 n = await asyncio.wait_for(
-                    self.engine.load_weights(ref.policy_version, self.fetcher.fetch(ref)), self.s.weight_load_timeout_s
+                    self.engine.load_weights(ref.policy_version, counted(self.fetcher.fetch(ref))),
+                    self.s.weight_load_timeout_s,
                 )
-            finally:
+            except BaseException:
+                if buckets:
+                    # Part of the new version is in the model: generating now would mix two versions
+                    # under the old one's label. It stays paused until a whole version loads (the
+                    # retry resumes it); its groups in flight wait, or expire and are re-issued.
+                    log.error("weights_half_loaded", policy_version=ref.policy_version, buckets=buckets,
+                              hint="generation stays paused until a whole version loads")
+                    raise
                 await self.engine.resume()
+                raise
+            await self.engine.resume()
             dt = time.monotonic() - t0
             self.counters.weight_updates += 1
             self.counters.last_weight_load_s = dt

@@ -242,8 +242,8 @@ class DeltaDecoder:
                 # Delta entries that came first wait whole in _parts: the bucket carrying this
                 # entry was resent after a NACK and arrived after later buckets.
                 for target in [n for n, p in self._parts.items() if len(p) == len(PARTS)]:
-                    held, same = self._apply(target, self._parts.pop(target))
-                    out.append((target, held))
+                    rebuilt, same = self._apply(target, self._parts.pop(target))
+                    out.append((target, rebuilt))
                     checks.append((target, same))
                 continue
             part = split_part(name)

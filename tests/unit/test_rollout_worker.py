@@ -383,6 +383,60 @@ def test_failed_weight_update_stops_leasing_and_retries_until_loaded(tok: Any) -
     assert coord.submitted[-1].min_policy_version == 1
 
 
+class _BreaksMidStream(_FlakyStore):
+    """The first fetch yields one bucket, then fails (a transfer cut mid-version); then serves."""
+
+    async def fetch(self, ref: common_pb2.WeightsRef) -> Any:
+        self.calls += 1
+        async for bucket in self.store.fetch(ref):
+            yield bucket
+            if self.calls <= self.failures:
+                raise ConnectionError("the stream broke after the first bucket")
+
+
+def test_a_version_loaded_in_part_keeps_generation_paused_until_a_whole_one_loads(tok: Any) -> None:
+    """A fetch that fails after some buckets went into the model: resuming would generate with two
+    versions' weights under the old one's label. The engine stays paused until the retry loads a
+    whole version, then resumes; a fetch that fails before any bucket resumes at once."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
+    coord = FakeCoordinator(_prompts(40), sampling)
+    store = InMemoryWeightStore(bucket_bytes=4096)  # many buckets: the stream breaks after the first
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    assert len(store._versions[1]) > 2
+    broken = _BreaksMidStream(store, failures=1)
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        model = build_tiny_model("qwen3", tok, seed=0)
+        engine = TransformersEngine(model, tok, max_num_seqs=4)
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=1.0, renew_interval_s=0.2, concurrent_groups=1)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, broken, settings)  # type: ignore[arg-type]
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.submitted) >= 1, what="generation under way")
+        coord.push_version(ref)
+        await wait_for(lambda: worker.status().weights_failed, what="the half-loaded update")
+        seen["paused_after_failure"] = engine.paused and engine.version == 0
+        await wait_for(lambda: engine.version == 1, what="the retried update")
+        seen["paused_after_retry"] = engine.paused
+        await worker.stop()
+        await engine.close()
+        # A replica stopped while a half-loaded version keeps it paused stops all the same.
+        never = _BreaksMidStream(store, failures=10**6)
+        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, never, settings)  # type: ignore[arg-type]
+        await engine.start()
+        worker.start()
+        coord.push_version(ref)
+        await wait_for(lambda: worker.status().weights_failed and engine.paused, what="the paused replica")
+        await asyncio.wait_for(worker.stop(), timeout=60)
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert seen == {"paused_after_failure": True, "paused_after_retry": False}
+    assert broken.calls == 2
+
+
 def test_a_replica_joining_a_live_run_loads_the_current_weights_before_leasing(tok: Any) -> None:
     """A resumed run, a scale-up or a restarted replica starts on the base model while the run is
     at version 7: not one group may be generated with the base weights (it would be trained at
