@@ -122,7 +122,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: bytes | coordinator_pb2.SubmitGroupsRequest, context: Any
     ) -> coordinator_pb2.SubmitGroupsResponse:
         """`request` arrives as bytes over gRPC (wire.add_to_server) or as a message in-process."""
-        raw = wire.as_raw_submit(request)
+        raw = wire.as_raw_submit(request, self.max_groups)
         if isinstance(request, bytes):  # the generic length check saw bytes, not the groups
             limits = process_limits()
             for i, g in enumerate(raw.groups):

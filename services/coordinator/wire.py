@@ -75,8 +75,10 @@ class RawSubmit:
         self.payloads = payloads
 
 
-def split_submit(data: bytes) -> RawSubmit:
-    """Cut a serialized SubmitGroupsRequest into its parts. Undecodable bytes -> InvalidArgument."""
+def split_submit(data: bytes, max_groups: int | None = None) -> RawSubmit:
+    """Cut a serialized SubmitGroupsRequest into its parts. Undecodable bytes -> InvalidArgument.
+    More than `max_groups` groups is refused before the one past it is parsed: a request of
+    millions of empty groups would otherwise be decoded whole, then refused."""
     replica_id = ""
     groups: list[common_pb2.TrajectoryGroup] = []
     payloads: list[bytes] = []
@@ -96,6 +98,8 @@ def split_submit(data: bytes) -> RawSubmit:
                 except UnicodeDecodeError:
                     raise InvalidArgument("replica_id", "is not valid UTF-8") from None
             elif field == _GROUPS:
+                if max_groups is not None and len(groups) >= max_groups:
+                    raise InvalidArgument("groups", f"more than {max_groups} in one call (coordinator.max_groups_per_call)")
                 try:
                     groups.append(common_pb2.TrajectoryGroup.FromString(chunk))
                 except DecodeError:
@@ -112,10 +116,10 @@ def split_submit(data: bytes) -> RawSubmit:
     return RawSubmit(replica_id, groups, payloads)
 
 
-def as_raw_submit(request: bytes | coordinator_pb2.SubmitGroupsRequest) -> RawSubmit:
+def as_raw_submit(request: bytes | coordinator_pb2.SubmitGroupsRequest, max_groups: int | None = None) -> RawSubmit:
     """Bytes from the pass-through handler, or a message from an in-process caller."""
     if isinstance(request, bytes):
-        return split_submit(request)
+        return split_submit(request, max_groups)
     groups = list(request.groups)
     return RawSubmit(request.replica_id, groups, [g.SerializeToString() for g in groups])
 
