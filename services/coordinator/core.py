@@ -591,7 +591,7 @@ class CoordinatorCore:
                 self._push_deadline(now, lease.seq, lease.lease_id)
                 self._silent_leases.add(lease.lease_id)
             log.warning("replica_lost", replica_id=replica_id, leases=len(leases),
-                        silent_s=round(now - self._replica_seen[replica_id], 1),
+                        silent_s=round(now - self._liveness.heard(replica_id, now), 1),
                         hint="its leases are re-issued now (coordinator.replica_ttl_s)")
 
     def report_failure(self, replica_id: str, error: str, groups: int, now: float) -> bool:

@@ -26,14 +26,23 @@ from collections.abc import Callable, Collection
 
 
 class ReplicaLiveness:
-    """Tracks last-heard times in `last_heard` (shared with the caller, which updates it on every
-    call from a replica) and answers which lease holders are silent. One owner; not thread-safe."""
+    """Answers which lease holders are silent from `last_heard` (shared with the caller, which
+    updates it on every call from a replica). That table is bounded for ids callers choose
+    (limits.RecentlySeen): a flood of new ids can push a holder out of it, so the holders' own
+    times are kept here too (bounded by the holders), and a holder missing there is never taken
+    as just heard. One owner; not thread-safe."""
 
     def __init__(self, last_heard: dict[str, float], ttl_s: float | None, *, interval_s: float = 1.0) -> None:
         self.last_heard = last_heard
         self.ttl_s = ttl_s
         self.interval_s = min(interval_s, ttl_s / 8) if ttl_s is not None else interval_s
         self._checked_at: float | None = None
+        self._holders: dict[str, float] = {}
+
+    def heard(self, replica_id: str, now: float) -> float:
+        """When `replica_id` was last heard (the later of the shared table and this one's)."""
+        times = [t for t in (self.last_heard.get(replica_id), self._holders.get(replica_id)) if t is not None]
+        return max(times) if times else now
 
     def silent(self, now: float, holders: Callable[[], Collection[str]]) -> set[str]:
         """Replicas among `holders()` (those holding active leases: called only when a check is
@@ -45,23 +54,16 @@ class ReplicaLiveness:
         if last is not None and now - last < self.interval_s:
             return set()
         self._checked_at = now
-        holding = holders()
+        holding = set(holders())
         if last is None:
-            for r in holding:
-                self.last_heard.setdefault(r, now)
+            self._holders = {r: self.heard(r, now) for r in holding}  # restored holders: heard now
             return set()
+        known = {r: self.heard(r, now) for r in holding if r in self.last_heard or r in self._holders}
         gap = now - last
         if gap > self.ttl_s / 4:
             # Only the holders are judged, so only they are credited: crediting every replica
             # ever heard would keep ids that stopped calling alive in the coordinator's bounded
             # table of recently seen replicas (GetStatus lists it).
-            for r in holding:
-                t = self.last_heard.get(r)
-                if t is not None:
-                    self.last_heard[r] = min(t + gap, now)
-        out = set()
-        for r in holding:
-            heard = self.last_heard.setdefault(r, now)
-            if now - heard > self.ttl_s:
-                out.add(r)
-        return out
+            known = {r: min(t + gap, now) for r, t in known.items()}
+        self._holders = {r: known.get(r, now) for r in holding}  # a new holder: heard now
+        return {r for r, t in self._holders.items() if now - t > self.ttl_s}

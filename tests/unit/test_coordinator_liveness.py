@@ -8,6 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from services.common.data import PromptStream, synthetic_records
 from services.coordinator.core import CoordinatorCore, CoordinatorSettings, LeaseLimit, SubmitStatus
 from services.coordinator.failures import FailureLog
@@ -135,13 +137,33 @@ def test_liveness_checks_are_spaced_and_new_holders_start_heard() -> None:
             return set(names)
         return get
 
-    assert live.silent(0.0, holders(0.0, "a")) == set() and heard == {"a": 0.0}
+    assert live.silent(0.0, holders(0.0, "a")) == set() and live.heard("a", 99.0) == 0.0
     assert live.silent(0.5, holders(0.5, "a")) == set()  # within the check interval: not even looked at
     for t in range(1, 9):
         assert live.silent(float(t), holders(float(t), "a")) == set()
     assert live.silent(9.0, holders(9.0, "a", "b")) == {"a"}  # b was never heard of: it starts now
-    assert heard["b"] == 9.0 and 0.5 not in looked and len(looked) == 10
+    assert live.heard("b", 99.0) == 9.0 and 0.5 not in looked and len(looked) == 10
+    assert heard == {}  # the shared table is the caller's: a holder is never added to it here
     assert ReplicaLiveness({}, ttl_s=None).silent(1e9, holders(0.0, "a")) == set()
+
+
+def test_a_flood_of_new_replica_ids_neither_hides_a_dead_holder_nor_fails_the_sweep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table of recently seen replicas is bounded for ids callers choose; new ids push the
+    oldest out. A dead lease holder pushed out must still be found silent at replica_ttl_s (it
+    was taken as just heard, its leases then waited for lease_timeout_s), and the sweep must not
+    fail the innocent call that runs it (a KeyError there was an INTERNAL error)."""
+    monkeypatch.setattr("services.coordinator.core.MAX_REPLICAS_SEEN", 3)
+    core = _core(tmp_path / "l.db", ttl=20.0)
+    (lease,) = core.lease("dead", 1, 0.0).leases
+    core.expire(0.5)  # the first check: holders known from here
+    for i, t in enumerate((5.0, 6.0, 7.0, 8.0)):
+        core.renew(f"new-{i}", [], t)  # ids nobody holds leases for, pushing "dead" out
+    assert "dead" not in core._replica_seen
+    expired = {t: core.expire(float(t)) for t in range(9, 23)}  # a check every second, as the sweeper runs
+    assert expired[21] == 1 and sum(expired.values()) == 1, expired  # at the ttl, not at lease_timeout_s
+    assert lease.lease_id not in core._leases
 
 
 def test_failures_in_a_row_halt_leasing_with_the_reason_until_resumed(tmp_path: Path) -> None:
