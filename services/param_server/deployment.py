@@ -93,13 +93,13 @@ class ParamServerDeployment:
         """Pin a version for `consumer_id` and return (manifest, bucket refs); negative = newest."""
         from services.weights import convert  # loaded with the store (torch) by __init__
 
-        now = time.time()
-        m = self._servicer.store.acquire(consumer_id, policy_version, now)
-        stored = self._servicer.store.get(m.policy_version)
+        stored = self._servicer.store.get(policy_version)  # checked before the hold: a refusal pins nothing
         if not isinstance(stored.payload, list):
             raise FailedPrecondition(
-                f"version {m.policy_version} is not in the object store (it travels over {list(m.transports)})"
+                f"version {stored.policy_version} is not in the object store (it travels over "
+                f"{list(stored.manifest.transports)})"
             )
+        m = self._servicer.store.acquire(consumer_id, stored.policy_version, time.time())
         return convert.manifest_to_proto(m).SerializeToString(), list(stored.payload)
 
     async def release_version(self, policy_version: int, consumer_id: str) -> None:

@@ -388,3 +388,25 @@ def test_a_refused_fetch_of_the_newest_releases_the_version_it_pinned(fake_ray: 
         assert directory.released == [(4, "c")]
 
     asyncio.run(main())
+
+
+def test_a_lookup_that_times_out_after_the_hold_was_taken_releases_it(fake_ray: FakeRay) -> None:
+    """The param server pinned the version, the reply came too late: the fetch fails, and the
+    hold goes with it (it was kept for hold_ttl_s, past retention)."""
+
+    class SlowDirectory(FakeDirectory):
+        async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
+            await asyncio.sleep(5)  # the hold is taken on the server; the reply is late
+            return await super().lookup(policy_version, consumer_id)
+
+    directory = SlowDirectory()
+
+    async def main() -> None:
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="rollout-0", timeout_s=0.2)
+        with pytest.raises(Exception):  # noqa: B017 - the deadline's error, whatever its class
+            async for _ in fetcher.fetch(common_pb2.WeightsRef(policy_version=4)):
+                pass
+        await fetcher.settle()
+
+    asyncio.run(main())
+    assert directory.released == [(4, "rollout-0")]

@@ -314,3 +314,29 @@ def test_rendezvous_the_sender_hears_at_once_of_a_version_its_receivers_skipped(
     with pytest.raises(FailedPrecondition, match="replaced this one"):
         board.sender_ready("g", 3, state)
     assert newer.generation == 2 and board.sender_ready("g", 4, newer) == (False, "0 of 1 receivers checked in for version 4 ([])")
+
+
+def test_an_object_store_lookup_of_a_version_not_in_the_object_store_takes_no_hold() -> None:
+    """The Serve deployment's object_store_version (the object_store fetcher's lookup) checked the
+    version's transport only after pinning it: the refused consumer held a grpc version's host
+    buffers for hold_ttl_s (600 s) past retention, one more copy per version it retried."""
+    import asyncio
+    import types
+
+    from services.param_server.deployment import ParamServerDeployment
+
+    store = WeightStore(StoreSettings(retain_versions=1))
+    m, buffers = make_version(1)
+    upload(store, m, buffers, 0.0, manifest_first=True)  # over grpc: no object refs
+    deployment = types.SimpleNamespace(_servicer=types.SimpleNamespace(store=store))
+    lookup = ParamServerDeployment.func_or_class.object_store_version
+    with pytest.raises(FailedPrecondition, match="not in the object store"):
+        asyncio.run(lookup(deployment, 1, "rollout-0"))
+    with pytest.raises(FailedPrecondition, match="not in the object store"):
+        asyncio.run(lookup(deployment, -1, "rollout-0"))  # the newest
+    assert store.get(1).holds == {}
+    for v in (2, 3):
+        mv, bv = make_version(v)
+        upload(store, mv, bv, 1.0, manifest_first=True)
+    with pytest.raises(NotFound):
+        store.get(1)  # evicted at once: nothing pins it

@@ -337,8 +337,13 @@ class ObjectStoreFetcher:
         # this consumer's earlier releases land first (done long since when fetches are a
         # training step apart): holds are released in order and never pile up
         await asyncio.wait_for(self.settle(), timeout=deadline.check("releasing earlier versions"))
-        raw, refs = await asyncio.wait_for(self.directory.lookup(version, self.consumer_id),
-                                           timeout=deadline.check("looking up the version"))
+        try:
+            raw, refs = await asyncio.wait_for(self.directory.lookup(version, self.consumer_id),
+                                               timeout=deadline.check("looking up the version"))
+        except BaseException:
+            if version >= 0:  # the hold may have been taken before the reply was lost: it goes (a no-op if not)
+                self._release_soon(version)
+            raise
         version = raw.policy_version  # a negative ref version asked for the newest: the one pinned
         try:
             manifest = convert.manifest_from_proto(raw)
