@@ -13,7 +13,7 @@ import torch
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.config.param_server import ParamServerConfig
-from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, NotFound
+from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from services.param_server.server import ParamServerServer
 from services.weights.client import ParamServerClient
 from services.weights.transports.grpc import GrpcFetcher, GrpcPublisher
@@ -247,5 +247,41 @@ def test_retention_keeps_a_version_while_it_is_being_fetched() -> None:
             await pub.close()
             await fetcher.close()
             await server.stop()
+
+    run(main())
+
+
+def test_an_abandoned_fetch_never_writes_into_the_next_and_a_closed_channel_ends_a_fetch() -> None:
+    """Two defects of the fetcher's two shared receive buffers and its stream task:
+    - a fetch dropped mid-version (its generator kept, never closed) left its stream writing into
+      the buffers the next fetch reads; the next stream now stops it first;
+    - a channel closed under a fetch (close() elsewhere) made grpc.aio raise CancelledError in
+      the stream task, which put nothing on the consumer's queue: the fetch hung until an outer
+      timeout. It now ends with Unavailable."""
+    async def main() -> None:
+        server = await start_server()
+        pub = GrpcPublisher(server.address, chunk_bytes=16 * 1024)
+        fetcher = GrpcFetcher(consumer_id="rollout-0", chunk_bytes=16 * 1024)
+        try:
+            ref1 = await pub.publish(1, buckets(1, big=2_000_000))
+            ref2 = await pub.publish(2, buckets(2, big=2_000_000))
+            dropped = fetcher.fetch(ref1)
+            await anext(dropped)  # one bucket in, the stream goes on into the other buffer
+            assert_identical(await fetch_all(fetcher, ref2), {n: t for b in buckets(2, big=2_000_000) for n, t in b})
+            await dropped.aclose()
+
+            closing = fetcher.fetch(ref2)
+            await anext(closing)
+            await fetcher._client(server.address).close()  # the channel goes under the fetch
+            with pytest.raises(Unavailable):
+                await asyncio.wait_for(fetch_rest(closing), timeout=20)
+        finally:
+            await pub.close()
+            await fetcher.close()
+            await server.stop()
+
+    async def fetch_rest(it: AsyncIterator[list[tuple[str, torch.Tensor]]]) -> None:
+        async for _ in it:
+            pass
 
     run(main())

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +26,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import DataLoss, InvalidArgument
+from services.common.errors import DataLoss, InvalidArgument, Unavailable
 from services.common.logging import get_logger
 
 from .. import convert, hostmem
@@ -164,6 +164,17 @@ def _ingest(cur: _Incoming, offset: int, data: memoryview) -> None:
         cur.sha.update(data)
 
 
+async def _stop(task: asyncio.Future[Any]) -> None:
+    """Cancel `task` and wait until it has ended. Cancelled again until it has: Python 3.11's
+    wait_for loses a cancellation that arrives as its inner call completes (gh-86296), and the
+    stream task would then block on its next buffer, never ending (seen: 2 runs in 5)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled():
+        task.exception()  # retrieved: its consumer is gone
+
+
 class GrpcFetcher:
     """Fetches versions from the param server named in the ref (or `address`)."""
 
@@ -198,6 +209,7 @@ class GrpcFetcher:
         self.max_message_bytes = max_message_bytes
         self._clients: dict[str, ParamServerClient] = {}
         self._bufs = ByteBuffers(2)
+        self._producer: asyncio.Future[None] | None = None  # the stream writing into _bufs
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-copy")
         self.refetched_buckets = 0
 
@@ -229,14 +241,17 @@ class GrpcFetcher:
             first = True
             while todo:
                 bad: list[int] = []
-                async for index, buffer, ok in self._stream(client, manifest, todo, deadline, whole=first):
-                    if not ok:
-                        bad.append(index)
-                        continue
-                    metas = manifest.bucket_tensors(index)
-                    if self.names is not None:
-                        metas = [m for m in metas if m.name in self.names]
-                    yield unpack(buffer, metas)
+                # closed with this generator: an abandoned stream's producer must not write into
+                # the buffers the next fetch reads (it ran on until garbage collection)
+                async with contextlib.aclosing(self._stream(client, manifest, todo, deadline, whole=first)) as stream:
+                    async for index, buffer, ok in stream:
+                        if not ok:
+                            bad.append(index)
+                            continue
+                        metas = manifest.bucket_tensors(index)
+                        if self.names is not None:
+                            metas = [m for m in metas if m.name in self.names]
+                        yield unpack(buffer, metas)
                 first = False
                 for i in bad:
                     attempts[i] += 1
@@ -254,15 +269,20 @@ class GrpcFetcher:
 
     async def _stream(
         self, client: ParamServerClient, manifest: Manifest, buckets: list[int], deadline: Deadline, *, whole: bool
-    ) -> AsyncIterator[tuple[int, torch.Tensor, bool]]:
+    ) -> AsyncGenerator[tuple[int, torch.Tensor, bool], None]:
         """Stream `buckets`; yields (index, buffer, verified). The buffer is reused two buckets on."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         free = asyncio.Semaphore(2)
         request = pb.FetchWeightsRequest(policy_version=manifest.policy_version, chunk_bytes=self.chunk_bytes)
         if not whole or self.names is not None:
             request.bucket_indices.extend(buckets)
+        earlier = self._producer
+        if earlier is not None and not earlier.done():
+            # A stream abandoned and not yet closed (its fetch was dropped mid-version) writes
+            # into the same two buffers: it stops before this one starts.
+            await _stop(earlier)
         call = client.fetch(request, timeout_s=max(deadline.remaining(), 0.001))
-        producer = asyncio.ensure_future(self._produce(call, manifest, buckets, deadline, queue, free))
+        producer = self._producer = asyncio.ensure_future(self._produce(call, manifest, buckets, deadline, queue, free))
         try:
             while True:
                 item = await queue.get()
@@ -274,10 +294,8 @@ class GrpcFetcher:
                 yield index, buffer, ok
                 free.release()  # the consumer asked for the next bucket: it is done with this one
         finally:
-            producer.cancel()
             call.cancel()
-            with contextlib.suppress(BaseException):
-                await producer
+            await _stop(producer)
 
     async def _produce(self, call: Any, manifest: Manifest, buckets: list[int], deadline: Deadline,
                        queue: asyncio.Queue[Any], free: asyncio.Semaphore) -> None:
@@ -347,7 +365,13 @@ class GrpcFetcher:
                     await finish(await begin(i))
             await queue.put(None)
         except asyncio.CancelledError:
-            raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the consumer is done with the stream
+            # grpc.aio raises CancelledError when the call itself was cancelled here (its channel
+            # closed): the consumer waits on the queue, so it must hear of it
+            await queue.put(Unavailable(f"FetchWeights(version={manifest.policy_version}) was cancelled: the channel "
+                                        "to the param server closed"))
         except Exception as exc:  # noqa: BLE001 -- handed to the consumer, which raises it
             import grpc
 
