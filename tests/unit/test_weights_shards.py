@@ -59,3 +59,48 @@ def test_missing_rows_fail_at_the_end_and_a_shard_after_completion_is_data_loss(
     done.add(shard_name("w", 0, 1, 1), torch.zeros(1, 3))
     with pytest.raises(DataLoss, match="sent twice"):
         done.add(shard_name("w", 0, 1, 1), torch.zeros(1, 3))
+
+
+def test_a_slow_consumer_holds_back_the_sharded_fetch_at_two_buckets() -> None:
+    """Completed tensors are new device memory: with a consumer slower than the senders (vLLM's
+    load) they must not pile up to a whole model beside the engine's weights. Two parts of 20
+    buckets of 1 MiB each, a consumer that sleeps after each bucket: at most ~2 buckets wait, and
+    every tensor arrives once."""
+    import asyncio
+    import types
+
+    from meshrl.v1 import common_pb2
+    from services.weights.transports.collective.sharded import ShardedFetcher
+
+    mib = 1 << 20
+
+    class Part:
+        dev = types.SimpleNamespace(device="cpu")
+
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+            self.pulled = 0
+
+        async def fetch(self, ref: common_pb2.WeightsRef):
+            for i in range(20):
+                self.pulled += 1
+                yield [(f"r{self.rank}.t{i}", torch.full((mib // 4,), float(i), dtype=torch.float32))]
+
+    fetcher = ShardedFetcher("gloo", "127.0.0.1:1", consumer_id="c", senders=2, bucket_bytes=mib)
+    fetcher.parts = [Part(0), Part(1)]  # type: ignore[list-item]
+
+    ahead: list[int] = []  # buckets pulled from the senders beyond those the consumer took
+
+    async def main() -> list[str]:
+        got: list[str] = []
+        async for bucket in fetcher.fetch(common_pb2.WeightsRef(policy_version=1)):
+            got += [name for name, _ in bucket]
+            await asyncio.sleep(0.01)
+            ahead.append(sum(p.pulled for p in fetcher.parts) - len(got))  # type: ignore[attr-defined]
+        return got
+
+    got = asyncio.run(main())
+    assert sorted(got) == sorted(f"r{r}.t{i}" for r in (0, 1) for i in range(20))
+    # two queued and one in each pump's hand at most (it was all 40 after the first bucket)
+    assert max(ahead) <= 4, ahead
+    assert fetcher.peak_queued_bytes <= 2 * mib

@@ -51,7 +51,7 @@ class ShardedFetcher:
                                         timeout_s=timeout_s, delta_sync=delta_sync) for r in range(senders)]
         self.backend = backend
         self.bucket_bytes = bucket_bytes
-
+        self.peak_queued_bytes = 0  # the most completed bytes that waited for the consumer
     @property
     def transport(self) -> str:
         return self.backend
@@ -62,27 +62,45 @@ class ShardedFetcher:
 
     async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Bucket]:
         assembler = ShardAssembler(self.parts[0].dev.device)
-        ready: asyncio.Queue[Bucket | None] = asyncio.Queue()
+        ready: asyncio.Queue[tuple[Bucket, int] | None] = asyncio.Queue()
+        # Completed tensors are new device memory: at most ~2 buckets' worth wait for the consumer
+        # (vLLM's load is slower than a broadcast), else a whole model would pile up beside the
+        # engine's weights and KV cache. A pump over the limit stops pulling from its sender.
+        limit = 2 * self.bucket_bytes
+        queued = 0
+        room = asyncio.Condition()
 
         async def pump(part: CollectiveFetcher) -> None:
+            nonlocal queued
             async for bucket in part.fetch(ref):
                 done = [x for name, t in bucket for x in assembler.add(name, t)]
                 if done:
-                    ready.put_nowait(done)
+                    n = sum(tensor_nbytes(t) for _, t in done)
+                    async with room:
+                        while queued and queued + n > limit:
+                            await room.wait()
+                        queued += n
+                    ready.put_nowait((done, n))
 
         tasks = [asyncio.create_task(pump(p)) for p in self.parts]
         finished = asyncio.ensure_future(asyncio.gather(*tasks))
         finished.add_done_callback(lambda _: ready.put_nowait(None))
         try:
-            while (done := await ready.get()) is not None:
-                out: Bucket = list(done)
+            while (item := await ready.get()) is not None:
+                out: Bucket = list(item[0])
+                taken = item[1]
                 while not ready.empty() and sum(tensor_nbytes(t) for _, t in out) < self.bucket_bytes:
                     more = ready.get_nowait()
                     if more is None:
                         ready.put_nowait(None)
                         break
-                    out.extend(more)
+                    out.extend(more[0])
+                    taken += more[1]
+                self.peak_queued_bytes = max(self.peak_queued_bytes, queued)
                 yield out
+                async with room:  # the consumer asked for more: it is done with these
+                    queued -= taken
+                    room.notify_all()
             await finished  # a sub-fetch's error surfaces here
             names = assembler.finish()
             log.info("weights_assembled", transport=self.backend, policy_version=ref.policy_version,
