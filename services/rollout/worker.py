@@ -42,7 +42,7 @@ import grpc
 
 from meshrl.v1 import common_pb2, coordinator_pb2, reward_pb2, rollout_pb2
 from services.common.coalesce import Coalescer
-from services.common.errors import InvalidArgument, first_cause, transient
+from services.common.errors import FailedPrecondition, InvalidArgument, first_cause, transient
 from services.common.logging import get_logger
 from services.weights import WeightFetcher
 from services.weights.protocols import Bucket
@@ -655,11 +655,13 @@ class RolloutWorker:
                     self.engine.load_weights(ref.policy_version, counted(self.fetcher.fetch(ref))),
                     self.s.weight_load_timeout_s,
                 )
-            except BaseException:
-                if buckets:
-                    # Part of the new version is in the model: generating now would mix two versions
-                    # under the old one's label. It stays paused until a whole version loads (the
-                    # retry resumes it); its groups in flight wait, or expire and are re-issued.
+            except BaseException as exc:
+                if buckets and not isinstance(exc, (FailedPrecondition, InvalidArgument)):
+                    # Part of the new version may be in the model (a transfer that broke off after
+                    # buckets went in): generating now would mix two versions under the old one's
+                    # label. It stays paused until a whole version loads (the retry resumes it); its
+                    # groups in flight wait, or expire and are re-issued. A refusal (an adapter for
+                    # another base, a version that is gone) is checked before anything is written.
                     log.error("weights_half_loaded", policy_version=ref.policy_version, buckets=buckets,
                               hint="generation stays paused until a whole version loads")
                     raise
