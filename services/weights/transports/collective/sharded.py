@@ -63,9 +63,8 @@ class ShardedFetcher:
     async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Bucket]:
         assembler = ShardAssembler(self.parts[0].dev.device)
         ready: asyncio.Queue[tuple[Bucket, int] | None] = asyncio.Queue()
-        # Completed tensors are new device memory: at most ~2 buckets' worth wait for the consumer
-        # (vLLM's load is slower than a broadcast), else a whole model would pile up beside the
-        # engine's weights and KV cache. A pump over the limit stops pulling from its sender.
+        # Completed tensors are new device memory: at most ~2 buckets' worth wait for a slower
+        # consumer; a pump over the limit stops pulling from its sender (backpressure).
         limit = 2 * self.bucket_bytes
         queued = 0
         room = asyncio.Condition()
