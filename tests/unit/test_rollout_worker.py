@@ -111,6 +111,11 @@ def test_lost_lease_aborts_its_group_and_drain_returns_unstarted(tok: Any) -> No
         first = min(coord.active)
         coord.lost.add(first)
         await wait_for(lambda: first not in {g for g in worker._groups}, what="lost group aborted")
+        # The freed slots go to one waiting group at the engine's next step; drain after that.
+        await wait_for(
+            lambda: any(engine.request_started(r) for g in worker._groups.values() for r in g.live),
+            what="a waiting group took the freed slots",
+        )
         returned, finished = await worker.drain(finish_in_flight=True)
         assert returned == 2  # the two groups still waiting for slots
         assert finished == 1  # the running one finished and was submitted
