@@ -11,6 +11,7 @@ from services.common.auth import Authorizer
 from services.common.config import MeshConfig, derive
 from services.common.data import PromptStream, train_dataset
 from services.common.grpc_util import MiB
+from services.common.limits import Limits
 from services.common.model_arch import vocab_size_of
 
 from .core import CoordinatorCore, CoordinatorSettings
@@ -69,4 +70,5 @@ def build_servicer(
         max_response_tokens=cfg.coordinator.max_response_tokens,
         max_message_bytes=cfg.coordinator.max_message_mb * MiB,
         vocab_size=vocab_size_of(cfg.actor_rollout_ref.model.path),
+        limits=Limits.from_config(cfg.security.limits),
     )

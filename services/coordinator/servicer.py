@@ -16,7 +16,7 @@ from meshrl.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.common.auth import Authorizer
 from services.common.errors import InvalidArgument
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, rpc_method
-from services.common.limits import check_lengths, process_limits
+from services.common.limits import Limits, check_lengths, process_limits
 from services.common.logging import get_logger
 
 from . import convert, wire
@@ -42,9 +42,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         max_response_tokens: int = 1 << 20,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         vocab_size: int | None = None,
+        limits: Limits | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.core = core
+        # the string limits a submitted group's fields are checked against (its bytes pass the
+        # interceptor's check unparsed); None: this process's (`use_role`)
+        self.limits = limits
         self.sampling = sampling
         self.auth = auth
         self.max_groups = max_groups_per_call
@@ -124,7 +128,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """`request` arrives as bytes over gRPC (wire.add_to_server) or as a message in-process."""
         raw = wire.as_raw_submit(request, self.max_groups)
         if isinstance(request, bytes):  # the generic length check saw bytes, not the groups
-            limits = process_limits()
+            limits = self.limits or process_limits()
             for i, g in enumerate(raw.groups):
                 check_lengths(g, limits, f"groups[{i}]")
         groups = convert.groups_from_request(

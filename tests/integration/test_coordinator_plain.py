@@ -255,3 +255,30 @@ def test_lease_reply_is_sized_to_a_small_client_limit(tmp_path: Path) -> None:
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_submitted_groups_are_checked_against_the_configured_string_limits(tmp_path: Path) -> None:
+    """A group's bytes reach the servicer unparsed, so the servicer checks their strings itself,
+    against `security.limits` of this server's config (not the process defaults)."""
+    cfg = load_config(None, [*OVERRIDES, "security.limits.max_name_chars=32"])
+
+    async def main() -> None:
+        server = CoordinatorServer(cfg, tmp_path)
+        await server.start()
+        try:
+            async with CoordinatorClient(server.address) as c:
+                (lease,) = (await c.lease("r", 1)).leases
+                bad = _group(lease)
+                bad.prompt.data_source = "x" * 100  # under the default 1024, over the configured 32
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.submit("r", [bad])
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "groups[0].prompt.data_source" in e.value.details()
+                assert "security.limits.max_name_chars" in e.value.details()
+                # nothing changed: the lease is still in flight and a good submit lands
+                assert (await c.status()).totals.in_flight == 1
+                assert list((await c.submit("r", [_group(lease)])).statuses) == [1]
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
