@@ -56,10 +56,10 @@ def _patch() -> None:
     from services.weights.client import ParamServerClient
     from services.weights.transports.collective import device, group, receiver, sender
 
-    async def wait(self: Any, work: Any, deadline: Any, doing: str, _orig: Any = group.Group.wait) -> None:
+    async def wait(self: Any, work: Any, deadline: Any, doing: str, *rest: Any, _orig: Any = group.Group.wait) -> None:
         t0 = time.perf_counter()
         try:
-            await _orig(self, work, deadline, doing)
+            await _orig(self, work, deadline, doing, *rest)
         finally:
             key = "wait:" + doing.split(" ")[0] + (" control" if "control" in doing else "")
             SPANS.append((key, t0, time.perf_counter()))
