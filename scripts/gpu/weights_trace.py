@@ -91,6 +91,8 @@ def _worker(role: str, backend: str, address: str, total: int, bucket: int, roun
     per_round: list[dict[str, Any]] = []
     # spans of each steady round: split by the publish/fetch walls recorded in order
     results["host_spans_all_rounds"] = _summ(SPANS)
+    # each version's rendezvous alone (the first one forms the group): what the sender waits for
+    results["ensure_group_ms"] = [round((b - a) * 1e3, 3) for n, a, b in SPANS if n.endswith("._ensure_group")]
     starts = [a for name, a, _ in SPANS if name.endswith("._steady_group")]
     if starts:  # each round begins by choosing its group: the last steady round alone
         last = [(n, a, b) for n, a, b in SPANS if a >= starts[-1]]
@@ -176,6 +178,7 @@ def main() -> None:
             "host_spans_all_rounds": r["host_spans_all_rounds"],
             "host_spans_last_round": r.get("host_spans_last_round"),
             "last_round_host_ms": r.get("last_round_host_ms"),
+            "ensure_group_ms": r.get("ensure_group_ms"),
             "profiled_round": r["profiled_round"],
         }
     text = json.dumps(summary, indent=1)
