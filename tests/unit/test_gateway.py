@@ -670,3 +670,36 @@ def test_a_rewritten_echo_that_renders_to_the_same_ids_is_stitched_on_token_ids(
     (r,) = group.responses
     assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[0] + policy.turns[1]
     assert r.num_turns == 2
+
+
+async def _raw_call(path: str, body: bytes, *, eta: int | None = None,
+                    before: Callable[[httpx.AsyncClient, str, str, ScriptedPolicy], Awaitable[None]] | None = None,
+                    ) -> tuple[httpx.Response, SessionRegistry, Any]:
+    """One request (raw body bytes) to a fresh session's `path` on the gateway app in process;
+    `before` may make calls of that session first. Returns the response, the registry, the session."""
+    tok = build_tokenizer(tools=True)
+    policy = ScriptedPolicy(tok, [ANSWER])
+    registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256, max_staleness_versions=eta))
+    g = registry.open_group("r/l", SamplingSpec(n=1, max_tokens=256), policy.generate, lambda: policy.version)
+    (s,) = g.samples
+    base = f"http://gw/sessions/{s.id}"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(registry))) as c:
+        if before is not None:
+            await before(c, base, s.key, policy)
+        r = await c.post(base + path, content=body,
+                         headers={"Authorization": f"Bearer {s.key}", "Content-Type": "application/json"})
+    return r, registry, s
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1' + b"0" * 400 + b"}",
+     "temperature"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": -1' + b"0" * 400 + b"}", "top_p"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1' + b"0" * 5000 + b"}",
+     "body"),
+    ("/finish", b'{"reward": 1' + b"0" * 400 + b"}", "reward"),
+])
+def test_a_number_too_large_for_a_float_is_a_400_naming_its_field(path: str, body: bytes, param: str) -> None:
+    r, registry, s = asyncio.run(_raw_call(path, body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert s.state == "open" and registry.counters["calls"] == 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -71,7 +71,7 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
                                code="request_too_large")
         try:
             return json.loads(raw or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's digit limit
             raise bad("body", f"is not valid JSON ({exc})") from exc
         except RecursionError:
             raise bad("body", "nests deeper than this server parses") from None
@@ -113,8 +113,9 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
         if not isinstance(body, dict):
             raise bad("body", 'must be a JSON object: {"reward": x} or {}')
         reward = body.get("reward")
+        # abs() <= the largest float: rejects NaN and infinities, and an int that float() would overflow on
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                                   or not math.isfinite(reward)):
+                                   or not abs(reward) <= sys.float_info.max):
             raise bad("reward", f"must be a finite number or absent (then the reward service scores), got {reward!r}")
         if set(body) - {"reward"}:
             raise bad(sorted(set(body) - {"reward"})[0], "unknown field; /finish takes only reward")

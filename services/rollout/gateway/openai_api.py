@@ -13,7 +13,6 @@ report the sampled token's logprob only.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -144,7 +143,8 @@ def _opt_number(body: Mapping[str, Any], key: str, lo: float, hi: float) -> None
     v = body.get(key)
     if v is None:
         return
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+    # the range alone rejects NaN and infinities (math.isfinite would overflow on an int past a float's range)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
         raise bad(key, f"must be a number in [{lo}, {hi}], got {v!r}")
 
 
