@@ -725,7 +725,11 @@ class CoordinatorCore:
             raise NotFound(f"filtered_lease_ids: {unknown[0]!r} was never submitted")
         self.expire(now)
         s = self._state.copy()
-        filtered_rows = [self._delivered[i] for i in dict.fromkeys(filtered or []) if i in self._delivered]
+        named = list(dict.fromkeys(filtered or []))
+        filtered_rows = [self._delivered[i] for i in named if i in self._delivered]
+        # A trainer reports the groups it filtered at its next fetch, which can come after the
+        # checkpoint of their step consumed them: they were not trained all the same.
+        consumed_filtered = self.ledger.consumed_groups(i for i in named if i not in self._delivered)
         ahead = self._ahead - sum(int(f.train_version > current) for f in filtered_rows)
         s.trainer_step = max(s.trainer_step, step)
         delivered: list[DeliveredGroup] = []
@@ -760,19 +764,21 @@ class CoordinatorCore:
             ahead += len(delivered_rows)
         for d in delivered_rows:
             s.histogram[d.staleness] = s.histogram.get(d.staleness, 0) + 1
-        for f in filtered_rows:
-            s.histogram[f.staleness] -= 1
-        s.totals.consumed += len(delivered_rows) - len(filtered_rows)
-        s.totals.filtered += len(filtered_rows)
+        for staleness in [f.staleness for f in filtered_rows] + [st for _, _, st in consumed_filtered]:
+            s.histogram[staleness] -= 1
+        untrained = len(filtered_rows) + len(consumed_filtered)
+        s.totals.consumed += len(delivered_rows) - untrained
+        s.totals.filtered += untrained
         s.totals.regenerated += len(stale)
         floor = self.in_flight + self.queued - len(delivered_rows) - len(stale) + ahead
-        s.budget_used = max(floor, s.budget_used - len(filtered_rows) - len(stale))
-        if delivered_rows or filtered_rows or stale or s.trainer_step != self._state.trainer_step:
+        s.budget_used = max(floor, s.budget_used - untrained - len(stale))
+        if delivered_rows or untrained or stale or s.trainer_step != self._state.trainer_step:
             with self.ledger.transaction():
                 self.ledger.deliver_groups(
                     (d.group_id, d.step, d.staleness, d.payload is not None) for d in delivered_rows
                 )
-                self.ledger.set_group_state([f.group_id for f in filtered_rows], GroupState.FILTERED, drop_payload=True)
+                self.ledger.set_group_state([f.group_id for f in filtered_rows] + [g for g, _, _ in consumed_filtered],
+                                            GroupState.FILTERED, drop_payload=True)
                 self.ledger.set_group_state([q.group_id for q in stale], GroupState.REJECTED_STALE, drop_payload=True)
                 self.ledger.push_retry([q.seq for q in stale], RetryReason.STALE)
                 self.ledger.save_state(s.to_json())

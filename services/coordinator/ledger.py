@@ -213,6 +213,18 @@ class Ledger:
             )
         ]
 
+    def consumed_groups(self, lease_ids: Iterable[str]) -> list[tuple[int, str, int]]:
+        """(group_id, lease_id, staleness) of the groups of LEASE_IDS that a checkpoint consumed."""
+        out = []
+        for lease_id in lease_ids:
+            row = self._db.execute(
+                "SELECT group_id, lease_id, staleness FROM groups WHERE lease_id = ? AND state = ?",
+                (lease_id, int(GroupState.CONSUMED)),
+            ).fetchone()
+            if row is not None:
+                out.append((row[0], row[1], row[2]))
+        return out
+
     def load(self) -> LedgerSnapshot:
         row = self._db.execute("SELECT json FROM run_state WHERE id = 1").fetchone()
         state = json.loads(row[0]) if row else None

@@ -297,6 +297,30 @@ def test_filtered_groups_give_budget_back(tmp_path: Path) -> None:
         core.fetch("t", 1, 1, 1.0, filtered=["never-submitted"])
 
 
+def test_groups_filtered_after_their_checkpoint_count_as_filtered_and_give_budget_back(tmp_path: Path) -> None:
+    """The trainer reports its filter at the next fetch, after the checkpoint of that step consumed
+    the group: still filtered (not trained), its budget unit back, once only (a resent fetch)."""
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=0.0)
+    leases = core.lease("r", 5, 0.0).leases
+    core.submit("r", [group_for(lease.lease_id, lease.seq, 0) for lease in leases], 1.0)
+    batch = core.fetch("t", 1, 2, 1.0)
+    core.report_checkpoint(1, 0, "/ckpt/1")
+    assert core.status(1.0).totals.consumed == 2
+    dropped = batch.groups[0].lease_id
+    core.fetch("t", 2, 1, 1.0, filtered=[dropped])
+    core.fetch("t", 2, 1, 1.0, filtered=[dropped])  # its reply lost, sent again
+    st = core.status(1.0)
+    assert st.totals.filtered == 1 and st.totals.consumed == 1
+    assert sum(st.histogram.values()) == 1
+    assert len(core.lease("r", 5, 1.0).leases) == 1  # one unit came back
+    assert core.audit()["balanced"]
+    core.ledger.close()
+    again = make_core(tmp_path / "l.db", mini_batch=2, staleness=0.0)  # the ledger holds the same
+    st = again.status(1.0)
+    assert st.totals.filtered == 1 and st.totals.consumed == 1
+    assert again.audit()["balanced"]
+
+
 def test_pause_and_stop(tmp_path: Path) -> None:
     core = make_core(tmp_path / "l.db")
     core.set_paused(True)
