@@ -171,6 +171,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         convert.require_id(request.trainer_id, "trainer_id")
         convert.check_count(request.num_groups, "num_groups", 1, MAX_FETCH_GROUPS)
         convert.check_count(request.timeout_ms, "timeout_ms", 0, MAX_FETCH_TIMEOUT_MS)
+        # each id costs a lookup (a ledger read for one a checkpoint consumed)
+        convert.check_count(len(request.filtered_lease_ids), "filtered_lease_ids", 0, MAX_FETCH_GROUPS)
         check_int64(request.step, "step")
         train_version = request.train_version if request.HasField("train_version") else None
         self.core.check_train_version(train_version)

@@ -18,7 +18,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, Resource
 from services.common.grpc_util import LocalContext
 from services.coordinator import convert
 from services.coordinator.core import INT64_MAX, LeaseLimit
-from services.coordinator.servicer import CoordinatorServicer
+from services.coordinator.servicer import MAX_FETCH_GROUPS, CoordinatorServicer
 
 from .coord_helpers import group_for, make_core
 
@@ -190,6 +190,8 @@ def test_servicer_refuses_before_touching_state(tmp_path: Path) -> None:
         before = core.status(0.0)
         for req, method in [
             (coordinator_pb2.FetchBatchRequest(trainer_id="t", step=1 << 63, num_groups=3), servicer.FetchBatch),
+            (coordinator_pb2.FetchBatchRequest(trainer_id="t", step=1, num_groups=3,
+                                               filtered_lease_ids=["x"] * (MAX_FETCH_GROUPS + 1)), servicer.FetchBatch),
             (coordinator_pb2.ReportCheckpointRequest(trainer_id="t", step=0, path="p" * 5000), servicer.ReportCheckpoint),
             (coordinator_pb2.SetStalenessRequest(staleness_threshold=math.inf), servicer.SetStaleness),
         ]:
