@@ -672,12 +672,13 @@ def test_a_rewritten_echo_that_renders_to_the_same_ids_is_stitched_on_token_ids(
     assert r.num_turns == 2
 
 
-async def _raw_call(path: str, body: bytes, *, eta: int | None = None,
+async def _raw_call(path: str, body: bytes, *, eta: int | None = None, template_prefix: str = "",
                     before: Callable[[httpx.AsyncClient, str, str, ScriptedPolicy], Awaitable[None]] | None = None,
                     ) -> tuple[httpx.Response, SessionRegistry, Any]:
     """One request (raw body bytes) to a fresh session's `path` on the gateway app in process;
     `before` may make calls of that session first. Returns the response, the registry, the session."""
     tok = build_tokenizer(tools=True)
+    tok.chat_template = template_prefix + tok.chat_template
     policy = ScriptedPolicy(tok, [ANSWER])
     registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256, max_staleness_versions=eta))
     g = registry.open_group("r/l", SamplingSpec(n=1, max_tokens=256), policy.generate, lambda: policy.version)
@@ -703,3 +704,22 @@ def test_a_number_too_large_for_a_float_is_a_400_naming_its_field(path: str, bod
     r, registry, s = asyncio.run(_raw_call(path, body))
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert s.state == "open" and registry.counters["calls"] == 0
+
+
+def test_a_request_the_template_cannot_render_is_a_400_before_the_session_is_found_stale() -> None:
+    """Validation comes before the session's state: a body with tools the chat template refuses is a
+    400 naming tools, and the stale sample is not restarted by it (its next valid call is the 409)."""
+    refuse = ("{%- for t in tools or [] %}{%- if t['function']['name'] == 'broken' %}"
+              "{{- raise_exception('this template cannot render the tool broken') }}{%- endif %}{%- endfor %}")
+    msgs = [{"role": "user", "content": "123+456="}]
+
+    async def stale(c: httpx.AsyncClient, base: str, key: str, policy: ScriptedPolicy) -> None:
+        r = await c.post(base + "/v1/chat/completions", json={"messages": msgs}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        policy.version = 1  # past max_staleness_versions=0
+
+    body = json.dumps({"messages": msgs, "tools": [{"type": "function", "function": {"name": "broken"}}]}).encode()
+    r, registry, s = asyncio.run(_raw_call("/v1/chat/completions", body, eta=0, template_prefix=refuse, before=stale))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert s.state == "open" and s.restart is None and registry.counters["rejected_stale"] == 0
+    assert registry.stale_reason(s) is not None  # stale all along: a valid call would have been the 409

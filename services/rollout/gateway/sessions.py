@@ -272,9 +272,6 @@ class SessionRegistry:
         (streaming; all of them before this returns, including those of a continuation after an
         abort), where the engine streams."""
         async with s.lock:
-            self._check_open(s)
-            self._check_calls(s)
-            self._check_staleness(s)
             tools = req.tools if req.tool_choice != "none" else []
             renderer, tools_key = self._renderer(tools)
             seg = s.segments[-1] if s.segments else None
@@ -311,6 +308,10 @@ class SessionRegistry:
                         env_ids = full_ids[len(so_far):]
                         new_msgs = []
                         prompt_ids, traj_len = seg.prompt_ids, len(seg.traj) + len(env_ids)
+            # After the body's validation (tools, messages: a 400 first) since staleness changes state
+            self._check_open(s)
+            self._check_calls(s)
+            self._check_staleness(s)
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
             ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop, on_token)
             # Commit (no await from here on): the call happened.
