@@ -723,3 +723,18 @@ def test_a_request_the_template_cannot_render_is_a_400_before_the_session_is_fou
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     assert s.state == "open" and s.restart is None and registry.counters["rejected_stale"] == 0
     assert registry.stale_reason(s) is not None  # stale all along: a valid call would have been the 409
+
+
+def test_null_is_absent_for_the_optional_fields_openai_marks_nullable() -> None:
+    """OpenAI's schema allows null for n, stream, logprobs, stream_options, top_logprobs, max_tokens,
+    temperature, top_p and stop (clients that serialize every field send it): the call goes through."""
+    nulls = dict.fromkeys(["n", "stream", "logprobs", "stream_options", "top_logprobs", "max_tokens",
+                           "max_completion_tokens", "temperature", "top_p", "stop"])
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "123+456="}], **nulls}).encode()
+    r, registry, _ = asyncio.run(_raw_call("/v1/chat/completions", body))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "579" and r.json()["choices"][0]["logprobs"] is None
+    assert registry.counters["calls"] == 1
+    body = json.dumps({"model": "m", "prompt": "123+456=", **nulls}).encode()
+    r, _, _ = asyncio.run(_raw_call("/v1/completions", body))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "579", r.text

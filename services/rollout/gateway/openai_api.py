@@ -161,14 +161,15 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 def _common(body: Any) -> tuple[Mapping[str, Any], int | None, tuple[str, ...], bool, bool, str]:
     if not isinstance(body, Mapping):
         raise bad("body", "must be a JSON object")
-    n = body.get("n", 1)
-    if n != 1:
+    # OpenAI's schema makes these nullable: null is absent (clients that serialize every field send it)
+    n = body.get("n")
+    if n is not None and n != 1:
         raise bad("n", f"must be 1 (one session is one sample; meshrl runs rollout.n sessions per prompt), got {n!r}")
     _opt_number(body, "temperature", 0.0, 2.0)
     _opt_number(body, "top_p", 0.0, 1.0)
     mt = _opt_int(body, "max_completion_tokens", 1)
     max_tokens = mt if mt is not None else _opt_int(body, "max_tokens", 1)
-    stream = body.get("stream", False)
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad("stream", "must be a boolean")
     opts = body.get("stream_options") or {}
@@ -192,7 +193,7 @@ def parse_chat(body: Any) -> ChatRequest:
     choice = body.get("tool_choice", "auto")
     if choice not in ("auto", "none"):
         raise bad("tool_choice", f"only 'auto' and 'none' are supported (the policy decides; nothing forces a call), got {choice!r}")
-    logprobs = body.get("logprobs", False)
+    logprobs = False if body.get("logprobs") is None else body["logprobs"]
     if not isinstance(logprobs, bool):
         raise bad("logprobs", "must be a boolean")
     if body.get("top_logprobs") not in (None, 0):
