@@ -738,3 +738,22 @@ def test_null_is_absent_for_the_optional_fields_openai_marks_nullable() -> None:
     body = json.dumps({"model": "m", "prompt": "123+456=", **nulls}).encode()
     r, _, _ = asyncio.run(_raw_call("/v1/completions", body))
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "579", r.text
+
+
+def test_echoed_tool_arguments_with_an_integer_past_the_digit_limit_are_compared_as_given() -> None:
+    """Stitching compares an echoed call's arguments as parsed JSON where they parse; an integer
+    past Python's digit limit does not (a ValueError), so they are compared as given and the call
+    goes on to its checks (here the context's: those 5000 digits are rendered), not a 500."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "123+456="}]
+
+    async def first(c: httpx.AsyncClient, base: str, key: str, policy: ScriptedPolicy) -> None:
+        r = await c.post(base + "/v1/chat/completions", json={"messages": msgs}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+
+    huge = '{"a": 1' + "0" * 5000 + "}"
+    echo = {"role": "assistant", "content": "579",
+            "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "add", "arguments": huge}}]}
+    body = json.dumps({"messages": [*msgs, echo, {"role": "tool", "tool_call_id": "c0", "content": "1"}]}).encode()
+    r, registry, s = asyncio.run(_raw_call("/v1/chat/completions", body, before=first))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert registry.counters["calls"] == 1 and len(s.segments) == 1

@@ -143,7 +143,7 @@ def _call_key(m: Mapping[str, Any]) -> tuple[Any, ...]:
 def _canon_args(args: str) -> str:
     try:
         return json.dumps(json.loads(args), sort_keys=True)
-    except (json.JSONDecodeError, RecursionError):  # compared as given
+    except (ValueError, RecursionError):  # compared as given (ValueError: also an int past Python's digit limit)
         return args
 
 
