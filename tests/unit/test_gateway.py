@@ -673,18 +673,21 @@ def test_a_rewritten_echo_that_renders_to_the_same_ids_is_stitched_on_token_ids(
 
 
 async def _raw_call(path: str, body: bytes, *, eta: int | None = None, template_prefix: str = "",
+                    turns: Sequence[str] = (ANSWER,), max_model_len: int = 512, budget: int = 256,
                     before: Callable[[httpx.AsyncClient, str, str, ScriptedPolicy], Awaitable[None]] | None = None,
                     ) -> tuple[httpx.Response, SessionRegistry, Any]:
     """One request (raw body bytes) to a fresh session's `path` on the gateway app in process;
     `before` may make calls of that session first. Returns the response, the registry, the session."""
     tok = build_tokenizer(tools=True)
     tok.chat_template = template_prefix + tok.chat_template
-    policy = ScriptedPolicy(tok, [ANSWER])
-    registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256, max_staleness_versions=eta))
-    g = registry.open_group("r/l", SamplingSpec(n=1, max_tokens=256), policy.generate, lambda: policy.version)
+    policy = ScriptedPolicy(tok, turns)
+    registry = SessionRegistry(tok, GatewayLimits(max_model_len=max_model_len, response_budget=budget,
+                                                  max_staleness_versions=eta))
+    g = registry.open_group("r/l", SamplingSpec(n=1, max_tokens=budget), policy.generate, lambda: policy.version)
     (s,) = g.samples
     base = f"http://gw/sessions/{s.id}"
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(registry))) as c:
+    app = build_app(registry)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False)) as c:
         if before is not None:
             await before(c, base, s.key, policy)
         r = await c.post(base + path, content=body,
@@ -757,3 +760,26 @@ def test_echoed_tool_arguments_with_an_integer_past_the_digit_limit_are_compared
     r, registry, s = asyncio.run(_raw_call("/v1/chat/completions", body, before=first))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert registry.counters["calls"] == 1 and len(s.segments) == 1
+
+
+def test_a_reply_that_fails_while_being_answered_leaves_the_session_as_it_was() -> None:
+    """A completion whose tool block breaks the parser (JSON nested past the decoder's depth) fails
+    the call with a 500 before anything is recorded: the client's retry of the same messages is the
+    sample's first call (its context is not the failed completion plus those messages again)."""
+    bad_turn = "<tool_call>" + "[" * 3000 + "]" * 3000 + "</tool_call><|im_end|>"
+    msgs = [{"role": "user", "content": "123+456="}]
+    failed: list[int] = []
+
+    async def fails_first(c: httpx.AsyncClient, base: str, key: str, policy: ScriptedPolicy) -> None:
+        r = await c.post(base + "/v1/chat/completions", json={"messages": msgs, "tools": TOOLS},
+                         headers={"Authorization": f"Bearer {key}"})
+        failed.append(r.status_code)
+
+    body = json.dumps({"messages": msgs, "tools": TOOLS}).encode()
+    r, registry, s = asyncio.run(_raw_call("/v1/chat/completions", body, turns=[bad_turn, ANSWER], max_model_len=8192,
+                                           budget=8000, before=fails_first))
+    assert failed == [500] and r.status_code == 200, r.text
+    (seg,) = s.segments
+    answer = list(registry.tok.encode(ANSWER, add_special_tokens=False))
+    assert seg.traj.token_ids == answer and seg.traj.loss_mask == [1] * len(answer)
+    assert s.calls == 1 and registry.counters["calls"] == 1 and registry.counters["stitched_calls"] == 0

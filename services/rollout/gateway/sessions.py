@@ -314,6 +314,10 @@ class SessionRegistry:
             self._check_staleness(s)
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
             ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop, on_token)
+            raw = str(self.tok.decode(ids, skip_special_tokens=True))
+            # Parsed before the commit: an error in it must leave the session as it was (a half-recorded
+            # call would be the context of the client's retry).
+            parsed = parse_tool_calls(raw, seg.calls if stitched and seg is not None else 0) if tools else None
             # Commit (no await from here on): the call happened.
             if stitched and seg is not None and not new_msgs:  # stitched on token ids
                 seg.messages = [_template_message(m) for m in req.messages]
@@ -332,18 +336,17 @@ class SessionRegistry:
             seg.traj.add_policy(ids, lps, vers)
             seg.traj.num_turns += 1
             seg.traj.finish_reason = finish
-            raw = str(self.tok.decode(ids, skip_special_tokens=True))
             seg.messages.append({"role": "assistant", "content": raw})
             seg.generated_end = str(self.tok.decode(ids[-1:], skip_special_tokens=False)) if ids else ""
             content = raw
             calls: list[ToolCall] = []
-            if tools:
-                parsed, calls = parse_tool_calls(raw, seg.calls)
+            if parsed is not None:
+                text, calls = parsed
                 if any(c.parse_error for c in calls):
                     seg.tool_errors += len([c for c in calls if c.parse_error])
                     calls = []  # answered as plain text: the agent sees what the policy wrote
                 else:
-                    content = parsed
+                    content = text
                     seg.tool_calls += len(calls)
             content = _cut_stop(content, req.stop) if finish is Finish.STOP else content
             seg.last_text = raw
