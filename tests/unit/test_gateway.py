@@ -783,3 +783,21 @@ def test_a_reply_that_fails_while_being_answered_leaves_the_session_as_it_was() 
     answer = list(registry.tok.encode(ANSWER, add_special_tokens=False))
     assert seg.traj.token_ids == answer and seg.traj.loss_mask == [1] * len(answer)
     assert s.calls == 1 and registry.counters["calls"] == 1 and registry.counters["stitched_calls"] == 0
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("POST", "/v1/chat/completions", 404),  # a base URL without the session's prefix
+    ("GET", "/sessions/abc/v1/models/m", 404),
+    ("GET", "/sessions/abc/v1/chat/completions", 405),
+])
+def test_a_path_or_method_not_served_is_an_openai_error_that_names_what_is(method: str, path: str, status: int) -> None:
+    tok = build_tokenizer(tools=True)
+    app = build_app(SessionRegistry(tok, GatewayLimits(max_model_len=64, response_budget=32)))
+
+    async def main() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as c:
+            return await c.request(method, "http://gw" + path)
+
+    r = asyncio.run(main())
+    assert r.status_code == status
+    assert "/sessions/<id>/v1" in r.json()["error"]["message"] and r.json()["error"]["type"], r.text

@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.logging import get_logger
 
@@ -51,6 +52,15 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> Response:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(_: Request, exc: StarletteHTTPException) -> Response:
+        # A path or method this server does not serve: OpenAI's error object (the SDKs read its
+        # message), saying what is served, where FastAPI would answer {"detail": "Not Found"}.
+        return JSONResponse(ApiError(exc.status_code, f"{exc.detail}: this gateway serves POST chat/completions, POST "
+                                     "completions and GET models under the base URL meshrl gave the agent "
+                                     "(/sessions/<id>/v1), and POST /sessions/<id>/finish").body(),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:
