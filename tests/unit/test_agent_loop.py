@@ -64,6 +64,23 @@ def test_parser_reads_hermes_calls_and_names_what_is_wrong() -> None:
     assert parse_tool_calls("just 579", 0) == ("just 579", [])
 
 
+def test_parser_never_raises_on_json_python_cannot_read() -> None:
+    """Model output is arbitrary: nesting past the interpreter's depth (RecursionError) and an
+    integer past Python's digit limit (ValueError) are parse errors, in the block and in a string of
+    arguments, like any malformed JSON."""
+    deep = "[" * 100_000 + "]" * 100_000
+    huge = "9" * 5000
+    text = (f'<tool_call>{deep}</tool_call><tool_call>{{"name": "add", "arguments": {{"a": {huge}}}}}</tool_call>'
+            f'<tool_call>{{"name": "add", "arguments": {json.dumps(deep)}}}</tool_call>'
+            f'<tool_call>{{"name": "add", "arguments": "{{\\"a\\": {huge}}}"}}</tool_call>{CALL}')
+    content, calls = parse_tool_calls(text, turn=0)
+    assert content == "" and len(calls) == 5
+    assert "invalid JSON" in calls[0].parse_error and "invalid JSON" in calls[1].parse_error
+    assert "arguments are not valid JSON" in calls[2].parse_error and calls[2].name == "add"
+    assert "arguments are not valid JSON" in calls[3].parse_error
+    assert calls[4].arguments() == {"a": 123, "b": 456} and not calls[4].parse_error
+
+
 @pytest.mark.parametrize(("side", "expected"), [
     ("left", "abcde...(truncated)"), ("right", "(truncated)...vwxyz"), ("middle", "ab...(truncated)...xyz"),
 ])

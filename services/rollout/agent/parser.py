@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from services.environment.base import ToolCall
 
@@ -33,12 +34,25 @@ def parse_tool_calls(text: str, turn: int = 0) -> tuple[str, list[ToolCall]]:
     return content.strip(), calls
 
 
+def _loads(text: str) -> tuple[Any, str | None]:
+    """(the JSON value, None) or (None, why not). Model output is arbitrary text: besides malformed
+    JSON, json.loads raises ValueError for an integer past Python's digit limit and RecursionError
+    for nesting past the interpreter's depth."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at character {exc.pos}"
+    except ValueError as exc:
+        return None, str(exc)
+    except RecursionError:
+        return None, "nested deeper than the parser reads"
+
+
 def _parse_one(raw: str, call_id: str) -> ToolCall:
     body = raw.strip()
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return ToolCall(call_id, "", body, parse_error=f"invalid JSON ({exc.msg} at character {exc.pos})")
+    obj, error = _loads(body)
+    if error is not None:
+        return ToolCall(call_id, "", body, parse_error=f"invalid JSON ({error})")
     if not isinstance(obj, dict):
         return ToolCall(call_id, "", body, parse_error=f"expected a JSON object with name and arguments, got {type(obj).__name__}")
     name = obj.get("name")
@@ -46,10 +60,12 @@ def _parse_one(raw: str, call_id: str) -> ToolCall:
         return ToolCall(call_id, "", body, parse_error='no "name" (a non-empty string)')
     args = obj.get("arguments", {})
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            return ToolCall(call_id, name, args, parse_error=f"arguments are not valid JSON ({exc.msg})")
+        args, error = _loads(args) if args.strip() else ({}, None)
+        if error is not None:
+            return ToolCall(call_id, name, obj["arguments"], parse_error=f"arguments are not valid JSON ({error})")
     if not isinstance(args, dict):
         return ToolCall(call_id, name, json.dumps(args), parse_error=f'"arguments" must be an object, got {type(args).__name__}')
-    return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False, separators=(",", ":")))
+    try:
+        return ToolCall(call_id, name, json.dumps(args, ensure_ascii=False, separators=(",", ":")))
+    except RecursionError:  # loads reached a depth that dumps does not
+        return ToolCall(call_id, name, "", parse_error="arguments nest deeper than the parser writes")
