@@ -27,6 +27,7 @@ from services.rollout.agent.chat import ChatRenderer
 from services.rollout.engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec
 from services.rollout.gateway import GatewayAgent, GatewayGroupFailed, GatewayLimits, GatewaySettings, SessionRegistry
 from services.rollout.gateway.app import GatewayServer, build_app
+from services.rollout.gateway.openai_api import ApiError
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 123, "b": 456}}</tool_call><|im_end|>'
 ANSWER = "579<|im_end|>"
@@ -217,11 +218,20 @@ def test_errors_are_openai_errors_the_sdk_raises() -> None:
         seen["deep"] = (r.status_code, r.json()["error"]["param"])
         assert (await finish(url, key, {"reward": "high"})).status_code == 400
         assert (await finish(url, key, {"reward": 0.5})).status_code == 200
+        sent = []
+
+        async def count(request: httpx.Request) -> None:
+            sent.append(request.url.path)
+
+        # the SDK's default retries: a 409 says `x-should-retry: false`, so it is sent once
+        retrying = openai.AsyncOpenAI(base_url=url, api_key=key,
+                                      http_client=httpx.AsyncClient(event_hooks={"request": [count]}))
         with pytest.raises(openai.ConflictError) as e:
-            await c.chat.completions.create(model="m", messages=msgs)
+            await retrying.chat.completions.create(model="m", messages=msgs)
         seen["409"] = e.value.code
+        seen["sent"] = len(sent)
         assert (await finish(url, key, {})).status_code == 409
-        for client in (bad_key, other, c):
+        for client in (bad_key, other, c, retrying):
             await client.close()
         done.set()
 
@@ -229,10 +239,17 @@ def test_errors_are_openai_errors_the_sdk_raises() -> None:
     assert isinstance(group, common_pb2.TrajectoryGroup), group
     assert [r.env_reward for r in group.responses] == [0.5, 1.0]
     assert seen == {"401": seen["401"], "n": "n", "role": "messages[0].role", "long": "context_length_exceeded",
-                    "max_tokens": "max_tokens", "409": "session_closed", "deep": (400, "body")}
+                    "max_tokens": "max_tokens", "409": "session_closed", "sent": 1, "deep": (400, "body")}
     assert seen["401"]["code"] == "invalid_api_key"
     assert ga.registry.counters["calls"] == 3  # the refused requests left no trace
     assert ga.registry.counters["rejected_auth"] == 2
+
+
+def test_only_the_samples_own_state_tells_the_sdk_not_to_retry() -> None:
+    final = {"x-should-retry": "false"}
+    assert ApiError(409, "ended", code="session_closed").headers() == final
+    assert ApiError(429, "out of calls", code="too_many_calls").headers() == final
+    assert ApiError(503, "draining").headers() == {} and ApiError(400, "bad").headers() == {}
 
 
 def test_an_agent_that_never_calls_the_model_fails_the_group() -> None:
@@ -593,7 +610,10 @@ def test_keys_of_an_ended_group_get_409_then_401() -> None:
             codes = []
             async with httpx.AsyncClient() as c:
                 for url, key in creds:  # the first sample's id was forgotten (ended_sessions_kept=1)
-                    codes.append((await c.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"})).status_code)
+                    r = await c.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"})
+                    codes.append(r.status_code)
+                    # a 409 is final: the SDKs would otherwise retry it with backoff
+                    assert r.headers.get("x-should-retry") == ("false" if r.status_code == 409 else None)
                 url, key = creds[1]
                 codes.append((await c.get(f"{url}/models", headers={"Authorization": "Bearer wrong"})).status_code)
             return codes

@@ -51,7 +51,7 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(StarletteHTTPException)
     async def _routing_error(_: Request, exc: StarletteHTTPException) -> Response:

@@ -36,6 +36,12 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        """OpenAI's SDKs retry 409 and 429 by default; here both are the sample's state (ended,
+        too stale, out of calls) and a retry gets the same answer after seconds of backoff, so
+        `x-should-retry: false`, which the SDKs honour."""
+        return {"x-should-retry": "false"} if self.status == 409 or self.code == "too_many_calls" else {}
+
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 409: "conflict_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
