@@ -782,11 +782,23 @@ def test_echoed_tool_arguments_with_an_integer_past_the_digit_limit_are_compared
     assert registry.counters["calls"] == 1 and len(s.segments) == 1
 
 
-def test_a_reply_that_fails_while_being_answered_leaves_the_session_as_it_was() -> None:
-    """A completion whose tool block breaks the parser (JSON nested past the decoder's depth) fails
-    the call with a 500 before anything is recorded: the client's retry of the same messages is the
-    sample's first call (its context is not the failed completion plus those messages again)."""
-    bad_turn = "<tool_call>" + "[" * 3000 + "]" * 3000 + "</tool_call><|im_end|>"
+def test_a_reply_that_fails_while_being_answered_leaves_the_session_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A completion whose answer fails after generation (here the tool-call parser, made to raise
+    once) fails the call with a 500 before anything is recorded: the client's retry of the same
+    messages is the sample's first call (its context is not the failed completion plus those
+    messages again)."""
+    from services.rollout.gateway import sessions
+
+    real = sessions.parse_tool_calls
+    raised: list[str] = []
+
+    def parse_once_broken(text: str, turn: int = 0) -> Any:
+        if not raised:
+            raised.append(text)
+            raise RuntimeError("parser failure")
+        return real(text, turn)
+
+    monkeypatch.setattr(sessions, "parse_tool_calls", parse_once_broken)
     msgs = [{"role": "user", "content": "123+456="}]
     failed: list[int] = []
 
@@ -796,7 +808,7 @@ def test_a_reply_that_fails_while_being_answered_leaves_the_session_as_it_was() 
         failed.append(r.status_code)
 
     body = json.dumps({"messages": msgs, "tools": TOOLS}).encode()
-    r, registry, s = asyncio.run(_raw_call("/v1/chat/completions", body, turns=[bad_turn, ANSWER], max_model_len=8192,
+    r, registry, s = asyncio.run(_raw_call("/v1/chat/completions", body, turns=[CALL, ANSWER], max_model_len=8192,
                                            budget=8000, before=fails_first))
     assert failed == [500] and r.status_code == 200, r.text
     (seg,) = s.segments
