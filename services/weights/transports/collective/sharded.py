@@ -52,6 +52,7 @@ class ShardedFetcher:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.peak_queued_bytes = 0  # the most completed bytes that waited for the consumer
+
     @property
     def transport(self) -> str:
         return self.backend
@@ -88,7 +89,7 @@ class ShardedFetcher:
             while (item := await ready.get()) is not None:
                 out: Bucket = list(item[0])
                 taken = item[1]
-                while not ready.empty() and sum(tensor_nbytes(t) for _, t in out) < self.bucket_bytes:
+                while not ready.empty() and taken < self.bucket_bytes:  # taken: the bytes of `out`
                     more = ready.get_nowait()
                     if more is None:
                         ready.put_nowait(None)
