@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -34,25 +36,31 @@ def _group(lease, n: int = 2, tokens: int = 2) -> common_pb2.TrajectoryGroup:
     return g
 
 
-def test_oversized_message_is_resource_exhausted(tmp_path: Path) -> None:
-    cfg = load_config(None, [*OVERRIDES, "coordinator.max_message_mb=1"])
+def _refused_submit(cfg, run_dir: Path, bad: Callable[[Any], common_pb2.TrajectoryGroup]) -> grpc.aio.AioRpcError:
+    """Lease one prompt and submit `bad(lease)`, which must be refused; then nothing was lost: the
+    lease is still in flight and a normal submit of it lands. Returns the refusal."""
 
-    async def main() -> None:
-        server = CoordinatorServer(cfg, tmp_path)
+    async def main() -> grpc.aio.AioRpcError:
+        server = CoordinatorServer(cfg, run_dir)
         await server.start()
         try:
             async with CoordinatorClient(server.address) as c:
                 (lease,) = (await c.lease("r", 1)).leases
                 with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await c.submit("r", [_group(lease, tokens=200_000)])
-                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                # Nothing was lost: the lease is still in flight and a normal submit works.
+                    await c.submit("r", [bad(lease)])
                 assert (await c.status()).totals.in_flight == 1
                 assert list((await c.submit("r", [_group(lease)])).statuses) == [1]
+                return e.value
         finally:
             await server.stop()
 
-    asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_oversized_message_is_resource_exhausted(tmp_path: Path) -> None:
+    cfg = load_config(None, [*OVERRIDES, "coordinator.max_message_mb=1"])
+    refused = _refused_submit(cfg, tmp_path, lambda lease: _group(lease, tokens=200_000))
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_fetch_batch_train_version_over_grpc(tmp_path: Path) -> None:
@@ -262,23 +270,12 @@ def test_submitted_groups_are_checked_against_the_configured_string_limits(tmp_p
     against `security.limits` of this server's config (not the process defaults)."""
     cfg = load_config(None, [*OVERRIDES, "security.limits.max_name_chars=32"])
 
-    async def main() -> None:
-        server = CoordinatorServer(cfg, tmp_path)
-        await server.start()
-        try:
-            async with CoordinatorClient(server.address) as c:
-                (lease,) = (await c.lease("r", 1)).leases
-                bad = _group(lease)
-                bad.prompt.data_source = "x" * 100  # under the default 1024, over the configured 32
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await c.submit("r", [bad])
-                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "groups[0].prompt.data_source" in e.value.details()
-                assert "security.limits.max_name_chars" in e.value.details()
-                # nothing changed: the lease is still in flight and a good submit lands
-                assert (await c.status()).totals.in_flight == 1
-                assert list((await c.submit("r", [_group(lease)])).statuses) == [1]
-        finally:
-            await server.stop()
+    def bad(lease: Any) -> common_pb2.TrajectoryGroup:
+        g = _group(lease)
+        g.prompt.data_source = "x" * 100  # under the default 1024, over the configured 32
+        return g
 
-    asyncio.run(main())
+    refused = _refused_submit(cfg, tmp_path, bad)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "groups[0].prompt.data_source" in refused.details()
+    assert "security.limits.max_name_chars" in refused.details()

@@ -281,7 +281,6 @@ def test_an_abandoned_fetch_never_writes_into_the_next_and_a_closed_channel_ends
             await server.stop()
 
     async def fetch_rest(it: AsyncIterator[list[tuple[str, torch.Tensor]]]) -> None:
-        async for _ in it:
-            pass
+        [_ async for _ in it]
 
     run(main())
