@@ -62,8 +62,9 @@ def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]
 def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float,
            notify: Any = None, receivers: int = 1) -> None:
     """Publish each (version, mode): mode "ok", "many" (make_many_buckets), "split" (the first
-    bucket travels as two), "hang" or "announce" (tell the receiver through `notify` first, as the
-    trainer's CommitVersion tells rollouts through the coordinator)."""
+    bucket travels as two), "hang", "announce" (tell the receiver through `notify` first, as the
+    trainer's CommitVersion tells rollouts through the coordinator) or "generation" (the count is
+    the generation of the group the version went out in, not the resent buckets)."""
     from services.weights.transports.collective import CollectivePublisher
 
     async def main() -> None:
@@ -85,7 +86,8 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
                 if pub.delta is not None:
                     last = pub.delta.last.as_dict()
                     outcome = f"base={last['base_version']} sent_fraction={last['sent_fraction']:.4f}"
-                results.put(("sent", version, outcome, pub.resent_buckets))
+                count = pub.group.generation if mode == "generation" and pub.group else pub.resent_buckets
+                results.put(("sent", version, outcome, count))
             except Exception as exc:
                 results.put(("sent", version, f"{type(exc).__name__}: {exc}", pub.resent_buckets))
         await pub.close()
@@ -103,7 +105,9 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
     make_delta_buckets), "delta_drift" (delta sync after one element of this receiver's copy
     of the base was changed by hand) or "delta_corrupt_base" (delta sync, bucket 0, the one
     carrying #delta.base, damaged once: its resend lands after the buckets behind it). With delta
-    sync the count is the version's base."""
+    sync the count is the version's base. "ok_then_fail": fetched whole, then the receiver fails the
+    version after the sender finished it (its load failed: it drops its group) and reports that at
+    its next check-in."""
     from meshrl.v1 import common_pb2
     from services.weights.transports.collective import CollectiveFetcher
 
@@ -149,6 +153,8 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                 )
                 count = fetcher.delta.last.base_version if fetcher.delta is not None else fetcher.nacks_sent
                 results.put((role, version, "identical" if same else "DIFFERENT", count))
+                if mode == "ok_then_fail":
+                    fetcher.drop_group(failed=True)
             except Exception as exc:
                 count = fetcher.delta.last.base_version if fetcher.delta is not None else fetcher.nacks_sent
                 results.put((role, version, f"{type(exc).__name__}: {exc}", count))
@@ -260,6 +266,26 @@ def check_steady_group_version_mismatch(backend: str, deadline_s: float = 240.0)
     assert got[("recv", 5)][0] == "identical" and len(got[("sent", 5)][0]) == 64, got
     assert got["versions"][-1] == 5, got
     assert time.monotonic() - t0 < 100, "the mismatch waited for a deadline"
+
+
+def check_sender_moves_to_a_new_generation(backend: str, deadline_s: float = 240.0) -> None:
+    """The sender starts a version on its steady group; a receiver that failed the last version
+    after the sender finished it joins a new generation instead, and the sender's background
+    check-in answers that generation before CTRL(0) went through on the old group: the sender
+    posts step 0 again in the new one and the version goes through within its deadline (8 s)."""
+    got = run_pair(
+        backend,
+        sender_plan=[(1, "generation"), (2, "generation"), (3, "generation"), (4, "generation")],
+        receiver_plan=[(1, "ok", 60.0), (2, "ok_then_fail", 60.0), (3, "ok", 60.0), (4, "ok", 60.0)],
+        deadline_s=deadline_s,
+    )
+    for version in (1, 2, 3, 4):
+        assert got[("recv", version)][0] == "identical" and len(got[("sent", version)][0]) == 64, got
+    gen = got[("sent", 2)][1]
+    assert got[("sent", 1)][1] == gen, got  # version 2 went out on the steady group
+    assert got[("sent", 3)][1] == gen + 1, got  # version 3 moved to the generation the receiver joined
+    assert got[("sent", 4)][1] == gen + 1, got
+    assert got["versions"] == [3, 4], got
 
 
 def check_delta_sync(backend: str, receivers: int = 1, deadline_s: float = 240.0) -> None:

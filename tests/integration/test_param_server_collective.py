@@ -8,7 +8,13 @@ import pytest
 
 from services.common.errors import MissingDependency
 
-from .collective_workers import check_delta_sync, check_nacks_and_abort, check_steady_group_version_mismatch, run_pair
+from .collective_workers import (
+    check_delta_sync,
+    check_nacks_and_abort,
+    check_sender_moves_to_a_new_generation,
+    check_steady_group_version_mismatch,
+    run_pair,
+)
 
 
 def test_gloo_broadcast_round_trip_corruption_stuck_peer_and_recovery() -> None:
@@ -58,6 +64,10 @@ def test_gloo_nacks_mid_stream_and_on_the_last_bucket_and_gives_up_after_max_att
 
 def test_gloo_a_receiver_on_another_version_fails_both_sides_at_the_first_step() -> None:
     check_steady_group_version_mismatch("gloo")
+
+
+def test_gloo_the_sender_moves_a_version_to_the_generation_a_failed_receiver_joined() -> None:
+    check_sender_moves_to_a_new_generation("gloo")
 
 
 def test_hccl_fails_fast_without_torch_npu() -> None:

@@ -287,6 +287,17 @@ class GroupMember:
         if moved is not None:
             raise GroupMoved(moved)
 
+    async def _moved_after_break(self, started: bool) -> None:
+        """Raise GroupMoved if the steady group broke before CTRL(0) went through (not `started`)
+        and the version's background check-in answers a new generation (waits for it; its own
+        timeout bounds it)."""
+        task = self._checking
+        if started or task is None:
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)  # it never raises
+        self._interrupt()
+
     async def _checked_in(self) -> None:
         task, self._checking = self._checking, None
         if task is not None:

@@ -4,7 +4,6 @@ protocol: this package's docstring)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -166,7 +165,7 @@ class CollectiveFetcher(GroupMember):
                     except Unavailable:
                         # the steady group broke before its first step went through (the sender
                         # dropped it: it re-forms in a new generation): the check-in answers that one
-                        await self._moved_after_break()
+                        await self._moved_after_break(self._started)
                         raise
                 except GroupMoved as moved:  # nothing went through the steady group: go to the new one
                     log.info("rendezvous_group_moved", group=self.group_name, policy_version=version,
@@ -184,16 +183,6 @@ class CollectiveFetcher(GroupMember):
                 self.drop_group(failed=True)  # a broken-off receive leaves the group out of step: re-form it
                 if delta is not None:
                     delta.reset()
-
-    async def _moved_after_break(self) -> None:
-        """Raise GroupMoved if the steady group broke before CTRL(0) went through and the version's
-        background check-in answers a new generation (waits for it, within the deadline)."""
-        task = self._checking
-        if self._started or task is None:
-            return
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(task)  # its own timeout bounds it; it never raises
-        self._interrupt()
 
     def _post_ctrl(self, group: Group, t: int, nack: _RecvRecord | None,
                    nack_now: _RecvRecord | None, version: int = 0) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
