@@ -13,6 +13,7 @@ from typing import Any
 import openai
 
 from meshrl.v1 import common_pb2
+from services.common.tiny import build_tokenizer
 from services.rollout.engines.base import GenerationRequest, SampleOutput
 from services.rollout.gateway.streaming import safe_text
 from tests.unit.test_gateway import ANSWER, CALL, TOOLS, ScriptedPolicy, finish, play
@@ -89,3 +90,33 @@ def test_a_stream_goes_out_token_by_token_and_ends_with_tool_calls_and_usage() -
         assert g["usage"].completion_tokens == len(ids)
     assert r.tool_calls == 1 and r.final_text == "579" and r.env_reward == 1.0
     assert ga.registry.counters["stitch_mismatches"] == 0 and ga.registry.counters.get("stream_content_diverged", 0) == 0
+
+
+def test_a_streamed_text_completion_carries_its_tokens_logprobs_and_offsets() -> None:
+    """`/v1/completions` with `stream` and `logprobs: 1`: each chunk carries its tokens' logprobs in
+    the legacy completions shape, and together they equal the recorded completion, token for token."""
+    got: dict[str, Any] = {}
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        text, tokens, lps, offsets, chunks = "", [], [], [], 0
+        async for ch in await c.completions.create(model="m", prompt="123+456=", max_tokens=16, logprobs=1, stream=True):
+            for choice in ch.choices:
+                text += choice.text
+                if choice.logprobs is not None and choice.logprobs.tokens:
+                    chunks += 1
+                    tokens += choice.logprobs.tokens
+                    lps += choice.logprobs.token_logprobs or []
+                    offsets += choice.logprobs.text_offset or []
+        got.update(text=text, tokens=tokens, lps=lps, offsets=offsets, chunks=chunks)
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    policy = StreamingPolicy(build_tokenizer(tools=True), ["579 is it"])
+    group, _, _ = asyncio.run(play(agent, ["579 is it"], n=1, policy=policy))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (r,) = group.responses
+    want = [str(policy.tok.decode([t], skip_special_tokens=False)) for t in r.token_ids]
+    assert got["text"] == "579 is it" and got["tokens"] == want and got["chunks"] > 1, got
+    assert got["lps"] == [-0.5] * len(want) == list(r.logprobs), got
+    assert got["offsets"] == [sum(len(s) for s in want[:k]) for k in range(len(want))], got

@@ -297,15 +297,18 @@ def chat_chunks(c: Completion, logprobs: bool, include_usage: bool) -> list[dict
     return chunks
 
 
+def completion_logprobs(texts: Sequence[str], logprobs: Sequence[float], offset: int = 0) -> dict[str, Any]:
+    """A text completion's `logprobs` object for tokens `texts` (each decoded alone) whose first
+    starts at character `offset` of the completion."""
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": list(texts), "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
+
 def completion_response(c: Completion, logprobs: bool) -> dict[str, Any]:
-    lp = None
-    if logprobs:
-        offsets, pos = [], 0
-        for t in c.token_texts:
-            offsets.append(pos)
-            pos += len(t)
-        lp = {"tokens": list(c.token_texts), "token_logprobs": list(c.logprobs), "top_logprobs": None,
-              "text_offset": offsets}
+    lp = completion_logprobs(c.token_texts, c.logprobs) if logprobs else None
     return {
         "id": c.id, "object": "text_completion", "created": c.created, "model": c.model,
         "choices": [{"index": 0, "text": c.text, "finish_reason": c.finish_reason, "logprobs": lp}],
@@ -313,9 +316,10 @@ def completion_response(c: Completion, logprobs: bool) -> dict[str, Any]:
     }
 
 
-def completion_chunks(c: Completion, include_usage: bool) -> list[dict[str, Any]]:
+def completion_chunks(c: Completion, logprobs: bool, include_usage: bool) -> list[dict[str, Any]]:
     base = {"id": c.id, "object": "text_completion", "created": c.created, "model": c.model}
-    out: list[dict[str, Any]] = [{**base, "choices": [{"index": 0, "text": c.text, "finish_reason": None, "logprobs": None}]},
+    lp = completion_logprobs(c.token_texts, c.logprobs) if logprobs else None
+    out: list[dict[str, Any]] = [{**base, "choices": [{"index": 0, "text": c.text, "finish_reason": None, "logprobs": lp}]},
                                  {**base, "choices": [{"index": 0, "text": "", "finish_reason": c.finish_reason,
                                                        "logprobs": None}]}]
     if include_usage:

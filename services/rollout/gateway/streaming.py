@@ -31,7 +31,7 @@ from typing import Any, Literal
 from services.common.logging import get_logger
 
 from ..agent.parser import START
-from .openai_api import ApiError, Completion, _tool_call_json, chat_chunks, completion_chunks, sse
+from .openai_api import ApiError, Completion, _tool_call_json, chat_chunks, completion_chunks, completion_logprobs, sse
 from .sessions import OnToken
 
 log = get_logger(__name__)
@@ -90,7 +90,7 @@ async def open_stream(call: Callable[[OnToken], Coroutine[Any, Any, Completion]]
     if first is None:  # nothing streamed: an error, or an engine that does not stream
         c = task.result()
         events = chat_chunks(c, spec.logprobs, spec.include_usage) if spec.kind == "chat" else \
-            completion_chunks(c, spec.include_usage)
+            completion_chunks(c, spec.logprobs, spec.include_usage)
         return _aiter(sse(events))
     return _events(first, q, task, spec, tok, counters)
 
@@ -112,7 +112,7 @@ async def _events(first: _Item, q: asyncio.Queue[_Item], task: asyncio.Task[Comp
 
     def chunk(delta: dict[str, Any] | str, finish: str | None = None, lp: Any = None) -> dict[str, Any]:
         choice = ({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp} if chat else
-                  {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None})
+                  {"index": 0, "text": delta, "finish_reason": finish, "logprobs": lp})
         out: dict[str, Any] = {**base, "choices": [choice]}
         if spec.include_usage:
             out["usage"] = None
@@ -125,6 +125,7 @@ async def _events(first: _Item, q: asyncio.Queue[_Item], task: asyncio.Task[Comp
         yield _data(chunk({"role": "assistant", "content": ""}))
     ids: list[int] = []
     emitted = ""
+    offset = 0  # text completions: where the next token's text starts (each token decoded alone)
     item, done = first, False
     while not done:
         batch = [item]
@@ -138,9 +139,14 @@ async def _events(first: _Item, q: asyncio.Queue[_Item], task: asyncio.Task[Comp
             delta = safe[len(emitted):] if len(safe) > len(emitted) and safe.startswith(emitted) else ""
             emitted += delta
             lp = None
-            if spec.logprobs and chat:
-                lp = {"content": [{"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []}
-                                  for s, x in zip(_texts(tok, [t for t, _ in new]), (x for _, x in new), strict=True)]}
+            if spec.logprobs:
+                texts, lps = _texts(tok, [t for t, _ in new]), [x for _, x in new]
+                if chat:
+                    lp = {"content": [{"token": s, "logprob": x, "bytes": list(s.encode()), "top_logprobs": []}
+                                      for s, x in zip(texts, lps, strict=True)]}
+                else:
+                    lp = completion_logprobs(texts, lps, offset)
+                    offset += sum(len(s) for s in texts)
             if delta or lp is not None:
                 yield _data(content(delta, lp))
         if not done:
