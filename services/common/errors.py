@@ -120,10 +120,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
-def first_cause(exc: BaseException, limit: int = 500) -> str:
-    """The error a person must read, on one line: the exception a Ray task or Serve replica
-    raised (not the RayTaskError around it and its remote traceback), a gRPC error's code and
-    details, whitespace collapsed, cut at `limit` characters."""
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception a Ray task or Serve replica raised, not the RayTaskError(s) around it."""
     seen: set[int] = set()
     while id(exc) not in seen:
         seen.add(id(exc))
@@ -131,6 +129,14 @@ def first_cause(exc: BaseException, limit: int = 500) -> str:
         if not isinstance(inner, BaseException):
             break
         exc = inner
+    return exc
+
+
+def first_cause(exc: BaseException, limit: int = 500) -> str:
+    """The error a person must read, on one line: the exception a Ray task or Serve replica
+    raised (not the RayTaskError around it and its remote traceback), a gRPC error's code and
+    details, whitespace collapsed, cut at `limit` characters."""
+    exc = root_cause(exc)
     code, details = getattr(exc, "code", None), getattr(exc, "details", None)
     if isinstance(exc, grpc.RpcError) and callable(code) and callable(details):
         text = f"{getattr(code(), 'name', code())}: {details()}"

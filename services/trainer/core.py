@@ -27,6 +27,10 @@ coordinator re-queues groups delivered after it, then publish the restored weigh
 version (the coordinator may have moved past the checkpoint's version before the crash).
 Operator requests (checkpoint, stop) arrive as FetchBatch flags or through `request_checkpoint`
 (SaveCheckpoint RPC) and are served at the next step boundary.
+
+A collective broadcast (nccl / hccl / gloo, from rank 0) that fails after its CommitVersion made
+the version current does not stop the loop: the rollout ranks that missed it load the next one
+(`_broadcast_failed`; three in a row do stop it). Other publishers retry a transient failure.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import grpc
 import torch
 
 from meshrl.v1 import common_pb2, coordinator_pb2, trainer_pb2
-from services.common.errors import FailedPrecondition, first_cause, transient
+from services.common.errors import FailedPrecondition, MeshError, first_cause, root_cause, transient
 from services.common.logging import get_logger
 from services.weights import WeightPublisher
 
@@ -63,6 +67,11 @@ log = get_logger(__name__)
 
 # Codes of a coordinator that is not up yet (see TrainerLoop._resume_trainer).
 _NOT_UP_YET = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED})
+_BROADCAST_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS,
+                                 grpc.StatusCode.FAILED_PRECONDITION})
+MAX_FAILED_BROADCASTS_IN_A_ROW = 3
+"""A collective broadcast may fail after its version went current (TrainerLoop._broadcast_failed);
+this many in a row stop the loop: no rollout rank has followed the trainer for that long."""
 
 
 class CoordinatorLike(Protocol):
@@ -191,6 +200,9 @@ class TrainerLoop:
         self._prefetch: tuple[int, asyncio.Task[tuple[coordinator_pb2.FetchBatchResponse, float]]] | None = None
         self._training: asyncio.Future[list[StepResult]] | None = None
         """The optimizer steps in flight while a publish settles (overlap): a re-export waits for them."""
+        self.failed_broadcasts = 0
+        """Collective broadcasts that failed after their version was made current (_broadcast_failed)."""
+        self._failed_in_a_row = 0
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -538,9 +550,12 @@ class TrainerLoop:
         try:
             ref = await published
         except Exception as exc:
-            if isinstance(self.publisher, RankZeroPublisher) or not transient(exc):
+            if isinstance(self.publisher, RankZeroPublisher):
+                return self._broadcast_failed(version, exc, self.clock() - t)
+            if not transient(exc):
                 raise
             ref = await self._republish(version, exc)
+        self._failed_in_a_row = 0
         if ref.policy_version != version:
             raise FailedPrecondition(f"publisher returned version {ref.policy_version} for {version}")
         resp = await retry_transient(
@@ -550,6 +565,29 @@ class TrainerLoop:
         self.policy_version = resp.policy_version
         seconds = self.clock() - t
         log.info("weights_published", policy_version=version, bytes=ref.total_bytes, seconds=round(seconds, 3))
+        return seconds
+
+    def _broadcast_failed(self, version: int, exc: Exception, seconds: float) -> float:
+        """A collective broadcast that failed after its CommitVersion made the version current (a
+        rollout rank died or stalled, a bucket failed its checksum max_fetch_attempts times, a
+        receiver on another version): the ranks that got it whole load it, the others keep their
+        weights and load the next version, for which every member re-forms the group; training goes
+        on. Anything else, or MAX_FAILED_BROADCASTS_IN_A_ROW such failures, stops the loop."""
+        cause = root_cause(exc)
+        if not (isinstance(cause, MeshError) and cause.code in _BROADCAST_FAILURES
+                and getattr(cause, "announced_version", None) == version):
+            raise exc
+        self.failed_broadcasts += 1
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= MAX_FAILED_BROADCASTS_IN_A_ROW:
+            raise FailedPrecondition(
+                f"the weight broadcasts of versions {version - self._failed_in_a_row + 1}..{version} all failed "
+                f"(the last: {first_cause(exc)}); check the rollout ranks of the collective group"
+            ) from exc
+        self.policy_version = version
+        log.warning("weights_broadcast_failed", policy_version=version, seconds=round(seconds, 3),
+                    failed_in_a_row=self._failed_in_a_row, error=first_cause(exc),
+                    hint="the version is current; rollout ranks that missed it load the next one")
         return seconds
 
     async def _republish(self, version: int, error: BaseException) -> common_pb2.WeightsRef:
@@ -638,6 +676,7 @@ class TrainerLoop:
             "training/sequences": float(batch.num_seqs),
             "training/filtered_groups": float(got.filtered),
             "training/fetches": float(got.fetches),
+            "training/failed_broadcasts": float(self.failed_broadcasts),
             "critic/rewards/mean": float(batch.seq_tensors["reward"].mean()),
             "critic/advantages/mean": float((batch.tensors["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
             "response_length/mean": float(resp_len.mean()),

@@ -29,6 +29,9 @@ class _Board:
             raise DeadlineExceeded("rendezvous: the sender did not reach this version")
         return SimpleNamespace(generation=self.generation)
 
+    async def close(self) -> None:
+        return None
+
 
 def _fetcher(board: _Board) -> tuple[CollectiveFetcher, Any]:
     f = CollectiveFetcher("gloo", "127.0.0.1:1", consumer_id="rollout-0", group="g")
@@ -136,3 +139,29 @@ def test_a_version_no_rollout_will_load_is_not_broadcast() -> None:
     ref = asyncio.run(main())
     assert ref.policy_version == 7 and read == [0, 1, 2]
     assert board.requests == [] and not ref.manifest_checksum
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_broadcast_that_fails_after_announce_carries_the_version_it_made_current(announced: bool) -> None:
+    """The trainer goes on from a version whose broadcast failed only if announce (CommitVersion)
+    made it current: the sender's error says so, and the mark survives pickling (Ray)."""
+    import pickle
+
+    import torch
+
+    from services.weights.transports.collective import CollectivePublisher
+
+    async def announce(ref: Any) -> bool:
+        return True
+
+    async def main() -> None:
+        pub = CollectivePublisher("gloo", "127.0.0.1:1", receivers=1, group="g", timeout_s=30,
+                                  announce=announce if announced else None)
+        pub.client = _Board(generation=None)  # type: ignore[assignment]  # the rendezvous fails
+        with pytest.raises(DeadlineExceeded) as raised:
+            await pub.publish(7, iter([[("w", torch.ones(4))]]))
+        again = pickle.loads(pickle.dumps(raised.value))
+        assert getattr(again, "announced_version", None) == (7 if announced else None)
+        await pub.close()
+
+    asyncio.run(main())

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from meshrl.v1 import common_pb2
 from services.common.auth import Authorizer, Tokens
-from services.common.errors import FailedPrecondition
+from services.common.errors import DeadlineExceeded, FailedPrecondition
 from services.common.grpc_util import LocalContext
 from services.trainer import checkpoints
 from services.trainer.core import LoopSettings, TrainerLoop
@@ -142,6 +144,75 @@ def test_overlap_publishes_each_version_as_trained_and_fetches_for_the_version_i
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["training/policy_version"] for x in lines] == [s // trigger for s in range(1, 5)]
     assert all(x["staleness/max"] == (x["step"] - 1) // trigger for x in lines)  # groups were made at v0
+
+
+class _TaskError(Exception):
+    """As ray.exceptions.RayTaskError: what the rank's task raised is its `cause`."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"task failed: {cause}")
+        self.cause = cause
+
+
+class _FailingBroadcast(InProcessPublisher):
+    """A collective sender whose broadcast of the versions in `fail` breaks off after announce
+    made them current (as CollectivePublisher marks them); `announced=False`: before."""
+
+    def __init__(self, coord: FakeCoordinator, fail: set[int], *, announced: bool = True) -> None:
+        super().__init__(retain_versions=10)
+        self.coord, self.fail, self.announced = coord, fail, announced
+
+    async def publish(self, version: int, buckets: Any) -> Any:
+        if version not in self.fail:
+            return await super().publish(version, buckets)
+        async for _ in buckets:  # the export runs to its end
+            continue
+        exc = DeadlineExceeded(f"nccl broadcast of version {version} (group 'rollout'): a receiver is stuck")
+        if self.announced:
+            await self.coord.commit_version("t0", common_pb2.WeightsRef(policy_version=version))
+            exc.announced_version = version  # type: ignore[attr-defined]
+        raise _TaskError(pickle.loads(pickle.dumps(exc)))  # from the rank actor, through Ray
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_broadcast_that_fails_after_its_version_went_current_does_not_stop_training(
+    tmp_path: Path, overlap: bool
+) -> None:
+    """Version 2's broadcast fails after CommitVersion made it current: the loop goes on from it
+    (version 3 is next, committed as usual), counts it, and its metrics rows say so."""
+    coord = FakeCoordinator()
+    _fill(coord, 8)
+    group = _group()
+    pub = _FailingBroadcast(coord, {2})
+    asyncio.run(group.start_sender(lambda: pub))
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap, trigger_parameter_sync_step=1), group, coord,
+                       RankZeroPublisher(lambda: pub), fake_algorithm()[0])
+    _run(loop)
+    assert loop.state == "finished" and loop.step == 4, loop.error
+    assert [c.policy_version for c in coord.commits] == [1, 2, 3, 4] and coord.policy_version == 4
+    assert loop.failed_broadcasts == 1 and pub.versions == [1, 3, 4]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["training/failed_broadcasts"] == 1.0
+
+
+@pytest.mark.parametrize("case", ["three in a row", "not announced"])
+def test_a_broadcast_failure_stops_the_loop_when_no_rank_follows_or_the_version_is_not_current(
+    tmp_path: Path, case: str
+) -> None:
+    coord = FakeCoordinator()
+    _fill(coord, 10)
+    group = _group()
+    pub = _FailingBroadcast(coord, {2, 3, 4} if case == "three in a row" else {2}, announced=case == "three in a row")
+    asyncio.run(group.start_sender(lambda: pub))
+    loop = TrainerLoop(_settings(tmp_path, trigger_parameter_sync_step=1), group, coord,
+                       RankZeroPublisher(lambda: pub), fake_algorithm()[0])
+    with pytest.raises(Exception) as raised:
+        _run(loop)
+    if case == "three in a row":
+        assert isinstance(raised.value, FailedPrecondition) and "versions 2..4 all failed" in str(raised.value)
+        assert loop.failed_broadcasts == 3 and coord.policy_version == 4
+    else:  # not made current: going on would publish the next version out of order
+        assert isinstance(raised.value, _TaskError) and loop.failed_broadcasts == 0 and coord.policy_version == 1
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -16,7 +16,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import DataLoss, InvalidArgument, Unavailable
+from services.common.errors import DataLoss, InvalidArgument, MeshError, Unavailable
 from services.common.logging import get_logger
 
 from ... import convert
@@ -218,7 +218,11 @@ class CollectivePublisher(GroupMember):
         try:
             planned = plan_buckets(split_buckets(buckets, self.wire_bucket_bytes)).__aiter__()
             manifest = await _SendSession(self, group, version, planned, deadline, steady is not None).run()
-        except BaseException:
+        except BaseException as exc:
+            if self.announce is not None and isinstance(exc, MeshError):
+                # announce made the version current (CommitVersion): the trainer may go on from it
+                # (TrainerLoop._broadcast_failed); the attribute survives pickling (Ray)
+                exc.announced_version = version  # type: ignore[attr-defined]
             group.cancel()
             with contextlib.suppress(BaseException):
                 await group
