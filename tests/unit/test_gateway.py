@@ -695,6 +695,7 @@ def test_a_rewritten_echo_that_renders_to_the_same_ids_is_stitched_on_token_ids(
 async def _raw_call(path: str, body: bytes, *, eta: int | None = None, template_prefix: str = "",
                     turns: Sequence[str] = (ANSWER,), max_model_len: int = 512, budget: int = 256,
                     before: Callable[[httpx.AsyncClient, str, str, ScriptedPolicy], Awaitable[None]] | None = None,
+                    run_stop: tuple[str, ...] = (),
                     ) -> tuple[httpx.Response, SessionRegistry, Any]:
     """One request (raw body bytes) to a fresh session's `path` on the gateway app in process;
     `before` may make calls of that session first. Returns the response, the registry, the session."""
@@ -703,7 +704,8 @@ async def _raw_call(path: str, body: bytes, *, eta: int | None = None, template_
     policy = ScriptedPolicy(tok, turns)
     registry = SessionRegistry(tok, GatewayLimits(max_model_len=max_model_len, response_budget=budget,
                                                   max_staleness_versions=eta))
-    g = registry.open_group("r/l", SamplingSpec(n=1, max_tokens=budget), policy.generate, lambda: policy.version)
+    g = registry.open_group("r/l", SamplingSpec(n=1, max_tokens=budget, stop=run_stop), policy.generate,
+                            lambda: policy.version)
     (s,) = g.samples
     base = f"http://gw/sessions/{s.id}"
     app = build_app(registry)
@@ -833,3 +835,21 @@ def test_a_path_or_method_not_served_is_an_openai_error_that_names_what_is(metho
     r = asyncio.run(main())
     assert r.status_code == status
     assert "/sessions/<id>/v1" in r.json()["error"]["message"] and r.json()["error"]["type"], r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_stops_at_the_runs_stop_strings_and_at_its_own(path: str, stream: bool) -> None:
+    """`stop` in a request adds to `actor_rollout_ref.rollout.stop`: the engine gets both."""
+    seen: list[ScriptedPolicy] = []
+
+    async def keep(c: httpx.AsyncClient, base: str, key: str, policy: ScriptedPolicy) -> None:
+        seen.append(policy)
+
+    what = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+    for stop in (["\nObservation:", "</answer>"], None):
+        body = json.dumps({**what, "stop": stop, "stream": stream}).encode()
+        r, _, _ = asyncio.run(_raw_call(path, body, run_stop=("</answer>",), before=keep))
+        assert r.status_code == 200, r.text
+        (req,) = seen.pop().requests
+        assert req.sampling.stop == (("</answer>", "\nObservation:") if stop else ("</answer>",)), req.sampling

@@ -92,8 +92,8 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
         req = parse_chat(await body_of(request))
         if req.stream:
             spec = StreamSpec("chat", f"chatcmpl-{s.id[:12]}-{s.calls + 1}", req.model or registry.limits.model_name,
-                              now(), bool(req.tools) and req.tool_choice != "none", req.stop, req.logprobs,
-                              req.include_usage)
+                              now(), bool(req.tools) and req.tool_choice != "none", registry.stop_strings(s, req.stop),
+                              req.logprobs, req.include_usage)
             events = await open_stream(lambda on_token: registry.chat(s, req, on_token), spec, registry.tok,
                                        registry.counters)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -105,7 +105,7 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
         req = parse_completion(await body_of(request))
         if req.stream:
             spec = StreamSpec("completion", f"cmpl-{s.id[:12]}-{s.calls + 1}", req.model or registry.limits.model_name,
-                              now(), False, req.stop, req.logprobs, req.include_usage)
+                              now(), False, registry.stop_strings(s, req.stop), req.logprobs, req.include_usage)
             events = await open_stream(lambda on_token: registry.complete(s, req, on_token), spec, registry.tok,
                                        registry.counters)
             return StreamingResponse(events, media_type="text/event-stream")

@@ -6,8 +6,9 @@ Sampling: `temperature` and `top_p` are validated and then ignored: the run's
 `actor_rollout_ref.rollout.temperature` / `top_p` sample every call, because the trainer
 recomputes logprobs under the run's temperature (a call sampled under another one would be
 trained as if it were not). `max_tokens` / `max_completion_tokens` and `stop` are honoured within
-the sample's budget. `n` must be 1 (a session is one sample). `top_logprobs` must be 0: engines
-report the sampled token's logprob only.
+the sample's budget (a call stops at the request's stop strings and at the run's). `n` must be 1
+(a session is one sample). `top_logprobs` must be 0: engines report the sampled token's logprob
+only.
 """
 
 from __future__ import annotations

@@ -184,6 +184,12 @@ class SessionRegistry:
         while len(self._ended) > self.limits.ended_sessions_kept:
             self._ended.popitem(last=False)
 
+    @staticmethod
+    def stop_strings(s: SampleSession, requested: Sequence[str]) -> tuple[str, ...]:
+        """The run's stop strings (`actor_rollout_ref.rollout.stop`) and the request's: a call
+        stops at either (an agent's own `stop` does not lift the run's)."""
+        return tuple(dict.fromkeys((*s.group.spec.stop, *requested)))
+
     def authenticate(self, session_id: str, authorization: str | None) -> SampleSession:
         """The open session whose key the bearer token is. ApiError(401) for a wrong key or an
         unknown session (so ids cannot be probed), 409 for a session whose group has ended (with the
@@ -313,7 +319,8 @@ class SessionRegistry:
             self._check_calls(s)
             self._check_staleness(s)
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
-            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop, on_token)
+            stop = self.stop_strings(s, req.stop)
+            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, stop, on_token)
             raw = str(self.tok.decode(ids, skip_special_tokens=True))
             # Parsed before the commit: an error in it must leave the session as it was (a half-recorded
             # call would be the context of the client's retry).
@@ -348,7 +355,7 @@ class SessionRegistry:
                 else:
                     content = text
                     seg.tool_calls += len(calls)
-            content = _cut_stop(content, req.stop) if finish is Finish.STOP else content
+            content = _cut_stop(content, stop) if finish is Finish.STOP else content
             seg.last_text = raw
             seg.calls += 1
             s.calls += 1
@@ -376,7 +383,8 @@ class SessionRegistry:
                 prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
                 ctx, traj_len = prompt_ids, 0
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
-            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, req.stop, on_token)
+            stop = self.stop_strings(s, req.stop)
+            ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, stop, on_token)
             if not stitched or seg is None:
                 if s.segments:
                     s.stitch_mismatches += 1
@@ -396,7 +404,7 @@ class SessionRegistry:
             seg.calls += 1
             s.calls += 1
             self.counters["calls"] += 1
-            shown = _cut_stop(text, req.stop) if finish is Finish.STOP else text
+            shown = _cut_stop(text, stop) if finish is Finish.STOP else text
             return self._completion(s, "cmpl", req.model, shown, [], finish, ids, lps, len(ctx))
 
     def _check_calls(self, s: SampleSession) -> None:
@@ -430,7 +438,7 @@ class SessionRegistry:
             if left <= 0:
                 return ids, lps, vers, Finish.LENGTH
             spec = SamplingSpec(n=1, temperature=g.spec.temperature, top_p=g.spec.top_p, top_k=g.spec.top_k,
-                                max_tokens=left, stop=stop or g.spec.stop, seed=None)
+                                max_tokens=left, stop=stop, seed=None)
             rid = f"{g.rid}/{s.index}/c{s.calls}-{uuid.uuid4().hex[:6]}" + (f"/r{round_}" if round_ else "")
             hook = None if on_token is None else (lambda _i, t, lp: on_token(t, lp))
             (out,) = await g.generate(GenerationRequest(rid, ctx + ids, spec, on_token=hook))
