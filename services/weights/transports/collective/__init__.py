@@ -17,23 +17,30 @@ version stream); the sender then skips the broadcast rather than wait out its de
 receiver of a group takes part in every version: one that skips a version stalls the sender
 until its deadline (then the group re-forms).
 
-Steady groups. Once a version went through, a receiver starts the next one on the same group at
-once, its rendezvous RPC in the background (it keeps the param server's board current; an error
-there sends the next version through the rendezvous again). The sender always waits at the
-rendezvous (while it plans and packs its first buckets): the answer says whether its group is
-still the current generation. CTRL(0) checks that every receiver asked for the version the sender
-broadcasts (sums of v and v^2), so a receiver on another version fails the version on every side
-at the first step, not at a deadline.
+Steady groups. Once a version went through, every member starts the next one on the same group
+at once, its rendezvous RPC in the background (it keeps the param server's board current; an error
+there sends the next version through the rendezvous again). The rendezvous answers are barriers of
+the whole group, so a member that failed the last version (it reports that first) moves everyone
+to a new generation before CTRL(0) can go through on the old one (see below). With delta sync the
+sender waits for its answer (while it plans its first buckets): it names the base the deltas are
+taken against. CTRL(0) checks that every receiver asked for the version the sender broadcasts
+(sums of v and v^2), so members on different versions find out at the first step, not at a
+deadline. The one behind gives its version up (the param server refuses its check-in: the version
+is gone); the others keep waiting for their background check-in, which either fails at once (a
+receiver skipped the sender's version: the sender's version is gone) or answers the new
+generation in which the member that was behind comes to their version. A member that gave its
+version up while its check-in still waited at the param server would leave that check-in to
+answer a rendezvous for a group it never joins.
 
 Failures and generations (issue 21). Any member that fails a version (a deadline, an abort, a
 peer gone, a fetch broken off) drops its group and reports its generation at its next check-in
 (`failed_generation`); the param server then retires that generation, and the next version goes
-through a new one that every member must join: the sender (its rendezvous answers the new
-generation; after a failure of its own it also listens on a new store), and a receiver on a
-steady group, whose background check-in answers the new generation before CTRL(0) went through
-on the old one (it then leaves the old group and joins the new one within the same version). A
-receiver's rendezvous answer is a barrier of the whole group, so no member is handed a generation
-that a late failure report retires. Each generation is its own process group under its own store
+through a new one that every member must join: a member that failed (the sender also listens
+on a new store after a failure of its own) at its rendezvous, and a member on a steady group
+when its background check-in answers the new generation before CTRL(0) went through on the old
+one (it then leaves the old group and joins the new one within the same version; the sender
+posts step 0 again there). The sender's and receivers' answers are barriers of the whole group,
+so no member is handed a generation that a late failure report retires. Each generation is its own process group under its own store
 prefix (`meshrl/<group>/<generation>`), and a stalled sender's late check-in from a replaced store
 is turned away: a stale member's traffic never reaches a newer generation.
 
@@ -70,7 +77,8 @@ larger tensor alone): the first bucket's pack and the last one's check overlap n
 grow with the bucket (BENCHMARKS.md, "nccl bucket sweep"), and the slots would take 4x the bucket
 size on the trainer.
 
-The sender plans its first two buckets and packs the first while its rendezvous RPC runs. It
+The sender plans its first two buckets and packs the first while its rendezvous RPC runs (when it
+waits for one). It
 returns its slots to the device allocator after each version (the trainer's steps use them). It
 registers the manifest at the param server in the background (the RPC takes ~4 ms): `publish`
 returns when the broadcast is done, and the next publish and `close` wait for the registration

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,7 +16,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import DataLoss, InvalidArgument, MeshError
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, MeshError, Unavailable
 from services.common.logging import get_logger
 
 from ... import convert
@@ -47,6 +48,7 @@ from .group import (
     WIRE_BUCKET_BYTES,
     Group,
     GroupMember,
+    GroupMoved,
     checksum_words,
     meta_checksum,
 )
@@ -74,6 +76,7 @@ class _Step:
     t: int
     kind: int
     rec: _SendRecord | None
+    words: list[int]  # CTRL's header as sent
     ctrl: torch.Tensor  # keeps the device tensor alive until read
     work: Any
     header: torch.Tensor  # CTRL's header words, in host memory once `read` fired
@@ -193,12 +196,19 @@ class CollectivePublisher(GroupMember):
             log.warning("broadcast_skipped", transport=self.backend, policy_version=version, buckets=drained,
                         reason="the run is stopping: no rollout will load this version")
             return announced
-        # The sender always waits at the rendezvous (no steady shortcut on this side): its answer
-        # says whether the group it holds is still the current generation, or whether a receiver
-        # failed the last version (it dropped its group) and every member must re-form first. The
-        # RPC runs while the first buckets are planned and packed; receivers on a steady group
-        # start at once and move to a new generation if it answers one (receiver.py).
-        group: asyncio.Future[Group] = asyncio.ensure_future(self._ensure_group(version, deadline))
+        # Once a version went through, the next starts on the same group at once, like the
+        # receivers', its rendezvous in the background: if that answers a new generation (a
+        # receiver failed the last version after the sender finished it, and dropped its group)
+        # before CTRL(0) went through, step 0 goes out again in the new one (_SendSession). Delta
+        # sync waits for the answer: it names the base the first bucket is encoded against.
+        steady = self._steady_group() if self.delta is None else None
+        group: asyncio.Future[Group]
+        if steady is not None:
+            self._checking = asyncio.create_task(self._check_in_later(self._rendezvous_request(version), steady))
+            group = asyncio.get_running_loop().create_future()
+            group.set_result(steady)
+        else:
+            group = asyncio.ensure_future(self._ensure_group(version, deadline))
         if self.delta is not None:
             async def agreed_base() -> int:
                 await asyncio.shield(group)
@@ -207,7 +217,7 @@ class CollectivePublisher(GroupMember):
             buckets = self.delta.encode(version, buckets, agreed_base)
         try:
             planned = plan_buckets(split_buckets(buckets, self.wire_bucket_bytes)).__aiter__()
-            manifest = await _SendSession(self, group, version, planned, deadline).run()
+            manifest = await _SendSession(self, group, version, planned, deadline, steady is not None).run()
         except BaseException as exc:
             if self.announce is not None and isinstance(exc, MeshError):
                 # announce made the version current (CommitVersion): the trainer may go on from it
@@ -221,6 +231,7 @@ class CollectivePublisher(GroupMember):
             if self.delta is not None:
                 self.delta.reset()
             raise
+        self._steady = True
         if self.delta is not None:
             self.delta.commit(version)
             log.info("weights_delta_sent", transport=self.backend, **self.delta.last.as_dict())
@@ -289,8 +300,9 @@ class _SendSession:
     until every receiver acked it; a NACKed one is sent again from its slot."""
 
     def __init__(self, pub: CollectivePublisher, group_ready: asyncio.Future[Group], version: int,
-                 planned: AsyncIterator[PlannedBucket], deadline: Deadline) -> None:
+                 planned: AsyncIterator[PlannedBucket], deadline: Deadline, steady: bool = False) -> None:
         self.pub = pub
+        self.steady = steady  # started on the group of the last version, the rendezvous in the background
         self.dev = pub.dev
         self.group_ready = group_ready
         self.version = version
@@ -312,6 +324,8 @@ class _SendSession:
         first = await self._decide()
         await self._pack(first)
         step = await self._post(0, first)
+        if self.steady:
+            step = await self._first_step(step)
         assert self.group is not None
         group, deadline, version = self.group, self.deadline, self.version
         while True:
@@ -339,6 +353,49 @@ class _SendSession:
                 assert step.manifest is not None
                 return step.manifest
             step = await self._post(t + 1, step.nxt)
+
+    async def _first_step(self, step: _Step) -> _Step:
+        """Wait for CTRL(0) on a steady group while the background check-in may retire it: the
+        version then goes to the new generation, step 0 posted again there (nothing went through
+        the old one; every receiver starts the version over in the new one)."""
+        pub = self.pub
+        while True:
+            assert self.group is not None
+            try:
+                try:
+                    await self.group.wait(step.work, self.deadline, "step 0 control exchange", pub._interrupt)
+                    await self.group.wait_event(step.read, self.deadline, "step 0 control exchange")
+                    pub._check_join(step.header.tolist(), pub.receivers, self.version)
+                    return step
+                except (Unavailable, FailedPrecondition):
+                    # a receiver left the old group for the new one first (gloo), or asked for
+                    # another version: one behind gives its version up and checks in for this one,
+                    # which retires the group (the check-in answers the new generation); one ahead
+                    # makes the check-in fail at once (it skipped this version)
+                    await pub._moved_after_break(started=False)
+                    raise
+            except GroupMoved as moved:
+                log.info("rendezvous_group_moved", group=pub.group_name, policy_version=self.version, role="sender",
+                         generation=moved.response.generation)
+                pub.drop_group(failed=False)
+                pub._moved = None
+                self.group = pub.group = await pub._build_group(pub._store, 0, moved.response.world_size,
+                                                                moved.response.generation, self.deadline)
+                self.works.clear()  # the old group's broadcasts ended with its abort
+                step = self._repost(step)
+
+    def _repost(self, step: _Step) -> _Step:
+        """Post step 0 again, unchanged, in a new group (its CTRL rebuilt: the aborted all-reduce
+        may have written into the old one)."""
+        assert self.group is not None
+        rec = step.rec
+        ctrl = self.pub._ctrl(step.t, step.words, rec.columns if rec is not None else None)
+        self.dev.after_default()
+        work = self.group.allreduce_sum(ctrl)
+        header, read = self.dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", step.t % RING))
+        if rec is not None:
+            self.works[rec.slot] = self.group.broadcast(self.pub.slots.get(rec.slot, rec.padded + rec.meta_len))
+        return dataclasses.replace(step, ctrl=ctrl, work=work, header=header, read=read)
 
     async def _digest_ready(self, wait: bool) -> None:
         """Add the fingerprints that reached host memory (all of them with `wait`) to the manifest."""
@@ -414,7 +471,7 @@ class _SendSession:
         group = self.group
         dev.after_default()
         work = group.allreduce_sum(ctrl)
-        step = _Step(t, kind, rec, ctrl, work, *dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", t % RING)),
+        step = _Step(t, kind, rec, header, ctrl, work, *dev.read_later(ctrl[:CTRL_WORDS], work, ("header_in", t % RING)),
                      nxt, manifest)
         if rec is not None:
             self.works[rec.slot] = group.broadcast(self.pub.slots.get(rec.slot, rec.padded + rec.meta_len))
