@@ -265,6 +265,29 @@ def check_steady_group_version_mismatch(backend: str, deadline_s: float = 240.0)
     assert time.monotonic() - t0 < 100, "the mismatch waited for a deadline"
 
 
+def check_receiver_behind_gives_up_and_the_sender_moves(backend: str, deadline_s: float = 240.0) -> None:
+    """The receiver asks for version 2 again (it is behind) while the sender starts version 3 on
+    their steady group: CTRL(0) shows the mismatch on both sides. The receiver, behind, gives its
+    version up (it is gone); the sender, ahead, keeps waiting for its background check-in instead
+    of failing version 3, and when the receiver checks in for 3 (reporting the generation it
+    failed in) that check-in answers the new generation: the sender posts step 0 again there and
+    version 3 goes through within its deadline (8 s), version 4 on the same group."""
+    t0 = time.monotonic()
+    got = run_pair(
+        backend,
+        sender_plan=[(v, "generation") for v in (1, 2, 3, 4)],
+        receiver_plan=[(1, "ok", 60.0), (2, "ok", 60.0), (2, "ok", 60.0), (3, "ok", 60.0), (4, "ok", 60.0)],
+        deadline_s=deadline_s,
+    )
+    assert got[("recv", 2, "again")][0].startswith("FailedPrecondition"), got
+    for version in (1, 2, 3, 4):
+        assert got[("recv", version)][0] == "identical", got
+    gen = got[("sent", 2)][1]
+    assert got[("sent", 3)][1] == gen + 1 and got[("sent", 4)][1] == gen + 1, got
+    assert got["versions"] == [3, 4], got
+    assert time.monotonic() - t0 < 100, "the mismatch waited for a deadline"
+
+
 def check_sender_moves_to_a_new_generation(backend: str, deadline_s: float = 240.0) -> None:
     """The sender starts a version on its steady group; a receiver that failed the last version
     after the sender finished it joins a new generation instead, and the sender's background

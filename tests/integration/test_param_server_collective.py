@@ -11,6 +11,7 @@ from services.common.errors import MissingDependency
 from .collective_workers import (
     check_delta_sync,
     check_nacks_and_abort,
+    check_receiver_behind_gives_up_and_the_sender_moves,
     check_sender_moves_to_a_new_generation,
     check_steady_group_version_mismatch,
     run_pair,
@@ -62,12 +63,16 @@ def test_gloo_nacks_mid_stream_and_on_the_last_bucket_and_gives_up_after_max_att
     check_nacks_and_abort("gloo")
 
 
-def test_gloo_a_receiver_on_another_version_fails_both_sides_at_the_first_step() -> None:
+def test_gloo_a_receiver_ahead_fails_the_senders_version_at_once_and_gets_its_own_in_a_new_group() -> None:
     check_steady_group_version_mismatch("gloo")
 
 
 def test_gloo_the_sender_moves_a_version_to_the_generation_a_failed_receiver_joined() -> None:
     check_sender_moves_to_a_new_generation("gloo")
+
+
+def test_gloo_a_receiver_behind_gives_its_version_up_and_the_sender_moves_to_where_it_checks_in() -> None:
+    check_receiver_behind_gives_up_and_the_sender_moves("gloo")
 
 
 def test_hccl_fails_fast_without_torch_npu() -> None:
