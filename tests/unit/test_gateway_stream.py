@@ -120,3 +120,30 @@ def test_a_streamed_text_completion_carries_its_tokens_logprobs_and_offsets() ->
     assert got["text"] == "579 is it" and got["tokens"] == want and got["chunks"] > 1, got
     assert got["lps"] == [-0.5] * len(want) == list(r.logprobs), got
     assert got["offsets"] == [sum(len(s) for s in want[:k]) for k in range(len(want))], got
+
+
+def test_concurrent_calls_on_one_session_get_distinct_response_ids() -> None:
+    """A stream's chunks carry its id before its call holds the session's lock: two streams
+    started together, and a plain call after them, still carry three different ids."""
+    ids: list[set[str]] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+
+        async def streamed() -> None:
+            seen = {ch.id async for ch in await c.chat.completions.create(model="m", messages=prompt["messages"],
+                                                                       stream=True)}
+            ids.append(seen)
+
+        await asyncio.gather(streamed(), streamed())
+        plain = await c.chat.completions.create(model="m", messages=prompt["messages"])
+        ids.append({plain.id})
+        await c.close()
+        assert (await finish(url, key, {"reward": 1.0})).status_code == 200
+
+    tok = build_tokenizer(tools=True)
+    policy = StreamingPolicy(tok, [ANSWER, ANSWER, ANSWER])
+    group, _, _ = asyncio.run(play(agent, [ANSWER, ANSWER, ANSWER], n=1, policy=policy))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert [len(s) for s in ids] == [1, 1, 1], ids  # one id per response, on every chunk
+    assert len(set().union(*ids)) == 3, ids

@@ -91,7 +91,7 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
         s = registry.authenticate(session_id, request.headers.get("authorization"))
         req = parse_chat(await body_of(request))
         if req.stream:
-            spec = StreamSpec("chat", f"chatcmpl-{s.id[:12]}-{s.calls + 1}", req.model or registry.limits.model_name,
+            spec = StreamSpec("chat", s.response_id("chatcmpl"), req.model or registry.limits.model_name,
                               now(), bool(req.tools) and req.tool_choice != "none", registry.stop_strings(s, req.stop),
                               req.logprobs, req.include_usage)
             events = await open_stream(lambda on_token: registry.chat(s, req, on_token), spec, registry.tok,
@@ -104,7 +104,7 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
         s = registry.authenticate(session_id, request.headers.get("authorization"))
         req = parse_completion(await body_of(request))
         if req.stream:
-            spec = StreamSpec("completion", f"cmpl-{s.id[:12]}-{s.calls + 1}", req.model or registry.limits.model_name,
+            spec = StreamSpec("completion", s.response_id("cmpl"), req.model or registry.limits.model_name,
                               now(), False, registry.stop_strings(s, req.stop), req.logprobs, req.include_usage)
             events = await open_stream(lambda on_token: registry.complete(s, req, on_token), spec, registry.tok,
                                        registry.counters)

@@ -89,6 +89,14 @@ class SampleSession:
     restart: str | None = None
     """Why this sample must start over (its tokens fell past max_staleness_versions); the runner
     then replaces it with a fresh session of the same index."""
+    responses: int = 0
+    """Response ids handed out (response_id)."""
+
+    def response_id(self, prefix: str) -> str:
+        """An id no other response of this session carries: taken with no await before it is
+        counted (a stream's chunks carry it before its call holds the session's lock)."""
+        self.responses += 1
+        return f"{prefix}-{self.id[:12]}-{self.responses}"
 
 
 @dataclass
@@ -455,7 +463,7 @@ class SessionRegistry:
                     ids: Sequence[int], lps: Sequence[float], prompt_tokens: int) -> Completion:
         reason = "length" if finish is Finish.LENGTH else ("tool_calls" if calls else "stop")
         return Completion(
-            id=f"{prefix}-{s.id[:12]}-{s.calls}", model=model or self.limits.model_name, text=text, tool_calls=list(calls),
+            id=s.response_id(prefix), model=model or self.limits.model_name, text=text, tool_calls=list(calls),
             finish_reason=reason, token_texts=[str(self.tok.decode([t], skip_special_tokens=False)) for t in ids],
             logprobs=list(lps), prompt_tokens=prompt_tokens, completion_tokens=len(ids), created=now(),
         )
