@@ -273,22 +273,20 @@ class CollectiveFetcher(GroupMember):
             await group.wait_event(read, deadline, f"step {t} control exchange")
             words = header.tolist()
             kind, index, nbytes, meta_len, _, sender_version, csum_a, csum_b, next_kind, next_size = words[:10]
-            if t == 0:
-                try:
-                    if sender_version != version:
-                        raise FailedPrecondition(f"the group is broadcasting version {sender_version}, expected {version}")
+            try:
+                if sender_version != version:
+                    raise FailedPrecondition(f"the group is broadcasting version {sender_version}, expected {version}")
+                if t == 0:
                     self._check_join(words, group.size - 1, version)
-                except FailedPrecondition:
-                    if sender_version <= version:
-                        # the sender or another receiver is behind: it fails its version and comes to
-                        # this one in a new generation, which the check-in still waiting at the param
-                        # server answers (one ahead makes it fail: the version is gone). Giving the
-                        # version up here would leave that check-in to answer the sender's rendezvous
-                        # for a group this receiver never joins.
-                        await self._moved_after_break(started=False)
-                    raise
-            elif sender_version != version:
-                raise FailedPrecondition(f"the group is broadcasting version {sender_version}, expected {version}")
+            except FailedPrecondition:
+                if t == 0 and sender_version <= version:
+                    # the sender or another receiver is behind: it fails its version and comes to
+                    # this one in a new generation, which the check-in still waiting at the param
+                    # server answers (one ahead makes it fail: the version is gone). Giving the
+                    # version up here would leave that check-in to answer the sender's rendezvous
+                    # for a group this receiver never joins.
+                    await self._moved_after_break(started=False)
+                raise
             if kind == ABORT:
                 raise DataLoss(f"version {version}: the sender gave up on a bucket that kept failing its checksum")
             rec = None

@@ -217,7 +217,7 @@ class CollectivePublisher(GroupMember):
             buckets = self.delta.encode(version, buckets, agreed_base)
         try:
             planned = plan_buckets(split_buckets(buckets, self.wire_bucket_bytes)).__aiter__()
-            manifest = await _SendSession(self, group, version, planned, deadline, steady is not None).run()
+            manifest = await _SendSession(self, group, version, planned, deadline).run()
         except BaseException as exc:
             if self.announce is not None and isinstance(exc, MeshError):
                 # announce made the version current (CommitVersion): the trainer may go on from it
@@ -300,9 +300,8 @@ class _SendSession:
     until every receiver acked it; a NACKed one is sent again from its slot."""
 
     def __init__(self, pub: CollectivePublisher, group_ready: asyncio.Future[Group], version: int,
-                 planned: AsyncIterator[PlannedBucket], deadline: Deadline, steady: bool = False) -> None:
+                 planned: AsyncIterator[PlannedBucket], deadline: Deadline) -> None:
         self.pub = pub
-        self.steady = steady  # started on the group of the last version, the rendezvous in the background
         self.dev = pub.dev
         self.group_ready = group_ready
         self.version = version
@@ -323,19 +322,15 @@ class _SendSession:
         await asyncio.sleep(0)  # the rendezvous RPC starts before the first bucket is gathered and packed
         first = await self._decide()
         await self._pack(first)
-        step = await self._post(0, first)
-        if self.steady:
-            step = await self._first_step(step)
+        step = await self._first_step(await self._post(0, first))
         assert self.group is not None
         group, deadline, version = self.group, self.deadline, self.version
         while True:
             t = step.t
             await group.wait(step.work, deadline, f"step {t} control exchange")
             due = [(w, self.verdicts.pop((t, w))) for w in (W_NACK, W_NACK_NOW) if (t, w) in self.verdicts]
-            if due or t == 0:
+            if due:
                 await group.wait_event(step.read, deadline, f"step {t} control exchange")
-            if t == 0:
-                self.pub._check_join(step.header.tolist(), self.pub.receivers, version)
             for w, rec in due:
                 if not int(step.header[w]):
                     del self.held[rec.slot]  # every receiver has it: the slot is free
@@ -355,9 +350,10 @@ class _SendSession:
             step = await self._post(t + 1, step.nxt)
 
     async def _first_step(self, step: _Step) -> _Step:
-        """Wait for CTRL(0) on a steady group while the background check-in may retire it: the
-        version then goes to the new generation, step 0 posted again there (nothing went through
-        the old one; every receiver starts the version over in the new one)."""
+        """Wait for CTRL(0) and check that every receiver asked for this version. On a steady group
+        the background check-in may retire the group meanwhile: the version then goes to the new
+        generation, step 0 posted again there (nothing went through the old one; every receiver
+        starts the version over in the new one). After a rendezvous there is no such check-in."""
         pub = self.pub
         while True:
             assert self.group is not None
