@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--transports", default=WEIGHTS_TRANSPORTS,
                     help="comma list of grpc, object_store, disk, gloo, nccl (nccl needs 2 GPUs); "
                     "with --cross-node: grpc, object_store (the default there)")
+    pw.add_argument("--layout", default="packed", choices=("packed", "tensors"),
+                    help="host transports: buckets as the FSDP export hands them over (packed: one buffer per "
+                    "bucket) or one allocation per tensor (tensors: e.g. megatron's export)")
     pw.add_argument("--cross-node", action="store_true",
                     help="between Ray nodes in three network namespaces made for the run (root, iproute2), "
                     "against a raw TCP copy between the same namespaces (meshrl/bench/crossnode.py)")
@@ -570,7 +573,7 @@ def _bench(args: argparse.Namespace) -> int:
                                          rounds=args.rounds, transports=chosen)
         else:
             result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
-                                           transports=chosen, warmup_rounds=args.warmup_rounds)
+                                           transports=chosen, warmup_rounds=args.warmup_rounds, layout=args.layout)
     elif args.bench_command == "weights-sharded":
         from meshrl.bench.weights_sharded import run_benchmark as run_sharded_benchmark
 

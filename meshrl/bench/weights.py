@@ -10,7 +10,9 @@ Baselines
               same processes as the nccl transport: the same buckets back to back, and the whole
               payload as one tensor
 
-Transports (the real publishers and fetchers; one version = all the bytes)
+Transports (the real publishers and fetchers; one version = all the bytes; the host transports
+get buckets as `--layout` says: `packed`, the default, one buffer per bucket as the FSDP engine
+exports them, or `tensors`, one allocation per tensor)
   grpc          param server in its own process (plain grpc.aio), publisher and fetcher here
   object_store  Ray + the param server Serve app; publisher and fetcher here (same node)
   disk          a temporary directory (page cache)
@@ -73,8 +75,18 @@ def plan_sizes(total_bytes: int, bucket_bytes: int) -> list[list[tuple[str, torc
     return buckets
 
 
-def make_weights(total_bytes: int, bucket_bytes: int, device: str = "cpu", seed: int = 0) -> list[list[tuple[str, torch.Tensor]]]:
-    """Random tensors laid out as `plan_sizes` says."""
+LAYOUTS = ("packed", "tensors")
+
+
+def make_weights(total_bytes: int, bucket_bytes: int, device: str = "cpu", seed: int = 0,
+                 layout: str = "tensors") -> list[list[tuple[str, torch.Tensor]]]:
+    """Random tensors laid out as `plan_sizes` says: one allocation each (`tensors`: what an
+    engine that does not pack hands over, e.g. megatron's export), or each bucket packed into one
+    buffer (`packed`: what the FSDP engine's export hands over, `pack_bucket`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
+    from services.weights.layout import pack_bucket
+
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for bucket in plan_sizes(total_bytes, bucket_bytes):
@@ -83,7 +95,7 @@ def make_weights(total_bytes: int, bucket_bytes: int, device: str = "cpu", seed:
             words = torch.randint(-(2**31), 2**31 - 1, (n // 4,), dtype=torch.int32, device=device, generator=g)
             t = words.view(dtype)
             named.append((name, t.view(-1, 1024) if t.numel() % 1024 == 0 else t))
-        out.append(named)
+        out.append(pack_bucket(named, device) if layout == "packed" else named)
     return out
 
 
@@ -432,6 +444,7 @@ def run_benchmark(
     transports: tuple[str, ...] = ("grpc", "object_store", "disk", "gloo"),
     chunk_mb: int = 4,
     warmup_rounds: int = 4,
+    layout: str = "packed",
 ) -> dict[str, Any]:
     total = int(size_gb * GiB)
     bucket = bucket_mb * MiB
@@ -442,12 +455,13 @@ def run_benchmark(
                     "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                     if torch.cuda.is_available() else []},
         "bytes": total, "bucket_bytes": bucket, "rounds": rounds, "warmup_rounds": warmup_rounds, "chunk_mb": chunk_mb,
+        "layout": layout,
         "baselines": memcpy_baseline(total),
         "transports": {},
     }
     host = [t for t in transports if t in ("grpc", "object_store", "disk")]
     if host:
-        weights = make_weights(total, bucket)
+        weights = make_weights(total, bucket, layout=layout)
         for name in host:
             fn = {"grpc": lambda: bench_grpc(weights, total, rounds, chunk_mb, warmup_rounds),
                   "object_store": lambda: bench_object_store(weights, total, rounds, warmup_rounds),

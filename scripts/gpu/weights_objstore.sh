@@ -5,7 +5,8 @@
 # bundle carried in .wheels/ray (shared/tools/gpu-bundle.sh), installed into /tmp/site.
 # BASE=path/to/tree.tar (`git archive REV`, carried): each run of this tree is preceded by one of
 # that tree (objstore_base_N.json), for an A/B in one call.
-# Writes to $OUT: env.txt, objstore_N.json (objstore_base_N.json), summary.txt.
+# LAYOUTS="packed tensors" (default: packed): each run of this tree once per `--layout`.
+# Writes to $OUT: env.txt, summary.txt, runs.tgz (objstore_LAYOUT_N.json, objstore_base_N.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/meshrl-gpu-out}
@@ -27,24 +28,28 @@ for i in 1 2 3; do
       --transports grpc,object_store --out "$OUT/objstore_base_$i.json" > "$OUT/objstore_base_$i.stdout" 2>&1) \
       || { status=1; tail -30 "$OUT/objstore_base_$i.stdout"; }
   fi
-  "$PY" -m meshrl.cli bench weights --size-gb 0.5 --transports grpc,object_store --out "$OUT/objstore_$i.json" \
-    > "$OUT/objstore_$i.stdout" 2>&1 || { status=1; tail -30 "$OUT/objstore_$i.stdout"; }
+  for layout in ${LAYOUTS:-packed}; do
+    "$PY" -m meshrl.cli bench weights --size-gb 0.5 --transports grpc,object_store --layout "$layout" \
+      --out "$OUT/objstore_${layout}_$i.json" > "$OUT/objstore_${layout}_$i.stdout" 2>&1 \
+      || { status=1; tail -30 "$OUT/objstore_${layout}_$i.stdout"; }
+  done
 done
 "$PY" - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-for f in sorted(out.glob("objstore_*.json")):
+for f in sorted(out.glob("objstore_*.json"), key=lambda p: p.stat().st_mtime):
     r = json.loads(f.read_text())
-    t = r["transports"]
-    row = [f.name, f"memcpy {r['baselines']['memcpy']['best_GBps']} GB/s"]
-    for name in ("grpc", "object_store"):
-        v = t.get(name, {})
-        if "error" in v:
-            row.append(f"{name} ERROR {v['error']}")
-            continue
-        row.append(name + " " + " ".join(f"{k} {v[k]['median_GBps']} ({v[k]['best_GBps']}) GB/s {v[k]['best_s']} s"
-                                         for k in ("publish", "fetch", "end_to_end") if k in v))
-    row.append(json.dumps(r["targets"]))
-    print("\n  ".join(row))
+    o, g = r["transports"].get("object_store", {}), r["targets"].get("grpc_ge_1GBps", {})
+    if "rounds" not in o:
+        print(f.name, "ERROR", o.get("error"))
+        continue
+    steady = o["rounds"][-r["rounds"]:]
+    tg = r["targets"]["object_store_ge_50pct_memcpy"]
+    print(f"{f.name}: memcpy {r['baselines']['memcpy']['best_s'] * 1e3:.1f} ms | object_store publish ms "
+          + ", ".join(f"{x['publish'] * 1e3:.1f}" for x in steady) + " | fetch ms "
+          + ", ".join(f"{x['fetch'] * 1e3:.1f}" for x in steady)
+          + f" | ratio best {tg['ratio_best']} (median {tg['ratio_median']})"
+          + f" | grpc publish/fetch median GB/s {g.get('publish_GBps', {}).get('median')}/{g.get('fetch_GBps', {}).get('median')}")
 PY
+tar -czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls objstore_*.json objstore_*.stdout 2>/dev/null) && rm -f "$OUT"/objstore_*
 exit $status

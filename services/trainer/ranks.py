@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from services.common.config import MeshConfig
     from services.weights import Bucket, WeightPublisher
+    from services.weights.layout import WireBucket
 
     from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult, TrainEngine
     from .workers import RankSender, RayTrainGroup
@@ -148,8 +149,12 @@ class TrainWorker:
     def snapshot_proximal(self) -> None:
         self._engine().snapshot_proximal()
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
-        yield from self._engine().export_weights(bucket_bytes)
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket | WireBucket]:
+        from services.weights.layout import to_wire
+
+        # a packed bucket crosses as its buffer once (pickling its views would copy it per view)
+        for bucket in self._engine().export_weights(bucket_bytes):
+            yield to_wire(bucket)
 
     def start_sender(self, make: Callable[[], WeightPublisher], own_shards: bool = False) -> None:
         """Become a weight sender (`make` builds the publisher, e.g. the collective one): rank 0

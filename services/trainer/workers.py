@@ -31,6 +31,7 @@ from ray.util.placement_group import remove_placement_group
 from meshrl.v1 import common_pb2
 from services.common.logging import get_logger
 from services.weights import Bucket, WeightPublisher
+from services.weights.layout import from_wire
 
 from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult
 from .group import scatter_rows, shards
@@ -174,7 +175,7 @@ class RayTrainGroup:
         others = [asyncio.ensure_future(drain(s)) for s in streams[1:]]
         try:
             async for ref in streams[0]:
-                yield await ref
+                yield from_wire(await ref)
             await asyncio.gather(*others)
         finally:
             for task in others:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -215,6 +216,123 @@ def unpack(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> list[tuple[str,
         raw = buffer[m.offset : m.offset + m.nbytes]
         out.append((m.name, raw.view(m.dtype).view(m.shape)))
     return out
+
+
+def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """The bucket copied into one new uint8 buffer on `device`, laid out as `plan_bucket` lays it
+    out; returns typed views of it, in input order. One copy per tensor, as a plain `.to(device)`
+    of each would make, but a transport then finds the bucket's bytes in one piece (`storage_runs`:
+    the object_store puts it as one buffer, and Ray copies one large buffer faster than many).
+    Copies block: the views are ready on return. (`pack_stream` packs a stream of tensors alike.)"""
+    metas, nbytes = plan_bucket(0, named)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for (_, t), m in zip(named, metas, strict=True):
+        if m.nbytes:
+            buffer[m.offset : m.offset + m.nbytes].copy_(as_bytes(t))
+    return unpack(buffer, metas)
+
+
+def pack_stream(specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], tensors: Iterable[torch.Tensor],
+                max_bytes: int, device: torch.device | str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets packed as `pack_bucket` packs them, grouped as `group_by_bytes` groups, from
+    (name, shape, dtype) known ahead and the tensors in that order: each tensor is copied into its
+    place as it arrives, so the source holds one tensor at a time (a gathered parameter on its
+    device is freed before the next is gathered). A tensor unlike its spec is refused."""
+    specs = list(specs)
+    sources = iter(tensors)
+    shaped = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in specs]
+    for run in group_by_bytes(shaped, max_bytes):
+        metas, nbytes = plan_bucket(0, run)
+        views = unpack(torch.empty(nbytes, dtype=torch.uint8, device=device), metas)
+        for name, view in views:
+            t = next(sources, None)
+            if t is None:
+                raise InvalidArgument("tensors", f"ended before {name!r}: one tensor per spec, in order")
+            if t.shape != view.shape or t.dtype != view.dtype:
+                raise InvalidArgument("tensors", f"{name!r} is {t.dtype} {tuple(t.shape)}, its spec "
+                                      f"{view.dtype} {tuple(view.shape)}")
+            view.copy_(t)
+        yield views
+    if next(sources, None) is not None:
+        raise InvalidArgument("tensors", f"more tensors than the {len(specs)} specs")
+
+
+def storage_runs(pairs: Sequence[tuple[TensorMeta, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """(bucket offset, flat uint8 tensor) runs covering a bucket, given its (meta, tensor) pairs in
+    layout order: tensors that lie back to back in one storage (a `pack_bucket` bucket: one run)
+    become one view of it, no copy; any other tensor is a run of its own (`as_bytes`, which copies
+    a non-contiguous one). Empty tensors add no run. Concatenated, the runs are the bucket's bytes."""
+    runs: list[tuple[int, torch.Tensor]] = []
+    run: list[tuple[TensorMeta, torch.Tensor]] = []
+
+    def close() -> None:
+        if not run:
+            return
+        first = run[0][1]
+        if len(run) == 1:
+            runs.append((run[0][0].offset, as_bytes(first)))
+        else:
+            storage = first.untyped_storage()
+            start = first.data_ptr() - storage.data_ptr()
+            length = sum(m.nbytes for m, _ in run)
+            runs.append((run[0][0].offset, torch.empty(0, dtype=torch.uint8, device=first.device)
+                         .set_(storage, start, (length,), (1,))))
+        run.clear()
+
+    for meta, t in pairs:
+        if not meta.nbytes:
+            continue
+        if run:
+            prev_meta, prev = run[-1]
+            joins = (t.is_contiguous() and prev.is_contiguous() and t.device == prev.device
+                     and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                     and t.data_ptr() == prev.data_ptr() + prev_meta.nbytes
+                     and meta.offset == prev_meta.offset + prev_meta.nbytes)
+            if not joins:
+                close()
+        run.append((meta, t))
+    close()
+    return runs
+
+
+@dataclass
+class WireBucket:
+    """A packed bucket to pickle (Ray between a trainer rank and its deployment): its buffer once
+    and where each tensor lies in it. Pickling the typed views themselves would write the whole
+    buffer once per view (torch pickles a view's storage whole)."""
+
+    buffer: torch.Tensor
+    places: list[tuple[str, torch.dtype, tuple[int, ...], int]]  # name, dtype, shape, byte offset
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for name, dtype, shape, offset in self.places:
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            out.append((name, self.buffer[offset : offset + n].view(dtype).view(shape)))
+        return out
+
+
+def to_wire(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]] | WireBucket:
+    """A bucket whose tensors all lie in one storage (`pack_bucket`) as a WireBucket of that
+    storage's used span; any other bucket unchanged."""
+    live = [t for _, t in bucket if t.numel()]
+    if len(live) < 2 or any(not t.is_contiguous() for t in live):
+        return bucket
+    storage = live[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in live):
+        return bucket
+    base = storage.data_ptr()
+    start = min(t.data_ptr() for t in live) - base
+    end = max(t.data_ptr() + tensor_nbytes(t) for t in live) - base
+    span = torch.empty(0, dtype=torch.uint8, device=live[0].device).set_(storage, start, (end - start,), (1,))
+    if end - start != storage.nbytes():
+        span = span.clone()  # a view pickles its whole storage: send only the span
+    places = [(name, t.dtype, tuple(t.shape), t.data_ptr() - base - start if t.numel() else 0) for name, t in bucket]
+    return WireBucket(span, places)
+
+
+def from_wire(got: list[tuple[str, torch.Tensor]] | WireBucket) -> list[tuple[str, torch.Tensor]]:
+    return got.views() if isinstance(got, WireBucket) else got
 
 
 def host_view(t: torch.Tensor) -> memoryview:

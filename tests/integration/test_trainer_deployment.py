@@ -182,7 +182,11 @@ def test_ray_group_exports_the_weights_at_the_call_while_training_goes_on(serve_
     from tests.unit.fsdp_helpers import fixed_batch, make_spec, nll_loss
 
     async def weights(stream: Any) -> dict[str, torch.Tensor]:
-        return {name: t for bucket in [b async for b in stream] for name, t in bucket}
+        buckets = [b async for b in stream]
+        # each bucket crossed from the rank as its packed buffer (once) and arrives as views of it
+        assert all(len({t.untyped_storage().data_ptr() for _, t in b}) == 1 for b in buckets)
+        assert all(b[0][1].untyped_storage().nbytes() == sum(t.nbytes for _, t in b) for b in buckets)
+        return {name: t for bucket in buckets for name, t in bucket}
 
     async def scenario() -> None:
         group = await RayTrainGroup.create(make_spec(optim={"lr": 1e-2}), 1, backend="fsdp", num_cpus=0.01)

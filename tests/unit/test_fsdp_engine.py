@@ -166,6 +166,12 @@ def test_export_weights_buckets_by_size_with_hf_names() -> None:
     for bucket in buckets:
         size = sum(t.numel() * t.element_size() for _, t in bucket)
         assert size <= bucket_bytes or len(bucket) == 1
+        storages = {t.untyped_storage().data_ptr() for _, t in bucket}
+        assert len(storages) == 1 and bucket[0][1].untyped_storage().nbytes() == size  # packed: one host buffer
+        assert all(t.device.type == "cpu" for _, t in bucket)
+    params = dict(engine.model.named_parameters())
+    assert all(torch.equal(t, params[n].detach()) and t.data_ptr() != params[n].data_ptr()
+               for b in buckets for n, t in b if n in params)  # copies of the weights, not the weights
     names = [n for b in buckets for n, _ in b]
     hf_names = set(build_tiny_model("qwen3", build_tokenizer(), hidden_size=64, num_hidden_layers=2, head_dim=16,
                                     intermediate_size=128).state_dict())

@@ -18,7 +18,7 @@ import torch
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.errors import DataLoss, InvalidArgument
-from services.weights.layout import Fingerprinter, fingerprint_bytes
+from services.weights.layout import Fingerprinter, fingerprint_bytes, pack_bucket, plan_bucket
 from services.weights.transports import object_store as osx
 
 HERE, ELSEWHERE = "a1" * 28, "b2" * 28  # node ids as Ray writes them (hex of 28 bytes)
@@ -152,6 +152,66 @@ def test_fetch_still_reads_versions_put_one_object_per_tensor(fake_ray: FakeRay)
         fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")
         got = {n: t.clone() async for b in fetcher.fetch(ref) for n, t in b}
         assert torch.equal(got["d"], weights()[1][0][1]) and fetcher.verified_buckets == 2
+
+    asyncio.run(main())
+
+
+def test_a_packed_bucket_is_put_as_one_array_and_read_back_as_views_of_it(fake_ray: FakeRay) -> None:
+    directory = FakeDirectory()
+    packed = [pack_bucket(b) for b in weights()]
+
+    async def main() -> None:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, packed)
+        _, refs = directory.versions[1]
+        objects = [fake_ray.objects[r[0]] for r in refs]
+        assert [[a.nbytes for a in o] for o in objects] == [[plan_bucket(0, b)[1]] for b in weights()]
+        for verify in ("always", "remote"):  # read with and without the fingerprint
+            fetcher = osx.ObjectStoreFetcher(directory, consumer_id=verify, verify=verify)
+            async for bucket in fetcher.fetch(ref):
+                i = 0 if bucket[0][0] == "a" else 1
+                start = objects[i][0].ctypes.data
+                for name, t in bucket:  # views of the one array: nothing copied
+                    assert start <= t.data_ptr() < start + objects[i][0].nbytes or not t.numel(), name
+                    want = dict(weights()[i])[name]
+                    assert t.dtype == want.dtype and torch.equal(t, want), name
+            assert fetcher.verified_buckets == (2 if verify == "always" else 0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [2], [1, 2], [0, 1, 2, 3]])
+def test_the_arrays_of_an_object_may_split_its_bucket_between_any_tensors(fake_ray: FakeRay, cuts: list[int]) -> None:
+    directory = FakeDirectory()
+
+    async def main() -> None:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, [pack_bucket(weights()[0])])
+        raw, refs = directory.versions[1]
+        whole = fake_ray.objects[refs[0][0]][0]
+        metas = sorted(plan_bucket(0, weights()[0])[0], key=lambda m: m.offset)
+        bounds = [0, *(metas[c].offset for c in cuts if c < len(metas)), whole.nbytes]
+        pieces = [whole[a:b].copy() for a, b in itertools.pairwise(sorted(set(bounds)))]
+        directory.versions[1] = (raw, [[fake_ray.put(pieces)]])
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always")
+        got = {n: t.clone() async for b in fetcher.fetch(ref) for n, t in b}
+        assert all(torch.equal(got[n], t) for n, t in weights()[0])
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("cut", "error"), [(5, "is not inside one of the object's arrays"), (None, "holds")])
+def test_an_object_whose_arrays_cut_a_tensor_or_miss_bytes_is_data_loss(fake_ray: FakeRay, cut: int | None,
+                                                                        error: str) -> None:
+    directory = FakeDirectory()
+
+    async def main() -> None:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, [pack_bucket(weights()[0])])
+        raw, refs = directory.versions[1]
+        whole = fake_ray.objects[refs[0][0]][0]
+        pieces = [whole[:cut], whole[cut:]] if cut is not None else [whole[:-8]]
+        directory.versions[1] = (raw, [[fake_ray.put(pieces)]])
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="remote", max_attempts=1)
+        with pytest.raises(DataLoss, match=error):
+            [b async for b in fetcher.fetch(ref)]
 
     asyncio.run(main())
 

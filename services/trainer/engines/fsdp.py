@@ -23,6 +23,7 @@ exactly the gradient of the mini-batch loss.
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import random
@@ -42,7 +43,7 @@ from services.common.logging import get_logger
 from services.common.released import check_freeze, released_layout
 from services.weights import Bucket
 from services.weights.adapter import AdapterSpec, base_identity_for
-from services.weights.layout import group_by_bytes
+from services.weights.layout import group_by_bytes, pack_stream
 
 from . import attention, fsdp_lora, hf_model, ulysses
 from .base import EngineSpec, ForwardOutput, LossFn, LossScale, SequenceBatch, StepResult, TrainEngine, register_engine
@@ -443,22 +444,27 @@ class FSDPEngine(TrainEngine):
         return fsdp_lora.spec_of(self.model, self.base_model, self.spec.model.path)
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
-        """Full CPU tensors by HF name (tied weights once, as save_pretrained writes them); with
+        """Full CPU tensors by HF name (tied weights once, as save_pretrained writes them), each
+        bucket packed into one host buffer (`pack_stream`: the tensors are views of it, each
+        gathered parameter copied into its place and freed before the next is gathered); with
         LoRA the adapter alone, opened by its descriptor (fsdp_lora.export)."""
         self._load_actor(with_optimizer=False)
+        params = list(self.model.named_parameters())
 
-        def gathered() -> Iterator[tuple[str, torch.Tensor]]:
-            if self.lora:
-                yield from fsdp_lora.export(self)
-                return
-            for name, param in self.model.named_parameters():
+        def gathered() -> Iterator[torch.Tensor]:
+            for _, param in params:
                 full = param.full_tensor() if isinstance(param, DTensor) else param  # every rank takes part
-                if self.rank == 0:
-                    out = self.released.to_released(name) if self.released is not None else name
-                    yield out, full.detach().to("cpu", copy=True)
+                yield full.detach()
 
         try:
-            yield from group_by_bytes(gathered(), bucket_bytes)
+            if self.lora:
+                yield from group_by_bytes(fsdp_lora.export(self), bucket_bytes)
+            elif self.rank == 0:
+                names = [self.released.to_released(n) if self.released is not None else n for n, _ in params]
+                specs = [(name, tuple(p.shape), p.dtype) for name, (_, p) in zip(names, params, strict=True)]
+                yield from pack_stream(specs, gathered(), bucket_bytes)
+            else:
+                collections.deque(gathered(), maxlen=0)  # the all-gathers rank 0 is running
         finally:
             if self._param_offload:
                 self._move(self.model, "cpu")

@@ -1,6 +1,7 @@
 """The `object_store` transport: Ray object refs, for consumers in the same Ray cluster.
 
-    trainer: one ray.put per bucket: its tensors' bytes as a list of arrays, which Ray writes as
+    trainer: one ray.put per bucket: its bytes as a list of arrays (one for a packed bucket,
+             the engines' export: `pack_bucket`; else one per tensor), which Ray writes as
              out-of-band buffers of one object (one copy into shared memory, one create/seal
              round trip with the raylet per bucket instead of per tensor; the bucket's
              fingerprint is computed alongside, in other threads; on a host with >= 8 CPUs two
@@ -28,6 +29,8 @@ raises Unavailable; the next version it publishes after restarting is fine).
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import os
 import warnings
 from collections import deque
@@ -43,7 +46,7 @@ from services.common.errors import DataLoss, InvalidArgument, MissingDependency,
 from services.common.logging import get_logger
 
 from .. import convert
-from ..layout import Fingerprinter, Manifest, as_bytes
+from ..layout import Fingerprinter, Manifest, storage_runs
 from ..protocols import Bucket, Buckets
 from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
 
@@ -99,9 +102,11 @@ class ServeDirectory:
 
 
 def _layout_arrays(planned: PlannedBucket) -> list[tuple[int, np.ndarray]]:
-    """(offset, host bytes) of a bucket's tensors, in layout order."""
-    pairs = sorted(zip(planned.metas, planned.named, strict=True), key=lambda x: x[0].offset)
-    return [(meta.offset, as_bytes(t).cpu().numpy()) for meta, (_, t) in pairs]
+    """(offset, host bytes) runs tiling a bucket, in layout order: one per run of tensors lying
+    back to back in one storage (a packed bucket, `pack_bucket`: one run), else one per tensor."""
+    pairs = sorted(((meta, t) for meta, (_, t) in zip(planned.metas, planned.named, strict=True)),
+                   key=lambda x: x[0].offset)
+    return [(offset, run.cpu().numpy()) for offset, run in storage_runs(pairs)]
 
 
 def _views_only(planned: PlannedBucket) -> bool:
@@ -111,8 +116,9 @@ def _views_only(planned: PlannedBucket) -> bool:
 
 
 def _put_bucket(ray: Any, arrays: list[tuple[int, np.ndarray]]) -> list[Any]:
-    """One object per bucket (a list of its arrays, layout order): ray.put pickles the list with
-    the arrays as out-of-band buffers, so the bytes are copied once, straight into the object."""
+    """One object per bucket (a list of the arrays tiling it, layout order): ray.put pickles the
+    list with the arrays as out-of-band buffers, so the bytes are copied once, straight into the
+    object (a packed bucket is one array: Ray copies one large buffer faster than several)."""
     return [ray.put([a for _, a in arrays])]
 
 
@@ -250,20 +256,31 @@ def _put_here(ray: Any, refs: list[Any]) -> list[bool]:
 
 
 def _check_arrays(manifest: Manifest, index: int, arrays: Any, verify: bool) -> Bucket:
+    """The bucket's tensors, as views of the arrays that tile its bytes in layout order (one per
+    run of the publisher's storage: a packed bucket is one array, an unpacked one an array per
+    tensor); sizes always checked, the fingerprint when `verify`."""
     metas = sorted(manifest.bucket_tensors(index), key=lambda m: m.offset)
     meta = manifest.buckets[index]
-    if not isinstance(arrays, list) or len(arrays) != len(metas):
-        raise DataLoss(f"bucket {index} has {len(arrays)} objects, the manifest {len(metas)} tensors")
+    if not isinstance(arrays, list) or not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.ndim == 1
+                                               for a in arrays):
+        raise DataLoss(f"bucket {index}: the object is not a list of byte arrays")
+    starts = list(itertools.accumulate((a.nbytes for a in arrays), initial=0))
+    if starts[-1] != meta.nbytes:
+        raise DataLoss(f"bucket {index} holds {starts[-1]} bytes, the manifest {meta.nbytes}")
     fp = Fingerprinter(meta.nbytes) if verify else None
+    if fp is not None:
+        for start, arr in zip(starts, arrays, strict=False):
+            fp.update(start, arr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: consumers copy
+        tensors = [torch.from_numpy(a) for a in arrays]
     out = []
-    for m, arr in zip(metas, arrays, strict=True):
-        if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.nbytes != m.nbytes:
-            raise DataLoss(f"bucket {index}: {m.name} has {getattr(arr, 'nbytes', '?')} bytes, manifest {m.nbytes}")
-        if fp is not None:
-            fp.update(m.offset, arr)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: consumers copy
-            raw = torch.from_numpy(arr)
+    for m in metas:
+        i = bisect.bisect_right(starts, m.offset) - 1
+        if m.nbytes and (i >= len(arrays) or m.offset + m.nbytes > starts[i + 1]):
+            raise DataLoss(f"bucket {index}: {m.name} (bytes {m.offset}..{m.offset + m.nbytes}) is not inside one "
+                           "of the object's arrays")
+        raw = tensors[i][m.offset - starts[i] : m.offset - starts[i] + m.nbytes] if m.nbytes else torch.empty(0, dtype=torch.uint8)
         out.append((m.name, raw.view(m.dtype).view(m.shape)))
     if fp is not None and fp.hexdigest() != meta.fingerprint:
         raise DataLoss(f"bucket {index}: fingerprint {fp.hexdigest()} != manifest {meta.fingerprint}")
