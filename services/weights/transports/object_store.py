@@ -1,7 +1,7 @@
 """The `object_store` transport: Ray object refs, for consumers in the same Ray cluster.
 
     trainer: one ray.put per bucket: its bytes as a list of arrays (one for a packed bucket,
-             the engines' export: `pack_bucket`; else one per tensor), which Ray writes as
+             as the FSDP export hands over: `pack_stream`; else one per tensor), which Ray writes as
              out-of-band buffers of one object (one copy into shared memory, one create/seal
              round trip with the raylet per bucket instead of per tensor; the bucket's
              fingerprint is computed alongside, in other threads; on a host with >= 8 CPUs two
@@ -269,7 +269,7 @@ def _check_arrays(manifest: Manifest, index: int, arrays: Any, verify: bool) -> 
         raise DataLoss(f"bucket {index} holds {starts[-1]} bytes, the manifest {meta.nbytes}")
     fp = Fingerprinter(meta.nbytes) if verify else None
     if fp is not None:
-        for start, arr in zip(starts, arrays, strict=False):
+        for start, arr in zip(starts[:-1], arrays, strict=True):
             fp.update(start, arr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: consumers copy
