@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -220,24 +219,21 @@ def unpack(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> list[tuple[str,
 
 def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
     """The bucket copied into one new uint8 buffer on `device`, laid out as `plan_bucket` lays it
-    out; returns typed views of it, in input order. One copy per tensor, as a plain `.to(device)`
-    of each would make, but a transport then finds the bucket's bytes in one piece (`storage_runs`:
-    the object_store puts it as one buffer, and Ray copies one large buffer faster than many).
-    Copies block: the views are ready on return. (`pack_stream` packs a stream of tensors alike.)"""
-    metas, nbytes = plan_bucket(0, named)
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    for (_, t), m in zip(named, metas, strict=True):
-        if m.nbytes:
-            buffer[m.offset : m.offset + m.nbytes].copy_(as_bytes(t))
-    return unpack(buffer, metas)
+    out; returns typed views of it, in input order: `pack_stream` of one bucket already in hand."""
+    specs = [(name, tuple(t.shape), t.dtype) for name, t in named]
+    return next(pack_stream(specs, (t for _, t in named), max(1, sum(tensor_nbytes(t) for _, t in named)), device), [])
 
 
 def pack_stream(specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], tensors: Iterable[torch.Tensor],
                 max_bytes: int, device: torch.device | str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets packed as `pack_bucket` packs them, grouped as `group_by_bytes` groups, from
-    (name, shape, dtype) known ahead and the tensors in that order: each tensor is copied into its
-    place as it arrives, so the source holds one tensor at a time (a gathered parameter on its
-    device is freed before the next is gathered). A tensor unlike its spec is refused."""
+    """Buckets grouped as `group_by_bytes` groups, each packed into one new uint8 buffer on
+    `device` in `plan_bucket`'s layout (typed views of it, in input order), from (name, shape,
+    dtype) known ahead and the tensors in that order: each tensor is copied into its place as it
+    arrives, so the source holds one tensor at a time (a gathered parameter on its device is freed
+    before the next is gathered). One copy per tensor, as a plain `.to(device)` of each would make,
+    but a transport then finds a bucket's bytes in one piece (`storage_runs`: the object_store puts
+    it as one buffer, and Ray copies one large buffer faster than many). A tensor unlike its spec is
+    refused. Copies block: a bucket's views are ready when it is yielded."""
     specs = list(specs)
     sources = iter(tensors)
     shaped = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in specs]
@@ -298,37 +294,27 @@ def storage_runs(pairs: Sequence[tuple[TensorMeta, torch.Tensor]]) -> list[tuple
 @dataclass
 class WireBucket:
     """A packed bucket to pickle (Ray between a trainer rank and its deployment): its buffer once
-    and where each tensor lies in it. Pickling the typed views themselves would write the whole
-    buffer once per view (torch pickles a view's storage whole)."""
+    and its layout. Pickling the typed views themselves would write the whole buffer once per view
+    (torch pickles a view's storage whole)."""
 
     buffer: torch.Tensor
-    places: list[tuple[str, torch.dtype, tuple[int, ...], int]]  # name, dtype, shape, byte offset
+    metas: list[TensorMeta]
 
     def views(self) -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for name, dtype, shape, offset in self.places:
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            out.append((name, self.buffer[offset : offset + n].view(dtype).view(shape)))
-        return out
+        return unpack(self.buffer, self.metas)
 
 
 def to_wire(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]] | WireBucket:
-    """A bucket whose tensors all lie in one storage (`pack_bucket`) as a WireBucket of that
-    storage's used span; any other bucket unchanged."""
-    live = [t for _, t in bucket if t.numel()]
-    if len(live) < 2 or any(not t.is_contiguous() for t in live):
+    """A bucket whose bytes are one run of one storage in its layout (`pack_stream`,
+    `storage_runs`) as a WireBucket of that run; any other bucket unchanged."""
+    metas, _ = plan_bucket(0, bucket)
+    runs = storage_runs(sorted(zip(metas, [t for _, t in bucket], strict=True), key=lambda p: p[0].offset))
+    if len(runs) != 1 or len(bucket) < 2:
         return bucket
-    storage = live[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in live):
-        return bucket
-    base = storage.data_ptr()
-    start = min(t.data_ptr() for t in live) - base
-    end = max(t.data_ptr() + tensor_nbytes(t) for t in live) - base
-    span = torch.empty(0, dtype=torch.uint8, device=live[0].device).set_(storage, start, (end - start,), (1,))
-    if end - start != storage.nbytes():
-        span = span.clone()  # a view pickles its whole storage: send only the span
-    places = [(name, t.dtype, tuple(t.shape), t.data_ptr() - base - start if t.numel() else 0) for name, t in bucket]
-    return WireBucket(span, places)
+    buffer = runs[0][1]
+    if buffer.nbytes != buffer.untyped_storage().nbytes():
+        buffer = buffer.clone()  # a view pickles its whole storage: send only the run
+    return WireBucket(buffer, metas)
 
 
 def from_wire(got: list[tuple[str, torch.Tensor]] | WireBucket) -> list[tuple[str, torch.Tensor]]:
