@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--layout", default="packed", choices=("packed", "tensors"),
                     help="host transports: buckets as the FSDP export hands them over (packed: one buffer per "
                     "bucket) or one allocation per tensor (tensors: e.g. megatron's export)")
+    pw.add_argument("--source-device", default="cpu",
+                    help="host transports, packed layout: where the exported tensors live before packing (cuda: "
+                    "as an FSDP trainer's gathered parameters; the export fingerprints them there)")
+    pw.add_argument("--hop", action="store_true",
+                    help="also time a version crossing from a trainer rank (a Ray actor) to its deployment, as "
+                    "RayTrainGroup.export_weights receives it, against torch's pickling and ray.put/get")
     pw.add_argument("--cross-node", action="store_true",
                     help="between Ray nodes in three network namespaces made for the run (root, iproute2), "
                     "against a raw TCP copy between the same namespaces (meshrl/bench/crossnode.py)")
@@ -573,7 +579,8 @@ def _bench(args: argparse.Namespace) -> int:
                                          rounds=args.rounds, transports=chosen)
         else:
             result = run_weights_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
-                                           transports=chosen, warmup_rounds=args.warmup_rounds, layout=args.layout)
+                                           transports=chosen, warmup_rounds=args.warmup_rounds, layout=args.layout,
+                                           source_device=args.source_device, hop=args.hop)
     elif args.bench_command == "weights-sharded":
         from meshrl.bench.weights_sharded import run_benchmark as run_sharded_benchmark
 

@@ -85,7 +85,7 @@ def make_weights(total_bytes: int, bucket_bytes: int, device: str = "cpu", seed:
     buffer (`packed`: what the FSDP engine's export hands over, `pack_bucket`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: one of {', '.join(LAYOUTS)}")
-    from services.weights.layout import pack_bucket
+    from services.weights.packing import pack_bucket
 
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -97,6 +97,12 @@ def make_weights(total_bytes: int, bucket_bytes: int, device: str = "cpu", seed:
             named.append((name, t.view(-1, 1024) if t.numel() % 1024 == 0 else t))
         out.append(pack_bucket(named, device) if layout == "packed" else named)
     return out
+
+
+def _packed_from(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    from services.weights.packing import pack_bucket
+
+    return pack_bucket(named)
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -284,6 +290,131 @@ def bench_object_store(weights: list, nbytes: int, rounds: int, warmup: int = 0)
     return result
 
 
+# ---- the export: packing, and the hop from a trainer rank --------------------------------------
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_export(total: int, bucket: int, device: str = "cpu", repeats: int = 5) -> dict[str, Any]:
+    """What the export's packing costs for these bytes: each bucket's tensors, on `device` (as an
+    engine's gathered parameters), copied into a new host buffer per bucket. `pack_stream` (the FSDP
+    export: it fingerprints as it copies) against the same copies alone (`pack_into`, into new
+    buffers as well: both pay the same page faults), alternated, best of `repeats`.
+    `fingerprint_s` is what the fingerprint adds to the export: the price of the publish-side pass
+    the packed buckets spare the host transports."""
+    from services.weights.layout import pack_into, plan_bucket
+    from services.weights.packing import pack_bucket
+
+    source = make_weights(total, bucket, device=device, layout="tensors", seed=1)
+    plans = [plan_bucket(0, b) for b in source]
+    packs, copies = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out: list[Any] = [pack_bucket(b) for b in source]
+        _sync(device)
+        packs.append(time.perf_counter() - t0)
+        del out
+        t0 = time.perf_counter()
+        out = []
+        for b, (metas, nbytes) in zip(source, plans, strict=True):
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            pack_into(buf, b, metas)
+            out.append(buf)
+        _sync(device)
+        copies.append(time.perf_counter() - t0)
+        del out
+    best_pack, best_copy = min(packs), min(copies)
+    return {"source_device": device, "pack_best_s": round(best_pack, 4), "copy_best_s": round(best_copy, 4),
+            "pack_s": [round(x, 4) for x in packs], "copy_s": [round(x, 4) for x in copies],
+            "fingerprint_s": round(max(0.0, best_pack - best_copy), 4)}
+
+
+class _HopRank:
+    """A trainer rank's side of the hop (a Ray actor): the packed buckets an export yields."""
+
+    def __init__(self, total: int, bucket: int) -> None:
+        self.buckets: list[Any] = make_weights(total, bucket, layout="packed", seed=2)
+
+    def export(self, form: str) -> Any:
+        from services.weights.packing import to_wire
+
+        for b in self.buckets:
+            # wire: what a rank yields (packing.WireBucket); torch: the bucket's buffer as a torch
+            # tensor, as the wire form carried it before (torch's own pickling)
+            yield to_wire(b) if form == "wire" else b.buffer
+
+    def put(self) -> list[Any]:
+        import ray
+
+        return [ray.put(b.buffer.numpy()) for b in self.buckets]
+
+
+def _hop_rank(total: int, bucket: int) -> Any:
+    import ray
+
+    rank: Any = ray.remote(num_cpus=0)(_HopRank)
+    return rank.remote(total, bucket)
+
+
+def bench_hop(total: int, bucket: int, rounds: int = 3) -> dict[str, Any]:
+    """A version's packed buckets crossing from a trainer rank (a Ray actor) to its deployment
+    (this process), as `RayTrainGroup.export_weights` receives them: the wire form (packing.py)
+    against the buffer as a torch tensor (torch's own pickling, the wire form before) and against a
+    physical baseline, ray.put of the same bytes in the rank and ray.get here (one copy into shared
+    memory, a zero-copy read). Alternated per round; best and median seconds per version."""
+    import ray
+
+    from services.common.serve_util import init_ray
+    from services.weights.packing import from_wire
+
+    started = not ray.is_initialized()
+    init_ray(num_cpus=4)
+    try:
+        rank = _hop_rank(total, bucket)
+        ray.get(rank.__ray_ready__.remote())
+
+        async def stream(form: str) -> float:
+            t0 = time.perf_counter()
+            got = 0
+            async for ref in rank.export.options(num_returns="streaming").remote(form):
+                item = await ref
+                got += sum(t.nbytes for _, t in from_wire(item)) if form == "wire" else item.nbytes
+                del item
+            assert got == total, f"{form}: {got} of {total} bytes"
+            return time.perf_counter() - t0
+
+        async def put_get() -> float:
+            t0 = time.perf_counter()
+            refs = await rank.put.remote()
+            got = sum(a.nbytes for a in await asyncio.gather(*refs))
+            assert got == total
+            return time.perf_counter() - t0
+
+        async def main() -> dict[str, list[float]]:
+            times: dict[str, list[float]] = {"wire": [], "torch_pickle": [], "put_get": []}
+            for _ in range(1 + rounds):  # round 0 warms the store up: not counted
+                times["wire"].append(await stream("wire"))
+                times["torch_pickle"].append(await stream("torch"))
+                times["put_get"].append(await put_get())
+            return {k: v[1:] for k, v in times.items()}
+
+        times = asyncio.run(main())
+    finally:
+        if started:
+            ray.shutdown()
+    out: dict[str, Any] = {"where": "trainer rank (Ray actor) -> this process, as RayTrainGroup.export_weights"}
+    for key, xs in times.items():
+        out[key] = {"best_s": round(min(xs), 4), "median_s": round(statistics.median(xs), 4),
+                    "best_GBps": _gbps(total, min(xs)), "s": [round(x, 4) for x in xs]}
+    # speed-ups of the wire form: > 1 is faster than torch's pickling; the baseline's ratio is <= 1
+    out["wire_speedup_vs_torch_pickle"] = round(min(times["torch_pickle"]) / min(times["wire"]), 2)
+    out["wire_vs_put_get"] = round(min(times["put_get"]) / min(times["wire"]), 3)
+    return out
+
+
 # ---- collective (two processes) ---------------------------------------------------------------
 
 
@@ -445,6 +576,8 @@ def run_benchmark(
     chunk_mb: int = 4,
     warmup_rounds: int = 4,
     layout: str = "packed",
+    source_device: str = "cpu",
+    hop: bool = False,
 ) -> dict[str, Any]:
     total = int(size_gb * GiB)
     bucket = bucket_mb * MiB
@@ -460,8 +593,13 @@ def run_benchmark(
         "transports": {},
     }
     host = [t for t in transports if t in ("grpc", "object_store", "disk")]
+    if host and layout == "packed":
+        result["export"] = bench_export(total, bucket, source_device)
     if host:
-        weights = make_weights(total, bucket, layout=layout)
+        # packed as the FSDP export packs them (from `source_device`: on an accelerator the
+        # fingerprint is taken there), or one allocation per tensor
+        weights = (make_weights(total, bucket, layout=layout) if source_device == "cpu" or layout != "packed" else
+                   [_packed_from(b) for b in make_weights(total, bucket, device=source_device, layout="tensors")])
         for name in host:
             fn = {"grpc": lambda: bench_grpc(weights, total, rounds, chunk_mb, warmup_rounds),
                   "object_store": lambda: bench_object_store(weights, total, rounds, warmup_rounds),
@@ -477,6 +615,11 @@ def run_benchmark(
         result["baselines"]["memcpy_best_s_before_after"] = [result["baselines"]["memcpy"]["best_s"], again["best_s"]]
         if again["best_s"] < result["baselines"]["memcpy"]["best_s"]:
             result["baselines"]["memcpy"] = again
+    if hop:
+        try:
+            result["hop"] = bench_hop(total, bucket)
+        except Exception as exc:  # noqa: BLE001 -- a failed case must not lose the others
+            result["hop"] = {"error": f"{type(exc).__name__}: {exc}"}
     for name in [t for t in transports if t in ("gloo", "nccl")]:
         try:
             result["transports"][name] = bench_collective(name, total, bucket, rounds)
@@ -511,6 +654,11 @@ def _targets(r: dict[str, Any]) -> dict[str, Any]:
             "cold_end_to_end_GBps": e2e["cold_GBps"], "ratio_cold": round(e2e["cold_GBps"] / memcpy, 3),
             "memcpy_fresh_GBps": r["baselines"]["memcpy_fresh"]["GBps"],
         }
+        if "export" in r:  # the fingerprint the packed buckets carry, paid by the export instead
+            with_fp = e2e["best_s"] + r["export"]["fingerprint_s"]
+            out["object_store_ge_50pct_memcpy"]["with_export_fingerprint"] = {
+                "source_device": r["export"]["source_device"], "end_to_end_s": round(with_fp, 4),
+                "ratio_best": round(_gbps(r["bytes"], with_fp) / memcpy, 3)}
     if "raw_bucketed" in t.get("nccl", {}):
         raw = max(t["nccl"]["raw_bucketed"]["best_GBps"], t["nccl"]["raw_whole"]["best_GBps"])
         b = t["nccl"]["broadcast"]

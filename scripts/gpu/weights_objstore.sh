@@ -6,7 +6,10 @@
 # BASE=path/to/tree.tar (`git archive REV`, carried): each run of this tree is preceded by one of
 # that tree (objstore_base_N.json), for an A/B in one call.
 # LAYOUTS="packed tensors" (default: packed): each run of this tree once per `--layout`.
-# Writes to $OUT: env.txt, summary.txt, runs.tgz (objstore_LAYOUT_N.json, objstore_base_N.json).
+# SOURCES="cpu cuda" (default: cpu): packed runs once per `--source-device` (cuda: the exported
+# tensors on the GPU, fingerprinted there as the FSDP export does). HOP=1: the first run of this
+# tree adds `--hop` (a version from a rank actor: the wire form against torch's pickling).
+# Writes to $OUT: env.txt, summary.txt, runs.tgz (objstore_LAYOUT[_SOURCE]_N.json, objstore_base_N.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/meshrl-gpu-out}
@@ -29,9 +32,14 @@ for i in 1 2 3; do
       || { status=1; tail -30 "$OUT/objstore_base_$i.stdout"; }
   fi
   for layout in ${LAYOUTS:-packed}; do
-    "$PY" -m meshrl.cli bench weights --size-gb 0.5 --transports grpc,object_store --layout "$layout" \
-      --out "$OUT/objstore_${layout}_$i.json" > "$OUT/objstore_${layout}_$i.stdout" 2>&1 \
-      || { status=1; tail -30 "$OUT/objstore_${layout}_$i.stdout"; }
+    for src in ${SOURCES:-cpu}; do
+      [ "$layout" != packed ] && [ "$src" != cpu ] && continue
+      name=objstore_${layout}$([ "$src" != cpu ] && echo "_$src")_$i
+      hop=$([ "${HOP:-0}" = 1 ] && [ "$i" = 1 ] && [ "$src" = cpu ] && echo --hop)
+      "$PY" -m meshrl.cli bench weights --size-gb 0.5 --transports grpc,object_store --layout "$layout" \
+        --source-device "$src" $hop --out "$OUT/$name.json" > "$OUT/$name.stdout" 2>&1 \
+        || { status=1; tail -30 "$OUT/$name.stdout"; }
+    done
   done
 done
 "$PY" - "$OUT" <<'PY' | tee "$OUT/summary.txt"
@@ -49,7 +57,13 @@ for f in sorted(out.glob("objstore_*.json"), key=lambda p: p.stat().st_mtime):
           + ", ".join(f"{x['publish'] * 1e3:.1f}" for x in steady) + " | fetch ms "
           + ", ".join(f"{x['fetch'] * 1e3:.1f}" for x in steady)
           + f" | ratio best {tg['ratio_best']} (median {tg['ratio_median']})"
-          + f" | grpc publish/fetch median GB/s {g.get('publish_GBps', {}).get('median')}/{g.get('fetch_GBps', {}).get('median')}")
+          + f" | grpc publish/fetch median GB/s {g.get('publish_GBps', {}).get('median')}/{g.get('fetch_GBps', {}).get('median')}"
+          + (f" | export fingerprint ({r['export']['source_device']}) {r['export']['fingerprint_s'] * 1e3:.1f} ms,"
+             f" ratio with it {tg['with_export_fingerprint']['ratio_best']}" if "export" in r else ""))
+    if "hop" in r:
+        h = r["hop"]
+        print(f"  hop: wire {h.get('wire', {}).get('best_s')} s, torch pickle {h.get('torch_pickle', {}).get('best_s')} s,"
+              f" put/get {h.get('put_get', {}).get('best_s')} s, speedup {h.get('wire_speedup_vs_torch_pickle')}, error {h.get('error')}")
 PY
 tar -czf "$OUT/runs.tgz" -C "$OUT" $(cd "$OUT" && ls objstore_*.json objstore_*.stdout 2>/dev/null) && rm -f "$OUT"/objstore_*
 exit $status

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from services.common.config import MeshConfig
     from services.weights import Bucket, WeightPublisher
-    from services.weights.layout import WireBucket
+    from services.weights.packing import WireBucket
 
     from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult, TrainEngine
     from .workers import RankSender, RayTrainGroup
@@ -150,7 +150,7 @@ class TrainWorker:
         self._engine().snapshot_proximal()
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket | WireBucket]:
-        from services.weights.layout import to_wire
+        from services.weights.packing import to_wire
 
         # a packed bucket crosses as its buffer once (pickling its views would copy it per view)
         for bucket in self._engine().export_weights(bucket_bytes):

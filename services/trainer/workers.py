@@ -31,7 +31,7 @@ from ray.util.placement_group import remove_placement_group
 from meshrl.v1 import common_pb2
 from services.common.logging import get_logger
 from services.weights import Bucket, WeightPublisher
-from services.weights.layout import from_wire
+from services.weights.packing import from_wire
 
 from .engines.base import EngineSpec, LossFn, SequenceBatch, StepResult
 from .group import scatter_rows, shards

@@ -217,110 +217,6 @@ def unpack(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> list[tuple[str,
     return out
 
 
-def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
-    """The bucket copied into one new uint8 buffer on `device`, laid out as `plan_bucket` lays it
-    out; returns typed views of it, in input order: `pack_stream` of one bucket already in hand."""
-    specs = [(name, tuple(t.shape), t.dtype) for name, t in named]
-    return next(pack_stream(specs, (t for _, t in named), max(1, sum(tensor_nbytes(t) for _, t in named)), device), [])
-
-
-def pack_stream(specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], tensors: Iterable[torch.Tensor],
-                max_bytes: int, device: torch.device | str = "cpu") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets grouped as `group_by_bytes` groups, each packed into one new uint8 buffer on
-    `device` in `plan_bucket`'s layout (typed views of it, in input order), from (name, shape,
-    dtype) known ahead and the tensors in that order: each tensor is copied into its place as it
-    arrives, so the source holds one tensor at a time (a gathered parameter on its device is freed
-    before the next is gathered). One copy per tensor, as a plain `.to(device)` of each would make,
-    but a transport then finds a bucket's bytes in one piece (`storage_runs`: the object_store puts
-    it as one buffer, and Ray copies one large buffer faster than many). A tensor unlike its spec is
-    refused. Copies block: a bucket's views are ready when it is yielded."""
-    specs = list(specs)
-    sources = iter(tensors)
-    shaped = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in specs]
-    for run in group_by_bytes(shaped, max_bytes):
-        metas, nbytes = plan_bucket(0, run)
-        views = unpack(torch.empty(nbytes, dtype=torch.uint8, device=device), metas)
-        for name, view in views:
-            t = next(sources, None)
-            if t is None:
-                raise InvalidArgument("tensors", f"ended before {name!r}: one tensor per spec, in order")
-            if t.shape != view.shape or t.dtype != view.dtype:
-                raise InvalidArgument("tensors", f"{name!r} is {t.dtype} {tuple(t.shape)}, its spec "
-                                      f"{view.dtype} {tuple(view.shape)}")
-            view.copy_(t)
-        yield views
-    if next(sources, None) is not None:
-        raise InvalidArgument("tensors", f"more tensors than the {len(specs)} specs")
-
-
-def storage_runs(pairs: Sequence[tuple[TensorMeta, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-    """(bucket offset, flat uint8 tensor) runs covering a bucket, given its (meta, tensor) pairs in
-    layout order: tensors that lie back to back in one storage (a `pack_bucket` bucket: one run)
-    become one view of it, no copy; any other tensor is a run of its own (`as_bytes`, which copies
-    a non-contiguous one). Empty tensors add no run. Concatenated, the runs are the bucket's bytes."""
-    runs: list[tuple[int, torch.Tensor]] = []
-    run: list[tuple[TensorMeta, torch.Tensor]] = []
-
-    def close() -> None:
-        if not run:
-            return
-        first = run[0][1]
-        if len(run) == 1:
-            runs.append((run[0][0].offset, as_bytes(first)))
-        else:
-            storage = first.untyped_storage()
-            start = first.data_ptr() - storage.data_ptr()
-            length = sum(m.nbytes for m, _ in run)
-            runs.append((run[0][0].offset, torch.empty(0, dtype=torch.uint8, device=first.device)
-                         .set_(storage, start, (length,), (1,))))
-        run.clear()
-
-    for meta, t in pairs:
-        if not meta.nbytes:
-            continue
-        if run:
-            prev_meta, prev = run[-1]
-            joins = (t.is_contiguous() and prev.is_contiguous() and t.device == prev.device
-                     and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-                     and t.data_ptr() == prev.data_ptr() + prev_meta.nbytes
-                     and meta.offset == prev_meta.offset + prev_meta.nbytes)
-            if not joins:
-                close()
-        run.append((meta, t))
-    close()
-    return runs
-
-
-@dataclass
-class WireBucket:
-    """A packed bucket to pickle (Ray between a trainer rank and its deployment): its buffer once
-    and its layout. Pickling the typed views themselves would write the whole buffer once per view
-    (torch pickles a view's storage whole)."""
-
-    buffer: torch.Tensor
-    metas: list[TensorMeta]
-
-    def views(self) -> list[tuple[str, torch.Tensor]]:
-        return unpack(self.buffer, self.metas)
-
-
-def to_wire(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]] | WireBucket:
-    """A bucket whose bytes are one run of one storage in its layout (`pack_stream`,
-    `storage_runs`) as a WireBucket of that run; any other bucket unchanged."""
-    metas, _ = plan_bucket(0, bucket)
-    runs = storage_runs(sorted(zip(metas, [t for _, t in bucket], strict=True), key=lambda p: p[0].offset))
-    if len(runs) != 1 or len(bucket) < 2:
-        return bucket
-    buffer = runs[0][1]
-    if buffer.nbytes != buffer.untyped_storage().nbytes():
-        buffer = buffer.clone()  # a view pickles its whole storage: send only the run
-    return WireBucket(buffer, metas)
-
-
-def from_wire(got: list[tuple[str, torch.Tensor]] | WireBucket) -> list[tuple[str, torch.Tensor]]:
-    return got.views() if isinstance(got, WireBucket) else got
-
-
 def host_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a memoryview (no copy)."""
     return memoryview(cast(Any, t.numpy())).cast("B")
@@ -424,6 +320,11 @@ class Fingerprinter:
         if other.nbytes != self.nbytes:
             raise InvalidArgument("other.nbytes", f"{other.nbytes} != {self.nbytes}: not pieces of the same bytes")
         self._cols += other._cols
+
+    def add_columns(self, columns: torch.Tensor) -> None:
+        """Add the K column sums (int64, any device) of pieces this one has not seen, computed
+        elsewhere: `offset_columns` on the device a tensor lives on."""
+        self._cols += columns.cpu().numpy().view(np.uint64)
 
     def hexdigest(self) -> str:
         return digest_columns(self._cols, self.nbytes)

@@ -28,13 +28,24 @@ def test_bench_weights_small(tmp_path, capsys) -> None:  # type: ignore[no-untyp
 def test_bench_weights_object_store_reports_warmup_and_fresh_memory_per_round(serve_grpc_port: int) -> None:
     """On the session's Ray: cold, warm-up and steady rounds apart, the /dev/shm each publish newly
     touched, and the target's steady ratio with the cold one beside it."""
-    r = run_benchmark(size_gb=8 / 1024, bucket_mb=4, rounds=2, warmup_rounds=1, transports=("object_store",))
+    r = run_benchmark(size_gb=8 / 1024, bucket_mb=4, rounds=2, warmup_rounds=1, transports=("object_store",), hop=True)
     case = r["transports"]["object_store"]
     assert "error" not in case, case
     assert len(case["rounds"]) == 4 and len(case["end_to_end"]["warmup_s"]) == 1
     assert len(case["shm_growth_bytes"]) == 4 and all(b >= 0 for b in case["shm_growth_bytes"])
     t = r["targets"]["object_store_ge_50pct_memcpy"]
     assert t["ratio_best"] > 0 and t["ratio_cold"] > 0 and t["memcpy_fresh_GBps"] > 0 and isinstance(t["met"], bool)
+    # the export's packing, with and without its fingerprint, and the ratio with that fingerprint paid
+    export = r["export"]
+    assert export["source_device"] == "cpu" and export["pack_best_s"] > 0 and export["copy_best_s"] > 0
+    assert export["fingerprint_s"] == round(max(0.0, export["pack_best_s"] - export["copy_best_s"]), 4)
+    assert 0 < t["with_export_fingerprint"]["ratio_best"] <= t["ratio_best"]
+    # a version from a rank actor: the wire form, torch's pickling and the put/get baseline, each timed
+    hop = r["hop"]
+    assert "error" not in hop, hop
+    assert all(hop[k]["best_s"] > 0 and len(hop[k]["s"]) == 3 for k in ("wire", "torch_pickle", "put_get"))
+    speedup = hop["torch_pickle"]["best_s"] / hop["wire"]["best_s"]  # of the rounded seconds
+    assert abs(hop["wire_speedup_vs_torch_pickle"] - speedup) <= 0.02 * speedup
 
 
 def test_run_benchmark_reports_a_failing_transport_without_losing_the_others() -> None:

@@ -104,6 +104,43 @@ def test_round_trip_is_bit_exact_with_dtypes_and_cold_start_and_name_filter() ->
     run(main())
 
 
+def test_packed_buckets_go_from_their_own_buffers_with_their_packers_fingerprints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket the export packed and fingerprinted (packing.py) is streamed as it lies: not copied,
+    not read before it goes; the server still checks every byte against that fingerprint, so a
+    buffer written after packing fails the publish instead of reaching a rollout."""
+    from services.weights.packing import pack_bucket
+    from services.weights.transports import grpc as grpc_transport
+
+    real = grpc_transport.pack_into
+    copied: list[int] = []
+    monkeypatch.setattr(grpc_transport, "pack_into", lambda buf, named, metas: (copied.append(len(named)), real(buf, named, metas)))
+
+    async def main() -> None:
+        server = await start_server()
+        pub = GrpcPublisher(server.address, chunk_bytes=64 * 1024)
+        fetcher = GrpcFetcher(consumer_id="rollout-0")
+        try:
+            packed = [pack_bucket(b) for b in buckets(1)[:2]] + buckets(1)[2:]  # the last one loose
+            ref = await pub.publish(1, packed)
+            assert copied == [1]  # only the loose bucket was copied into the publisher's buffer
+            assert_identical(await fetch_all(fetcher, ref), expected(1))
+            async with ParamServerClient(server.address) as client:
+                manifest = await client.get_manifest(1)
+            assert [b.fingerprint for b in manifest.buckets[:2]] == [b.fingerprint for b in packed[:2]]
+            spoiled = [pack_bucket(b) for b in buckets(2)]
+            spoiled[1].buffer[5] ^= 0xFF  # written after its fingerprint was taken
+            with pytest.raises(DataLoss, match="bucket 1"):
+                await pub.publish(2, spoiled)
+            async with ParamServerClient(server.address) as client:
+                assert [v.policy_version for v in await client.list_versions()] == [1]
+        finally:
+            await pub.close()
+            await fetcher.close()
+            await server.stop()
+
+    run(main())
+
+
 def test_a_bucket_corrupted_in_flight_is_detected_and_fetched_again() -> None:
     async def main() -> None:
         server = await start_server()

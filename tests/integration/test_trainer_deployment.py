@@ -179,6 +179,8 @@ def test_ray_group_exports_the_weights_at_the_call_while_training_goes_on(serve_
     import torch
 
     from services.trainer.workers import RayTrainGroup
+    from services.weights.layout import fingerprint_bytes
+    from services.weights.packing import PackedBucket
     from tests.unit.fsdp_helpers import fixed_batch, make_spec, nll_loss
 
     async def weights(stream: Any) -> dict[str, torch.Tensor]:
@@ -186,6 +188,8 @@ def test_ray_group_exports_the_weights_at_the_call_while_training_goes_on(serve_
         # each bucket crossed from the rank as its packed buffer (once) and arrives as views of it
         assert all(len({t.untyped_storage().data_ptr() for _, t in b}) == 1 for b in buckets)
         assert all(b[0][1].untyped_storage().nbytes() == sum(t.nbytes for _, t in b) for b in buckets)
+        # with the fingerprint the rank took as it packed them: the publisher reads no byte for it
+        assert all(isinstance(b, PackedBucket) and b.fingerprint == fingerprint_bytes(b.buffer.numpy()) for b in buckets)
         return {name: t for bucket in buckets for name, t in bucket}
 
     async def scenario() -> None:

@@ -13,6 +13,8 @@ from services.common.errors import ConfigError
 from services.common.tiny import build_tiny_model, build_tokenizer
 from services.trainer.engines.base import SequenceBatch, get_engine_cls
 from services.trainer.engines.batching import micro_batches_for
+from services.weights.layout import fingerprint_bytes
+from services.weights.packing import PackedBucket
 from tests.unit.fsdp_helpers import GRAD_PROBE_OPTIM, build, fixed_batch, full_weights, make_spec, nll_loss
 
 
@@ -169,6 +171,7 @@ def test_export_weights_buckets_by_size_with_hf_names() -> None:
         storages = {t.untyped_storage().data_ptr() for _, t in bucket}
         assert len(storages) == 1 and bucket[0][1].untyped_storage().nbytes() == size  # packed: one host buffer
         assert all(t.device.type == "cpu" for _, t in bucket)
+        assert isinstance(bucket, PackedBucket) and bucket.fingerprint == fingerprint_bytes(bucket.buffer.numpy())
     params = dict(engine.model.named_parameters())
     assert all(torch.equal(t, params[n].detach()) and t.data_ptr() != params[n].data_ptr()
                for b in buckets for n, t in b if n in params)  # copies of the weights, not the weights

@@ -18,7 +18,8 @@ import torch
 from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.errors import DataLoss, InvalidArgument
-from services.weights.layout import Fingerprinter, fingerprint_bytes, pack_bucket, plan_bucket
+from services.weights.layout import Fingerprinter, fingerprint_bytes, plan_bucket
+from services.weights.packing import pack_bucket
 from services.weights.transports import object_store as osx
 
 HERE, ELSEWHERE = "a1" * 28, "b2" * 28  # node ids as Ray writes them (hex of 28 bytes)
@@ -175,6 +176,33 @@ def test_a_packed_bucket_is_put_as_one_array_and_read_back_as_views_of_it(fake_r
                     want = dict(weights()[i])[name]
                     assert t.dtype == want.dtype and torch.equal(t, want), name
             assert fetcher.verified_buckets == (2 if verify == "always" else 0)
+
+    asyncio.run(main())
+
+
+def test_a_packed_buckets_fingerprint_is_its_packers_and_a_loose_one_is_read(fake_ray: FakeRay,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The publish reads no byte of a bucket its packer fingerprinted (packing.py); the manifest
+    holds the bytes' fingerprint either way."""
+    read: list[int] = []
+    real = osx._fingerprint
+
+    async def counting(nbytes: int, arrays: list[tuple[int, np.ndarray]], threads: int = 2) -> str:
+        read.append(nbytes)
+        return await real(nbytes, arrays, threads)
+
+    monkeypatch.setattr(osx, "_fingerprint", counting)
+    directory = FakeDirectory()
+    packed, loose = pack_bucket(weights()[0]), weights()[1]
+
+    async def main() -> None:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, [packed, loose])
+        manifest = pb.Manifest.FromString(directory.versions[1][0])
+        assert [b.fingerprint for b in manifest.buckets] == [packed.fingerprint, fingerprint_bytes(pack_bucket(loose).buffer.numpy())]
+        assert packed.fingerprint == fingerprint_bytes(packed.buffer.numpy())
+        assert read == [plan_bucket(1, loose)[1]]  # the loose bucket only
+        got = [b async for b in osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always").fetch(ref)]
+        assert len(got) == 2
 
     asyncio.run(main())
 

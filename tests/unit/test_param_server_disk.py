@@ -76,3 +76,28 @@ def test_a_corrupted_file_is_read_again_then_reported(tmp_path: Path) -> None:
         await fetcher.close()
 
     asyncio.run(main())
+
+
+def test_packed_buckets_are_written_with_their_packers_fingerprints(tmp_path: Path) -> None:
+    """A bucket the export packed (packing.py) is written without a fingerprint pass of its own;
+    the reader checks the file against the packer's fingerprint, so a buffer written after it was
+    taken is caught there."""
+    from services.weights.layout import fingerprint_bytes
+    from services.weights.packing import pack_bucket
+
+    async def main() -> None:
+        pub = DiskPublisher(tmp_path)
+        packed = [pack_bucket(b) for b in buckets(3)]
+        ref = await pub.publish(3, packed)
+        fetcher = DiskFetcher(tmp_path, consumer_id="r0", max_attempts=1)
+        got = await fetch_all(fetcher, ref)
+        assert all(torch.equal(got[n], t) for b in buckets(3) for n, t in b)
+        assert packed[0].fingerprint == fingerprint_bytes(packed[0].buffer.numpy())
+        spoiled = [pack_bucket(b) for b in buckets(4)]
+        spoiled[1].buffer[3] ^= 0xFF
+        with pytest.raises(DataLoss, match="fails its checksum"):
+            await fetch_all(fetcher, await pub.publish(4, spoiled))
+        await pub.close()
+        await fetcher.close()
+
+    asyncio.run(main())

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import pickle
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,14 +18,8 @@ from services.weights.layout import (
     fingerprint_bytes,
     fingerprint_columns_async,
     fingerprint_tensor,
-    from_wire,
-    group_by_bytes,
-    pack_bucket,
     pack_into,
-    pack_stream,
     plan_bucket,
-    storage_runs,
-    to_wire,
     unpack,
     validate_manifest,
 )
@@ -214,114 +206,3 @@ def test_split_buckets_keeps_tensor_order_and_puts_a_larger_tensor_alone() -> No
         return [[(n, x.numel()) for n, x in b] async for b in split_buckets(buckets, 1000)]
 
     assert asyncio.run(run()) == [[("a", 300), ("b", 300)], [("c", 500)], [("d", 1500)], [("e", 10)], [("f", 2)]]
-
-
-def test_pack_bucket_is_one_buffer_in_the_layout_holding_every_value() -> None:
-    named = [*mixed_bucket(2), ("transposed", torch.randn(4, 6).t())]
-    packed = pack_bucket(named)
-    metas, nbytes = plan_bucket(0, named)
-    base = packed[0][1].untyped_storage()
-    assert base.nbytes() == nbytes
-    for (name, t), (pname, p), m in zip(named, packed, metas, strict=True):
-        assert name == pname and p.dtype == t.dtype and p.shape == t.shape and torch.equal(p, t)
-        if p.numel():  # each tensor at its plan_bucket offset in the one storage
-            assert p.untyped_storage().data_ptr() == base.data_ptr() and p.data_ptr() - base.data_ptr() == m.offset
-    assert plan_bucket(0, packed)[0] == metas  # the packed bucket lays out as its source did
-    source = named[1][1].clone()
-    named[1][1].add_(1)  # a copy, not views of the source
-    assert torch.equal(packed[1][1], source)
-
-
-def test_pack_stream_groups_as_group_by_bytes_and_copies_each_tensor_as_it_arrives() -> None:
-    named = [(f"t{i}", torch.full((n,), float(i))) for i, n in enumerate([100, 100, 300, 50, 10])]
-    named.append(("h", torch.arange(6, dtype=torch.int64).view(2, 3)))
-    specs = [(n, tuple(t.shape), t.dtype) for n, t in named]
-    taken: list[str] = []
-
-    def source() -> Iterator[torch.Tensor]:
-        for n, t in named:
-            taken.append(n)
-            yield t
-
-    got = []
-    for bucket in pack_stream(specs, source(), 800):
-        assert taken[-1] == bucket[-1][0]  # nothing asked for beyond the bucket being yielded
-        got.append(bucket)
-    groups = [[n for n, _ in b] for b in group_by_bytes(named, 800)]
-    assert [[n for n, _ in b] for b in got] == groups == [["t0", "t1"], ["t2"], ["t3", "t4", "h"]]
-    for bucket in got:
-        assert len({t.untyped_storage().data_ptr() for _, t in bucket}) == 1
-        assert plan_bucket(0, bucket)[0] == plan_bucket(0, [(n, dict(named)[n]) for n, _ in bucket])[0]
-        assert all(t.dtype == dict(named)[n].dtype and torch.equal(t, dict(named)[n]) for n, t in bucket)
-
-
-@pytest.mark.parametrize(("tensors", "error"), [
-    ([torch.zeros(4), torch.zeros(3)], r"'b' is torch.float32 \(3,\), its spec torch.float32 \(2,\)"),
-    ([torch.zeros(4), torch.zeros(2, dtype=torch.float16)], "'b' is torch.float16"),
-    ([torch.zeros(4)], "ended before 'b'"),
-    ([torch.zeros(4), torch.zeros(2), torch.zeros(1)], "more tensors than the 2 specs"),
-])
-def test_pack_stream_refuses_tensors_unlike_their_specs(tensors: list[torch.Tensor], error: str) -> None:
-    specs = [("a", (4,), torch.float32), ("b", (2,), torch.float32)]
-    with pytest.raises(InvalidArgument, match=error):
-        list(pack_stream(specs, iter(tensors), 1 << 20))
-
-
-def _pairs(named: list[tuple[str, torch.Tensor]]) -> list[tuple]:
-    metas, _ = plan_bucket(0, named)
-    return sorted(zip(metas, [t for _, t in named], strict=True), key=lambda p: p[0].offset)
-
-
-def _bucket_bytes(named: list[tuple[str, torch.Tensor]]) -> bytes:
-    metas, nbytes = plan_bucket(0, named)
-    out = torch.zeros(nbytes, dtype=torch.uint8)
-    pack_into(out, named, metas)
-    return out.numpy().tobytes()
-
-
-def test_storage_runs_make_one_view_of_a_packed_bucket_and_a_run_per_loose_tensor() -> None:
-    named = mixed_bucket(4)
-    packed = pack_bucket(named)
-    runs = storage_runs(_pairs(packed))
-    assert len(runs) == 1 and runs[0][0] == 0
-    assert runs[0][1].data_ptr() == packed[0][1].untyped_storage().data_ptr()  # a view, no copy
-    assert runs[0][1].numpy().tobytes() == _bucket_bytes(named)
-    loose = storage_runs(_pairs(named))
-    assert len(loose) == sum(1 for _, t in named if t.numel())  # the empty tensor adds no run
-    assert b"".join(r.numpy().tobytes() for _, r in loose) == _bucket_bytes(named)
-    assert [o for o, _ in loose] == list(itertools.accumulate([0] + [r.numel() for _, r in loose[:-1]]))
-
-
-def test_storage_runs_join_only_neighbours_that_lie_back_to_back_in_one_storage() -> None:
-    buf = torch.arange(64, dtype=torch.uint8)
-    a, b, c = buf[0:16].view(torch.float32), buf[16:32].view(torch.float32), buf[40:56].view(torch.float32)
-    other = torch.arange(16, dtype=torch.uint8).view(torch.float32)
-    named = [("a", a), ("b", b), ("c", c), ("x", other)]  # all fp32: layout order = input order
-    runs = storage_runs(_pairs(named))
-    assert [(o, r.numel()) for o, r in runs] == [(0, 32), (32, 16), (48, 16)]  # a+b; c (a gap before it); x
-    assert b"".join(r.numpy().tobytes() for _, r in runs) == _bucket_bytes(named)
-    swapped = [("b", b), ("a", a)]  # in one storage, but not in layout order
-    assert [r.numel() for _, r in storage_runs(_pairs(swapped))] == [16, 16]
-
-
-def test_a_packed_bucket_pickles_its_buffer_once_and_comes_back_equal() -> None:
-    named = [(f"w{i}", torch.randn(256, 64)) for i in range(8)] + [("e", torch.zeros(0, 3)), ("h", torch.randn(5).half())]
-    packed = pack_bucket(named)
-    nbytes = plan_bucket(0, named)[1]
-    views_pickled = len(pickle.dumps(packed, protocol=5))
-    assert views_pickled > 5 * nbytes  # why the wire form exists: torch pickles a view's whole storage
-    wire = pickle.dumps(to_wire(packed), protocol=5)
-    assert nbytes < len(wire) < nbytes + 4096
-    back = from_wire(pickle.loads(wire))
-    assert [n for n, _ in back] == [n for n, _ in named]
-    assert all(b.dtype == t.dtype and b.shape == t.shape and torch.equal(b, t) for (_, b), (_, t) in zip(back, named, strict=True))
-    loose = [(n, t.clone()) for n, t in named]
-    assert to_wire(loose) is loose and from_wire(loose) is loose  # not one storage: unchanged
-
-
-def test_the_wire_form_of_part_of_a_storage_carries_only_that_part() -> None:
-    big = torch.randn(1 << 14)
-    named = [("a", big[250:350]), ("b", big[350:400])]
-    wire = to_wire(named)
-    assert len(pickle.dumps(wire)) < 2000
-    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(from_wire(wire), named, strict=True))

@@ -43,7 +43,8 @@ from services.common.logging import get_logger
 from services.common.released import check_freeze, released_layout
 from services.weights import Bucket
 from services.weights.adapter import AdapterSpec, base_identity_for
-from services.weights.layout import group_by_bytes, pack_stream
+from services.weights.layout import group_by_bytes
+from services.weights.packing import pack_stream
 
 from . import attention, fsdp_lora, hf_model, ulysses
 from .base import EngineSpec, ForwardOutput, LossFn, LossScale, SequenceBatch, StepResult, TrainEngine, register_engine

@@ -7,11 +7,14 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
+import torch
+
 from meshrl.v1 import common_pb2
 from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition
 
 from ..adapter import AdapterSpec, split_descriptor
 from ..layout import BucketMeta, Manifest, TensorMeta, build_manifest, group_by_bytes, plan_bucket
+from ..packing import PackedBucket, known_fingerprint
 from ..protocols import Bucket, Buckets, iterate_buckets
 
 
@@ -47,12 +50,16 @@ class Deadline:
 
 @dataclass
 class PlannedBucket:
-    """One bucket with its layout (tensors in input order, metas with offsets)."""
+    """One bucket with its layout (tensors in input order, metas with offsets) and, when its packer
+    took it (packing.py: a PackedBucket still in its layout), its fingerprint."""
 
     index: int
     named: Bucket
     metas: list[TensorMeta]
     nbytes: int
+    fingerprint: str | None = None
+    buffer: torch.Tensor | None = None
+    """The bucket's bytes in one buffer (a PackedBucket's), when `fingerprint` is set."""
 
 
 async def split_buckets(buckets: Buckets, max_bytes: int) -> AsyncIterator[Bucket]:
@@ -71,7 +78,9 @@ async def plan_buckets(buckets: Buckets) -> AsyncIterator[PlannedBucket]:
         if not named:
             continue
         metas, nbytes = plan_bucket(index, named)
-        yield PlannedBucket(index, list(named), metas, nbytes)
+        fingerprint = known_fingerprint(named, metas, nbytes)
+        buffer = named.buffer if fingerprint is not None and isinstance(named, PackedBucket) else None
+        yield PlannedBucket(index, list(named), metas, nbytes, fingerprint, buffer)
         index += 1
 
 

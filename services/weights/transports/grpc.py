@@ -2,7 +2,8 @@
 two processes that can open a TCP connection: across device vendors (a GPU trainer feeding NPU
 rollouts and the reverse) and across clusters.
 
-    trainer: bucket i ──pack+fingerprint (thread)──▶ BucketMeta, chunks ──▶ PublishWeights stream
+    trainer: bucket i ──pack+fingerprint (thread; a bucket packed and fingerprinted by the
+             export goes from its own buffer)──▶ BucketMeta, chunks ──▶ PublishWeights stream
                         (bucket i+1 packs while bucket i is on the wire; manifest last)
     server : copy + fingerprint each chunk, verify each bucket, version visible at the manifest
     rollout: AcquireVersion (pins it) ─▶ FetchWeights stream ─▶ copy + fingerprint (thread) ─▶
@@ -42,8 +43,18 @@ MiB = 1 << 20
 TRANSPORT = "grpc"
 
 
+def _own_buffer(planned: PlannedBucket) -> torch.Tensor | None:
+    """The bucket's own host buffer when its packer fingerprinted it (packing.py): streamed as it
+    is, neither copied nor read before it goes."""
+    buf = planned.buffer
+    return buf if planned.fingerprint is not None and buf is not None and buf.device.type == "cpu" else None
+
+
 def _pack(planned: PlannedBucket, buf: torch.Tensor, sha: bool) -> tuple[str, str]:
-    """Copy a bucket into `buf` (host) and checksum it. Runs in a worker thread."""
+    """Copy a bucket into `buf` (host) and checksum it (a bucket in its own buffer: its packer's
+    fingerprint, the sha256 if asked). Runs in a worker thread."""
+    if planned.fingerprint is not None and buf is planned.buffer:
+        return planned.fingerprint, hashlib.sha256(host_view(buf)).hexdigest() if sha else ""
     pack_into(buf, planned.named, planned.metas)
     if any(t.device.type != "cpu" for _, t in planned.named):
         torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -92,7 +103,8 @@ class GrpcPublisher:
         def start(planned: PlannedBucket | None, slot: int) -> tuple[PlannedBucket, torch.Tensor, asyncio.Future[Any]] | None:
             if planned is None:
                 return None
-            buf = self._bufs.get(slot, planned.nbytes)
+            own = _own_buffer(planned)
+            buf = own if own is not None else self._bufs.get(slot, planned.nbytes)
             return planned, buf, loop.run_in_executor(self._io, _pack, planned, buf, self.sha256)
 
         failed: list[BaseException] = []

@@ -4,8 +4,10 @@
              as the FSDP export hands over: `pack_stream`; else one per tensor), which Ray writes as
              out-of-band buffers of one object (one copy into shared memory, one create/seal
              round trip with the raylet per bucket instead of per tensor; the bucket's
-             fingerprint is computed alongside, in other threads; on a host with >= 8 CPUs two
-             buckets are put at once, the next bucket exported while they copy) ─▶ the param
+             fingerprint is its packer's (packing.py: taken as the export copied each tensor in,
+             on the device for a GPU trainer), else computed alongside, in other threads; on a
+             host with >= 8 CPUs two buckets are put at once, the next bucket exported while they
+             copy) ─▶ the param
              server deployment registers the manifest + refs (handle call; refs stay refs)
     rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
@@ -46,7 +48,8 @@ from services.common.errors import DataLoss, InvalidArgument, MissingDependency,
 from services.common.logging import get_logger
 
 from .. import convert
-from ..layout import Fingerprinter, Manifest, storage_runs
+from ..layout import Fingerprinter, Manifest
+from ..packing import storage_runs
 from ..protocols import Bucket, Buckets
 from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
 
@@ -180,6 +183,10 @@ async def _fingerprint(nbytes: int, arrays: list[tuple[int, np.ndarray]], thread
     return fp.hexdigest()
 
 
+async def _known(fingerprint: str) -> str:
+    return fingerprint
+
+
 class ObjectStorePublisher:
     """Puts buckets into the Ray object store and registers them with the param server."""
 
@@ -212,8 +219,9 @@ class ObjectStorePublisher:
         try:
             async for planned in plan_buckets(buckets):
                 arrays = _layout_arrays(planned) if _views_only(planned) else await asyncio.to_thread(_layout_arrays, planned)
-                pending.append((planned, asyncio.ensure_future(asyncio.to_thread(_put_bucket, ray, arrays)),
-                                asyncio.ensure_future(_fingerprint(planned.nbytes, arrays))))
+                putting = asyncio.ensure_future(asyncio.to_thread(_put_bucket, ray, arrays))
+                pending.append((planned, putting, asyncio.ensure_future(_known(planned.fingerprint)) if planned.fingerprint
+                                else asyncio.ensure_future(_fingerprint(planned.nbytes, arrays))))
                 while len(pending) >= self.puts_in_flight:
                     await finish_oldest()
             while pending:
