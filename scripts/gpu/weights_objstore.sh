@@ -3,7 +3,7 @@
 # host"): `meshrl bench weights --size-gb 0.5 --transports grpc,object_store`, the command of the
 # 2-core target, three times, against a host memcpy measured in each run. Needs Ray: the Ray Serve
 # bundle carried in .wheels/ray (shared/tools/gpu-bundle.sh), installed into /tmp/site.
-# BASE=path/to/tree.tar (`git archive REV`, carried): each run of this tree is preceded by one of
+# RUNS=N (default 3) runs. BASE=path/to/tree.tar (`git archive REV`, carried): each run of this tree is preceded by one of
 # that tree (objstore_base_N.json), for an A/B in one call.
 # LAYOUTS="packed tensors" (default: packed): each run of this tree once per `--layout`.
 # SOURCES="cpu cuda" (default: cpu): packed runs once per `--source-device` (cuda: the exported
@@ -25,7 +25,7 @@ status=0
 if [ -n "${BASE:-}" ]; then
   rm -rf /tmp/meshrl-base && mkdir -p /tmp/meshrl-base && tar -xf "$BASE" -C /tmp/meshrl-base
 fi
-for i in 1 2 3; do
+for i in $(seq 1 "${RUNS:-3}"); do
   if [ -n "${BASE:-}" ]; then
     (cd /tmp/meshrl-base && PYTHONPATH="/tmp/meshrl-base:$SITE" "$PY" -m meshrl.cli bench weights --size-gb 0.5 \
       --transports grpc,object_store --out "$OUT/objstore_base_$i.json" > "$OUT/objstore_base_$i.stdout" 2>&1) \
