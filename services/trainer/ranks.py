@@ -100,6 +100,10 @@ class TrainWorker:
 
         check_model(MeshConfig.model_validate(config))
 
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (hex)."""
+        return str(ray.get_runtime_context().get_node_id())
+
     def address(self) -> tuple[str, int]:
         """This node's IP and a free port (asked of rank 0 for MASTER_ADDR/PORT)."""
         with socket.socket() as s:
@@ -152,7 +156,9 @@ class TrainWorker:
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket | WireBucket]:
         from services.weights.packing import to_wire
 
-        # a packed bucket crosses as its buffer once (pickling its views would copy it per view)
+        # host buckets cross as their bytes, out of band (one copy into the object store, read there
+        # without a copy) and with the fingerprint the export took; torch would pickle each
+        # view's whole storage in-band (packing.WireBucket)
         for bucket in self._engine().export_weights(bucket_bytes):
             yield to_wire(bucket)
 
@@ -260,11 +266,12 @@ class SpawnedRanks:
                 timeout=timeout_s,
             )
             step = await workers[0].step.remote()
+            rank0_node = await workers[0].node_id.remote()
         except BaseException:
             self.kill()
             raise
         log.info("train_group_ready", world_size=len(workers), dp=layout[0]["dp_size"], device=spec.device)
-        return RayTrainGroup(workers, self.pg, list(layout), step)
+        return RayTrainGroup(workers, self.pg, list(layout), step, rank0_node=rank0_node)
 
     def kill(self) -> None:
         for w in self.workers:

@@ -101,8 +101,12 @@ class RankSender:
 class RayTrainGroup:
     """TrainGroup over rank actors (see the module docstring). Use `await RayTrainGroup.create(...)`."""
 
-    def __init__(self, workers: list[Any], pg: Any, layout: list[dict[str, int]], step: int) -> None:
+    def __init__(self, workers: list[Any], pg: Any, layout: list[dict[str, int]], step: int, *,
+                 rank0_node: str = "") -> None:
         self.workers = workers
+        # rank 0's exported buckets lie in this node's object store when it runs on this node: the
+        # object_store publisher then registers them as they are (packing.PackedBucket.stored)
+        self._rank0_here = bool(rank0_node) and rank0_node == ray.get_runtime_context().get_node_id()
         self.pg = pg
         self.layout = layout
         self._step = step
@@ -175,7 +179,8 @@ class RayTrainGroup:
         others = [asyncio.ensure_future(drain(s)) for s in streams[1:]]
         try:
             async for ref in streams[0]:
-                yield from_wire(await ref)
+                # the stream's objects are owned by this process (the caller of the generator)
+                yield from_wire(await ref, stored=ref if self._rank0_here else None)
             await asyncio.gather(*others)
         finally:
             for task in others:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.common.errors import InvalidArgument
+from services.common.errors import DataLoss, InvalidArgument
 
 from .layout import (
     FINGERPRINT_COLUMNS,
@@ -45,10 +45,15 @@ class PackedBucket(list[tuple[str, torch.Tensor]]):
     packer computed it. Nothing may write the buffer after packing: its publisher trusts the
     fingerprint instead of reading the bytes."""
 
-    def __init__(self, views: Iterable[tuple[str, torch.Tensor]], buffer: torch.Tensor, fingerprint: str) -> None:
+    def __init__(self, views: Iterable[tuple[str, torch.Tensor]], buffer: torch.Tensor, fingerprint: str,
+                 stored: Any = None) -> None:
         super().__init__(views)
         self.buffer = buffer
         self.fingerprint = fingerprint
+        self.stored = stored
+        """The Ray object ref this bucket was read from (its WireBucket: the buffer as one run), when
+        this process owns the object and it lies in this node's store: an object_store publisher
+        registers it as the bucket's object instead of writing the bytes again. None otherwise."""
 
 
 def known_fingerprint(named: Sequence[tuple[str, torch.Tensor]], metas: Sequence[TensorMeta], nbytes: int) -> str | None:
@@ -242,5 +247,21 @@ def to_wire(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Ten
     return WireBucket(runs, metas, known_fingerprint(bucket, metas, nbytes) or "")
 
 
-def from_wire(got: list[tuple[str, torch.Tensor]] | WireBucket) -> list[tuple[str, torch.Tensor]]:
-    return got.views() if isinstance(got, WireBucket) else got
+def from_wire(got: list[tuple[str, torch.Tensor]] | WireBucket, stored: Any = None) -> list[tuple[str, torch.Tensor]]:
+    """The bucket `to_wire` sent. `stored`: the Ray object ref `got` was read from, when the caller
+    owns it and it lies in this node's store (PackedBucket.stored)."""
+    bucket = got.views() if isinstance(got, WireBucket) else got
+    if isinstance(bucket, PackedBucket):
+        bucket.stored = stored
+    return bucket
+
+
+def wire_arrays(wire: WireBucket) -> list[np.ndarray]:
+    """The byte arrays tiling the bucket a WireBucket object holds, in layout order (what the
+    object_store fetch checks), refusing runs that leave a gap or overlap."""
+    pos = 0
+    for offset, run in wire.runs:
+        if offset != pos:
+            raise DataLoss(f"a stored bucket's runs are not back to back: one starts at byte {offset}, not {pos}")
+        pos += run.numel()
+    return [run.numpy() for _, run in wire.runs]

@@ -44,6 +44,9 @@ def test_bench_weights_object_store_reports_warmup_and_fresh_memory_per_round(se
     hop = r["hop"]
     assert "error" not in hop, hop
     assert all(hop[k]["best_s"] > 0 and len(hop[k]["s"]) == 3 for k in ("wire", "torch_pickle", "put_get"))
+    ranked = case["from_rank"]  # the same version from a rank: registered as it crossed vs put again
+    assert all(len(ranked[k]["rounds"]) == 4 and ranked[k]["end_to_end"]["best_s"] > 0 for k in ("registered", "put_again"))
+    assert t["from_rank"]["registered_ratio_best"] > 0 and t["from_rank"]["put_again_ratio_best"] > 0
     speedup = hop["torch_pickle"]["best_s"] / hop["wire"]["best_s"]  # of the rounded seconds
     assert abs(hop["wire_speedup_vs_torch_pickle"] - speedup) <= 0.02 * speedup
 

@@ -162,3 +162,46 @@ def test_object_store_frees_a_version_once_retention_evicts_it(serve_app: int) -
         assert same(got, 31)
 
     asyncio.run(main())
+
+
+def test_a_ranks_export_is_registered_as_the_objects_it_crossed_in(serve_app: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real path of an FSDP trainer: rank 0 (a Ray actor on this node) exports packed buckets,
+    RayTrainGroup reads them from the object store, and the object_store publisher registers those
+    very objects (owned by this process) instead of writing the bytes again. Readers get the
+    weights whole; they outlive the rank; a reader on this node is not made to fingerprint them."""
+    from services.trainer.workers import RayTrainGroup
+    from services.weights.packing import PackedBucket
+    from services.weights.transports import object_store as osx
+    from tests.unit.fsdp_helpers import make_spec
+
+    puts: list[int] = []
+    real = osx._put_bucket
+    monkeypatch.setattr(osx, "_put_bucket", lambda ray, arrays: (puts.append(len(arrays)), real(ray, arrays))[1])
+
+    async def main() -> None:
+        directory = ServeDirectory.from_app()
+        group = await RayTrainGroup.create(make_spec(), 1, backend="fsdp", num_cpus=0.01)
+        try:
+            exported = [b async for b in group.export_weights(64 * 1024)]
+            assert len(exported) > 1 and all(isinstance(b, PackedBucket) and b.stored is not None for b in exported)
+            want = {n: t.clone() for b in exported for n, t in b}
+            count = len(exported)
+            del exported
+            ref = await ObjectStorePublisher(directory).publish(1000, group.export_weights(64 * 1024))  # newest in the module
+        finally:
+            await group.close()  # the rank is gone: its objects belong to this process
+        assert puts == []  # every bucket registered as it crossed
+        fetcher = ObjectStoreFetcher(directory, consumer_id="driver")
+        got: dict[str, torch.Tensor] = {}
+        async for bucket in fetcher.fetch(ref):
+            got.update({n: t.clone() for n, t in bucket})
+        assert fetcher.verified_buckets == 0  # on the node that wrote them
+        checked = ObjectStoreFetcher(directory, consumer_id="checker", verify="always")
+        async for bucket in checked.fetch(ref):
+            assert all(torch.equal(t, want[n]) for n, t in bucket)
+        assert checked.verified_buckets == count  # verify="always": each fingerprint (the rank's) holds
+        await fetcher.close()
+        await checked.close()
+        assert set(got) == set(want) and all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items())
+
+    asyncio.run(main())

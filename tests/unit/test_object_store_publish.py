@@ -207,6 +207,36 @@ def test_a_packed_buckets_fingerprint_is_its_packers_and_a_loose_one_is_read(fak
     asyncio.run(main())
 
 
+def test_a_bucket_already_in_the_store_is_registered_without_a_put(fake_ray: FakeRay) -> None:
+    """A rank's export as it crossed (packing.from_wire with `stored`): its object holds the
+    bucket's WireBucket; the publisher registers that ref and puts nothing; readers get the
+    bucket whole, checked or not; runs that do not tile the bucket are DataLoss."""
+    from services.weights.packing import WireBucket, from_wire, to_wire
+
+    directory = FakeDirectory()
+    stored = []
+    for b in weights():
+        ref = fake_ray.put(to_wire(pack_bucket(b)))
+        stored.append(from_wire(fake_ray.get([ref])[0], stored=ref))
+    objects = len(fake_ray.objects)
+
+    async def main() -> None:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, stored)
+        assert len(fake_ray.objects) == objects  # no put
+        assert [r[0] for r in directory.versions[1][1]] == [b.stored for b in stored]
+        for verify in ("always", "remote"):
+            fetcher = osx.ObjectStoreFetcher(directory, consumer_id=verify, verify=verify)
+            got = {n: t.clone() async for bucket in fetcher.fetch(ref) for n, t in bucket}
+            assert all(torch.equal(got[n], t) for b in weights() for n, t in b)
+            assert fetcher.verified_buckets == (2 if verify == "always" else 0)
+        wire = fake_ray.objects[stored[0].stored]
+        fake_ray.objects[stored[0].stored] = WireBucket([(0, wire.runs[0][1][:8]), (9, wire.runs[0][1][9:])], wire.metas)
+        with pytest.raises(DataLoss, match="not back to back"):
+            [b async for b in osx.ObjectStoreFetcher(directory, consumer_id="gap", verify="always").fetch(ref)]
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("cuts", [[], [1], [2], [1, 2], [0, 1, 2, 3]])
 def test_the_arrays_of_an_object_may_split_its_bucket_between_any_tensors(fake_ray: FakeRay, cuts: list[int]) -> None:
     directory = FakeDirectory()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -60,6 +61,8 @@ class PlannedBucket:
     fingerprint: str | None = None
     buffer: torch.Tensor | None = None
     """The bucket's bytes in one buffer (a PackedBucket's), when `fingerprint` is set."""
+    stored: Any = None
+    """The Ray object already holding those bytes (PackedBucket.stored), when `fingerprint` is set."""
 
 
 async def split_buckets(buckets: Buckets, max_bytes: int) -> AsyncIterator[Bucket]:
@@ -79,8 +82,9 @@ async def plan_buckets(buckets: Buckets) -> AsyncIterator[PlannedBucket]:
             continue
         metas, nbytes = plan_bucket(index, named)
         fingerprint = known_fingerprint(named, metas, nbytes)
-        buffer = named.buffer if fingerprint is not None and isinstance(named, PackedBucket) else None
-        yield PlannedBucket(index, list(named), metas, nbytes, fingerprint, buffer)
+        packed = named if fingerprint is not None and isinstance(named, PackedBucket) else None
+        yield PlannedBucket(index, list(named), metas, nbytes, fingerprint, None if packed is None else packed.buffer,
+                            None if packed is None else packed.stored)
         index += 1
 
 

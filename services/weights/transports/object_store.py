@@ -7,7 +7,8 @@
              fingerprint is its packer's (packing.py: taken as the export copied each tensor in,
              on the device for a GPU trainer), else computed alongside, in other threads; on a
              host with >= 8 CPUs two buckets are put at once, the next bucket exported while they
-             copy) ─▶ the param
+             copy; a bucket that crossed from a trainer rank on this node is already such an
+             object, owned here: it is registered as it is, no put) ─▶ the param
              server deployment registers the manifest + refs (handle call; refs stay refs)
     rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
@@ -37,7 +38,7 @@ import os
 import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -49,12 +50,13 @@ from services.common.logging import get_logger
 
 from .. import convert
 from ..layout import Fingerprinter, Manifest
-from ..packing import storage_runs
+from ..packing import WireBucket, storage_runs, wire_arrays
 from ..protocols import Bucket, Buckets
 from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
 
 log = get_logger(__name__)
 TRANSPORT = "object_store"
+T = TypeVar("T")
 
 
 def _ray() -> Any:
@@ -127,9 +129,12 @@ def _put_bucket(ray: Any, arrays: list[tuple[int, np.ndarray]]) -> list[Any]:
 
 def _bucket_arrays(got: list[Any]) -> Any:
     """A bucket's arrays from what ray.get returned for its refs: one object holding the list
-    (this publisher), or one array per ref (publishers before one-put-per-bucket)."""
+    (this publisher's put), one WireBucket (a rank's export registered as it crossed), or one
+    array per ref (publishers before one-put-per-bucket)."""
     if len(got) == 1 and isinstance(got[0], list):
         return got[0]
+    if len(got) == 1 and isinstance(got[0], WireBucket):
+        return wire_arrays(got[0])
     return got
 
 
@@ -183,8 +188,8 @@ async def _fingerprint(nbytes: int, arrays: list[tuple[int, np.ndarray]], thread
     return fp.hexdigest()
 
 
-async def _known(fingerprint: str) -> str:
-    return fingerprint
+async def _known(value: T) -> T:
+    return value
 
 
 class ObjectStorePublisher:
@@ -218,6 +223,14 @@ class ObjectStorePublisher:
 
         try:
             async for planned in plan_buckets(buckets):
+                if planned.stored is not None and planned.fingerprint is not None:
+                    # already an object in this node's store, owned here (a rank's export as it
+                    # crossed to this process, packing.from_wire): registered as it is, no put
+                    pending.append((planned, asyncio.ensure_future(_known([planned.stored])),
+                                    asyncio.ensure_future(_known(planned.fingerprint))))
+                    while len(pending) >= self.puts_in_flight:
+                        await finish_oldest()
+                    continue
                 arrays = _layout_arrays(planned) if _views_only(planned) else await asyncio.to_thread(_layout_arrays, planned)
                 putting = asyncio.ensure_future(asyncio.to_thread(_put_bucket, ray, arrays))
                 pending.append((planned, putting, asyncio.ensure_future(_known(planned.fingerprint)) if planned.fingerprint
@@ -244,7 +257,9 @@ class ObjectStorePublisher:
 def _put_here(ray: Any, refs: list[Any]) -> list[bool]:
     """Whether each ref's object was put on this node: its owner (the process that put it) runs
     here, and a put writes the object into its own node's store, so these bytes are the
-    publisher's own, never transferred. Anything else was pulled from another node (a copy another
+    publisher's own, never transferred (a trainer rank's export registered as it crossed is owned
+    by the trainer's replica and counts only when that rank runs on the replica's node:
+    RayTrainGroup). Anything else was pulled from another node (a copy another
     consumer here pulled earlier too: each reader verifies it). Read from the refs themselves, no
     round trip; unknown means verify."""
     try:
