@@ -211,8 +211,8 @@ class WireBucket:
     bucket), its layout, and its packer's fingerprint ("" if none). Each run pickles as a numpy
     array, which pickle protocol 5 (Ray's) carries as an out-of-band buffer: written once into the
     object, read back as a view of it (read-only: consumers copy). Torch would pickle a CPU tensor's
-    whole storage in-band through torch.save, for a view as for the whole, ~20x slower
-    (BENCHMARKS.md, "The export's hop")."""
+    whole storage in-band through torch.save, for a view as for the whole, over an order of magnitude slower
+    (BENCHMARKS.md, "The export fingerprints what it packs")."""
 
     runs: list[tuple[int, torch.Tensor]]
     metas: list[TensorMeta]
