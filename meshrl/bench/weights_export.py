@@ -162,7 +162,7 @@ def bench_hop(total: int, bucket: int, rounds: int = 3) -> dict[str, Any]:
     for key, xs in times.items():
         out[key] = {"best_s": round(min(xs), 4), "median_s": round(statistics.median(xs), 4),
                     "best_GBps": _gbps(total, min(xs)), "s": [round(x, 4) for x in xs]}
-    # speed-ups of the wire form: > 1 is faster than torch's pickling; the baseline's ratio is <= 1
+    # the wire form against torch's pickling (> 1: the wire form took less) and against put/get (<= 1)
     out["wire_speedup_vs_torch_pickle"] = round(min(times["torch_pickle"]) / min(times["wire"]), 2)
     out["wire_vs_put_get"] = round(min(times["put_get"]) / min(times["wire"]), 3)
     return out
