@@ -107,12 +107,6 @@ def make_weights(total_bytes: int, bucket_bytes: int, device: str = "cpu", seed:
     return out
 
 
-def _packed_from(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    from services.weights.packing import pack_bucket
-
-    return pack_bucket(named)
-
-
 def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
 
@@ -497,8 +491,10 @@ def run_benchmark(
     if host:
         # packed as the FSDP export packs them (from `source_device`: on an accelerator the
         # fingerprint is taken there), or one allocation per tensor
-        weights = (make_weights(total, bucket, layout=layout) if source_device == "cpu" or layout != "packed" else
-                   [_packed_from(b) for b in make_weights(total, bucket, device=source_device, layout="tensors")])
+        from services.weights.packing import pack_bucket
+
+        weights = (make_weights(total, bucket, layout=layout) if layout != "packed" else
+                   [pack_bucket(b) for b in make_weights(total, bucket, device=source_device, layout="tensors")])
         for name in host:
             fn = {"grpc": lambda: bench_grpc(weights, total, rounds, chunk_mb, warmup_rounds),
                   "object_store": lambda: bench_object_store(weights, total, rounds, warmup_rounds,

@@ -67,7 +67,7 @@ def known_fingerprint(named: Sequence[tuple[str, torch.Tensor]], metas: Sequence
         return None
     base, storage = buf.data_ptr(), buf.untyped_storage().data_ptr()
     for (_, t), m in zip(named, metas, strict=True):
-        if m.nbytes and not (t.device == buf.device and t.is_contiguous() and tensor_nbytes(t) == m.nbytes
+        if m.nbytes and not (t.device == buf.device and t.is_contiguous()
                              and t.untyped_storage().data_ptr() == storage and t.data_ptr() == base + m.offset):
             return None
     return named.fingerprint

@@ -6,9 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
 
 from meshrl.v1 import common_pb2
 from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition
@@ -51,18 +48,20 @@ class Deadline:
 
 @dataclass
 class PlannedBucket:
-    """One bucket with its layout (tensors in input order, metas with offsets) and, when its packer
-    took it (packing.py: a PackedBucket still in its layout), its fingerprint."""
+    """One bucket with its layout (tensors in input order, metas with offsets)."""
 
     index: int
     named: Bucket
     metas: list[TensorMeta]
     nbytes: int
-    fingerprint: str | None = None
-    buffer: torch.Tensor | None = None
-    """The bucket's bytes in one buffer (a PackedBucket's), when `fingerprint` is set."""
-    stored: Any = None
-    """The Ray object already holding those bytes (PackedBucket.stored), when `fingerprint` is set."""
+    packed: PackedBucket | None = None
+    """The bucket as its packer left it (packing.py: one buffer, its fingerprint, maybe its Ray
+    object), when its tensors are still that buffer in this layout; None otherwise."""
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The packer's fingerprint (None: the transport reads the bytes for one)."""
+        return None if self.packed is None else self.packed.fingerprint
 
 
 async def split_buckets(buckets: Buckets, max_bytes: int) -> AsyncIterator[Bucket]:
@@ -81,10 +80,8 @@ async def plan_buckets(buckets: Buckets) -> AsyncIterator[PlannedBucket]:
         if not named:
             continue
         metas, nbytes = plan_bucket(index, named)
-        fingerprint = known_fingerprint(named, metas, nbytes)
-        packed = named if fingerprint is not None and isinstance(named, PackedBucket) else None
-        yield PlannedBucket(index, list(named), metas, nbytes, fingerprint, None if packed is None else packed.buffer,
-                            None if packed is None else packed.stored)
+        packed = named if isinstance(named, PackedBucket) and known_fingerprint(named, metas, nbytes) else None
+        yield PlannedBucket(index, list(named), metas, nbytes, packed)
         index += 1
 
 

@@ -46,15 +46,15 @@ TRANSPORT = "grpc"
 def _own_buffer(planned: PlannedBucket) -> torch.Tensor | None:
     """The bucket's own host buffer when its packer fingerprinted it (packing.py): streamed as it
     is, neither copied nor read before it goes."""
-    buf = planned.buffer
-    return buf if planned.fingerprint is not None and buf is not None and buf.device.type == "cpu" else None
+    packed = planned.packed
+    return packed.buffer if packed is not None and packed.buffer.device.type == "cpu" else None
 
 
 def _pack(planned: PlannedBucket, buf: torch.Tensor, sha: bool) -> tuple[str, str]:
     """Copy a bucket into `buf` (host) and checksum it (a bucket in its own buffer: its packer's
     fingerprint, the sha256 if asked). Runs in a worker thread."""
-    if planned.fingerprint is not None and buf is planned.buffer:
-        return planned.fingerprint, hashlib.sha256(host_view(buf)).hexdigest() if sha else ""
+    if planned.packed is not None and buf is planned.packed.buffer:
+        return planned.packed.fingerprint, hashlib.sha256(host_view(buf)).hexdigest() if sha else ""
     pack_into(buf, planned.named, planned.metas)
     if any(t.device.type != "cpu" for _, t in planned.named):
         torch.cuda.synchronize() if torch.cuda.is_available() else None

@@ -223,18 +223,18 @@ class ObjectStorePublisher:
 
         try:
             async for planned in plan_buckets(buckets):
-                if planned.stored is not None and planned.fingerprint is not None:
+                packed = planned.packed
+                if packed is not None and packed.stored is not None:
                     # already an object in this node's store, owned here (a rank's export as it
                     # crossed to this process, packing.from_wire): registered as it is, no put
-                    pending.append((planned, asyncio.ensure_future(_known([planned.stored])),
-                                    asyncio.ensure_future(_known(planned.fingerprint))))
-                    while len(pending) >= self.puts_in_flight:
-                        await finish_oldest()
-                    continue
-                arrays = _layout_arrays(planned) if _views_only(planned) else await asyncio.to_thread(_layout_arrays, planned)
-                putting = asyncio.ensure_future(asyncio.to_thread(_put_bucket, ray, arrays))
-                pending.append((planned, putting, asyncio.ensure_future(_known(planned.fingerprint)) if planned.fingerprint
-                                else asyncio.ensure_future(_fingerprint(planned.nbytes, arrays))))
+                    putting: Awaitable[list[Any]] = _known([packed.stored])
+                    fingerprint: Awaitable[str] = _known(packed.fingerprint)
+                else:
+                    arrays = (_layout_arrays(planned) if _views_only(planned)
+                              else await asyncio.to_thread(_layout_arrays, planned))
+                    putting = asyncio.to_thread(_put_bucket, ray, arrays)
+                    fingerprint = _known(packed.fingerprint) if packed is not None else _fingerprint(planned.nbytes, arrays)
+                pending.append((planned, asyncio.ensure_future(putting), asyncio.ensure_future(fingerprint)))
                 while len(pending) >= self.puts_in_flight:
                     await finish_oldest()
             while pending:
