@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,24 +102,44 @@ class _Worker:
         self._name = name
         self.proc: subprocess.Popen[bytes] | None = None
         self.conn: multiprocessing.connection.Connection | None = None
+        # The call's thread and the pool's close() both end a worker: one of them closes its pipe,
+        # once (a second close of the fd number could close a descriptor opened meanwhile).
+        self._lock = threading.Lock()
+        self._in_call = False
+        self._stopped = False
 
     def _ensure(self) -> multiprocessing.connection.Connection:
         # A fresh interpreter (`python -m services.reward.procpool FD`), not multiprocessing's spawn:
         # that would re-run the parent's __main__ (a Ray worker's, a test runner's) in the child.
-        if self.proc is None or self.proc.poll() is not None:
-            mine, theirs = socket.socketpair()
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.reward.procpool", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-            )
-            theirs.close()
-            self.conn = multiprocessing.connection.Connection(mine.detach())
-        assert self.conn is not None
-        return self.conn
+        with self._lock:  # a close() meanwhile sees the new process, or stops this spawn
+            if self.proc is None or self.proc.poll() is not None:
+                if self._stopped:
+                    raise ScorerCrashed("the scorer pool was closed")
+                if self.conn is not None:  # the process died on its own: its pipe goes with it
+                    self.conn.close()
+                mine, theirs = socket.socketpair()
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "services.reward.procpool", str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                )
+                theirs.close()
+                self.conn = multiprocessing.connection.Connection(mine.detach())
+            if self.conn is None:
+                raise ScorerCrashed("the scorer pool was closed")
+            return self.conn
 
     def call(self, spec: FunctionSpec, kwargs: Mapping[str, Any], timeout_s: float) -> tuple[str, Any]:
         """Blocking (run in a thread): ("ok", result) | ("err", (type, message)) | ("timeout", None)."""
+        with self._lock:
+            self._in_call = True
+        try:
+            return self._call(spec, kwargs, timeout_s)
+        finally:
+            with self._lock:
+                self._in_call = False
+
+    def _call(self, spec: FunctionSpec, kwargs: Mapping[str, Any], timeout_s: float) -> tuple[str, Any]:
         conn = self._ensure()
         try:
             conn.send((spec, dict(kwargs)))
@@ -138,13 +159,24 @@ class _Worker:
         return ("ok", reply[1]) if reply[0] == "ok" else ("err", tuple(reply[1:]))
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-        if self.conn is not None:
-            self.conn.close()
-        self.proc = None
-        self.conn = None
+        with self._lock:
+            proc, conn, self.proc, self.conn = self.proc, self.conn, None, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        if conn is not None:
+            conn.close()
+
+    def stop(self) -> None:
+        """End the worker from outside its call: a call in flight keeps its pipe (its thread reads
+        the end of it, then closes it); an idle worker is killed here."""
+        with self._lock:
+            self._stopped = True
+            proc = self.proc if self._in_call else None
+        if proc is None:
+            self.kill()
+        elif proc.poll() is None:
+            proc.kill()
 
 
 def _named_error(type_name: str, message: str) -> Exception:
@@ -167,6 +199,7 @@ class ProcessPool:
         self.timeouts = 0
         self.killed = 0
         self.abandoned = 0  # a timed-out call is killed, never left running
+        self._closed = False
 
     def _queue(self) -> asyncio.Queue[_Worker]:
         if self._free is None:
@@ -178,6 +211,8 @@ class ProcessPool:
     async def run(self, spec: FunctionSpec, kwargs: Mapping[str, Any], *, timeout_s: float) -> Any:
         """fn(**kwargs) in a worker process. TimeoutError when it runs past `timeout_s` (the worker
         is killed); a RuntimeError naming the scorer's exception when it raised."""
+        if self._closed:
+            raise ScorerCrashed("the scorer pool was closed")
         free = self._queue()
         worker = await free.get()
         self.calls += 1
@@ -209,8 +244,9 @@ class ProcessPool:
         return value
 
     def close(self) -> None:
+        self._closed = True
         for w in self._workers:
-            w.kill()
+            w.stop()
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     def pids(self) -> list[int]:

@@ -251,6 +251,39 @@ def test_a_cancelled_scorer_call_never_hands_its_score_to_the_next_call() -> Non
     asyncio.run(main())
 
 
+def test_closing_the_pool_mid_call_ends_the_call_and_closes_each_pipe_once() -> None:
+    """close() while a call's thread still reads its worker's pipe (a cancelled call, a replica
+    shutting down): the call ends as ScorerCrashed, the pipe is closed by one side only (the pool
+    and the thread both closing it raced into EBADF, or closed a descriptor opened meanwhile), and
+    no process or descriptor is left behind."""
+    from services.reward.procpool import ScorerCrashed
+
+    echo = FunctionSpec.custom(str(HERE / "scorer_fixture.py"), "echo")
+    kw = {"data_source": "x", "solution_str": "7", "ground_truth": "", "extra_info": {"sleep": 5}}
+    fds_before = len(os.listdir("/proc/self/fd"))
+
+    async def main() -> None:
+        for round_ in range(3):
+            pool = ProcessPool(1)
+            assert await pool.run(echo, {**kw, "extra_info": {}}, timeout_s=30) == 7.0
+            pid = pool.pids()[0]
+            call = asyncio.ensure_future(pool.run(echo, kw, timeout_s=30))
+            await asyncio.sleep(0.2)  # the call is on the pipe, its worker asleep
+            canary_r, canary_w = os.pipe()  # a descriptor opened after the worker's pipe
+            pool.close()
+            with pytest.raises(ScorerCrashed):
+                await asyncio.wait_for(call, 10)
+            os.write(canary_w, b"x")  # still ours: nobody closed it by its number
+            assert os.read(canary_r, 1) == b"x", round_
+            os.close(canary_r), os.close(canary_w)
+            assert pool.pids() == [] and not os.path.exists(f"/proc/{pid}"), round_  # killed and reaped
+            with pytest.raises(ScorerCrashed, match="closed"):  # a closed pool spawns nothing more
+                await pool.run(echo, kw, timeout_s=30)
+
+    asyncio.run(main())
+    assert len(os.listdir("/proc/self/fd")) <= fds_before
+
+
 def test_the_reward_pipeline_kills_timed_out_scorers(tmp_path: Path) -> None:
     from services.reward.factory import build_pipeline
     from services.reward.samples import Sample
