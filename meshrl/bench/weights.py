@@ -496,6 +496,13 @@ def run_benchmark(
         weights = (make_weights(total, bucket, layout=layout) if layout != "packed" else
                    [pack_bucket(b) for b in make_weights(total, bucket, device=source_device, layout="tensors")])
         for name in host:
+            if name == "grpc":  # its yardstick first: grpc.aio alone, the same bytes and chunks
+                from .weights_grpc_bare import bench_grpc_bare
+
+                try:
+                    result["baselines"]["grpc_bare"] = bench_grpc_bare(weights, total, rounds, chunk_mb, warmup_rounds)
+                except Exception as exc:  # noqa: BLE001 -- the transport's case still runs
+                    result["baselines"]["grpc_bare"] = {"error": f"{type(exc).__name__}: {exc}"}
             fn = {"grpc": lambda: bench_grpc(weights, total, rounds, chunk_mb, warmup_rounds),
                   "object_store": lambda: bench_object_store(weights, total, rounds, warmup_rounds,
                                                              bucket if hop else None),
@@ -542,6 +549,13 @@ def _targets(r: dict[str, Any]) -> dict[str, Any]:
             "cold_GBps": {"publish": g["publish"]["cold_GBps"], "fetch": g["fetch"]["cold_GBps"]},
             "met": min(g["publish"]["median_GBps"], g["fetch"]["median_GBps"]) >= 1.0,
         }
+        bare = r["baselines"].get("grpc_bare", {})
+        if "publish" in bare:  # what grpc.aio alone moves here, and the transport's share of it
+            out["grpc_ge_1GBps"]["bare_GBps"] = {d: {"median": bare[d]["median_GBps"], "best": bare[d]["best_GBps"]}
+                                                 for d in ("publish", "fetch")}
+            out["grpc_ge_1GBps"]["ratio_to_bare_median"] = {
+                d: round(g[d]["median_GBps"] / bare[d]["median_GBps"], 3) if bare[d]["median_GBps"] else 0.0
+                for d in ("publish", "fetch")}
     if "end_to_end" in t.get("object_store", {}):
         e2e = t["object_store"]["end_to_end"]
         out["object_store_ge_50pct_memcpy"] = {

@@ -58,6 +58,8 @@ for f in sorted(out.glob("objstore_*.json"), key=lambda p: p.stat().st_mtime):
           + ", ".join(f"{x['fetch'] * 1e3:.1f}" for x in steady)
           + f" | ratio best {tg['ratio_best']} (median {tg['ratio_median']})"
           + f" | grpc publish/fetch median GB/s {g.get('publish_GBps', {}).get('median')}/{g.get('fetch_GBps', {}).get('median')}"
+          + (f" (grpc.aio alone {g['bare_GBps']['publish']['median']}/{g['bare_GBps']['fetch']['median']},"
+             f" ratio {g['ratio_to_bare_median']['publish']}/{g['ratio_to_bare_median']['fetch']})" if "bare_GBps" in g else "")
           + (f" | export fingerprint ({r['export']['source_device']}) {r['export']['fingerprint_s'] * 1e3:.1f} ms,"
              f" ratio with it {tg['with_export_fingerprint']['ratio_best']}" if "export" in r else ""))
     if "hop" in r:

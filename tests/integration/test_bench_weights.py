@@ -18,12 +18,19 @@ def test_bench_weights_small(tmp_path, capsys) -> None:  # type: ignore[no-untyp
     r = json.loads(out.read_text())
     assert r["bytes"] == 8 << 20 and r["baselines"]["memcpy"]["best_GBps"] > 0 and r["warmup_rounds"] == 1
     assert r["baselines"]["memcpy"]["best_s"] == min(r["baselines"]["memcpy_best_s_before_after"])
+    case_grpc = r["transports"]["grpc"]
     for name in ("grpc", "disk"):
         case = r["transports"][name]
         assert "error" not in case, case
         assert case["publish"]["best_GBps"] > 0 and case["fetch"]["best_GBps"] > 0 and len(case["rounds"]) == 3
         assert len(case["publish"]["warmup_s"]) == 1 and case["publish"]["cold_GBps"] > 0  # cold, warm-up, steady
     assert set(r["targets"]) == {"grpc_ge_1GBps"} and r["targets"]["grpc_ge_1GBps"]["cold_GBps"]["fetch"] > 0
+    # grpc's yardstick, same run: grpc.aio alone moved the same bytes both ways (it asserts the count)
+    bare = r["baselines"]["grpc_bare"]
+    assert "error" not in bare, bare
+    assert len(bare["rounds"]) == 3 and bare["publish"]["best_GBps"] > 0 and bare["fetch"]["best_GBps"] > 0
+    ratio = r["targets"]["grpc_ge_1GBps"]["ratio_to_bare_median"]
+    assert ratio["fetch"] == round(case_grpc["fetch"]["median_GBps"] / bare["fetch"]["median_GBps"], 3) > 0
     assert "\"benchmark\": \"weights\"" in capsys.readouterr().out
 
 
