@@ -113,10 +113,11 @@ class _Worker:
         # that would re-run the parent's __main__ (a Ray worker's, a test runner's) in the child.
         with self._lock:  # a close() meanwhile sees the new process, or stops this spawn
             if self.proc is None or self.proc.poll() is not None:
+                if self.conn is not None:  # the process died (or close() killed it): its pipe goes with it
+                    self.conn.close()
+                    self.proc = self.conn = None
                 if self._stopped:
                     raise ScorerCrashed("the scorer pool was closed")
-                if self.conn is not None:  # the process died on its own: its pipe goes with it
-                    self.conn.close()
                 mine, theirs = socket.socketpair()
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
                 self.proc = subprocess.Popen(
