@@ -221,3 +221,23 @@ def test_pack_stream_from_cuda_takes_the_fingerprint_on_the_device_and_it_matche
     data = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
     for offset, n in ((0, 100_003), (3, 77_777), (8 * 509 + 5, 1234)):
         assert torch.equal(offset_columns(data[:n].cuda(), offset).cpu(), offset_columns(data[:n], offset))
+
+
+@pytest.mark.gpu
+def test_a_staged_copy_from_cuda_is_the_direct_copy_byte_for_byte() -> None:
+    """The pinned stage (packing.STAGE_BYTES at a time): a tensor over two stages long at an odd
+    offset, a transposed (non-contiguous) one and one under STAGE_MIN_BYTES (copied directly)
+    arrive as the direct copy brings them, with the same fingerprint."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from services.weights import packing
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    long = torch.randint(0, 256, (2 * packing.STAGE_BYTES + 12_345,), dtype=torch.uint8, device="cuda", generator=g)
+    named = [("odd", torch.arange(3, dtype=torch.uint8, device="cuda")), ("long", long),
+             ("transposed", torch.randn(1024, 700, device="cuda", generator=g).t()),
+             ("small", torch.randn(1000, device="cuda", generator=g).bfloat16())]
+    staged, direct = pack_bucket(named), pack_bucket(named, staged=False)
+    assert torch.equal(staged.buffer, direct.buffer) and staged.fingerprint == direct.fingerprint
+    assert staged.fingerprint == fingerprint_bytes(staged.buffer.numpy())
+    assert _equal([(n, t.cpu()) for n, t in named], staged)
