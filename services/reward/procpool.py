@@ -126,8 +126,7 @@ class _Worker:
                 )
                 theirs.close()
                 self.conn = multiprocessing.connection.Connection(mine.detach())
-            if self.conn is None:
-                raise ScorerCrashed("the scorer pool was closed")
+            assert self.conn is not None
             return self.conn
 
     def call(self, spec: FunctionSpec, kwargs: Mapping[str, Any], timeout_s: float) -> tuple[str, Any]:

@@ -27,6 +27,7 @@ import torch
 
 from services.common.errors import DataLoss, InvalidArgument
 
+from .buffers import ByteBuffers
 from .layout import (
     FINGERPRINT_COLUMNS,
     Fingerprinter,
@@ -131,7 +132,7 @@ class _PinnedStage:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._buffer: torch.Tensor | None = None
+        self._buffers = ByteBuffers(1, pin=True)
         self._failed = False
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -140,16 +141,15 @@ class _PinnedStage:
         if self._failed or not self._lock.acquire(blocking=False):
             return False
         try:
-            if self._buffer is None:
-                try:
-                    self._buffer = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-                except RuntimeError:  # no pinnable memory here (a driver without it, a locked-memory limit)
-                    self._failed = True
-                    return False
+            try:
+                buffer = self._buffers.get(0, STAGE_BYTES)  # allocated once, on first use
+            except RuntimeError:  # no pinnable memory here (a driver without it, a locked-memory limit)
+                self._failed = True
+                return False
             raw = as_bytes(src)
             for off in range(0, raw.numel(), STAGE_BYTES):
                 n = min(STAGE_BYTES, raw.numel() - off)
-                stage = self._buffer[:n]
+                stage = buffer[:n]
                 stage.copy_(raw[off : off + n])  # into pinned memory: synchronous, the bytes are there
                 dst[off : off + n].copy_(stage)
             return True
@@ -190,8 +190,8 @@ def pack_stream(specs: Sequence[tuple[str, tuple[int, ...], torch.dtype]], tenso
     as a plain `.to(device)` of each would make, but a transport then finds a bucket's bytes in one
     piece (`storage_runs`: the object_store puts it as one buffer, and Ray copies one large buffer
     faster than many) and its fingerprint already taken. A tensor unlike its spec is refused.
-    Copies block: a bucket's views are ready when it is yielded. A CUDA tensor of STAGE_BYTES' scale
-    bound for a host buffer goes through a pinned buffer (`staged`; False: a direct copy)."""
+    Copies block: a bucket's views are ready when it is yielded. A CUDA tensor of STAGE_MIN_BYTES or
+    more bound for a host buffer goes through a pinned buffer (`staged`; False: a direct copy)."""
     specs = list(specs)
     sources = iter(tensors)
     shaped = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in specs]
