@@ -9,7 +9,10 @@ and more: the param server copies and fingerprints every chunk, checks every buc
 version. The transport's fetch copies and fingerprints what the source's caller only counts. So
 the ratios transport / bare say what meshrl's own work costs on this machine's cores, apart from
 what grpc-python itself can move here (the 1 GB/s target is a number about both).
-Both servers use meshrl's server and channel options (message sizes, keepalive)."""
+Both servers use meshrl's server and channel options (message sizes, keepalive), and both processes
+tune malloc as the transport's do (`hostmem.tune_malloc`: without it every 4 MiB message is a fresh
+mmap whose pages fault in again; on the 2-core sandbox that alone held grpc.aio to ~0.8 GB/s
+against ~1.3 GB/s tuned, which made the transport look closer to its yardstick than it is)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import grpc
 import grpc.aio
 
 from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES, message_options, server_options
+from services.weights.hostmem import tune_malloc
 
 SERVICE = "meshrl.bench.BareStream"
 SINK = f"/{SERVICE}/Sink"
@@ -48,6 +52,8 @@ async def _source(request: bytes, context: grpc.aio.ServicerContext) -> Any:
 
 
 def _serve(out: Any) -> None:
+    tuned = tune_malloc()
+
     async def main() -> None:
         server = grpc.aio.server(options=server_options(DEFAULT_MAX_MESSAGE_BYTES))
         handlers = {
@@ -59,7 +65,7 @@ def _serve(out: Any) -> None:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        out.put(f"127.0.0.1:{port}")
+        out.put((f"127.0.0.1:{port}", tuned))
         await server.wait_for_termination()
 
     asyncio.run(main())
@@ -79,6 +85,7 @@ def bench_grpc_bare(weights: list, nbytes: int, rounds: int, chunk_mb: int, warm
     `nbytes` in `chunk_mb` MiB messages; `_summary`'s fields per direction."""
     from .weights import _summary
 
+    tuned = tune_malloc()  # as GrpcPublisher and GrpcFetcher do in this process
     chunk_bytes = chunk_mb << 20
     views = _views(weights)
     assert sum(len(v) for v in views) == nbytes, "the weights do not hold nbytes"
@@ -87,7 +94,7 @@ def bench_grpc_bare(weights: list, nbytes: int, rounds: int, chunk_mb: int, warm
     proc = ctx.Process(target=_serve, args=(q,), daemon=True)
     proc.start()
     try:
-        address = q.get(timeout=120)
+        address, server_tuned = q.get(timeout=120)
 
         async def main() -> list[dict[str, float]]:
             async with grpc.aio.insecure_channel(address, options=message_options(DEFAULT_MAX_MESSAGE_BYTES)) as ch:
@@ -112,7 +119,8 @@ def bench_grpc_bare(weights: list, nbytes: int, rounds: int, chunk_mb: int, warm
                     out.append({"publish": t1 - t0, "fetch": t2 - t1})
                 return out
 
-        return {"where": "grpc.aio alone, a second process, loopback", **_summary(nbytes, asyncio.run(main()), warmup)}
+        return {"where": "grpc.aio alone, a second process, loopback", "malloc_tuned": tuned and server_tuned,
+                **_summary(nbytes, asyncio.run(main()), warmup)}
     finally:
         proc.kill()
         proc.join(10)

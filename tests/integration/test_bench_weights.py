@@ -29,6 +29,8 @@ def test_bench_weights_small(tmp_path, capsys) -> None:  # type: ignore[no-untyp
     bare = r["baselines"]["grpc_bare"]
     assert "error" not in bare, bare
     assert len(bare["rounds"]) == 3 and bare["publish"]["best_GBps"] > 0 and bare["fetch"]["best_GBps"] > 0
+    # both of its processes tuned malloc as the transport's do (glibc Linux: this machine, CI)
+    assert bare["malloc_tuned"] is True
     ratio = r["targets"]["grpc_ge_1GBps"]["ratio_to_bare_median"]
     assert ratio["fetch"] == round(case_grpc["fetch"]["median_GBps"] / bare["fetch"]["median_GBps"], 3) > 0
     assert "\"benchmark\": \"weights\"" in capsys.readouterr().out
