@@ -11,8 +11,8 @@ the ratios transport / bare say what meshrl's own work costs on this machine's c
 what grpc-python itself can move here (the 1 GB/s target is a number about both).
 Both servers use meshrl's server and channel options (message sizes, keepalive), and both processes
 tune malloc as the transport's do (`hostmem.tune_malloc`: without it every 4 MiB message is a fresh
-mmap whose pages fault in again; on the 2-core sandbox that alone held grpc.aio to ~0.8 GB/s
-against ~1.3 GB/s tuned, which made the transport look closer to its yardstick than it is)."""
+mmap whose pages fault in again; on the 2-core sandbox that alone held grpc.aio to ~0.8 GB/s,
+against 0.9-1.3 GB/s tuned, which made the transport look closer to its yardstick than it is)."""
 
 from __future__ import annotations
 
