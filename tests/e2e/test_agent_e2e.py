@@ -57,13 +57,13 @@ def test_tool_task_learns_to_call_the_tool(tmp_path: Path) -> None:
         slope = sum((x - mx) * (y - my) for x, y in enumerate(ys)) / sum((x - mx) ** 2 for x in range(len(ys)))
         return slope * (len(ys) - 1)
 
-    # Two runs: fitted rises 0.135 and 0.267 (28 and 35 steps); the tool-call rate's 0.39 and 0.86.
     def curves() -> str:
         """Each step's reward, tool-call and tool-error rate: a failure says how the run went (one CI
         run's policy turned its calls malformed, error rate 1.0 from step 6, BENCHMARKS.md)."""
         keys = ("critic/rewards/mean", "agent/tool_call_rate", "agent/tool_error_rate")
         return "\n".join(f"{k}: " + " ".join(f"{r.get(k, float('nan')):.2f}" for r in recs) for k in keys)
 
+    # Two runs: fitted rises 0.135 and 0.267 (28 and 35 steps); the tool-call rate's 0.39 and 0.86.
     rise = fitted_rise("critic/rewards/mean")
     assert rise > 0.08, f"reward did not rise: fitted rise {rise:.3f} over {steps} steps\n{curves()}"
     rate0, rate1 = mean("agent/tool_call_rate", recs[:k]), mean("agent/tool_call_rate", recs[-k:])
