@@ -60,6 +60,9 @@ class PretrainSpec:
     """Linear learning-rate warm-up over this many steps; null: none."""
     tool_fraction: float | None = None
     """`tool_add` only: fraction of the traces that call the tool; null: 0.3."""
+    stop_loss_on: str | None = None
+    """Whose loss `stop_loss` reads: null: every trained token's; `tool`: `tool_add`'s tool-calling
+    traces' only (their operands must be copied right for RL to start; see TASK_DEFAULTS)."""
     stop_loss: float | None = 0.45
     """Stop before `steps` once the mean loss of the last 50 steps is below this: a partly trained
     warm start, so RL has room to improve (a fully trained copy policy is right ~95% of the time).
@@ -80,13 +83,19 @@ class PretrainSpec:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
-_LATER_FIELDS = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss", "tool_fraction")
+_LATER_FIELDS = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss", "tool_fraction", "stop_loss_on")
 TOOL_FRACTION = 0.3
-# tool_add's loss is mostly the tool traces' (their template is copied): 0.45 is reached before the
-# digits are copied reliably, 0.2 after (~650 steps; a greedy policy then copies 0.7-0.8 of its
-# calls right). Batches stay mixed: batched by length (traces apart from direct answers) the
-# policy learned neither (reward 0 after 800 steps).
-TASK_DEFAULTS: dict[str, dict[str, Any]] = {"tool_add": {"stop_loss": 0.2}}
+STOP_ON = (None, "tool")
+# tool_add stops on its tool traces' loss. The loss of every token mixes two parts that learn apart:
+# the tool traces' (a copied template and operands: ~0.03 a token once the operands are copied
+# right ~95% of the time) and the head answers' (0.75-0.95 a token: three-digit sums a 0.8M model
+# mostly cannot do). At one mixed loss the tool traces' differs twofold between SFT seeds (0.04 and
+# 0.09-0.10 at a mixed 0.26-0.28 on this sandbox), and so between machines: the old bar, a mixed
+# 0.2, let a CI machine start RL from a policy whose calls paid ~0.3 of the time (first batch:
+# reward 0.06 at a tool-call rate of 0.20; ~0.85 of the calls paid on this sandbox's), and it did not
+# take up the tool in 28 steps. Batches stay mixed: batched by length (traces apart from direct
+# answers) the policy learned neither (reward 0 after 800 steps).
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {"tool_add": {"stop_loss": 0.03, "stop_loss_on": "tool"}}
 
 
 def checkpoint_path(spec: PretrainSpec) -> Path:
@@ -94,13 +103,17 @@ def checkpoint_path(spec: PretrainSpec) -> Path:
     return cache_root() / f"tiny-{spec.arch}-{spec.task}{spec.digits}{tail}-{spec.key()}"
 
 
-def _sft_examples(records: RecordList, tok: Any) -> list[tuple[list[int], list[int]]]:
-    """(prompt + answer + eos token ids, loss mask: 1 on the answer)."""
+Example = tuple[list[int], list[int], bool]
+"""(token ids, loss mask, whether `stop_loss` reads this example's loss)."""
+
+
+def _sft_examples(records: RecordList, tok: Any) -> list[Example]:
+    """(prompt + answer + eos token ids, loss mask: 1 on the answer, counted)."""
     out = []
     for r in records.records:
         prompt = tok(r.text, add_special_tokens=False)["input_ids"]
         answer = tok(r.ground_truth, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+        out.append((prompt + answer, [0] * len(prompt) + [1] * len(answer), True))
     return out
 
 
@@ -123,9 +136,14 @@ def tool_add_trace(tok: Any, a: int, b: int, *, use_tool: bool) -> tuple[list[in
     return ids, [0] * len(prompt) + [1] * len(call_ids) + [0] * len(env) + [1] * len(answer)
 
 
-def _tool_add_examples(records: RecordList, tok: Any, fraction: float, rng: random.Random) -> list[tuple[list[int], list[int]]]:
-    return [tool_add_trace(tok, int(r.extra_info["a"]), int(r.extra_info["b"]), use_tool=rng.random() < fraction)
-            for r in records.records]
+def _tool_add_examples(records: RecordList, tok: Any, fraction: float, rng: random.Random,
+                       stop_on: str | None) -> list[Example]:
+    out = []
+    for r in records.records:
+        use_tool = rng.random() < fraction
+        ids, mask = tool_add_trace(tok, int(r.extra_info["a"]), int(r.extra_info["b"]), use_tool=use_tool)
+        out.append((ids, mask, use_tool or stop_on is None))
+    return out
 
 
 def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict[str, float]:
@@ -136,6 +154,8 @@ def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict
 
     from services.common.tiny import build_tiny_model, build_tokenizer, save_pretrained_pair
 
+    if spec.stop_loss_on not in STOP_ON or (spec.stop_loss_on == "tool" and spec.task != "tool_add"):
+        raise ValueError(f"stop_loss_on={spec.stop_loss_on!r}: null, or 'tool' with task tool_add")
     torch.manual_seed(spec.seed)
     rng = random.Random(spec.seed)
     tools = spec.task == "tool_add"
@@ -146,7 +166,7 @@ def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict
                                 length_tail_alpha=spec.length_tail_alpha, max_digits=spec.max_digits)
     if tools:
         fraction = TOOL_FRACTION if spec.tool_fraction is None else spec.tool_fraction
-        examples = _tool_add_examples(records, tok, fraction, random.Random(spec.seed + 7))
+        examples = _tool_add_examples(records, tok, fraction, random.Random(spec.seed + 7), spec.stop_loss_on)
     else:
         examples = _sft_examples(records, tok)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
@@ -168,27 +188,34 @@ def train_sft(spec: PretrainSpec, out_dir: Path, *, device: str = "cpu") -> dict
             batch = by_length[start : start + spec.batch_size]
         else:
             batch = rng.sample(examples, spec.batch_size)
-        width = max(len(ids) for ids, _ in batch)
+        width = max(len(ids) for ids, _, _ in batch)
         ids = torch.full((len(batch), width), tok.pad_token_id, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (seq, mask) in enumerate(batch):
+        counted = torch.tensor([c for _, _, c in batch], dtype=torch.bool)
+        for i, (seq, mask, _) in enumerate(batch):
             ids[i, : len(seq)] = torch.tensor(seq)
             attn[i, : len(seq)] = 1
             labels[i, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(seq), -100)
-        ids, labels, attn = ids.to(device), labels.to(device), attn.to(device)
+        ids, labels, attn, counted = ids.to(device), labels.to(device), attn.to(device), counted.to(device)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+        target = labels[:, 1:]
+        token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
+                                     reduction="none").view_as(target)
+        trained = target != -100
+        loss = token_loss.sum() / trained.sum()
+        watched = trained & counted[:, None]
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         loss_val = float(loss.item())
-        recent.append(loss_val)
+        if watched.any():  # the loss `stop_loss` reads (every trained token's, unless stop_loss_on)
+            recent.append(float((token_loss * watched).sum() / watched.sum()))
         steps_done = step + 1
         if step % 50 == 0:
-            log.info("pretrain_step", step=step, loss=round(loss_val, 4))
+            log.info("pretrain_step", step=step, loss=round(loss_val, 4), watched_loss=round(recent[-1], 4) if recent else None)
         if spec.stop_loss is not None and len(recent) == recent.maxlen and sum(recent) / len(recent) < spec.stop_loss:
             log.info("pretrain_stop_loss", step=step, mean_loss_50=round(sum(recent) / len(recent), 5))
             break

@@ -76,7 +76,7 @@ def test_pretrain_key_names_the_warm_start_and_the_tail_gets_its_own() -> None:
     from dataclasses import asdict
 
     # Fields added later are left out while unset, so checkpoints made before them keep their names.
-    later = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss", "tool_fraction")
+    later = ("length_tail_alpha", "max_digits", "warmup_steps", "stop_loss", "tool_fraction", "stop_loss_on")
     old = {k: v for k, v in asdict(old500).items() if k not in later}
     assert old500.key() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:12]
     tail = PretrainSpec(task="copy", digits=4, length_tail_alpha=1.5, max_digits=64)
@@ -187,3 +187,26 @@ def test_sft_stops_at_the_loss_threshold_and_records_it(tmp_path: Path) -> None:
     assert metrics["steps"] == 50  # the first moment 50 losses exist, their mean is below 100
     saved = json.loads((tmp_path / "ckpt" / "meshrl_pretrain.json").read_text())
     assert saved["spec"]["stop_loss"] == 100.0 and saved["metrics"]["steps"] == 50
+
+
+def test_tool_add_stops_on_its_tool_traces_loss(tmp_path: Path) -> None:
+    """tool_add's warm start reads the tool traces' loss alone (meshrl/pretrain.py, TASK_DEFAULTS):
+    their tokens copy a template and the operands, so it sits far below the mixed loss, which the
+    head answers' three-digit sums keep high."""
+    import json
+
+    from meshrl.pretrain import TASK_DEFAULTS, train_sft
+
+    assert PretrainSpec.for_task("tool_add", digits=3).stop_loss_on == "tool" == TASK_DEFAULTS["tool_add"]["stop_loss_on"]
+    runs = {}
+    for on in (None, "tool"):
+        small = PretrainSpec(task="tool_add", digits=3, steps=60, batch_size=16, num_examples=256, stop_loss=100.0,
+                             stop_loss_on=on)
+        runs[on] = train_sft(small, tmp_path / f"ckpt-{on}")
+        assert runs[on]["steps"] == 50
+        saved = json.loads((tmp_path / f"ckpt-{on}" / "meshrl_pretrain.json").read_text())
+        assert saved["spec"]["stop_loss_on"] == on
+    # the same 50 steps (same seed and batches): the tool traces' mean loss alone is below the mix's
+    assert runs["tool"]["mean_loss_last_50"] < runs[None]["mean_loss_last_50"]
+    with pytest.raises(ValueError, match="stop_loss_on='tool': null, or 'tool' with task tool_add"):
+        train_sft(PretrainSpec(task="addition", stop_loss_on="tool"), tmp_path / "bad")
