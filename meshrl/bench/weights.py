@@ -268,6 +268,7 @@ def bench_object_store(weights: list, nbytes: int, rounds: int, warmup: int = 0,
     try:
         async def main() -> list[dict[str, float]]:
             directory = ServeDirectory.from_app()
+            await directory.connect()  # as in a run, the param server's object_refs actor is up before the first publish
             pub = ObjectStorePublisher(directory)
             fetcher = ObjectStoreFetcher(directory, consumer_id="bench", verify="remote")
 
@@ -287,6 +288,7 @@ def bench_object_store(weights: list, nbytes: int, rounds: int, warmup: int = 0,
                     ranked.update(await from_rank(directory, fetcher, nbytes, from_rank_bucket, rounds, warmup))
                 return steady
             finally:
+                await pub.close()  # the last manifest's way to the param server's store
                 await fetcher.close()  # the last fetch's release, before the loop ends
 
         growth: list[int] = []

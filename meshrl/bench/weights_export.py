@@ -43,6 +43,7 @@ async def from_rank(directory: Any, fetcher: Any, nbytes: int, bucket: int, roun
             t2 = time.perf_counter()
             assert got == nbytes, f"{key}: fetched {got} of {nbytes} bytes"
             out[key].append({"publish": t1 - t0, "fetch": t2 - t1, "end_to_end": t2 - t0})
+    await pub.close()
     return out
 
 

@@ -174,6 +174,7 @@ def _object_store_case(payloads: dict[str, Payload], rounds: int) -> dict[str, A
     try:
         async def main() -> dict[str, Any]:
             directory = ServeDirectory.from_app()
+            await directory.connect()  # the param server's object_refs actor up, as in a run
             pub = ObjectStorePublisher(directory)
             fetcher = ObjectStoreFetcher(directory, consumer_id="bench", verify="remote")
 
@@ -186,6 +187,7 @@ def _object_store_case(payloads: dict[str, Payload], rounds: int) -> dict[str, A
                 return await _cases(payloads, rounds, lambda v, p: pub.publish(v, p),
                                     lambda ref: _collect(fetcher.fetch(ref)), manifest)
             finally:
+                await pub.close()  # the last manifest's way to the param server's store
                 await fetcher.close()  # the last fetch's release, before the loop ends
 
         return {"where": "Ray object store, same node", **asyncio.run(main())}

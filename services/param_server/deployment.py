@@ -5,7 +5,9 @@ One replica serves three doors onto one store:
   too, but every message crosses an actor hop, so bulk bytes use the next door);
 - a plain grpc.aio data plane inside the replica on param_server.host:port (zero-copy codec),
   advertised to consumers as WeightsRef.param_server_address (`data_address()`);
-- handle methods for the object_store transport (object refs cannot travel as protos).
+- the object_store transport's versions: their refs live in a plain Ray actor the replica creates
+  (`object_refs()`, object_refs.py: lookups there skip Serve's router); the replica's store keeps
+  their manifests, registered behind each publish (object refs cannot travel as protos).
 
     app = build_app({"config": cfg.model_dump(mode="json"), "run_dir": "runs/x"})
     serve.run(app, name="param_server", route_prefix="/param_server")
@@ -13,6 +15,7 @@ One replica serves three doors onto one store:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +23,7 @@ from ray import serve
 
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.config import MeshConfig
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, NotFound
 from services.common.grpc_util import LocalContext
 from services.common.logging import configure_logging, get_logger
 from services.common.metrics import ReplicaMetrics, export_periodically
@@ -61,6 +64,13 @@ class ParamServerDeployment:
         self._servicer = self.server.servicer
         self._metrics = ReplicaMetrics(ps_metrics.FAMILIES)
         self._metrics_task = export_periodically("param_server", lambda: ps_metrics.export(self._metrics, self._servicer))
+        self._retain = cfg.param_server.retain_versions
+        self._refs: Any = None  # the object_store versions' actor, created on first use
+        self._refs_lock = asyncio.Lock()
+        if cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "object_store":
+            from . import object_refs
+
+            self._refs = object_refs.start(self._retain)  # its process starts beside the mesh's, not awaited
         clock.mark("ready")
 
     def data_address(self) -> str:
@@ -77,30 +87,54 @@ class ParamServerDeployment:
         """Client streaming: written by hand (its argument is Serve's gRPCInputStream)."""
         return await self._servicer.PublishWeights(request_stream, grpc_context or LocalContext())
 
-    # ---- object_store transport (handle calls) ----------------------------------------------------
+    # ---- object_store transport ------------------------------------------------------------------
 
-    async def register_object_store_version(self, manifest: bytes, refs: list[Any]) -> bytes:
-        """Register a version whose buckets are `refs` (nested in a list, so they stay refs)."""
+    async def object_refs(self) -> Any:
+        """The actor holding the object_store versions' manifests and refs (object_refs.py):
+        created on first use, and again if it died (its versions went with it)."""
+        import ray
+
+        from . import object_refs
+
+        async with self._refs_lock:
+            if self._refs is not None:
+                try:
+                    await asyncio.wait_for(self._refs.stats.remote(), timeout=60)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, TimeoutError) as exc:
+                    log.warning("object_refs_lost", error=f"{type(exc).__name__}: {exc}",
+                                hint="its object_store versions are gone; publishers register the next ones anew")
+                    self._refs = None
+            if self._refs is None:
+                self._refs = object_refs.start(self._retain)
+            return self._refs
+
+    async def register_object_store_version(self, manifest: bytes, refs: list[Any] | None = None) -> bytes:
+        """Put a version on the board (the store: ListVersions, GetManifest, metrics), `refs`
+        (one list per bucket) given: into the object_refs actor first, where fetchers look it up."""
         from services.weights import convert  # loaded with the store (torch) by __init__
 
         m = convert.manifest_from_proto(pb.Manifest.FromString(manifest))
-        stored = self._servicer.store.register(m.with_transports(["object_store"]), time.time(), payload=list(refs))
+        if refs is not None:
+            await (await self.object_refs()).register.remote(manifest, list(refs))
+        stored = self._servicer.store.register(m.with_transports(["object_store"]), time.time())
         log.info("version_registered", transport="object_store", policy_version=stored.policy_version,
                  total_bytes=stored.total_bytes)
         return convert.manifest_to_proto(stored).SerializeToString()  # type: ignore[no-any-return]
 
     async def object_store_version(self, policy_version: int, consumer_id: str) -> tuple[bytes, list[Any]]:
-        """Pin a version for `consumer_id` and return (manifest, bucket refs); negative = newest."""
-        from services.weights import convert  # loaded with the store (torch) by __init__
-
-        stored = self._servicer.store.get(policy_version)  # checked before the hold: a refusal pins nothing
-        if not isinstance(stored.payload, list):
+        """(manifest, bucket refs) of a version, from the object_refs actor; negative = newest.
+        Takes no hold (a reader's borrowed refs keep the objects); `consumer_id` is kept for the
+        callers that pass it."""
+        try:
+            stored = self._servicer.store.get(policy_version)
+        except NotFound:
+            stored = None  # the board may not have it yet: the actor answers
+        if stored is not None and "object_store" not in stored.manifest.transports:
             raise FailedPrecondition(
                 f"version {stored.policy_version} is not in the object store (it travels over "
                 f"{list(stored.manifest.transports)})"
             )
-        m = self._servicer.store.acquire(consumer_id, stored.policy_version, time.time())
-        return convert.manifest_to_proto(m).SerializeToString(), list(stored.payload)
+        return await (await self.object_refs()).lookup.remote(policy_version)  # type: ignore[no-any-return]
 
     async def release_version(self, policy_version: int, consumer_id: str) -> None:
         self._servicer.store.release(consumer_id, policy_version, time.time())

@@ -250,8 +250,17 @@ class TrainerParts:
     publisher: WeightPublisher | RankZeroPublisher
 
     async def close(self) -> None:
-        await self.group.close()
-        await self.coordinator.close()
+        try:
+            close = getattr(self.publisher, "close", None)  # its connections; object_store: the last manifest's board
+            if close is not None:
+                await close()
+        except Exception as exc:  # noqa: BLE001 -- shutting down: logged, the rest still closes
+            from services.common.logging import get_logger
+
+            get_logger(__name__).warning("publisher_close_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            await self.group.close()
+            await self.coordinator.close()
 
 
 

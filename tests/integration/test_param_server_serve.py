@@ -205,3 +205,38 @@ def test_a_ranks_export_is_registered_as_the_objects_it_crossed_in(serve_app: in
         assert set(got) == set(want) and all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items())
 
     asyncio.run(main())
+
+
+def test_object_store_versions_live_in_the_object_refs_actor_and_survive_its_loss(serve_app: int) -> None:
+    """The refs live in a plain actor the replica hands out (object_refs.py): a lookup takes no
+    hold, the replica's store gets the manifest behind the registration (ListVersions), and when
+    the actor dies the replica makes a new one: its versions are gone, the next publish goes
+    through. Runs after the cases above: versions 2000+ are the newest."""
+    import ray
+    from ray import serve
+
+    async def main() -> None:
+        directory = ServeDirectory.from_app()
+        pub = ObjectStorePublisher(directory)
+        ref = await pub.publish(2000, buckets(2000))
+        await pub.close()  # the manifest has reached the replica's store
+        handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)
+        async with ParamServerClient(await handle.data_address.remote()) as client:
+            assert (await client.get_manifest(2000)).checksum == ref.manifest_checksum
+        fetcher = ObjectStoreFetcher(directory, consumer_id="driver")
+        got = {n: t.clone() async for b in fetcher.fetch(ref) for n, t in b}
+        assert same(got, 2000)
+        actor = await handle.object_refs.remote()
+        assert (await actor.stats.remote())["versions"] == [2000]
+        ray.kill(actor)
+        with pytest.raises(Exception, match=r"not held|no version"):
+            async for _ in fetcher.fetch(ref):  # the version died with the actor
+                pass
+        ref2 = await pub.publish(2001, buckets(2001))  # into the replica's new actor
+        got = {n: t.clone() async for b in fetcher.fetch(ref2) for n, t in b}
+        assert same(got, 2001)
+        assert (await (await handle.object_refs.remote()).stats.remote())["versions"] == [2001]
+        await pub.close()
+        await fetcher.close()
+
+    asyncio.run(main())

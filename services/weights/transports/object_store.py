@@ -9,19 +9,21 @@
              host with >= 8 CPUs two buckets are put at once, the next bucket exported while they
              copy; a bucket that crossed from a trainer rank on this node is already such an
              object, owned here: it is registered as it is, no put) ─▶ the param
-             server deployment registers the manifest + refs (handle call; refs stay refs)
-    rollout: handle call (pins the version) ─▶ manifest + refs ─▶ ray.get: on the same node the
+             server's object_refs actor keeps the manifest + refs (a plain actor call; refs stay
+             refs; the replica's store gets the manifest behind it)
+    rollout: the object_refs actor (a plain call, no hold: the fetch's borrowed refs keep the
+             objects) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
              ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify:
              `remote` fingerprints every bucket not put on this node, read from the ref's owner)
-             ─▶ after the last bucket, the release (handle call) is sent at once and its answer
-             awaited beside the caller: the consumer does not wait for it; this fetcher's next
-             fetch (or close) does, so holds are released in order; the request is delivered by
-             the handle's router even if the caller's loop ends first; a failed release is logged
-             and counted (the hold's TTL frees it)
+             ─▶ after the last bucket, the directory's release, awaited beside the caller (a
+             no-op for ServeDirectory, which takes no hold; a directory that pins versions gets
+             its releases in order: this fetcher's next fetch or close waits for them; a failed
+             one is logged and counted)
 
-The param server keeps the refs (as a borrower) until retention evicts the version, so the
-objects live exactly as long as the version is retained; then the publisher (their owner) frees
+The object_refs actor keeps the refs (as a borrower) until retention drops the version, so the
+objects live exactly as long as the version is retained, or a fetch that looked it up still reads
+it; then the publisher (their owner) frees
 them and the raylet deletes them in its next batch of frees (`free_objects_period_milliseconds`,
 which `init_ray` sets to 10 ms for a local Ray; Ray's default is 1 s), after which the store reuses
 their pages (a put into fresh shared memory pays a page fault per page). The objects are owned by the process
@@ -83,10 +85,16 @@ class ObjectDirectory(Protocol):
 
 
 class ServeDirectory:
-    """ObjectDirectory over a DeploymentHandle to ParamServerDeployment."""
+    """ObjectDirectory of the param server's Serve app: its versions' refs are kept by a plain Ray
+    actor the replica hands out (services/param_server/object_refs.py), so registrations and
+    lookups are plain actor calls, not Serve handle calls through its router. The replica's store
+    gets each manifest behind the registration (its board: ListVersions, GetManifest, metrics)."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+        self._refs: Any = None  # the object_refs actor, asked of the replica once
+        self._board: asyncio.Task[None] | None = None  # the last manifest on its way to the replica's store
+        self.board_failures = 0
 
     @classmethod
     def from_app(cls, app_name: str = "param_server", deployment: str = "ParamServer") -> ServeDirectory:
@@ -94,16 +102,54 @@ class ServeDirectory:
 
         return cls(serve.get_deployment_handle(deployment, app_name=app_name))
 
+    async def connect(self) -> None:
+        """Get the object_refs actor and wait until it answers (else the first call does)."""
+        await self._call("stats")
+
+    async def _table(self, stale: Any = None) -> Any:
+        if self._refs is None or self._refs is stale:
+            self._refs = await self.handle.object_refs.remote()
+        return self._refs
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """A call on the object_refs actor; asked for again once if it died (the replica makes a
+        new one: the versions it held are gone, a registration goes into the new one)."""
+        ray = _ray()
+        table = await self._table()
+        try:
+            return await getattr(table, method).remote(*args)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            log.warning("object_refs_unreachable", method=method, error=f"{type(exc).__name__}: {exc}")
+            table = await self._table(stale=table)
+            return await getattr(table, method).remote(*args)
+
+    async def _post_board(self, raw: bytes, version: int) -> None:
+        try:
+            await self.handle.register_object_store_version.remote(raw)
+        except Exception as exc:  # noqa: BLE001 -- the board only: fetchers have the version already
+            self.board_failures += 1
+            log.warning("board_registration_failed", policy_version=version, error=f"{type(exc).__name__}: {exc}",
+                        hint="ListVersions/GetManifest miss this version; fetches are not affected")
+
+    async def settle(self) -> None:
+        """Wait for the last manifest to reach the replica's store (its failure is logged)."""
+        board, self._board = self._board, None
+        if board is not None:
+            await board
+
     async def register(self, manifest: pb.Manifest, refs: list[Any]) -> None:
-        await self.handle.register_object_store_version.remote(manifest.SerializeToString(), refs)
+        await self.settle()  # manifests reach the board in version order
+        raw = manifest.SerializeToString()
+        await self._call("register", raw, refs)
+        self._board = asyncio.ensure_future(self._post_board(raw, manifest.policy_version))
 
     async def lookup(self, policy_version: int, consumer_id: str) -> tuple[pb.Manifest, list[Any]]:
-        raw, refs = await self.handle.object_store_version.remote(policy_version, consumer_id)
+        raw, refs = await self._call("lookup", policy_version)
         return pb.Manifest.FromString(raw), list(refs)
 
     def release(self, policy_version: int, consumer_id: str) -> Awaitable[None]:
-        # .remote() hands the request to the handle's router (its own loop and thread) at once
-        return self.handle.release_version.remote(policy_version, consumer_id)  # type: ignore[no-any-return]
+        # a lookup takes no hold: the fetch's borrowed refs keep its objects (object_refs.py)
+        return _known(None)
 
 
 def _layout_arrays(planned: PlannedBucket) -> list[tuple[int, np.ndarray]]:
@@ -206,6 +252,13 @@ class ObjectStorePublisher:
         self.address = address
         self.timeout_s = timeout_s
         self.puts_in_flight = puts_in_flight
+
+    async def close(self) -> None:
+        """Wait for what the last registration left on its way (ServeDirectory: the manifest to
+        the replica's store)."""
+        settle = getattr(self.directory, "settle", None)
+        if settle is not None:
+            await settle()
 
     async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         ray = _ray()
