@@ -230,8 +230,7 @@ def test_object_store_versions_live_in_the_object_refs_actor_and_survive_its_los
         assert (await actor.stats.remote())["versions"] == [2000]
         ray.kill(actor)
         with pytest.raises(Exception, match=r"not held|no version"):
-            async for _ in fetcher.fetch(ref):  # the version died with the actor
-                pass
+            await anext(fetcher.fetch(ref))  # the version died with the actor
         ref2 = await pub.publish(2001, buckets(2001))  # into the replica's new actor
         got = {n: t.clone() async for b in fetcher.fetch(ref2) for n, t in b}
         assert same(got, 2001)

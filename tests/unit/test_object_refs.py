@@ -83,16 +83,19 @@ def test_the_actor_wraps_the_table() -> None:
 
 
 class DeadActor(Exception):
-    pass
+    """What a call on a dead actor raises (stands in for Ray's RayActorError)."""
 
 
 class FakeMethod:
+    """`.remote(*args)` of a handle: an awaitable of `fn(*args)` (awaited as is when `fn` is async)."""
+
     def __init__(self, fn: Any) -> None:
         self.fn = fn
 
     def remote(self, *args: Any) -> Any:
         async def call() -> Any:
-            return self.fn(*args)
+            out = self.fn(*args)
+            return await out if asyncio.iscoroutine(out) else out
         return call()
 
 
@@ -122,7 +125,7 @@ class FakeHandle:
         self.board_gate = asyncio.Event()
         self.board_error: Exception | None = None
         self.object_refs = FakeMethod(self._object_refs)
-        self.register_object_store_version = _AsyncMethod(self._board)
+        self.register_object_store_version = FakeMethod(self._board)
 
     def _object_refs(self) -> FakeActor:
         if self.actors[-1].dead:
@@ -134,14 +137,6 @@ class FakeHandle:
         if self.board_error is not None:
             raise self.board_error
         self.board.append(pb.Manifest.FromString(raw).policy_version)
-
-
-class _AsyncMethod:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
 
 
 @pytest.fixture
