@@ -45,6 +45,12 @@ log = get_logger(__name__)
 FetcherFactory = Callable[[MeshConfig], WeightFetcher]
 
 
+DRAIN_TIMEOUT_S = 30.0
+"""How long shutdown waits for the worker to return its leases and stop its groups."""
+CLOSE_TIMEOUT_S = 30.0
+"""What shutdown allows, after the drain, for the engine to stop (the transformers engine joins its
+thread for up to 30 s) and the coordinator channel to close."""
+
 SCORE_RETRY_S = 60.0
 """How long a Score call is retried while the reward replica that took it died and Serve replaces it
 (scoring has no side effects); an error of the reward service itself is never retried here."""
@@ -167,7 +173,7 @@ class RolloutDeployment:
         if not hasattr(self, "worker"):  # the constructor failed: nothing was leased
             return
         try:
-            returned, _ = await asyncio.wait_for(self.worker.stop(finish_in_flight=False), 30)
+            returned, _ = await asyncio.wait_for(self.worker.stop(finish_in_flight=False), DRAIN_TIMEOUT_S)
             log.info("rollout_replica_drained", returned_leases=returned)
         finally:
             await self.engine.close()
@@ -185,9 +191,15 @@ def in_flight_policy(ctx: Any) -> tuple[int, dict[str, Any]]:
 
 
 def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
-    """serve.deployment(...) options from serve.rollout."""
+    """serve.deployment(...) options from serve.rollout. Serve kills a replica that is still in
+    `__del__` graceful_shutdown_timeout_s after asking it to stop (20 s by default): the drain's
+    bound plus the engine's and the channel's close must fit in it."""
     actor = app.ray_actor_options()
-    opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": app.max_ongoing_requests}
+    opts: dict[str, Any] = {
+        "ray_actor_options": actor,
+        "max_ongoing_requests": app.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": DRAIN_TIMEOUT_S + CLOSE_TIMEOUT_S,
+    }
     if app.autoscaling is None:
         opts["num_replicas"] = app.num_replicas
     else:

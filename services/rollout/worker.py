@@ -239,12 +239,9 @@ class RolloutWorker:
         # earlier one was being aborted would be submitted by its task and returned here too.
         for g in to_return:
             g.cancel_reason = "drain"
-        for g in to_return:
-            await self._abort_group(g, "drain")
-        for g in to_return:
-            if g.task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await g.task
+        # Marked, none of them can submit any more: their prompts go back before the engine is
+        # asked to stop, so another replica gets them however long the aborts take (a replica
+        # being shut down is killed after serve's graceful_shutdown_timeout_s).
         returned = 0
         ids = [g.lease.lease_id for g in to_return]
         if ids and self.coordinator is not None:
@@ -253,6 +250,12 @@ class RolloutWorker:
             except grpc.RpcError as exc:  # the leases expire instead: nothing is lost
                 log.warning("return_leases_failed", error=str(exc), leases=len(ids))
         self.counters.leases_returned += returned
+        for g in to_return:
+            await self._abort_group(g, "drain")
+        for g in to_return:
+            if g.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await g.task
         before = self.counters.groups_submitted
         remaining = [g.task for g in self._groups.values() if g.task is not None]
         if remaining:

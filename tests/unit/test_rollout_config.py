@@ -10,7 +10,7 @@ from meshrl.v1 import common_pb2
 from services.common.config import load_config
 from services.common.errors import ConfigError, InvalidArgument
 from services.rollout import convert, factory
-from services.rollout.deployment import deployment_options, in_flight_policy
+from services.rollout.deployment import CLOSE_TIMEOUT_S, DRAIN_TIMEOUT_S, deployment_options, in_flight_policy
 from services.rollout.engines import get_engine_cls
 from services.rollout.engines.vllm_args import engine_args_from_config
 
@@ -96,6 +96,8 @@ def test_serve_options_and_in_flight_autoscaling() -> None:
     opts = deployment_options(cfg.serve.rollout)
     assert opts["ray_actor_options"]["num_gpus"] == 1 and "num_replicas" not in opts
     assert opts["autoscaling_config"]["policy"]["policy_function"].endswith(":in_flight_policy")
+    # Serve kills a replica still shutting down after graceful_shutdown_timeout_s: the drain fits.
+    assert opts["graceful_shutdown_timeout_s"] >= DRAIN_TIMEOUT_S + CLOSE_TIMEOUT_S
 
     def ctx(values: list[float]) -> SimpleNamespace:
         return SimpleNamespace(

@@ -233,6 +233,33 @@ def test_a_group_finishing_while_drain_aborts_another_is_returned_not_submitted(
     assert (returned, finished) == (2, 0)
 
 
+def test_drain_returns_leases_before_the_engine_stops_generating(tok: Any) -> None:
+    """A replica being shut down is killed after serve's graceful_shutdown_timeout_s, so drain
+    must not hold the prompts while the engine's aborts take their time: here every abort waits
+    until the coordinator has both leases back (drain's old order, aborts first, hangs)."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=1)
+    coord = FakeCoordinator(_prompts(2), sampling)
+
+    engine = _GatedEngine()
+
+    async def scenario() -> tuple[int, int]:
+        worker = RolloutWorker(engine, tok, coord, length_scorer, None,  # type: ignore[arg-type]
+                               WorkerSettings(replica_id="r0", idle_poll_s=0.05, concurrent_groups=2))
+        worker.start()
+        await wait_for(lambda: set(engine.release) == {"r0/L0", "r0/L1"}, what="two groups generating")
+
+        async def slow_abort(request_id: str) -> None:
+            await wait_for(lambda: sorted(coord.returned) == ["L0", "L1"], timeout_s=10, what="leases back before the abort ends")
+
+        engine.on_abort = slow_abort
+        return await asyncio.wait_for(worker.stop(), 30)
+
+    returned, finished = asyncio.run(scenario())
+    assert coord.submitted == [] and sorted(coord.returned) == ["L0", "L1"]
+    assert (returned, finished) == (2, 0)
+    assert engine.aborted == {"r0/L0", "r0/L1"}, "the engine still stops both groups' requests"
+
+
 def test_abort_outputs_are_continued_not_lost(tok: Any) -> None:
     """engine.abort_all() outside the worker's own cancellations counts as an interruption: the
     worker continues the samples, so the group still arrives complete."""
