@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.config import MeshConfig
+from services.common.config.actor_rollout_ref import MegatronConfig
 from services.common.model_arch import ModelArch
 
 GiB = 1024**3
@@ -41,6 +42,28 @@ def stage_layers(num_layers: int, pp: int, first: int | None, last: int | None) 
         return None
     mid = [rest // middle_stages] * middle_stages
     return ([f] if f is not None else []) + mid + ([la] if la is not None else [])
+
+
+def stage_params(arch: ModelArch, m: MegatronConfig) -> list[tuple[int, int]]:
+    """(dense, expert) parameters of each megatron pipeline stage: its layers, the input embedding
+    on the first stage, the LM head (0 if tied) and the final norm on the last."""
+    pp = m.pipeline_model_parallel_size
+    tcfg = m.override_transformer_config
+    stages = stage_layers(arch.num_layers, pp, tcfg.get("num_layers_in_first_pipeline_stage"),
+                          tcfg.get("num_layers_in_last_pipeline_stage")) or [arch.num_layers // pp] * pp
+    counts = arch.param_counts()
+    out: list[tuple[int, int]] = []
+    start = 0
+    for s, n in enumerate(stages):
+        dense = sum(arch.layer_params(i)[0] for i in range(start, start + n))
+        expert = sum(arch.layer_params(i)[1] for i in range(start, start + n))
+        start += n
+        if s == 0:
+            dense += counts["embedding"]
+        if s == pp - 1:
+            dense += counts["output"] + arch.hidden_size
+        out.append((dense, expert))
+    return out
 
 
 def trainer_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings: list[str]) -> None:
@@ -175,26 +198,14 @@ def memory_estimate(cfg: MeshConfig, arch: ModelArch) -> dict[str, Any]:
     """Per-rank at-rest bytes of parameters, gradients and optimizer state, and where they live."""
     actor = cfg.actor_rollout_ref.actor
     world = _world(cfg)
-    counts = arch.param_counts()
     if actor.strategy in ("megatron", "mindspeed"):
         m = actor.megatron
         tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
         ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
-        tcfg = m.override_transformer_config
-        stages = stage_layers(arch.num_layers, pp, tcfg.get("num_layers_in_first_pipeline_stage"),
-                              tcfg.get("num_layers_in_last_pipeline_stage")) or [arch.num_layers // pp] * pp
         dp = max(1, world // (tp * pp * cp))
         edp = max(1, world // (pp * etp * ep))
         worst: dict[str, float] = {}
-        start = 0
-        for s, n in enumerate(stages):
-            dense = sum(arch.layer_params(i)[0] for i in range(start, start + n))
-            expert = sum(arch.layer_params(i)[1] for i in range(start, start + n))
-            start += n
-            if s == 0:
-                dense += counts["embedding"]
-            if s == pp - 1:
-                dense += counts["output"] + arch.hidden_size
+        for s, (dense, expert) in enumerate(stage_params(arch, m)):
             dense_rank, expert_rank = dense / tp, expert / (etp * ep)
             opt_div_dense = dp * cp if m.use_distributed_optimizer else 1
             opt_div_expert = edp if m.use_distributed_optimizer else 1

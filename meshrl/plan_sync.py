@@ -6,11 +6,17 @@ The model (the numbers it was checked against are in BENCHMARKS.md, "Weight sync
     L          X / 8 GB/s: one device's link (one NIC per device, as 8 x 400G nodes have; on one
                host, the device's NVLink bandwidth per direction)
     S          senders: 1 (rank 0 gathers and broadcasts every byte), or every trainer rank with
-               `param_server.collective_sharded` (each sends the rows it owns)
+               `param_server.collective_sharded` (each sends the part it owns). FSDP: every rank
+               sends 1/S. megatron / mindspeed: replicas send nothing, so dense bytes leave the
+               TP x PP ranks of one data-parallel replica, expert bytes the EP x ETP x PP ranks
+               of one expert-data-parallel replica; S = the larger of the two counts, and the most
+               loaded rank carries its stage's dense/TP + expert/(EP x ETP) (its stage's layers;
+               embedding, LM head: meshrl.plan_layout.stage_params), an upper bound where the two
+               kinds' senders are not the same ranks
     receive    every rollout node must take in all B bytes; NCCL's broadcast rings spread them
                over the node's links, so a node takes in at most min(S, devices per node) x L
                (one sender's broadcast runs at one link's speed into any one node)
-    wire_s   = B / (min(S, rollout devices per node) x L)
+    wire_s   = max(B / (min(S, rollout devices per node) x L), most loaded sender's bytes / L)
                the broadcast is pipelined, so the number of rollout nodes adds latency, not time
     gather_s = B / L (rank 0 only, trainer sharded over more than one device): rank 0's export
                all-gathers the full tensors while it sends them; the two overlap bucket by bucket,
@@ -46,6 +52,8 @@ from typing import Any
 from services.common.config import MeshConfig
 from services.common.config.actor_rollout_ref import COLLECTIVE_BACKENDS
 from services.common.model_arch import ModelArch
+
+from .plan_layout import stage_params
 
 DEFAULT_EFFICIENCY = 0.7
 """The nccl transport's share of a raw broadcast, one sender, 8 GiB (BENCHMARKS.md: 0.58-0.74 on
@@ -86,16 +94,18 @@ def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
     link = link_gbps / 8 * 1e9
     trainer_world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     per_node = cfg.rollout.n_gpus_per_node
-    sharded_ok = cfg.actor_rollout_ref.actor.strategy in ("fsdp", "fsdp2")
+    arr = cfg.actor_rollout_ref
+    # every engine sends its own part (TrainEngine.export_shards); the transport and LoRA decide
+    sharded_ok = arr.rollout.checkpoint_engine.backend in COLLECTIVE_BACKENDS and arr.model.lora_rank == 0
 
-    def case(senders: int, gather: bool) -> dict[str, float]:
-        wire = nbytes / (min(senders, per_node) * link)
+    def case(senders: int, gather: bool, most_loaded: float) -> dict[str, float]:
+        wire = max(nbytes / (min(senders, per_node) * link), most_loaded / link)
         gather_s = nbytes / link if gather else 0.0
         return {"senders": senders, "wire_s": round(wire, 3), "gather_s": round(gather_s, 3),
                 "expected_s": round(max(wire, gather_s) / efficiency, 3)}
 
-    rank0 = case(1, trainer_world > 1)
-    every = case(trainer_world, False)
+    rank0 = case(1, trainer_world > 1, nbytes)
+    every = case(*_every_rank_senders(cfg, arch, trainer_world))
     mode = "every_rank" if cfg.param_server.collective_sharded else "rank0"
     whole = every if mode == "every_rank" else rank0
     return {
@@ -108,9 +118,27 @@ def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
         "every_rank": {**every, "available": sharded_ok},
         "speedup_every_rank": round(rank0["expected_s"] / every["expected_s"], 2),
         "delta": _delta_case(cfg, arch.total_params, whole, link, per_node, efficiency, changed_fraction),
-        "note": "every_rank needs param_server.collective_sharded=true and the fsdp engine"
+        "note": "every_rank needs param_server.collective_sharded=true, a collective transport "
+        "(checkpoint_engine.backend nccl, hccl or gloo) and no LoRA"
         if not sharded_ok or mode == "rank0" else "",
     }
+
+
+def _every_rank_senders(cfg: MeshConfig, arch: ModelArch, world: int) -> tuple[int, bool, float]:
+    """(senders, gather, bytes of the most loaded sender) with `param_server.collective_sharded`
+    (the module docstring's S)."""
+    arr = cfg.actor_rollout_ref
+    per_param = export_bytes_per_param(cfg)
+    if arr.actor.strategy not in ("megatron", "mindspeed"):
+        return world, False, arch.total_params * per_param / world
+    m = arr.actor.megatron
+    tp, pp, ep = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size
+    etp = m.expert_tensor_parallel_size or tp
+    stages = stage_params(arch, m)
+    most = max(dense / tp + expert / (ep * etp) for dense, expert in stages) * per_param
+    has_experts = any(expert for _, expert in stages)
+    senders = min(world, max(tp * pp, ep * etp * pp if has_experts else 0))
+    return senders, False, min(most, arch.total_params * per_param)
 
 
 def _delta_case(cfg: MeshConfig, params: int, whole: dict[str, float], link: float, per_node: int,

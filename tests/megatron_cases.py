@@ -49,6 +49,9 @@ def check_equivalence(r: dict[str, Any], *, n_micro: int, logprob_atol: float = 
                       grad_rtol: float = GRAD_NORM_RTOL, post_atol: float = POST_TRAIN_LOGPROB_ATOL) -> None:
     assert r["hf_roundtrip_exact"], "HF -> megatron -> HF was not bit-exact"
     assert r["export_names_match"], "exported names differ from the checkpoint's"
+    # param_server.collective_sharded: the ranks' own slices are the export, each byte from one rank
+    assert r["shards_rebuild_export"], "the ranks' own slices do not rebuild the export"
+    assert sum(r["shard_bytes_per_rank"]) == r["export_bytes"], (r["shard_bytes_per_rank"], r["export_bytes"])
     assert r["logprob_max_abs_diff"] <= logprob_atol, r["logprob_max_abs_diff"]
     assert r["entropy_max_abs_diff"] <= logprob_atol, r["entropy_max_abs_diff"]
     for got, ref in zip(r["grad_norms"], r["ref_grad_norms"], strict=True):

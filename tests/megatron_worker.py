@@ -198,6 +198,26 @@ def main() -> None:
     for bucket in engine.export_weights(bucket_bytes=64 * 1024):
         exported.update(dict(bucket))
 
+    # param_server.collective_sharded: each rank's own slices (no collective), gathered here only
+    # to check that together they are the export, element for element, each sent once.
+    import torch.distributed as dist
+
+    from services.weights.shards import ShardAssembler
+
+    own = [(n, t.cpu()) for bucket in engine.export_shards(bucket_bytes=64 * 1024) for n, t in bucket]
+    every_rank: list = [None] * engine.world_size
+    dist.all_gather_object(every_rank, own)
+    shards_report: dict[str, object] = {}
+    if engine.rank == 0:
+        asm = ShardAssembler("cpu")
+        rebuilt = {n: t for part in every_rank for wire, piece in part for n, t in asm.add(wire, piece)}
+        shards_report = {
+            "shards_rebuild_export": asm.finish() == sorted(exported)
+            and all(rebuilt[k].dtype == exported[k].dtype and torch.equal(rebuilt[k], exported[k]) for k in exported),
+            "shard_bytes_per_rank": [sum(t.numel() * t.element_size() for _, t in part) for part in every_rank],
+            "export_bytes": sum(t.numel() * t.element_size() for t in exported.values()),
+        }
+
     from services.trainer.engines.megatron.weights import unwrap
 
     report: dict[str, object] = {
@@ -207,6 +227,7 @@ def main() -> None:
         },
         "applied_optimizer": {k: repr(getattr(engine.optimizer_config, k)) for k in mcfg.override_optimizer_config},
         "export_equals_initial": all(torch.equal(exported[k], initial[k]) for k in initial) if engine.rank == 0 else None,
+        **shards_report,
     }
     if args.save_dir:
         try:

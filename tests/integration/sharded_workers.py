@@ -46,11 +46,21 @@ def owned_rows(rows: int, rank: int, senders: int) -> tuple[int, int]:
 
 def shard_buckets(version: int, rank: int, senders: int, device: str = "cpu",
                   mode: str = "ok") -> list[list[tuple[str, torch.Tensor]]]:
+    """mode "megatron": ranks 0 and 1 own the tensors as megatron's TP ranks do (down_proj, a
+    row-parallel weight, by columns; the others by rows) and every other rank is a data-parallel
+    replica that sends nothing."""
     from services.weights.shards import shard_name
 
     out: list[tuple[str, torch.Tensor]] = []
+    owners = min(senders, 2) if mode == "megatron" else senders
+    if rank >= owners:
+        return []
     for name, t in weights_for(version, mode).items():
-        start, stop = owned_rows(t.shape[0], rank, senders)
+        if mode == "megatron" and name.endswith("down_proj.weight"):
+            start, stop = owned_rows(t.shape[1], rank, owners)
+            out.append((shard_name(name, start, stop, t.shape[1], dim=1), t[:, start:stop].to(device)))
+            continue
+        start, stop = owned_rows(t.shape[0], rank, owners)
         if stop > start:
             out.append((shard_name(name, start, stop, t.shape[0]), t[start:stop].to(device)))
     if rank == 0:

@@ -50,3 +50,18 @@ def test_gloo_delta_sync_from_every_trainer_rank_rebuilds_whole_tensors() -> Non
         for role in ("sent0", "sent1"):  # the first version whole, then each against the one before
             # down_proj's rows (200 KB per rank) go as a delta; the smaller tensors whole
             assert got[(role, version)][0] == f"ok base={version - 1} deltas={int(version > 1)}", got
+
+
+def test_gloo_megatron_layout_columns_and_a_replica_that_sends_nothing() -> None:
+    """megatron's layout (param_server.collective_sharded with the megatron engine): two TP ranks
+    own the tensors, one row-parallel weight split by columns, and a third trainer rank is a
+    data-parallel replica whose stream is empty. The rollout ranks still rebuild every tensor,
+    version after version, and the replica's sender finishes each version like the others."""
+    plan = [(v, "megatron") for v in range(1, 3)]
+    got = run_sharded("gloo", 3, sender_plans=[plan, plan, plan],
+                      receiver_plans=[[(v, "megatron", 60.0) for v in range(1, 3)] for _ in range(2)])
+    for version in range(1, 3):
+        for role in ("recv0", "recv1"):
+            assert got[(role, version)] == ("identical", 0), got
+        for role in ("sent0", "sent1", "sent2"):
+            assert got[(role, version)] == ("ok", 0), got

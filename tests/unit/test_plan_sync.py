@@ -20,7 +20,25 @@ def test_235b_recipe_on_128_plus_128_npus() -> None:
     assert sync["every_rank"]["senders"] == 128
     assert sync["every_rank"]["wire_s"] == pytest.approx(470.187 / (16 * 25), rel=1e-3)
     assert sync["speedup_every_rank"] == pytest.approx(16, rel=1e-2)
-    assert sync["every_rank"]["available"] is False and "fsdp" in sync["note"]  # a megatron recipe
+    assert sync["every_rank"]["available"] is True and "collective_sharded=true" in sync["note"]  # not set here
+
+
+def test_megatron_replicas_send_nothing_and_the_most_loaded_rank_can_set_the_pace() -> None:
+    """megatron's every-rank sync: dense bytes leave one data-parallel replica's TP x PP ranks,
+    expert bytes one expert-data-parallel replica's EP x ETP x PP ranks. Without expert
+    parallelism each of the 8 stages' ranks carries an eighth of the 227B expert parameters, and
+    that rank's link, not the receiving node, sets the pace."""
+    base = make_plan("qwen3_235b_a22b_grpo_megatron_npu", [], link_gbps=200)["weight_sync"]["every_rank"]
+    no_ep = ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
+             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"]
+    plan = make_plan("qwen3_235b_a22b_grpo_megatron_npu", no_ep, link_gbps=200)
+    sync = plan["weight_sync"]["every_rank"]
+    assert base["senders"] == 128  # TP4 x PP8 dense owners, EP4 x ETP4 x PP8 expert owners
+    assert sync["senders"] == 32  # TP4 x PP8 (data-parallel replicas: 4, of which one sends)
+    expert_gb = plan["model"]["params_by_kind"]["expert"] * 2 / 1e9
+    # the stages hold 11-12 of the 94 layers: the largest stage's experts over one 25 GB/s link
+    assert sync["wire_s"] == pytest.approx(expert_gb * 12 / 94 / 25, rel=0.02)
+    assert sync["wire_s"] > 470.187 / (16 * 25)  # slower than the receiving node's bound
 
 
 def test_time_falls_with_senders_until_the_receiving_node_saturates() -> None:

@@ -6,13 +6,18 @@ import pytest
 import torch
 
 from services.common.errors import DataLoss
-from services.weights.shards import ShardAssembler, parse_shard, sender_group, shard_name
+from services.weights.shards import Shard, ShardAssembler, parse_shard, sender_group, shard_name
 
 
 def test_names_round_trip_and_plain_names_are_not_shards() -> None:
     wire = shard_name("model.layers.0.mlp.down_proj.weight", 32, 64, 100)
-    assert parse_shard(wire) == ("model.layers.0.mlp.down_proj.weight", 32, 64, 100)
+    assert parse_shard(wire) == ("model.layers.0.mlp.down_proj.weight", 32, 64, 100, 0)
+    cols = shard_name("model.layers.0.mlp.down_proj.weight", 0, 16, 64, dim=1)
+    assert cols == "model.layers.0.mlp.down_proj.weight@cols=0:16/64"
+    assert parse_shard(cols) == Shard("model.layers.0.mlp.down_proj.weight", 0, 16, 64, dim=1)
     assert parse_shard("model.norm.weight") is None
+    with pytest.raises(ValueError, match=r"dim 0 .* or 1"):
+        shard_name("w", 0, 1, 2, dim=2)
     assert sender_group("rollout", 3) == "rollout.s3"
     with pytest.raises(ValueError, match="non-empty"):
         shard_name("w", 5, 5, 10)
@@ -35,7 +40,8 @@ def test_shards_in_any_order_rebuild_the_tensor_and_plain_tensors_pass_through()
 @pytest.mark.parametrize(
     ("second", "message"),
     [
-        ((shard_name("w", 2, 6, 8), torch.zeros(4, 3)), "overlaps"),
+        ((shard_name("w", 2, 6, 8), torch.zeros(4, 3)), "overlap"),
+        ((shard_name("w", 0, 3, 3, dim=1), torch.zeros(8, 3)), "disagree"),
         ((shard_name("w", 4, 8, 8), torch.zeros(4, 2)), "disagree"),
         ((shard_name("w", 4, 8, 8), torch.zeros(4, 3, dtype=torch.bfloat16)), "disagree"),
         ((shard_name("w", 4, 8, 9), torch.zeros(4, 3)), "disagree"),
@@ -48,6 +54,23 @@ def test_inconsistent_shards_are_data_loss(second: tuple[str, torch.Tensor], mes
     asm.add(shard_name("w", 0, 4, 8), torch.zeros(4, 3))
     with pytest.raises(DataLoss, match=message):
         asm.add(*second)
+
+
+def test_column_shards_rebuild_the_tensor_and_must_agree_on_the_rows() -> None:
+    """megatron's row-parallel weights (o_proj, down_proj) are split along dim 1."""
+    full = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
+    asm = ShardAssembler("cpu")
+    assert asm.add(shard_name("w", 3, 6, 6, dim=1), full[:, 3:]) == []
+    [(name, got)] = asm.add(shard_name("w", 0, 3, 6, dim=1), full[:, :3].clone())
+    assert name == "w" and torch.equal(got, full)
+    bad = ShardAssembler("cpu")
+    bad.add(shard_name("w", 0, 3, 6, dim=1), torch.zeros(4, 3))
+    with pytest.raises(DataLoss, match="disagree"):
+        bad.add(shard_name("w", 3, 6, 6, dim=1), torch.zeros(5, 3))
+    with pytest.raises(DataLoss, match="not 3 cols"):
+        bad.add(shard_name("w", 3, 6, 6, dim=1), torch.zeros(4))
+    with pytest.raises(DataLoss, match=r"incomplete.*3/6 cols"):
+        bad.finish()
 
 
 def test_missing_rows_fail_at_the_end_and_a_shard_after_completion_is_data_loss() -> None:

@@ -75,9 +75,10 @@ class ParamServerConfig(ConfigModel):
     collective_master_address: str | None = None
     """Address the trainer's rank 0 listens on for the broadcast group; null: this host's IP."""
     collective_sharded: bool = False
-    """nccl/hccl/gloo: every trainer rank broadcasts the rows it owns (its FSDP shard) in a group of
-    its own and the rollout ranks rebuild whole tensors, instead of rank 0 gathering and sending
-    every byte (services/weights/transports/collective/sharded.py); fsdp engine only."""
+    """nccl/hccl/gloo: every trainer rank broadcasts the part it owns (its FSDP shard; megatron's
+    TP / expert-TP slices, experts and pipeline stage, replicas sending nothing) in a group of its
+    own and the rollout ranks rebuild whole tensors, instead of rank 0 gathering and sending every
+    byte (services/weights/transports/collective/sharded.py); not with LoRA."""
     delta_sync: bool = False
     """nccl/hccl/gloo: send each version as the elements that changed since the version every
     receiver holds (bitwise), whole tensors when a receiver holds another version or none.

@@ -129,14 +129,9 @@ class MeshConfig(ConfigModel):
                     "param_server.collective_sharded needs a collective transport; set "
                     "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl (or hccl, gloo)"
                 )
-            if arr.actor.strategy not in ("fsdp", "fsdp2"):
-                raise ValueError(
-                    f"param_server.collective_sharded sends FSDP shards; actor_rollout_ref.actor.strategy={arr.actor.strategy} "
-                    "cannot send its own part yet: set param_server.collective_sharded=false"
-                )
             if arr.model.lora_rank > 0:
                 raise ValueError(
-                    "param_server.collective_sharded sends full-weight FSDP shards; a LoRA run's versions are the "
+                    "param_server.collective_sharded sends each rank's part of the full weights; a LoRA run's versions are the "
                     "adapter alone (small): set param_server.collective_sharded=false with actor_rollout_ref.model.lora_rank>0"
                 )
         if self.reward_model.overlong_buffer.enable:

@@ -45,6 +45,7 @@ from services.trainer.engines.base import (
     register_engine,
 )
 from services.weights import Bucket
+from services.weights.layout import group_by_bytes
 
 from . import runtime
 from .config import MegatronEngineConfig
@@ -60,7 +61,8 @@ from .mcore_config import (
 )
 from .norms import localize_norms
 from .schedule import lr_at
-from .weights import HFCheckpoint, export_hf, load_hf_into, unwrap
+from .shards import owned_slices
+from .weights import HFCheckpoint, export_hf, load_hf_into, local_params, unwrap
 
 runtime.import_megatron()
 
@@ -483,6 +485,16 @@ class MegatronEngine(TrainEngine):
         self._onload(self.model, False)
         try:
             yield from export_hf(self.model, self.arch, self.coords, bucket_bytes, self.groups)
+        finally:
+            self._offload(after_step=False)
+
+    def export_shards(self, bucket_bytes: int) -> Iterator[Bucket]:
+        """This rank's own HF slices (its TP / expert-TP shard, its experts, its stage), copied on
+        its device, with nothing from its replicas (shards.py). No collective."""
+        self._onload(self.model, False)
+        try:
+            params = local_params(self.model, self.arch, self.coords)
+            yield from group_by_bytes(owned_slices(params, self.arch, self.coords, runtime.replicas()), bucket_bytes)
         finally:
             self._offload(after_step=False)
 

@@ -28,6 +28,7 @@ from services.common.device import collective_backend
 from services.common.errors import ConfigError, MissingDependency
 
 from .convert import ParallelCoords, ParallelGroups
+from .shards import Replicas
 
 _CPU_PATCHED = False
 
@@ -214,3 +215,12 @@ def groups() -> ParallelGroups:
         etp=ps.get_expert_tensor_parallel_group(),
         pp=ps.get_pipeline_model_parallel_group(),
     )
+
+
+def replicas() -> Replicas:
+    """This rank's place among its parameters' copies (which rank sends them in the weight sync
+    from every rank): its data-parallel rank with context parallelism, and its expert-data-parallel
+    rank."""
+    from megatron.core import parallel_state as ps
+
+    return Replicas(dense=ps.get_data_parallel_rank(with_context_parallel=True), expert=ps.get_expert_data_parallel_rank())

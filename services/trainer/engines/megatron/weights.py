@@ -107,7 +107,7 @@ def load_hf_into(
     return n
 
 
-def _local_params(chunks: list[torch.nn.Module], arch: ModelArch, coords: ParallelCoords) -> list[tuple[str, torch.Tensor, ParamRule]]:
+def local_params(chunks: list[torch.nn.Module], arch: ModelArch, coords: ParallelCoords) -> list[tuple[str, torch.Tensor, ParamRule]]:
     out: list[tuple[str, torch.Tensor, ParamRule]] = []
     for chunk in chunks:
         lmap = layer_map(chunk)
@@ -174,7 +174,7 @@ def _export_named(
     pp_group, pp_size, pp_rank = groups.pp, coords.pp_size, coords.pp_rank
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else [rank]
     exporting = 0 in pp_ranks
-    local = _local_params(chunks, arch, coords)
+    local = local_params(chunks, arch, coords)
     lmaps = {id(p): layer_map(c) for c in chunks for _, p in unwrap(c).named_parameters()}
 
     for stage in range(pp_size):
