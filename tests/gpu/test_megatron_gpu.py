@@ -29,6 +29,7 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+needs1 = pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA device")
 needs2 = pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA devices")
 
 
@@ -87,3 +88,15 @@ def test_moe_tp2_ep2_bf16(ckpts: dict[str, Path], tmp_path: Path) -> None:
     r = _run("moe_tp2_ep2_bf16", ckpts["qwen3_moe"], tmp_path, 2, "--tp", "2", "--ep", "2", "--etp", "1", "--sp",
              "--dist-opt", "--dtype", "bfloat16")
     check_equivalence(r, n_micro=N_MICRO, logprob_atol=0.1, grad_rtol=0.05, post_atol=0.1)
+
+
+@needs1
+@pytest.mark.parametrize(("arch", "dtype"), [("qwen3", "float32"), ("qwen3_moe", "bfloat16")])
+def test_one_gpu_and_its_own_slices(ckpts: dict[str, Path], tmp_path: Path, arch: str, dtype: str) -> None:
+    """The whole model on one rank (nccl, one GPU), with the distributed optimizer: the engine
+    still matches transformers, and its own slices (param_server.collective_sharded), cut and
+    copied on the device, are its export, byte for byte."""
+    r = _run(f"{arch}_one_gpu_{dtype}", ckpts[arch], tmp_path, 1, "--dist-opt", "--dtype", dtype)
+    tol = {} if dtype == "float32" else {"logprob_atol": 0.1, "grad_rtol": 0.05, "post_atol": 0.1}
+    check_equivalence(r, n_micro=N_MICRO, **tol)
+    assert r["shard_bytes_per_rank"] == [r["export_bytes"]]
