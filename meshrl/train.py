@@ -372,7 +372,7 @@ class MeshRun:
             "rollout/tokens_per_s": (st.tokens_generated - prev.tokens_generated) / dt,
             "rollout/policy_version": st.policy_version, "rollout/groups_in_flight": st.groups_in_flight,
             "rollout/weight_load_s": st.last_weight_load_s,
-            **{f"rollout/{k}": v for k, v in st.engine_stats.items() if k.startswith("weights/")},  # delta sync
+            **{f"rollout/{k}": v for k, v in st.engine_stats.items() if k.startswith("weights/")},  # delta sync, sharded fetch
         }
         path = self.run_dir / "metrics" / "rollout.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)

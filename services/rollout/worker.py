@@ -682,16 +682,22 @@ class RolloutWorker:
         """The newest version the coordinator announced (None before the first announcement)."""
         return int(self._latest_ref.policy_version) if self._latest_ref is not None else None
 
-    def status(self) -> rollout_pb2.GetRolloutStatusResponse:
-        """GetRolloutStatus's answer (also the deployment's handle call)."""
+    def _fetcher_stats(self) -> dict[str, float]:
+        """What the fetcher says of the last version it received: delta sync's numbers, and a
+        sharded fetch's senders and tensors (ShardedFetcher.stats)."""
         from services.weights.delta import fetch_stats
 
+        own = getattr(self.fetcher, "stats", None)
+        return {**fetch_stats(self.fetcher), **(own() if callable(own) else {})}
+
+    def status(self) -> rollout_pb2.GetRolloutStatusResponse:
+        """GetRolloutStatus's answer (also the deployment's handle call)."""
         c = self.counters
         return rollout_pb2.GetRolloutStatusResponse(
             replica_id=self.replica_id, engine=self.engine.name, policy_version=self.engine.version,
             groups_in_flight=len(self._groups), groups_submitted=c.groups_submitted,
             tokens_generated=c.tokens_generated, paused=self.engine.paused, draining=self._draining,
-            engine_stats={**self.engine.stats(), **fetch_stats(self.fetcher)}, uptime_s=time.monotonic() - self._started_at,
+            engine_stats={**self.engine.stats(), **self._fetcher_stats()}, uptime_s=time.monotonic() - self._started_at,
             busy_s=c.busy_s + (time.monotonic() - self._busy_since if self._groups else 0.0),
             last_weight_load_s=c.last_weight_load_s, weights_failed=self._weights_failed, weights_synced=self._synced,
             groups_expired=c.groups_expired, groups_failed=c.groups_failed, leases_returned=c.leases_returned,

@@ -161,8 +161,9 @@ def test_sync_mode_is_on_policy(tmp_path: Path, mode: str) -> None:
 
 # Two ranks and delta sync share a run (each run costs ~55 s here): whole versions with one rank,
 # delta versions exported through two ranks' all-gathers.
-@pytest.mark.parametrize(("ranks", "delta"), [(1, False), (2, True)], ids=["1 rank", "2 ranks, delta sync"])
-def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: int, delta: bool) -> None:
+@pytest.mark.parametrize(("ranks", "delta", "sharded"), [(1, False, False), (2, True, False), (2, False, True)],
+                         ids=["1 rank", "2 ranks, delta sync", "2 ranks, each sends its own shards"])
+def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: int, delta: bool, sharded: bool) -> None:
     """The trainer broadcasts every version to the rollout over the collective transport (gloo:
     the CPU twin of nccl/hccl), announced through the coordinator, the group steady after the
     first version: each version is loaded, the books balance, no check-in fails. With two ranks
@@ -171,13 +172,17 @@ def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: 
     (checked: with rank 1's export skipped, `meshrl train` was still running after 150 s). With
     delta sync (bf16 weights on the wire, a small learning rate: few bf16 elements move per step)
     every version after the first travels as the elements that changed and is rebuilt on the
-    rollout, checked against the sender's fingerprint of each tensor."""
+    rollout, checked against the sender's fingerprint of each tensor. With each rank sending its
+    own shards (param_server.collective_sharded) there is no all-gather: each rank broadcasts its
+    FSDP rows in a group of its own and the rollout rebuilds whole tensors from both."""
     run_dir = tmp_path / "run"
     steps = 10
     layout = [f"trainer.n_gpus_per_node={ranks}", "trainer_service.worker_num_cpus=0.5"] if ranks > 1 else []
     if delta:
         layout += ["param_server.delta_sync=true", "actor_rollout_ref.rollout.dtype=bfloat16",
                    "actor_rollout_ref.actor.optim.lr=1e-6"]
+    if sharded:
+        layout.append("param_server.collective_sharded=true")
     summary = _train(run_dir, f"rollout.total_rollout_steps={32 * steps}", "trainer.test_freq=-1",
                      "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo", "param_server.collective_receivers=1",
                      *layout, timeout_s=400)  # ~40 s; a rank left out of the export hangs it
@@ -195,8 +200,16 @@ def test_weights_broadcast_over_the_collective_transport(tmp_path: Path, ranks: 
     assert loaded and loaded == sorted(loaded) and max(loaded) >= steps - 1, loaded  # the rollout kept up
     logs = _log_tails(run_dir, lines=10_000)
     assert "rendezvous_check_in_failed" not in logs and "bucket_corrupt_nacked" not in logs, logs[-4000:]
+    samples = [json.loads(line) for line in (run_dir / "metrics" / "rollout.jsonl").read_text().splitlines() if line]
+    sharded_seen = [r for r in samples if "rollout/weights/sharded_version" in r]
+    if sharded:  # each version came in two parts, one from each rank, rebuilt whole on the rollout
+        assert sharded_seen and all(r["rollout/weights/sharded_senders"] == 2 for r in sharded_seen), sharded_seen[-2:]
+        assert max(r["rollout/weights/sharded_version"] for r in sharded_seen) >= steps - 1, sharded_seen[-2:]
+        tensors = {r["rollout/weights/sharded_tensors"] for r in sharded_seen}
+        assert len(tensors) == 1 and tensors.pop() > 0, sharded_seen[-2:]  # every version the same whole model
+    else:
+        assert not sharded_seen, sharded_seen[-2:]
     if delta:  # what the rollout's status said about the version it held at each sample
-        samples = [json.loads(line) for line in (run_dir / "metrics" / "rollout.jsonl").read_text().splitlines() if line]
         by_version = {int(r["rollout/weights/delta_version"]): r for r in samples if "rollout/weights/delta_version" in r}
         # base 0: the version went whole (the first one, or after a resync); version numbers start at 1
         deltas = {v: r for v, r in by_version.items() if 0 < r["rollout/weights/delta_base_version"] == v - 1}

@@ -127,3 +127,38 @@ def test_a_slow_consumer_holds_back_the_sharded_fetch_at_two_buckets() -> None:
     # two queued and one in each pump's hand at most (it was all 40 after the first bucket)
     assert max(ahead) <= 4, ahead
     assert fetcher.peak_queued_bytes <= 2 * mib
+    # what the rollout's status reports of it: both trainer ranks sent, 40 tensors rebuilt
+    assert fetcher.stats() == {"weights/sharded_version": 1.0, "weights/sharded_senders": 2.0,
+                               "weights/sharded_tensors": 40.0}
+
+
+def test_a_sender_with_nothing_to_send_is_not_counted_among_the_senders() -> None:
+    """A megatron data-parallel replica takes part in the version but sends no bytes."""
+    import asyncio
+    import types
+
+    from meshrl.v1 import common_pb2
+    from services.weights.shards import shard_name
+    from services.weights.transports.collective.sharded import ShardedFetcher
+
+    class Part:
+        dev = types.SimpleNamespace(device="cpu")
+
+        def __init__(self, rows: tuple[int, int] | None) -> None:
+            self.rows = rows
+
+        async def fetch(self, ref: common_pb2.WeightsRef):
+            if self.rows is not None:
+                a, b = self.rows
+                yield [(shard_name("w", a, b, 4), torch.ones(b - a, 2))]
+
+    fetcher = ShardedFetcher("gloo", "127.0.0.1:1", consumer_id="c", senders=3)
+    fetcher.parts = [Part((0, 2)), Part((2, 4)), Part(None)]  # type: ignore[list-item]
+
+    async def main() -> list[tuple[str, torch.Tensor]]:
+        return [x async for bucket in fetcher.fetch(common_pb2.WeightsRef(policy_version=7)) for x in bucket]
+
+    [(name, t)] = asyncio.run(main())
+    assert name == "w" and torch.equal(t, torch.ones(4, 2))
+    assert fetcher.stats() == {"weights/sharded_version": 7.0, "weights/sharded_senders": 2.0,
+                               "weights/sharded_tensors": 1.0}

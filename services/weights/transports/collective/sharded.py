@@ -52,6 +52,7 @@ class ShardedFetcher:
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.peak_queued_bytes = 0  # the most completed bytes that waited for the consumer
+        self.last: dict[str, float] = {}  # the last version received whole: see stats()
 
     @property
     def transport(self) -> str:
@@ -70,9 +71,13 @@ class ShardedFetcher:
         queued = 0
         room = asyncio.Condition()
 
+        sending: set[int] = set()  # the parts (trainer ranks) that carried any bytes
+
         async def pump(part: CollectiveFetcher) -> None:
             nonlocal queued
             async for bucket in part.fetch(ref):
+                if bucket:
+                    sending.add(id(part))
                 done = [x for name, t in bucket for x in assembler.add(name, t)]
                 if done:
                     n = sum(tensor_nbytes(t) for _, t in done)
@@ -103,6 +108,8 @@ class ShardedFetcher:
                     room.notify_all()
             await finished  # a sub-fetch's error surfaces here
             names = assembler.finish()
+            self.last = {"weights/sharded_version": float(ref.policy_version), "weights/sharded_senders": float(len(sending)),
+                         "weights/sharded_tensors": float(len(names))}
             log.info("weights_assembled", transport=self.backend, policy_version=ref.policy_version,
                      senders=len(self.parts), tensors=len(names))
         finally:
@@ -110,6 +117,12 @@ class ShardedFetcher:
                 task.cancel()
             with contextlib.suppress(BaseException):
                 await finished
+
+    def stats(self) -> dict[str, float]:
+        """The last version received whole: its number, how many trainer ranks sent any of it
+        (replicas, such as megatron's data-parallel ranks, send nothing) and the tensors rebuilt;
+        what the rollout's status reports."""
+        return dict(self.last)
 
     async def close(self) -> None:
         for part in self.parts:
