@@ -1,4 +1,4 @@
-"""The megatron engine's optimizer on CPU (tests only): megatron's optimizer is CUDA-only, so a torch
+"""The megatron engine's optimizer on CPU: megatron's optimizer is CUDA-only, so a torch
 AdamW runs over megatron's fp32 main grads, with megatron's model-parallel grad-norm and clipping
 rules. It answers the calls the engine makes of megatron's optimizer (`step`, `zero_grad`,
 `param_groups`, `state_dict`, `load_state_dict`), so the engine has one code path."""

@@ -14,8 +14,9 @@ be summed over micro-batches and averaged over DP; megatron's schedule divides b
 micro-batches and its DDP averages over DP x CP while multiplying by CP, so the engine multiplies
 each micro-batch loss by the micro-batch count. Result: gradients of the mini-batch loss, exactly.
 
-On `device="cpu"` (tests only) megatron's optimizer is unavailable (CUDA-only); CpuOptimizer
-(cpu_optimizer.py) stands in.
+On `device="cpu"` (gloo; CPU runs of `meshrl train` and the tests) megatron's optimizer is
+unavailable (CUDA-only); CpuOptimizer (cpu_optimizer.py), a torch AdamW with megatron's grad-norm
+and clipping rules, stands in.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 log = get_logger(__name__)
 
 
-@register_engine("megatron", "cuda")
+@register_engine("megatron", "cuda", "cpu")
 class MegatronEngine(TrainEngine):
     """One rank of a megatron-core training group (see the module docstring)."""
 
