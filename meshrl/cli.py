@@ -214,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     pws.add_argument("--senders", type=int, default=2, help="trainer ranks")
     pws.add_argument("--receivers", type=int, default=2, help="rollout ranks")
     pws.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU processes (a check, not a measurement)")
+    pme = bsub.add_parser("megatron-export", help="the megatron engine's rank-0 export (pageable / packed) vs each "
+                          "rank's own slices, the same model in one run (needs --tp devices)")
+    pme.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
+    pme.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one device each)")
+    pme.add_argument("--hidden", type=int, default=2048, help="hidden size of the random Qwen3 (16 heads of 128)")
+    pme.add_argument("--layers", type=int, default=24, help="decoder layers")
+    pme.add_argument("--rounds", type=int, default=5, help="timed rounds after the checked warm-up round")
+    pme.add_argument("--bucket-mb", type=int, default=512, help="bucket size")
+    pme.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo (a check, not a measurement)")
     pwd = bsub.add_parser("weights-delta", help="nccl sync of whole versions vs delta sync (changed elements), 2 GPUs")
     pwd.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pwd.add_argument("--size-gb", type=float, default=4.0, help="bf16 bytes of one version, in GiB")
@@ -586,6 +595,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         result = run_sharded_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
                                        senders=args.senders, receivers=args.receivers, backend=args.backend)
+    elif args.bench_command == "megatron-export":
+        from meshrl.bench.megatron_export import run_benchmark as run_megatron_export
+
+        result = run_megatron_export(tp=args.tp, hidden=args.hidden, layers=args.layers, rounds=args.rounds,
+                                     bucket_mb=args.bucket_mb, device=args.device)
     elif args.bench_command == "weights-delta":
         from meshrl.bench.weights_delta import run_benchmark as run_delta_benchmark
 

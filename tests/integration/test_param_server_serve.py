@@ -229,6 +229,16 @@ def test_object_store_versions_live_in_the_object_refs_actor_and_survive_its_los
         actor = await handle.object_refs.remote()
         assert (await actor.stats.remote())["versions"] == [2000]
         ray.kill(actor)
+        # ray.kill only asks: a call made at once may still be answered (one CI run's fetch got the
+        # version). Wait until the actor is gone.
+        for _ in range(200):
+            try:
+                await actor.stats.remote()
+            except ray.exceptions.RayActorError:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the killed object_refs actor still answers after 10 s")
         with pytest.raises(Exception, match=r"not held|no version"):
             await anext(fetcher.fetch(ref))  # the version died with the actor
         ref2 = await pub.publish(2001, buckets(2001))  # into the replica's new actor
