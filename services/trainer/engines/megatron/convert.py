@@ -216,16 +216,22 @@ def merge_to_hf(
             rule.hf_names[1]: torch.cat([h[1] for h in halves], dim=0),
         }
     if rule.kind == "qkv":
-        ng, hd = arch.num_key_value_heads, arch.head_dim
-        per = arch.num_attention_heads // ng
-        rest = shards[0].shape[1:]
-        grouped = torch.cat([s.reshape(-1, per + 2, hd, *rest) for s in shards], dim=0)
-        assert grouped.shape[0] == ng, (grouped.shape, ng)
-        q = grouped[:, :per].reshape(ng * per * hd, *rest)
-        k = grouped[:, per].reshape(ng * hd, *rest)
-        v = grouped[:, per + 1].reshape(ng * hd, *rest)
+        q, k, v = split_qkv(torch.cat(shards, dim=0), arch)
+        assert q.shape[0] == arch.num_attention_heads * arch.head_dim, (q.shape, arch.num_attention_heads)
         return dict(zip(rule.hf_names, (q.contiguous(), k.contiguous(), v.contiguous()), strict=True))
     raise AssertionError(rule.kind)
+
+
+def split_qkv(t: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k and v rows of a `linear_qkv` tensor holding whole query groups (megatron's
+    per-group order: each group's q heads, then its k, then its v), in group order."""
+    hd = arch.head_dim
+    per = arch.num_attention_heads // arch.num_key_value_heads
+    rest = t.shape[1:]
+    grouped = t.reshape(-1, per + 2, hd, *rest)
+    groups = int(grouped.shape[0])
+    return (grouped[:, :per].reshape(groups * per * hd, *rest), grouped[:, per].reshape(groups * hd, *rest),
+            grouped[:, per + 1].reshape(groups * hd, *rest))
 
 
 def local_mcore_names(arch: ModelArch, layers: range, ep_size: int = 1, first: bool = True, last: bool = True) -> list[str]:

@@ -31,7 +31,7 @@ import torch
 from services.common.model_arch import ModelArch
 from services.weights.shards import shard_name
 
-from .convert import ParallelCoords, ParamRule
+from .convert import ParallelCoords, ParamRule, split_qkv
 
 
 @dataclass(frozen=True)
@@ -69,21 +69,9 @@ def hf_slices(
         gate, up = local.chunk(2, dim=0)
         per = int(gate.shape[0])
         return [_part(n, t, 0, rank * per, per * size) for n, t in zip(rule.hf_names, (gate, up), strict=True)]
-    if rule.kind == "qkv":
-        ng, hd = arch.num_key_value_heads, arch.head_dim
-        per = arch.num_attention_heads // ng
-        rest = local.shape[1:]
-        grouped = local.reshape(-1, per + 2, hd, *rest)
-        mine = int(grouped.shape[0])
-        g0 = rank * mine
-        q = grouped[:, :per].reshape(mine * per * hd, *rest)
-        k = grouped[:, per].reshape(mine * hd, *rest)
-        v = grouped[:, per + 1].reshape(mine * hd, *rest)
-        return [
-            _part(rule.hf_names[0], q, 0, g0 * per * hd, ng * per * hd),
-            _part(rule.hf_names[1], k, 0, g0 * hd, ng * hd),
-            _part(rule.hf_names[2], v, 0, g0 * hd, ng * hd),
-        ]
+    if rule.kind == "qkv":  # each of q, k, v: this rank's groups are the rank-th equal run of rows
+        return [_part(n, t, 0, rank * int(t.shape[0]), int(t.shape[0]) * size)
+                for n, t in zip(rule.hf_names, split_qkv(local, arch), strict=True)]
     raise AssertionError(rule.kind)
 
 
