@@ -229,8 +229,7 @@ def test_object_store_versions_live_in_the_object_refs_actor_and_survive_its_los
         actor = await handle.object_refs.remote()
         assert (await actor.stats.remote())["versions"] == [2000]
         ray.kill(actor)
-        # ray.kill only asks: a call made at once may still be answered (one CI run's fetch got the
-        # version). Wait until the actor is gone.
+        # ray.kill only asks: a call made at once may still be answered. Wait until the actor is gone.
         for _ in range(200):
             try:
                 await actor.stats.remote()
