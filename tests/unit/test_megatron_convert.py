@@ -207,8 +207,10 @@ def owned_everywhere(arch: ModelArch, tp: int, ep: int, etp: int, pp: int) -> tu
                 params.append((name, shard_from_hf(rule, hf.__getitem__, arch, c, padded), rule))
             replicas = Replicas(dense=int((ep_rank, etp_rank) != (0, 0)), expert=tp_rank)
             n = 0
+            held = {t.untyped_storage().data_ptr() for _, t, _ in params}
             for wire, t in owned_slices(params, arch, c, replicas):
                 assert t.is_contiguous(), wire
+                assert t.untyped_storage().data_ptr() not in held, f"{wire} is a view of the parameter, not a copy"
                 n += t.numel() * t.element_size()
                 rebuilt.update(asm.add(wire, t))
             sent.append(n)

@@ -91,5 +91,8 @@ def owned_slices(
             rank, size = coords.tp_rank, coords.tp_size
         if rule.kind == "copy" and rank != 0:
             continue
-        for wire, t in hf_slices(rule, param.detach(), arch, rank, size):
-            yield wire, t.clone(memory_format=torch.contiguous_format)
+        data = param.detach()
+        for wire, t in hf_slices(rule, data, arch, rank, size):
+            if t.untyped_storage().data_ptr() == data.untyped_storage().data_ptr():  # a view: copy it
+                t = t.clone(memory_format=torch.contiguous_format)
+            yield wire, t.contiguous()  # a reshape that copied (q/k/v of a TP shard) is already its own
