@@ -206,14 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--model", default=None,
                     help="adapter case: a real model's versions (a tiny arch, e.g. qwen3_small: 25M), full vs LoRA")
     pw.add_argument("--lora-rank", type=int, default=8, help="adapter case: LoRA rank of the adapter version")
-    pws = bsub.add_parser("weights-sharded", help="nccl sync from trainer rank 0 vs from every rank (needs S+R GPUs)")
+    pws = bsub.add_parser("weights-sharded", help="sync from trainer rank 0 vs from every rank: nccl (S+R GPUs), or gloo between namespaces")
     pws.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
     pws.add_argument("--size-gb", type=float, default=4.0, help="bytes of one version, in GiB")
     pws.add_argument("--bucket-mb", type=int, default=512, help="bucket size")
     pws.add_argument("--rounds", type=int, default=3, help="steady-state rounds after the cold one")
     pws.add_argument("--senders", type=int, default=2, help="trainer ranks")
     pws.add_argument("--receivers", type=int, default=2, help="rollout ranks")
-    pws.add_argument("--backend", default="nccl", choices=["nccl", "gloo"], help="gloo: CPU processes (a check, not a measurement)")
+    pws.add_argument("--backend", default="nccl", choices=["nccl", "gloo"],
+                     help="gloo: CPU processes (a check, not a measurement, unless --cross-node --link-mbit)")
+    pws.add_argument("--cross-node", action="store_true",
+                     help="gloo: every rank on a node of its own (network namespaces; root, iproute2)")
+    pws.add_argument("--link-mbit", type=float, default=None,
+                     help="with --cross-node: every node's link, Mbit/s each way (tc), so the wire sets the pace")
     pme = bsub.add_parser("megatron-export", help="the megatron engine's rank-0 export (pageable / packed) vs each "
                           "rank's own slices, the same model in one run (needs --tp devices)")
     pme.add_argument("--out", default=None, help="write JSON here (default: stdout only)")
@@ -594,7 +599,8 @@ def _bench(args: argparse.Namespace) -> int:
         from meshrl.bench.weights_sharded import run_benchmark as run_sharded_benchmark
 
         result = run_sharded_benchmark(size_gb=args.size_gb, bucket_mb=args.bucket_mb, rounds=args.rounds,
-                                       senders=args.senders, receivers=args.receivers, backend=args.backend)
+                                       senders=args.senders, receivers=args.receivers, backend=args.backend,
+                                       cross_node=args.cross_node, link_mbit=args.link_mbit)
     elif args.bench_command == "megatron-export":
         from meshrl.bench.megatron_export import run_benchmark as run_megatron_export
 

@@ -15,6 +15,10 @@ gRPC ingress, the param server's data plane) as hosts of a cluster do, and nothi
 another Ray on this machine (each node also has a temp dir of its own, so no `ray.init()`
 elsewhere finds it).
 
+`ray=False` makes the namespaces and their network without Ray (processes enter a node with
+`run_in_netns`); `link_mbit=X` gives every node a link of X Mbit/s each way (tc's token bucket on
+both ends of its veth), so that a wire, not this machine's CPUs, sets the pace.
+
 Everything is made by `start()` and removed by `close()` (also after a failure; a cluster whose
 owner died without closing is removed by the next `start()`, from its state file): the processes
 in the namespaces (ours by construction: only what we start enters them), the namespaces, the
@@ -111,6 +115,16 @@ def pick_subnet(used: Sequence[ipaddress.IPv4Network] | None = None) -> ipaddres
     raise RuntimeError(f"no free /24 under {SUBNET_PREFIX}.0.0/16 in the root namespace")
 
 
+def shape_command(dev: str, mbit: float) -> list[str]:
+    """tc's token bucket on `dev`'s egress at `mbit` Mbit/s. The bucket holds at least 256 KiB
+    (a veth hands tc 64 KiB segments) and a tick's worth of bytes at a 250 Hz timer."""
+    if mbit <= 0:
+        raise ValueError(f"link_mbit must be > 0 Mbit/s, got {mbit}")
+    burst = max(256 * 1024, int(mbit * 1e6 / 8 / 250))
+    return ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit:g}mbit", "burst", str(burst),
+            "latency", "100ms"]
+
+
 CLONE_NEWNET = 0x40000000
 
 
@@ -178,6 +192,11 @@ class NetnsCluster:
     dashboard: bool = True
     env: dict[str, str] = field(default_factory=dict)
     fast_failure_detection: bool = True
+    ray: bool = True
+    """False: the namespaces and their network only (processes enter them with `run_in_netns`)."""
+    link_mbit: float | None = None
+    """Each node's link, both ways (tc tbf on the two ends of its veth): a NIC of this many Mbit/s
+    on a non-blocking switch (the bridge). None: the veths' own speed (the machine's CPUs)."""
     nodes: dict[str, Node] = field(default_factory=dict, init=False)
     subnet: ipaddress.IPv4Network | None = field(default=None, init=False)
     token: str = field(default_factory=lambda: secrets.token_hex(2), init=False)
@@ -206,6 +225,12 @@ class NetnsCluster:
     def ip(self, name: str) -> str:
         return self.nodes[name].ip
 
+    @property
+    def bridge_ip(self) -> str:
+        """The root namespace's address on the nodes' subnet (a server here is reachable from every node)."""
+        assert self.subnet is not None
+        return str(next(self.subnet.hosts()))
+
     def _state_file(self) -> Path:
         return STATE_DIR / f"{self.token}.json"
 
@@ -222,6 +247,8 @@ class NetnsCluster:
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(reason)
+        if self.link_mbit is not None and shutil.which("tc") is None:
+            raise RuntimeError("link_mbit needs the `tc` command (iproute2): apt-get install iproute2")
         sweep_stale()
         self.subnet = pick_subnet()
         hosts = list(self.subnet.hosts())
@@ -239,11 +266,12 @@ class NetnsCluster:
             os.environ[key] = value
         try:
             self._make_network(hosts[0])
-            for node in self.nodes.values():
+            for node in self.nodes.values() if self.ray else ():
                 self.start_node(node.name)
                 if node.head:
                     self.wait_for_nodes(1, timeout_s)
-            self.wait_for_nodes(len(self.nodes), timeout_s)
+            if self.ray:
+                self.wait_for_nodes(len(self.nodes), timeout_s)
         except BaseException:
             self.close()
             raise
@@ -273,6 +301,9 @@ class NetnsCluster:
             _run([*ns, "ip", "link", "set", "lo", "up"])
             _run([*ns, "ip", "addr", "add", f"{node.ip}/{plen}", "dev", inner])
             _run([*ns, "ip", "link", "set", inner, "up"])
+            if self.link_mbit is not None:
+                _run([*ns, *shape_command(inner, self.link_mbit)])  # the node's uplink
+                _run(shape_command(node.veth, self.link_mbit))  # its downlink (the bridge's port)
 
     def auth_env(self) -> dict[str, str]:
         """What a process needs to talk to this cluster (Ray's token authentication: the GCS, the

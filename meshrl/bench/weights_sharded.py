@@ -14,6 +14,14 @@ Cases, each timed from a barrier of all processes until the last receiver has ev
   sharded        one CollectivePublisher per sender, ShardedFetcher on each receiver (rebuilds
                  whole tensors)
   gather         the all-gather of the rows over the sender ranks (what rank 0's export costs)
+
+`--cross-node` (gloo): each rank on a node of its own (a network namespace, meshrl/netns_cluster.py,
+no Ray), trainer ranks t0..t{S-1}, rollout ranks r0..r{R-1}, the param server in this process on
+the bridge. `--link-mbit X` gives every node a link of X Mbit/s each way (a NIC on a non-blocking
+switch): the wire sets the pace, not this machine's CPUs. A receiver must take in the whole
+version through its own link however many ranks send, so the time per version falls with S while
+the senders' links are the limit (rank 0 alone sends every byte to every receiver that its
+broadcast reaches), and stops falling once the receivers' links are.
 """
 
 from __future__ import annotations
@@ -41,9 +49,10 @@ def _rows(rows: int, rank: int, senders: int) -> tuple[int, int]:
 
 
 def _worker(rank: int, senders: int, receivers: int, address: str, total: int, bucket: int, rounds: int,
-            barrier: Any, out: Any, port: int, backend: str) -> None:
+            barrier: Any, out: Any, master: str, port: int, backend: str) -> None:
     import torch.distributed as dist
 
+    from services.common.net import gloo_interface, source_address
     from services.weights.shards import sender_group, shard_name
     from services.weights.transports.collective import CollectiveFetcher, CollectivePublisher, ShardedFetcher
 
@@ -54,7 +63,9 @@ def _worker(rank: int, senders: int, receivers: int, address: str, total: int, b
     dev = torch.device("cuda", rank) if gpu else torch.device("cpu")
     world = senders + receivers
     is_sender = rank < senders
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if backend == "gloo" and (ifname := gloo_interface(master)):
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname  # the interface toward rank 0 (another node's, cross-node)
+    dist.init_process_group(backend, init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
                             device_id=dev if gpu else None)
 
     def sync() -> None:
@@ -78,6 +89,7 @@ def _worker(rank: int, senders: int, receivers: int, address: str, total: int, b
         if rank != 0:
             del src
     res: dict[str, Any] = {"rank": rank}
+    here = source_address(address.rsplit(":", 1)[0]) or "127.0.0.1"  # where receivers dial this sender's group
 
     def timed(key: str, fn: Any) -> None:
         times = []
@@ -148,7 +160,7 @@ def _worker(rank: int, senders: int, receivers: int, address: str, total: int, b
                     continue
                 group = "bench" if case == "rank0" else sender_group("bench", rank)
                 pub = CollectivePublisher(backend, address, receivers=receivers, group=group, timeout_s=600,
-                                          register=case == "rank0")
+                                          register=case == "rank0", master_address=here)
                 for v in range(1, rounds + 2):
                     await asyncio.to_thread(barrier.wait)
                     t0 = time.perf_counter()
@@ -201,29 +213,54 @@ def _shard_plan(total: int, bucket: int, rank: int, senders: int) -> list[list[i
     return out
 
 
+MASTER_PORT = 29510
+"""The benchmark group's store, cross-node: inside t0's namespace, where nothing else listens."""
+
+
 def run_benchmark(*, size_gb: float = 4.0, bucket_mb: int = 512, rounds: int = 3, senders: int = 2,
-                  receivers: int = 2, backend: str = "nccl") -> dict[str, Any]:
-    """`backend="gloo"`: the same cases on CPU processes (a functional check, not a measurement)."""
+                  receivers: int = 2, backend: str = "nccl", cross_node: bool = False,
+                  link_mbit: float | None = None) -> dict[str, Any]:
+    """`backend="gloo"`: the same cases on CPU processes (a functional check, not a measurement,
+    unless `cross_node` with `link_mbit`: each rank on a node of its own, behind a link of that
+    speed; root and iproute2)."""
     from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     total = int(size_gb * GiB)
     bucket = bucket_mb * MiB
     world = senders + receivers
+    if cross_node and backend != "gloo":
+        raise SystemExit("--cross-node runs on CPUs: use --backend gloo")
+    if link_mbit is not None and not cross_node:
+        raise SystemExit("--link-mbit shapes the links between the ranks' nodes: add --cross-node")
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise SystemExit(f"needs {world} GPUs ({senders} trainer ranks + {receivers} rollout ranks), "
                          f"found {torch.cuda.device_count()}")
+    nodes = [f"t{r}" for r in range(senders)] + [f"r{r}" for r in range(receivers)]
 
-    async def main() -> list[dict[str, Any]]:
-        server = ParamServerServer(ParamServerConfig(port=0, retain_versions=1))
+    async def main(cluster: Any) -> list[dict[str, Any]]:
+        server = ParamServerServer(ParamServerConfig(host=cluster.bridge_ip if cluster else "127.0.0.1", port=0,
+                                                     retain_versions=1))
         await server.start()
         ctx = mp.get_context("spawn")
         out, barrier = ctx.Queue(), ctx.Barrier(world)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=_worker, args=(r, senders, receivers, server.address, total, bucket, rounds, barrier,
-                                                   out, port, backend), daemon=True) for r in range(world)]
+        if cluster is not None:
+            master, port = cluster.ip("t0"), MASTER_PORT
+        else:
+            master = "127.0.0.1"
+            with socket.socket() as s:
+                s.bind((master, 0))
+                port = s.getsockname()[1]
+        procs = []
+        for r in range(world):
+            args = (r, senders, receivers, server.address, total, bucket, rounds, barrier, out, master, port, backend)
+            if cluster is not None:
+                from meshrl.netns_cluster import run_in_netns
+
+                procs.append(ctx.Process(target=run_in_netns, args=(cluster.nodes[nodes[r]].netns, _worker, *args),
+                                         daemon=True))
+            else:
+                procs.append(ctx.Process(target=_worker, args=args, daemon=True))
         for p in procs:
             p.start()
         got: list[dict[str, Any]] = []
@@ -243,10 +280,25 @@ def run_benchmark(*, size_gb: float = 4.0, bucket_mb: int = 512, rounds: int = 3
             await server.stop()
         return got
 
-    per_rank = sorted(asyncio.run(main()), key=lambda r: r["rank"])
+    placement: dict[str, Any] = {"where": "processes of this host, over loopback"}
+    if cross_node:
+        import tempfile
+        from pathlib import Path
+
+        from meshrl.netns_cluster import netns_cluster
+
+        with tempfile.TemporaryDirectory(prefix="meshrl-sharded-crossnode-") as work, \
+                netns_cluster(nodes, work_dir=Path(work), ray=False, link_mbit=link_mbit) as cluster:
+            got = asyncio.run(main(cluster))
+            placement = {"link": "a veth per node on a Linux bridge, one network namespace per node, one machine",
+                         "link_mbit": link_mbit, "param_server": cluster.bridge_ip,
+                         "nodes": {n: cluster.ip(n) for n in nodes}}
+    else:
+        got = asyncio.run(main(None))
+    per_rank = sorted(got, key=lambda r: r["rank"])
     result: dict[str, Any] = {
         "benchmark": "weights_sharded", "bytes": total, "bucket_bytes": bucket, "rounds": rounds,
-        "senders": senders, "receivers": receivers,
+        "senders": senders, "receivers": receivers, "placement": placement,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "backend": backend,
                     "gpus": [torch.cuda.get_device_name(i) for i in range(world)] if backend == "nccl" else []},
         "cases": {},
@@ -265,4 +317,9 @@ def run_benchmark(*, size_gb: float = 4.0, bucket_mb: int = 512, rounds: int = 3
         "rank0_of_raw_best": round(c["raw_rank0"]["best_s"] / c["rank0"]["best_s"], 3),
         "sharded_of_raw_best": round(c["raw_sharded"]["best_s"] / c["sharded"]["best_s"], 3),
     }
+    if link_mbit is not None:  # the floor: a receiver's link carries the whole version, whoever sends it
+        floor = total * 8 / (link_mbit * 1e6)
+        result["line_rate_s"] = round(floor, 4)
+        for case in ("raw_rank0", "raw_sharded", "rank0", "sharded"):
+            result["ratios"][f"{case}_median_over_line_rate"] = round(c[case]["median_s"] / floor, 3)
     return result

@@ -77,6 +77,26 @@ def test_the_subnet_is_the_first_free_one_and_a_default_route_blocks_nothing() -
         netns_cluster.pick_subnet([net("10.231.0.0/16")])
 
 
+def test_a_shaped_link_is_a_token_bucket_that_holds_a_segment_and_a_tick() -> None:
+    cmd = netns_cluster.shape_command("vethx", 400)
+    assert cmd[:7] == ["tc", "qdisc", "add", "dev", "vethx", "root", "tbf"]
+    assert cmd[cmd.index("rate") + 1] == "400mbit"
+    assert int(cmd[cmd.index("burst") + 1]) == 256 * 1024  # 400 Mbit/s / 250 Hz = 200 KB: the floor wins
+    fast = netns_cluster.shape_command("vethx", 10_000)
+    assert int(fast[fast.index("burst") + 1]) == 5_000_000  # 10 Gbit/s / 250 Hz
+    with pytest.raises(ValueError, match="link_mbit"):
+        netns_cluster.shape_command("vethx", 0)
+
+
+def test_the_sharded_bench_refuses_what_it_cannot_run() -> None:
+    from meshrl.bench.weights_sharded import run_benchmark
+
+    with pytest.raises(SystemExit, match="--backend gloo"):
+        run_benchmark(backend="nccl", cross_node=True)
+    with pytest.raises(SystemExit, match="add --cross-node"):
+        run_benchmark(backend="gloo", link_mbit=100)
+
+
 def test_without_root_or_iproute2_the_tier_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netns_cluster.sys, "platform", "linux")
     monkeypatch.setattr(netns_cluster.os, "geteuid", lambda: 1000)
