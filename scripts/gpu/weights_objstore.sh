@@ -57,6 +57,8 @@ for f in sorted(out.glob("objstore_*.json"), key=lambda p: p.stat().st_mtime):
           + ", ".join(f"{x['publish'] * 1e3:.1f}" for x in steady) + " | fetch ms "
           + ", ".join(f"{x['fetch'] * 1e3:.1f}" for x in steady)
           + f" | ratio best {tg['ratio_best']} (median {tg['ratio_median']})"
+          + (f" | paired median {tg['paired']['ratio_median']} (worst {tg['paired']['ratio_worst']}, best"
+             f" {tg['paired']['ratio_best']}; memcpy {tg['paired']['memcpy_ms']} ms)" if "paired" in tg else "")
           + f" | grpc publish/fetch median GB/s {g.get('publish_GBps', {}).get('median')}/{g.get('fetch_GBps', {}).get('median')}"
           + (f" (grpc.aio alone {g['bare_GBps']['publish']['median']}/{g['bare_GBps']['fetch']['median']},"
              f" ratio {g['ratio_to_bare_median']['publish']}/{g['ratio_to_bare_median']['fetch']})" if "bare_GBps" in g else "")
