@@ -580,7 +580,7 @@ def run_benchmark(
 
 
 def _paired_ratios(rounds: list[dict[str, float]], warmup: int) -> dict[str, Any]:
-    """Per steady round, the memcpy taken just before it over its end-to-end time (PairedMemcpy);
+    """Per steady round, the memcpy taken right after it over its end-to-end time (PairedMemcpy);
     {} when the rounds carry no paired memcpy."""
     steady = rounds[1 + warmup:] or rounds[1:] or rounds  # as _summary picks them
     if not steady or "memcpy" not in steady[0]:

@@ -20,8 +20,9 @@ no Ray), trainer ranks t0..t{S-1}, rollout ranks r0..r{R-1}, the param server in
 the bridge. `--link-mbit X` gives every node a link of X Mbit/s each way (a NIC on a non-blocking
 switch): the wire sets the pace, not this machine's CPUs. A receiver must take in the whole
 version through its own link however many ranks send, so the time per version falls with S while
-the senders' links are the limit (rank 0 alone sends every byte to every receiver that its
-broadcast reaches), and stops falling once the receivers' links are.
+the senders' links are the limit, and stops falling once the receivers' links are. (gloo's
+broadcast is a binomial tree whose root sends to ceil(log2(R + 1)) peers at once, so rank 0's link
+carries that many copies; nccl's ring carries one per link, which this does not model.)
 """
 
 from __future__ import annotations
