@@ -57,6 +57,9 @@ log = get_logger(__name__)
 Scorer = Callable[[list[reward_pb2.ScoreItem]], Awaitable[list[reward_pb2.ScoreResult]]]
 """Scores a batch of responses (one result per item, matched by item_id)."""
 
+LEASE_LOOP_EXIT_S = 10.0
+"""How long drain() waits for a LeasePrompts call under way to answer (it answers in milliseconds;
+the bound keeps a hung coordinator from eating serve's graceful_shutdown_timeout_s)."""
 
 
 class Coordinator(Protocol):
@@ -229,6 +232,13 @@ class RolloutWorker:
         A group already scoring or submitting (committed) is never returned: it is waited for."""
         self._draining = True
         self._notify()
+        # A LeasePrompts call under way when the drain began is waited for: the groups it brings
+        # are started before the choice below and returned with the others. Chosen first, they
+        # would be generated after the drain (or, cut off by stop(), held until lease expiry).
+        lease_loop = self._tasks[0] if self._tasks else None
+        if lease_loop is not None and not lease_loop.done():
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(lease_loop), LEASE_LOOP_EXIT_S)
         to_return = [
             g for g in self._groups.values()
             if not g.committed and (

@@ -55,6 +55,10 @@ def test_rollout_deployment_leases_serves_grpc_and_drains(tmp_path: Path, ray_se
     cfg = load_config(None, [
         "coordinator.port=0",
         "coordinator.lease_timeout_s=600",
+        # A budget the test never uses up: the replica leases the whole time, so groups are still
+        # generating when it is deleted (with 8 groups at version 0, a fast host had generated and
+        # submitted them all before the drain, and there was nothing left to return).
+        "async_training.staleness_threshold=50",
         "rollout.total_rollout_steps=40",
         "data.synthetic.num_train=64",
         "data.max_response_length=160",

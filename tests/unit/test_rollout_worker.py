@@ -260,6 +260,44 @@ def test_drain_returns_leases_before_the_engine_stops_generating(tok: Any) -> No
     assert engine.aborted == {"r0/L0", "r0/L1"}, "the engine still stops both groups' requests"
 
 
+class _SlowLeaseCoordinator(FakeCoordinator):
+    """LeasePrompts answers only once `answer` is set: a call can be under way when drain begins."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.answer = asyncio.Event()
+        self.calls = 0
+
+    async def lease(self, replica_id: str, max_groups: int) -> Any:
+        self.calls += 1
+        await self.answer.wait()
+        return await super().lease(replica_id, max_groups)
+
+
+def test_leases_granted_while_drain_begins_are_returned_not_generated(tok: Any) -> None:
+    """Shutdown caught the lease loop inside LeasePrompts: the leases it brings back are returned
+    by that drain at once (CI once saw them generated after the drain, or held until expiry)."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=4, seed=1)
+    coord = _SlowLeaseCoordinator(_prompts(2), sampling)
+    engine = _GatedEngine()
+
+    async def scenario() -> tuple[int, int]:
+        worker = RolloutWorker(engine, tok, coord, length_scorer, None,  # type: ignore[arg-type]
+                               WorkerSettings(replica_id="r0", idle_poll_s=0.05, concurrent_groups=2))
+        worker.start()
+        await wait_for(lambda: coord.calls == 1, what="a LeasePrompts call under way")
+        stop = asyncio.get_running_loop().create_task(worker.stop())
+        await wait_for(lambda: worker.draining, what="the drain begun")
+        coord.answer.set()
+        return await asyncio.wait_for(stop, 30)
+
+    returned, finished = asyncio.run(scenario())
+    assert sorted(coord.returned) == ["L0", "L1"] and coord.active == {}
+    assert coord.submitted == []
+    assert (returned, finished) == (2, 0)
+    assert coord.calls == 1, "no lease asked for after the drain began"
+
+
 def test_abort_outputs_are_continued_not_lost(tok: Any) -> None:
     """engine.abort_all() outside the worker's own cancellations counts as an interruption: the
     worker continues the samples, so the group still arrives complete."""
