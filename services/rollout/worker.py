@@ -169,6 +169,7 @@ class RolloutWorker:
         self._changed = asyncio.Event()
         self._update_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        self._lease_task: asyncio.Task[None] | None = None
         self._draining = False
         self._stopping = False
         self._run_error: BaseException | None = None
@@ -213,8 +214,9 @@ class RolloutWorker:
         """Start the lease, renew and watch loops on the running loop."""
         assert self.coordinator is not None, "the lease loop needs a coordinator"
         loop = asyncio.get_running_loop()
+        self._lease_task = loop.create_task(self._lease_loop(), name="rollout-lease")
         self._tasks = [
-            loop.create_task(self._lease_loop(), name="rollout-lease"),
+            self._lease_task,
             loop.create_task(self._renew_loop(), name="rollout-renew"),
             loop.create_task(self._watch_loop(), name="rollout-watch"),
         ]
@@ -235,10 +237,9 @@ class RolloutWorker:
         # A LeasePrompts call under way when the drain began is waited for: the groups it brings
         # are started before the choice below and returned with the others. Chosen first, they
         # would be generated after the drain (or, cut off by stop(), held until lease expiry).
-        lease_loop = self._tasks[0] if self._tasks else None
-        if lease_loop is not None and not lease_loop.done():
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError, Exception):
-                await asyncio.wait_for(asyncio.shield(lease_loop), LEASE_LOOP_EXIT_S)
+        # asyncio.wait neither raises the loop's own end nor swallows a cancellation of drain().
+        if self._lease_task is not None and not self._lease_task.done():
+            await asyncio.wait({self._lease_task}, timeout=LEASE_LOOP_EXIT_S)
         to_return = [
             g for g in self._groups.values()
             if not g.committed and (

@@ -204,6 +204,14 @@ class _GatedEngine:
         self.release.setdefault(request_id, asyncio.Event()).set()
 
 
+def _start_gated(engine: _GatedEngine, tok: Any, coord: FakeCoordinator) -> RolloutWorker:
+    """A started worker on the gated engine, two groups at a time, no weight fetcher."""
+    worker = RolloutWorker(engine, tok, coord, length_scorer, None,  # type: ignore[arg-type]
+                           WorkerSettings(replica_id="r0", idle_poll_s=0.05, concurrent_groups=2))
+    worker.start()
+    return worker
+
+
 def test_a_group_finishing_while_drain_aborts_another_is_returned_not_submitted(tok: Any) -> None:
     """drain(finish_in_flight=False) picks two generating groups; while it awaits the engine's
     abort of the first, the second one's generation ends. The second must see the drain (no
@@ -213,9 +221,7 @@ def test_a_group_finishing_while_drain_aborts_another_is_returned_not_submitted(
 
     async def scenario() -> tuple[int, int]:
         engine = _GatedEngine()
-        worker = RolloutWorker(engine, tok, coord, length_scorer, None,  # type: ignore[arg-type]
-                               WorkerSettings(replica_id="r0", idle_poll_s=0.05, concurrent_groups=2))
-        worker.start()
+        worker = _start_gated(engine, tok, coord)
         await wait_for(lambda: set(engine.release) == {"r0/L0", "r0/L1"}, what="two groups generating")
         second = worker._groups["L1"]
 
@@ -243,9 +249,7 @@ def test_drain_returns_leases_before_the_engine_stops_generating(tok: Any) -> No
     engine = _GatedEngine()
 
     async def scenario() -> tuple[int, int]:
-        worker = RolloutWorker(engine, tok, coord, length_scorer, None,  # type: ignore[arg-type]
-                               WorkerSettings(replica_id="r0", idle_poll_s=0.05, concurrent_groups=2))
-        worker.start()
+        worker = _start_gated(engine, tok, coord)
         await wait_for(lambda: set(engine.release) == {"r0/L0", "r0/L1"}, what="two groups generating")
 
         async def slow_abort(request_id: str) -> None:
@@ -282,9 +286,7 @@ def test_leases_granted_while_drain_begins_are_returned_not_generated(tok: Any) 
     engine = _GatedEngine()
 
     async def scenario() -> tuple[int, int]:
-        worker = RolloutWorker(engine, tok, coord, length_scorer, None,  # type: ignore[arg-type]
-                               WorkerSettings(replica_id="r0", idle_poll_s=0.05, concurrent_groups=2))
-        worker.start()
+        worker = _start_gated(engine, tok, coord)
         await wait_for(lambda: coord.calls == 1, what="a LeasePrompts call under way")
         stop = asyncio.get_running_loop().create_task(worker.stop())
         await wait_for(lambda: worker.draining, what="the drain begun")
