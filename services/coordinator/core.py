@@ -18,7 +18,8 @@ Staleness budget (verl's rule, counted in prompts):
     max_required_samples = int(required_samples * (1 + staleness_threshold) * trigger_parameter_sync_step)
     grant while budget_used < max_required_samples; budget_used += 1 per granted lease; at each
     version commit budget_used := in_flight + queued. A prompt that leaves without being trained
-    (expired, returned, stale, filtered) gives its unit back, never below in_flight + queued.
+    (expired, returned, stale, filtered) gives its unit back while the count holds it, never below
+    in_flight + queued.
 """
 
 from __future__ import annotations
@@ -545,12 +546,16 @@ class CoordinatorCore:
         self._expire_silent(now)
         popped: list[tuple[float, int, str]] = []
         expired: list[LeaseRow] = []
+        due: set[str] = set()
         while self._deadlines and self._deadlines[0][0] <= now:
             entry = heapq.heappop(self._deadlines)
             popped.append(entry)
             lease = self._leases.get(entry[2])
-            if lease is None or lease.deadline != entry[0]:
-                continue  # already finished, or renewed (a newer heap entry exists)
+            if lease is None or lease.deadline != entry[0] or entry[2] in due:
+                # already finished, renewed (a newer heap entry exists), or an equal entry (a
+                # renewal to the deadline it had) popped already
+                continue
+            due.add(entry[2])
             expired.append(lease)
         if not expired:
             return 0
@@ -764,20 +769,25 @@ class CoordinatorCore:
             ahead += len(delivered_rows)
         for d in delivered_rows:
             s.histogram[d.staleness] = s.histogram.get(d.staleness, 0) + 1
-        for staleness in [f.staleness for f in filtered_rows] + [st for _, _, st in consumed_filtered]:
+        for staleness in [f.staleness for f in filtered_rows] + [st for _, _, st, _ in consumed_filtered]:
             s.histogram[staleness] -= 1
         untrained = len(filtered_rows) + len(consumed_filtered)
         s.totals.consumed += len(delivered_rows) - untrained
         s.totals.filtered += untrained
         s.totals.regenerated += len(stale)
         floor = self.in_flight + self.queued - len(delivered_rows) - len(stale) + ahead
-        s.budget_used = max(floor, s.budget_used - untrained - len(stale))
+        # A filtered group gives its unit back only while the count still holds it: one delivered
+        # before the last commit left it there (reset to in_flight + queued); one fetched ahead
+        # for the version committed since was kept in it.
+        held = sum(int(f.train_version >= current) for f in filtered_rows)
+        held += sum(int(tv >= current) for _, _, _, tv in consumed_filtered)
+        s.budget_used = max(floor, s.budget_used - held - len(stale))
         if delivered_rows or untrained or stale or s.trainer_step != self._state.trainer_step:
             with self.ledger.transaction():
                 self.ledger.deliver_groups(
                     (d.group_id, d.step, d.staleness, d.payload is not None) for d in delivered_rows
                 )
-                self.ledger.set_group_state([f.group_id for f in filtered_rows] + [g for g, _, _ in consumed_filtered],
+                self.ledger.set_group_state([f.group_id for f in filtered_rows] + [g for g, _, _, _ in consumed_filtered],
                                             GroupState.FILTERED, drop_payload=True)
                 self.ledger.set_group_state([q.group_id for q in stale], GroupState.REJECTED_STALE, drop_payload=True)
                 self.ledger.push_retry([q.seq for q in stale], RetryReason.STALE)
@@ -898,18 +908,26 @@ class CoordinatorCore:
         s.min_qpos = min(s.min_qpos, base)
         for d in back:
             s.histogram[d.staleness] -= 1
-        for _, _, staleness in rolled_back:
+        for _, _, staleness, _ in rolled_back:
             s.histogram[staleness] -= 1
         s.totals.consumed -= len(back) + len(rolled_back)
         s.totals.regenerated += len(without) + len(rolled_back)
-        s.budget_used += len(with_payload)  # outstanding work again
+        # Outstanding work again. The count (module docstring) still holds the unit of a group
+        # delivered since the last commit, or fetched ahead for the version committed since
+        # (train_version >= current): back in the queue it keeps that unit, an older group takes
+        # one; a prompt sent back to retry gives back the unit the count held for it.
+        v = s.policy_version
+        takes = sum(int(d.train_version < v) for d in with_payload)
+        gives = sum(int(d.train_version >= v) for d in without) + sum(int(tv >= v) for _, _, _, tv in rolled_back)
+        floor = self.in_flight + self.queued + len(with_payload) + self._ahead - sum(int(d.train_version > v) for d in back)
+        s.budget_used = max(floor, s.budget_used + takes - gives)
         s.trainer_step = checkpoint_step
         s.last_checkpoint_step = min(s.last_checkpoint_step, checkpoint_step)
         with self.ledger.transaction():
             self.ledger.requeue_groups(moves)
-            self.ledger.set_group_state([d.group_id for d in without] + [g for g, _, _ in rolled_back],
+            self.ledger.set_group_state([d.group_id for d in without] + [g for g, _, _, _ in rolled_back],
                                         GroupState.REJECTED_STALE)
-            self.ledger.push_retry([d.seq for d in without] + [seq for _, seq, _ in rolled_back], RetryReason.TRAINER_RESUME)
+            self.ledger.push_retry([d.seq for d in without] + [seq for _, seq, _, _ in rolled_back], RetryReason.TRAINER_RESUME)
             self.ledger.save_state(s.to_json())
         self._state = s
         for d in back:
@@ -917,7 +935,7 @@ class CoordinatorCore:
             self._ahead -= int(d.train_version > s.policy_version)
         for d in without:
             self._retry[d.seq] = None
-        for _, seq, _ in rolled_back:
+        for _, seq, _, _ in rolled_back:
             self._retry[seq] = None
         head.update(self._queue)
         self._queue = head

@@ -203,26 +203,27 @@ class Ledger:
 
     # ---- reads ------------------------------------------------------------------------------
 
-    def consumed_after_step(self, step: int) -> list[tuple[int, int, int]]:
-        """(group_id, seq, staleness) of the groups a checkpoint after `step` consumed."""
+    def consumed_after_step(self, step: int) -> list[tuple[int, int, int, int]]:
+        """(group_id, seq, staleness, train version) of the groups a checkpoint after `step` consumed."""
         return [
-            (r[0], r[1], r[2])
+            (r[0], r[1], r[2], r[3])
             for r in self._db.execute(
-                "SELECT group_id, seq, staleness FROM groups WHERE state = ? AND step > ? ORDER BY qpos",
+                "SELECT group_id, seq, staleness, min_version + staleness FROM groups WHERE state = ? AND step > ? ORDER BY qpos",
                 (int(GroupState.CONSUMED), step),
             )
         ]
 
-    def consumed_groups(self, lease_ids: Iterable[str]) -> list[tuple[int, str, int]]:
-        """(group_id, lease_id, staleness) of the groups of LEASE_IDS that a checkpoint consumed."""
+    def consumed_groups(self, lease_ids: Iterable[str]) -> list[tuple[int, str, int, int]]:
+        """(group_id, lease_id, staleness, train version) of the groups of LEASE_IDS that a
+        checkpoint consumed."""
         out = []
         for lease_id in lease_ids:
             row = self._db.execute(
-                "SELECT group_id, lease_id, staleness FROM groups WHERE lease_id = ? AND state = ?",
+                "SELECT group_id, lease_id, staleness, min_version + staleness FROM groups WHERE lease_id = ? AND state = ?",
                 (lease_id, int(GroupState.CONSUMED)),
             ).fetchone()
             if row is not None:
-                out.append((row[0], row[1], row[2]))
+                out.append((row[0], row[1], row[2], row[3]))
         return out
 
     def load(self) -> LedgerSnapshot:

@@ -22,6 +22,7 @@ def make_core(
     dataset_size: int = 16,
     session: str = "s1",
     ledger: Ledger | None = None,
+    keep_delivered_payloads: bool = True,
 ) -> CoordinatorCore:
     settings = CoordinatorSettings(
         required_samples=mini_batch,
@@ -31,6 +32,7 @@ def make_core(
         session=session,
         lease_timeout_s=lease_timeout_s,
         max_staleness_versions=eta,
+        keep_delivered_payloads=keep_delivered_payloads,
     )
     stream = PromptStream(synthetic_records("addition", dataset_size, digits=2, seed=0, split="train"), shuffle=True, seed=3)
     return CoordinatorCore(settings, stream, ledger if ledger is not None else Ledger(path))

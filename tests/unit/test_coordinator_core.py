@@ -117,6 +117,22 @@ def test_renew_keeps_lease_alive(tmp_path: Path) -> None:
     assert core.expire(18.0) == 1
 
 
+def test_a_lease_renewed_to_the_deadline_it_already_has_expires_once(tmp_path: Path) -> None:
+    """A renewal at the same clock reading as the grant (or as an earlier renewal) gives the
+    deadline the lease already has: a second heap entry equal to the first. Both pop at the
+    deadline; the lease must expire once (it went into the retry table twice: a UNIQUE error
+    that failed this and every later expire, so every call that expires first, for good)."""
+    core = make_core(tmp_path / "l.db", lease_timeout_s=10.0)
+    (lease,) = core.lease("r", 1, 0.0).leases
+    assert core.renew("r", [lease.lease_id], 0.0)[2] == lease.deadline
+    assert core.expire(10.0) == 1
+    st = core.status(10.0)
+    assert (st.in_flight, st.retry_pending, st.totals.leases_expired) == (0, 1, 1)
+    (again,) = core.lease("r2", 1, 11.0).leases
+    assert again.seq == lease.seq
+    assert core.audit()["balanced"]
+
+
 def test_the_expiry_heap_stays_bounded_under_frequent_renewals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each renewal leaves its older heap entry to pop at its old deadline: with renewals far more
     frequent than the lease timeout the heap would hold timeout/interval entries per lease. It is
@@ -254,6 +270,29 @@ def test_trainer_resume_requeues_groups_after_checkpoint(tmp_path: Path) -> None
     assert core.audit()["balanced"]
 
 
+@pytest.mark.parametrize("case", ["requeued", "payload_dropped", "rolled_back"])
+def test_groups_a_resumed_trainer_sends_back_are_counted_once_in_the_budget(tmp_path: Path, case: str) -> None:
+    """ResumeTrainer (a trainer restart, or its re-sync after a FetchBatch lost to a coordinator
+    restart) in the window the groups were delivered in: the count still holds their units. A
+    group back in the queue took a second unit, and a prompt sent back to retry kept its unit:
+    with the budget used up (rollouts lease all they may) the rollouts were refused for good, so a
+    trainer still short of groups (DAPO drops, or the prompts in retry) waited forever."""
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=0.0, keep_delivered_payloads=case != "payload_dropped")
+    _fill(core, 2, 0)  # max_required = 2: used up
+    core.fetch("t", 1, 2, 1.0)
+    if case == "rolled_back":
+        core.report_checkpoint(1, 0, "/ckpt/1")
+    assert core.resume_trainer(0) == (0 if case == "rolled_back" else 2)
+    assert core.status(1.0).budget_used == core.in_flight + core.queued == (2 if case == "requeued" else 0)
+    if case == "requeued":
+        dropped = core.fetch("t", 1, 2, 2.0).groups[0].lease_id  # DAPO drops one: one more is needed
+        core.fetch("t", 1, 1, 2.0, filtered=[dropped])
+        assert len(core.lease("r", 2, 2.0).leases) == 1
+    else:
+        assert len(core.lease("r", 2, 2.0).leases) == 2  # the two prompts, issued again
+    assert core.audit()["balanced"]
+
+
 def test_a_trainer_resumed_from_an_older_checkpoint_gets_the_steps_after_it_again(tmp_path: Path) -> None:
     """A rollback (resume_path to an older checkpoint, or the newest one gone): the groups that a
     later checkpoint consumed were never trained into the weights now loaded; their prompts are
@@ -319,6 +358,29 @@ def test_groups_filtered_after_their_checkpoint_count_as_filtered_and_give_budge
     st = again.status(1.0)
     assert st.totals.filtered == 1 and st.totals.consumed == 1
     assert again.audit()["balanced"]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_group_filtered_after_the_commit_gives_back_no_unit_the_commit_already_took(
+    tmp_path: Path, checkpointed: bool
+) -> None:
+    """The trainer reports the groups it dropped in a step's last fetch at the next step's first
+    fetch, after CommitVersion (trainer_service.overlap off). The commit reset the budget to
+    in_flight + queued, which no longer counted them: giving their unit back again let more
+    prompts be leased in the new version's window than max_required_samples."""
+    core = make_core(tmp_path / "l.db", mini_batch=2, staleness=0.0)  # max_required = 2
+    _fill(core, 2, 0)
+    dropped = core.fetch("t", 1, 2, 1.0).groups[0].lease_id  # step 1's last fetch; one group dropped
+    if checkpointed:
+        core.report_checkpoint(1, 0, "/ckpt/1")
+    assert core.commit_version(1, b"")[1] == 0
+    _fill(core, 2, 1, now=2.0)  # the new window's two prompts: the budget is used up
+    assert core.lease("r", 1, 2.0).limit is LeaseLimit.STALENESS_BUDGET
+    assert len(core.fetch("t", 2, 2, 3.0, filtered=[dropped]).groups) == 2
+    st = core.status(3.0)
+    assert st.totals.filtered == 1 and st.budget_used == 2
+    assert core.lease("r", 1, 3.0).leases == []  # was granted: a third prompt in a window of two
+    assert core.audit()["balanced"]
 
 
 def test_pause_and_stop(tmp_path: Path) -> None:
