@@ -474,7 +474,9 @@ class RolloutWorker:
             g.agent_started = True
         group = await self.agent.play(
             prompt, spec, rid, lease_id or rid, self.replica_id, lambda req: self._generate_tracked(req, g),
-            cancelled=lambda: (g is not None and g.cancel_reason is not None) or self._draining,
+            # A leased group is dropped only when the worker aborts it (cancel_reason: lease lost,
+            # drain returning it); a drain that finishes in-flight groups lets it finish (agent_started).
+            cancelled=lambda: g.cancel_reason is not None if g is not None else self._draining,
             version=lambda: self.engine.version,
         )
         if g is not None:

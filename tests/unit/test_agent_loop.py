@@ -129,6 +129,18 @@ def test_a_turn_without_its_end_token_gets_the_whole_suffix() -> None:
     assert r.tail("<|im_end|>") == "\n" and r.tail("9") == "<|im_end|>\n"
 
 
+def test_a_turn_ending_in_a_plain_token_that_begins_the_suffix_text_still_gets_the_whole_suffix() -> None:
+    """A turn cut (length) right after a plain `<` did not write the end-of-turn token, though `<`
+    begins the suffix's text: the env tokens must start with `<|im_end|>` itself, not the
+    characters `|im_end|>` (a context no template renders; the trainer would score it)."""
+    tok = build_tokenizer(tools=True)
+    r = ChatRenderer(tok)
+    assert r.tail("<") == "<|im_end|>\n" and r.tail("<|im_end|>") == "\n"
+    ids = r.env_ids([{"role": "user", "content": "q"}], {"role": "assistant", "content": "a<"},
+                    [{"role": "user", "content": "go"}], "<")
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
 # ---- whole trajectories with a scripted policy ---------------------------------------------------------
 
 

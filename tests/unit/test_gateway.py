@@ -550,6 +550,60 @@ def test_a_failing_agent_program_returns_the_lease() -> None:
     assert coord.submitted == [] and all("exited with 2" in e for e in coord.errors)
 
 
+def test_a_drain_that_finishes_in_flight_groups_lets_a_gateway_group_finish() -> None:
+    """drain(finish_in_flight=True) waits for multi-turn groups that began (worker.py, agent_started):
+    a gateway group whose agents are still working when the drain begins is finished and submitted,
+    not failed and given back with an error the coordinator counts as a failed group."""
+    from services.rollout.worker import RolloutWorker, WorkerSettings
+    from tests.rollout_helpers import FakeCoordinator, wait_for
+    from tests.unit.test_agent_loop import ScriptedEngine
+
+    tok = build_tokenizer(tools=True)
+    draining = asyncio.Event()
+    waiting: list[str] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        waiting.append(key)
+        await draining.wait()  # still working when the drain begins
+        await tool_loop(url, key, prompt)
+
+    class Engine(ScriptedEngine):
+        def __init__(self) -> None:
+            super().__init__(tok, [CALL, ANSWER])
+            self.policy = ScriptedPolicy(tok, [CALL, ANSWER])
+
+        async def generate(self, request: GenerationRequest) -> list[SampleOutput]:
+            return await self.policy.generate(request)
+
+    registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=96))
+    ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=None, sample_timeout_s=60, max_concurrent=4,
+                                                     launch=agent), scorer=score_by_text)
+    coord = FakeCoordinator([PROMPT], common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=96))
+
+    async def go() -> None:
+        server = GatewayServer(build_app(registry), "127.0.0.1", 0)
+        port = await server.start()
+        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+        worker = RolloutWorker(Engine(), tok, coord, score_by_text, None,
+                               WorkerSettings(replica_id="w", concurrent_groups=1, idle_poll_s=0.05), agent=ga)  # type: ignore[arg-type]
+        worker._synced = True
+        worker.start()
+        try:
+            await wait_for(lambda: len(waiting) == 2, what="both agents started")
+            drain = asyncio.ensure_future(worker.drain(finish_in_flight=True))
+            await asyncio.sleep(1.0)  # the drain is under way (the group polls cancelled() every 0.5 s)
+            draining.set()
+            await asyncio.wait_for(drain, 30)
+        finally:
+            draining.set()
+            await worker.stop()
+            await server.stop()
+
+    asyncio.run(go())
+    assert coord.errors == [] and coord.returned == []
+    assert len(coord.submitted) == 1 and [r.env_reward for r in coord.submitted[0].responses] == [1.0, 1.0]
+
+
 def test_a_call_cut_by_a_weight_update_is_continued_on_the_new_weights() -> None:
     """Partial rollout, mode abort: the engine returns the call's first 5 tokens aborted and moves
     to version 1; the gateway continues from prompt + those tokens, and the client sees one answer."""
@@ -748,6 +802,66 @@ def test_a_request_the_template_cannot_render_is_a_400_before_the_session_is_fou
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     assert s.state == "open" and s.restart is None and registry.counters["rejected_stale"] == 0
     assert registry.stale_reason(s) is not None  # stale all along: a valid call would have been the 409
+
+
+def test_an_over_long_text_completion_prompt_is_a_400_naming_prompt() -> None:
+    """/completions has no `messages`: the context-length error names the field it has, `prompt`."""
+    body = json.dumps({"model": "m", "prompt": "9" * 600}).encode()
+    r, registry, s = asyncio.run(_raw_call("/v1/completions", body))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "prompt", r.text
+    assert s.state == "open" and registry.counters["calls"] == 0
+
+
+def test_a_call_cut_after_a_plain_lt_is_closed_by_the_end_of_turn_token_when_continued() -> None:
+    """A call cut by its budget right after a plain `<` (the first character of `<|im_end|>`, not the
+    token) is continued with the end-of-turn token itself: the stitched ids are the full render's."""
+    first = [{"role": "user", "content": "123+456="}]
+    msgs = [*first, {"role": "assistant", "content": "57<"}, {"role": "user", "content": "go on"}]
+
+    async def cut(c: httpx.AsyncClient, base: str, key: str, policy: ScriptedPolicy) -> None:
+        r = await c.post(base + "/v1/chat/completions", json={"messages": first}, headers={"Authorization": f"Bearer {key}"})
+        assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["choices"][0]["message"]["content"] == "57<"
+
+    r, registry, s = asyncio.run(_raw_call("/v1/chat/completions", json.dumps({"messages": msgs}).encode(),
+                                           turns=["57<", ANSWER], before=cut))
+    assert r.status_code == 200 and registry.counters["stitched_calls"] == 1, r.text
+    (seg,) = s.segments
+    full = ChatRenderer(registry.tok).prompt_ids(msgs)
+    assert seg.prompt_ids + seg.traj.token_ids[: len(full) - len(seg.prompt_ids)] == full
+
+
+@pytest.mark.parametrize("path", ["chat", "completion"])
+def test_a_call_whose_group_ends_while_it_generates_is_409_and_not_recorded(path: str) -> None:
+    """The group fails (another sample's deadline, a lost lease) while a call of this sample is
+    generating: the call is answered 409 like any call after the end, and nothing is recorded in a
+    session whose group is gone (the agent is not told its call went through)."""
+    from services.rollout.gateway.openai_api import parse_chat, parse_completion
+
+    async def main() -> tuple[Any, Any]:
+        tok = build_tokenizer(tools=True)
+        policy = ScriptedPolicy(tok, [ANSWER])
+        gate = asyncio.Event()
+
+        async def slow(req: GenerationRequest) -> list[SampleOutput]:
+            await gate.wait()
+            return await policy.generate(req)
+
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
+        g = registry.open_group("r/l", SamplingSpec(n=2, max_tokens=256), slow, lambda: 0)
+        s = g.samples[0]
+        call = (registry.chat(s, parse_chat({"messages": [{"role": "user", "content": "123+456="}]})) if path == "chat"
+                else registry.complete(s, parse_completion({"prompt": "123+456="})))
+        task = asyncio.ensure_future(call)
+        await asyncio.sleep(0.05)
+        g.fail("sample 1 passed agent.sample_timeout_s")
+        registry.close_group(g)
+        gate.set()
+        return (await asyncio.gather(task, return_exceptions=True))[0], s
+
+    result, s = asyncio.run(main())
+    assert isinstance(result, ApiError) and result.status == 409, result
+    assert s.segments == [] and s.calls == 0
 
 
 def test_null_is_absent_for_the_optional_fields_openai_marks_nullable() -> None:

@@ -43,6 +43,9 @@ class ChatRenderer:
         self.tok = tokenizer
         self.tools = [dict(t) for t in tools] or None
         self.assistant_suffix = self._assistant_suffix()
+        # The suffix's first token, as text: what the policy wrote when it ended its turn itself.
+        head = self.encode(self.assistant_suffix)[:1]
+        self._suffix_head = str(tokenizer.decode(head, skip_special_tokens=False)) if head else ""
         self.delta_fallbacks = 0
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool) -> str:
@@ -65,7 +68,9 @@ class ChatRenderer:
         """What closes an assistant turn whose sampled text ends with `generated_end` (the decoded
         last token, special tokens kept): the template's suffix minus what the policy already wrote."""
         suffix = self.assistant_suffix
-        if generated_end and suffix.startswith(generated_end):
+        # Compared as the suffix's first token: a plain token that only begins its text (a turn cut
+        # right after "<") did not end the turn.
+        if generated_end and generated_end == self._suffix_head and suffix.startswith(generated_end):
             return suffix[len(generated_end) :]
         return suffix
 

@@ -390,7 +390,7 @@ class SessionRegistry:
                 env_ids = []
                 prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
                 ctx, traj_len = prompt_ids, 0
-            max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
+            max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens, param="prompt")
             stop = self.stop_strings(s, req.stop)
             ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, stop, on_token)
             if not stitched or seg is None:
@@ -420,16 +420,16 @@ class SessionRegistry:
             raise ApiError(429, f"this sample made agent.max_calls_per_sample={self.limits.max_calls_per_sample} calls; "
                            "finish the session", code="too_many_calls")
 
-    def _max_tokens(self, ctx_len: int, traj_len: int, requested: int | None) -> int:
+    def _max_tokens(self, ctx_len: int, traj_len: int, requested: int | None, param: str = "messages") -> int:
         budget = self.limits.max_model_len - ctx_len
         left = self.limits.response_budget - traj_len
         if budget < 1:
             raise ApiError(400, f"this call's prompt is {ctx_len} tokens; the model's context is "
-                           f"{self.limits.max_model_len} tokens", param="messages", code="context_length_exceeded")
+                           f"{self.limits.max_model_len} tokens", param=param, code="context_length_exceeded")
         if left < 1:
             raise ApiError(400, f"the sample's response budget (data.max_response_length="
                            f"{self.limits.response_budget} tokens after the first prompt: completions and everything "
-                           "the agent added) is spent; finish the session", param="messages",
+                           "the agent added) is spent; finish the session", param=param,
                            code="context_length_exceeded")
         return min(requested or left, left, budget)
 
@@ -454,6 +454,7 @@ class SessionRegistry:
             lps += out.logprobs
             vers += out.versions
             if out.finish_reason is not Finish.ABORT:
+                self._check_open(s)  # its group ended while it generated: answered as a call after the end
                 return ids, lps, vers, out.finish_reason
             if s.state != "open":
                 break
