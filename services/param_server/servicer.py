@@ -242,18 +242,18 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         deadline = time.monotonic() + self.transfer_timeout_s
         if not 0 < chunk <= self.max_chunk_bytes:
             raise InvalidArgument("chunk_bytes", f"must be in (0, {self.max_chunk_bytes}], got {chunk}")
-        with self.store.reading(request.policy_version) as stored:
-            m = stored.manifest
+        m = self.store.get(request.policy_version).manifest  # checked before the version is pinned and seen
+        if request.bucket_indices:
+            buckets = sorted(set(request.bucket_indices))
+            bad = [i for i in buckets if i >= len(m.buckets)]
+            if bad:
+                raise InvalidArgument("bucket_indices", f"version {m.policy_version} has {len(m.buckets)} buckets")
+        elif request.names:
+            buckets = m.buckets_for_names(request.names)
+        else:
+            buckets = list(range(len(m.buckets)))
+        with self.store.reading(m.policy_version) as stored:
             assert stored.buffers is not None
-            if request.bucket_indices:
-                buckets = sorted(set(request.bucket_indices))
-                bad = [i for i in buckets if i >= len(m.buckets)]
-                if bad:
-                    raise InvalidArgument("bucket_indices", f"version {m.policy_version} has {len(m.buckets)} buckets")
-            elif request.names:
-                buckets = m.buckets_for_names(request.names)
-            else:
-                buckets = list(range(len(m.buckets)))
             yield param_server_pb2.FetchWeightsResponse(manifest=convert.manifest_to_proto(m))
             for i in buckets:
                 view = host_view(stored.buffers[i])

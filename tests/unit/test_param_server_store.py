@@ -135,6 +135,33 @@ def test_a_version_no_consumer_has_seen_is_replaced_by_the_resumed_trainer(seen_
         assert stored.manifest.checksum == orphan.checksum
 
 
+@pytest.mark.parametrize("bad", [{"bucket_indices": [7]}, {"names": ["no.such.weight"]}])
+def test_a_refused_fetch_does_not_count_as_seen_and_the_orphan_stays_replaceable(bad: dict) -> None:
+    """FetchWeights pinned (and marked seen) the version before checking bucket_indices / names:
+    a request refused with INVALID_ARGUMENT, which never got the manifest or a byte, made an
+    orphan immutable, and the resumed trainer's republish of its number failed for good."""
+    import asyncio
+
+    from meshrl.v1 import param_server_pb2 as pb
+    from services.param_server.servicer import ParamServerServicer
+
+    store = WeightStore(StoreSettings())
+    orphan, orphan_buffers = make_version(18)
+    upload(store, orphan, orphan_buffers, 0.0, manifest_first=True)
+    servicer = ParamServerServicer(store, clock=lambda: 1.0)
+
+    async def fetch() -> None:
+        async for _ in servicer.fetch_items(pb.FetchWeightsRequest(policy_version=18, **bad)):
+            pass
+
+    with pytest.raises(InvalidArgument):
+        asyncio.run(fetch())
+    assert store.get(18).readers == 0 and not store.get(18).served
+    resumed, resumed_buffers = make_version(18, seed=9)
+    upload(store, resumed, resumed_buffers, 2.0, manifest_first=True)
+    assert store.manifest(18).checksum == resumed.checksum
+
+
 def test_registered_versions_carry_no_bytes_and_merge_with_a_grpc_upload() -> None:
     store = WeightStore(StoreSettings())
     m, buffers = make_version(4)

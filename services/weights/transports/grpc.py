@@ -33,7 +33,7 @@ from services.common.logging import get_logger
 from .. import convert, hostmem
 from ..buffers import ByteBuffers
 from ..client import ParamServerClient
-from ..layout import Fingerprinter, Manifest, fingerprint_bytes, host_view, pack_into, unpack
+from ..layout import Fingerprinter, Manifest, fingerprint_bytes, host_view, pack_into, unpack, validate_manifest
 from ..protocols import Bucket, Buckets
 from ..wire import RawChunk
 from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
@@ -248,6 +248,11 @@ class GrpcFetcher:
         version = manifest.policy_version  # a negative ref version asked for the newest: the one pinned
         try:
             check_against_manifest(manifest, ref, f"fetch from {address}")  # a mismatch releases the hold too
+            try:  # the fingerprints cover the bytes; the checksum covers where each tensor lies in them
+                validate_manifest(manifest)
+            except InvalidArgument as exc:
+                raise DataLoss(f"fetch of version {version} from {address}: the manifest AcquireVersion answered "
+                               f"does not check out ({exc})") from None
             todo = manifest.buckets_for_names(self.names) if self.names else list(range(len(manifest.buckets)))
             attempts = dict.fromkeys(todo, 0)
             first = True
