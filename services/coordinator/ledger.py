@@ -134,7 +134,14 @@ class Ledger:
             self._db.execute("ROLLBACK")
             raise
         else:
-            self._db.execute("COMMIT")
+            try:
+                self._db.execute("COMMIT")
+            except BaseException:
+                # A COMMIT that fails (disk full, I/O error, a deferred constraint) may leave the
+                # transaction open: every later BEGIN would then fail. Nothing of it is kept.
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
         finally:
             self._in_tx = False
 

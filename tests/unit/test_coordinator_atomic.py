@@ -211,3 +211,28 @@ def test_a_failed_write_is_invisible_after_a_restart(tmp_path: Path) -> None:
     reopened = make_core(db).status(0.0)
     assert (reopened.in_flight, reopened.budget_used, reopened.totals) == (live.in_flight, live.budget_used, live.totals)
     assert live.in_flight == 3
+
+
+def test_a_commit_that_fails_keeps_nothing_and_the_next_transaction_runs(tmp_path: Path) -> None:
+    """SQLite can fail the COMMIT itself (disk full, an I/O error, a deferred constraint) and leave
+    the transaction open; every later BEGIN then failed ("cannot start a transaction within a
+    transaction"), so one failed write wedged the ledger for good. A deferred foreign key makes
+    the real COMMIT fail here."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    db = ledger._db
+    db.execute("PRAGMA foreign_keys=ON")
+    db.execute("CREATE TABLE parent (id INTEGER PRIMARY KEY)")
+    db.execute("CREATE TABLE child (pid INTEGER REFERENCES parent(id) DEFERRABLE INITIALLY DEFERRED)")
+    try:
+        with ledger.transaction():
+            ledger.save_state({"policy_version": 7})
+            db.execute("INSERT INTO child (pid) VALUES (42)")  # no parent 42: fails at COMMIT
+    except sqlite3.IntegrityError:
+        pass
+    else:
+        raise AssertionError("the deferred constraint did not fail the COMMIT")
+    assert not db.in_transaction
+    assert ledger.load().state is None  # the failed transaction's write is not kept
+    with ledger.transaction():
+        ledger.save_state({"policy_version": 8})
+    assert ledger.load().state == {"policy_version": 8}

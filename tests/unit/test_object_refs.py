@@ -170,6 +170,22 @@ def test_the_directory_registers_at_the_actor_and_posts_the_board_behind_it(fake
     asyncio.run(main())
 
 
+def test_a_board_post_that_never_answers_fails_after_its_bound_and_holds_nothing_up(fake_exceptions: None) -> None:
+    """A replica that hung on the board call held the next registration (which waits for the
+    last post) until the publish's deadline failed it, and the publisher's close forever."""
+    handle = FakeHandle()  # the board gate is never opened: the replica does not answer
+    d = osx.ServeDirectory(handle, board_timeout_s=0.05)
+
+    async def main() -> None:
+        await d.register(pb.Manifest.FromString(manifest(1)), refs(1))
+        await asyncio.wait_for(d.register(pb.Manifest.FromString(manifest(2)), refs(2)), timeout=5)
+        await asyncio.wait_for(d.settle(), timeout=5)
+        assert d.board_failures == 2 and handle.board == []
+        assert (await d.lookup(2, "r"))[1] == refs(2)  # fetches never needed the board
+
+    asyncio.run(main())
+
+
 def test_a_dead_actor_is_asked_for_again_once_and_its_versions_are_gone(fake_exceptions: None) -> None:
     handle = FakeHandle()
     handle.board_gate.set()

@@ -54,6 +54,9 @@ def test_config_cross_checks_name_the_fix() -> None:
         MeshConfig.model_validate({"param_server": {"chunk_mb": 64}})
     with pytest.raises(ValueError, match="stall_timeout_s"):
         MeshConfig.model_validate({"param_server": {"stall_timeout_s": 500, "transfer_timeout_s": 100}})
+    with pytest.raises(ValueError, match=r"hold_ttl_s=60\.0 is below param_server\.transfer_timeout_s=300\.0"):
+        MeshConfig.model_validate({"param_server": {"hold_ttl_s": 60}})
+    MeshConfig.model_validate({"param_server": {"hold_ttl_s": 60, "transfer_timeout_s": 60, "stall_timeout_s": 30}})
 
 
 def test_publishers_satisfy_the_trainers_protocol() -> None:

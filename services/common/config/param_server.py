@@ -41,7 +41,8 @@ class ParamServerConfig(ConfigModel):
     """A transfer that makes no progress for this long fails with DEADLINE_EXCEEDED (a stuck peer);
     an upload stalled this long is dropped."""
     hold_ttl_s: float = Field(default=600.0, gt=0)
-    """AcquireVersion pins a version for this long; consumers renew by acquiring again."""
+    """AcquireVersion pins a version for this long; consumers renew by acquiring again. At least
+    `transfer_timeout_s`: a fetch may take that long."""
     max_fetch_attempts: int = Field(default=3, ge=1)
     """Attempts per bucket when received bytes fail their checksum (the bucket is fetched again)."""
     bucket_sha256: bool = False
@@ -98,6 +99,12 @@ class ParamServerConfig(ConfigModel):
             raise ValueError(
                 f"param_server.stall_timeout_s={self.stall_timeout_s} exceeds param_server.transfer_timeout_s="
                 f"{self.transfer_timeout_s}; lower it (it bounds silence within one transfer)"
+            )
+        if self.hold_ttl_s < self.transfer_timeout_s:
+            raise ValueError(
+                f"param_server.hold_ttl_s={self.hold_ttl_s} is below param_server.transfer_timeout_s="
+                f"{self.transfer_timeout_s}; raise it to at least that (a fetch that outlives its hold can find "
+                "its version evicted between buckets)"
             )
         return self
 

@@ -84,14 +84,20 @@ class ObjectDirectory(Protocol):
         ...
 
 
+BOARD_TIMEOUT_S = 60.0
+"""How long a manifest's post to the param server replica's board may take before it counts as
+failed (the board serves ListVersions / GetManifest; fetches do not need it)."""
+
+
 class ServeDirectory:
     """ObjectDirectory of the param server's Serve app: its versions' refs are kept by a plain Ray
     actor the replica hands out (services/param_server/object_refs.py), so registrations and
     lookups are plain actor calls, not Serve handle calls through its router. The replica's store
     gets each manifest behind the registration (its board: ListVersions, GetManifest, metrics)."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, *, board_timeout_s: float = BOARD_TIMEOUT_S) -> None:
         self.handle = handle
+        self.board_timeout_s = board_timeout_s
         self._refs: Any = None  # the object_refs actor, asked of the replica once
         self._board: asyncio.Task[None] | None = None  # the last manifest on its way to the replica's store
         self.board_failures = 0
@@ -125,7 +131,9 @@ class ServeDirectory:
 
     async def _post_board(self, raw: bytes, version: int) -> None:
         try:
-            await self.handle.register_object_store_version.remote(raw)
+            # bounded: a replica that never answers would hold the next registration (it waits
+            # for this one) and the publisher's close
+            await asyncio.wait_for(self.handle.register_object_store_version.remote(raw), timeout=self.board_timeout_s)
         except Exception as exc:  # noqa: BLE001 -- the board only: fetchers have the version already
             self.board_failures += 1
             log.warning("board_registration_failed", policy_version=version, error=f"{type(exc).__name__}: {exc}",
