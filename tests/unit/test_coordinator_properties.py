@@ -1,7 +1,9 @@
-"""Property-based: random interleavings of lease, expire, submit (with duplicates and late
-answers), return (crossing submits of the same lease either way), fetch, filter, commit,
-checkpoint, trainer resume and coordinator restart never lose or duplicate a prompt and never
-grant a lease beyond the staleness budget."""
+"""Property-based: random interleavings of lease, renew (also at the clock reading of the grant),
+expire, submit (with duplicates and late answers), return (crossing submits of the same lease
+either way), fetch (also ahead, for the next version), filter (also after a commit or a
+checkpoint), commit, checkpoint, trainer resume and coordinator restart never lose or duplicate a
+prompt, never grant a lease beyond the staleness budget, and keep the budget's count exactly at
+in_flight + queued + the delivered groups it still holds (module docstring of core.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.answered: dict[str, int] = {}  # lease ids we already submitted (for duplicates)
         self.returned: dict[str, int] = {}  # lease ids we returned and have not submitted since
         self.trained: dict[int, int] = {}  # seq -> times delivered and not rolled back
-        self.delivered_at: dict[str, tuple[int, int]] = {}  # lease_id -> (seq, step)
+        self.delivered_at: dict[str, tuple[int, int]] = {}  # lease_id -> (seq, step), not filtered
         self.step = 0
         self.checkpoint_step = 0
         self.version = 0
@@ -52,6 +54,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert len(grant.leases) <= max(0, room), "granted beyond the staleness budget"
         for lease in grant.leases:
             self.outstanding[lease.lease_id] = lease.seq
+
+    @precondition(lambda self: self.outstanding)
+    @rule()
+    def renew(self) -> None:
+        """Renewals at the current clock reading: one in the instant of the grant gives a lease
+        the deadline it already has (a second, equal entry on the expiry heap)."""
+        self.core.renew("r", list(self.outstanding), self.now)
 
     @rule(dt=st.floats(0.5, 8.0))
     def advance(self, dt: float) -> None:
@@ -109,14 +118,13 @@ class CoordinatorMachine(RuleBasedStateMachine):
         assert self.core.return_leases("r", [i], self.now) == 0
         assert books() == before
 
-    @rule(n=st.integers(1, 5), filter_one=st.booleans())
-    def fetch(self, n: int, filter_one: bool) -> None:
+    @rule(n=st.integers(1, 5), filter_one=st.booleans(), ahead=st.booleans())
+    def fetch(self, n: int, filter_one: bool, ahead: bool) -> None:
         self.step += 1
         filtered = []
         if filter_one:
-            recent = [k for k, (_, s) in self.delivered_at.items() if s > self.checkpoint_step]
-            filtered = recent[:1]
-        batch = self.core.fetch("t", self.step, n, self.now, filtered)
+            filtered = list(self.delivered_at)[:1]  # reported late: maybe after a commit or checkpoint
+        batch = self.core.fetch("t", self.step, n, self.now, filtered, self.version + 1 if ahead else None)
         for f in filtered:
             seq, _ = self.delivered_at.pop(f)
             self.trained[seq] -= 1
@@ -132,18 +140,22 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.version += 1
         self.core.commit_version(self.version, str(self.version).encode())
 
+    @precondition(lambda self: not self.core._ahead)
     @rule()
     def checkpoint(self) -> None:
+        """(A trainer checkpoints a step after the version it trained at is committed: groups
+        fetched ahead for the next version are not in one.)"""
         self.checkpoint_step = self.step
         self.core.report_checkpoint(self.step, self.version, f"/ckpt/{self.step}")
-        self.delivered_at = {k: v for k, v in self.delivered_at.items() if v[1] > self.step}
+        # its groups stay in delivered_at: a late filter may still name them
 
     @rule()
     def trainer_crash_and_resume(self) -> None:
         self.core.resume_trainer(self.checkpoint_step)
-        for k, (seq, _) in list(self.delivered_at.items()):
-            self.trained[seq] -= 1
-            del self.delivered_at[k]
+        for k, (seq, s) in list(self.delivered_at.items()):
+            if s > self.checkpoint_step:
+                self.trained[seq] -= 1
+                del self.delivered_at[k]
         self.step = self.checkpoint_step
 
     @rule()
@@ -161,7 +173,14 @@ class CoordinatorMachine(RuleBasedStateMachine):
         report = self.core.audit()
         assert report["balanced"], report
         st_ = self.core.status(self.now)
-        assert st_.budget_used >= st_.in_flight + st_.queued
+        # The count holds a unit for every prompt leased or queued, and for every delivered
+        # group to be trained at the current version or later (it was counted at the last
+        # commit, or leased since); nothing else (GroupState: 1 delivered, 2 consumed).
+        held = self.core.ledger._db.execute(
+            "SELECT COUNT(*) FROM groups WHERE state IN (1, 2) AND min_version + staleness >= ?",
+            (self.core.policy_version,),
+        ).fetchone()[0]
+        assert st_.budget_used == st_.in_flight + st_.queued + held, (st_.budget_used, st_.in_flight, st_.queued, held)
 
 
 TestCoordinatorProperties = CoordinatorMachine.TestCase
