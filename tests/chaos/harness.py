@@ -95,10 +95,10 @@ class TrainRun:
                 continue
         return found
 
-    def kill(self, kind: str, *, in_flight: int | None = None) -> Kill:
-        """SIGKILL the first live process of KIND (there must be one)."""
-        procs = self.processes(kind)
-        assert procs, f"no live {kind} process ({TITLES[kind]}) under pid {self.proc.pid}"
+    def kill(self, kind: str, *, in_flight: int | None = None, pid: int | None = None) -> Kill:
+        """SIGKILL the first live process of KIND (there must be one), or the one with PID."""
+        procs = [p for p in self.processes(kind) if pid is None or p.pid == pid]
+        assert procs, f"no live {kind} process ({TITLES[kind]}{f', pid {pid}' if pid else ''}) under pid {self.proc.pid}"
         victim = procs[0]
         title = " ".join(victim.cmdline())[:80]
         victim.send_signal(signal.SIGKILL)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -89,15 +90,26 @@ def _baseline(run: TrainRun) -> float:
 
 
 def _kill_rollout_with_leases(run: TrainRun, rng: random.Random) -> Kill:
-    """At a random moment, then as soon as the coordinator shows leases in flight (the replica
-    holds some: those are what must come back)."""
+    """At a random moment, then as soon as the replica holds leases (those are what must come
+    back). The replica is stopped (SIGSTOP) before the coordinator is asked: a replica that runs
+    on answers its leases between the question and the kill (CI: it finished 32 groups in ~0.25 s,
+    and every lease counted in flight was submitted before the SIGKILL landed, so nothing was left
+    to expire). Stopped, it sends nothing more; a submit already on the wire lands in the pause."""
     time.sleep(rng.uniform(1.0, 6.0))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
+        procs = run.processes("rollout")
+        if not procs:
+            time.sleep(0.2)
+            continue
+        victim = procs[0]
+        victim.send_signal(signal.SIGSTOP)
+        time.sleep(0.5)
         st = run.status()
         if st is not None and st.totals.in_flight > 0:
-            return run.kill("rollout", in_flight=int(st.totals.in_flight))
-        time.sleep(0.05)
+            return run.kill("rollout", in_flight=int(st.totals.in_flight), pid=victim.pid)
+        victim.send_signal(signal.SIGCONT)
+        time.sleep(0.2)
     raise AssertionError("the rollout never held a lease for 60 s")
 
 

@@ -24,13 +24,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "MESHRL_LOG_LEVEL": "WARNING",
-            "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+            # MESHRL_TEST_LOG_LEVEL=INFO keeps each service's events in RUN_DIR/logs (to study a failure)
+            "MESHRL_LOG_LEVEL": os.environ.get("MESHRL_TEST_LOG_LEVEL", "WARNING")}
 
 
 def _train(run_dir: Path, *overrides: str, extra: tuple[str, ...] = (), timeout_s: float = 900) -> dict:
     cmd = [sys.executable, "-m", "meshrl.cli", "train", *overrides, "--run-dir", str(run_dir), *extra]
-    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+    try:
+        out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        got = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"meshrl train still running after {timeout_s:.0f} s:\n{got[-3000:]}\n"
+                    f"--- service logs:\n{_log_tails(run_dir)}")
     assert out.returncode == 0, f"meshrl train failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -133,7 +139,7 @@ def test_ctrl_c_then_resume_trains_every_prompt_once(tmp_path: Path, backend: st
     assert first["audit"]["balanced"] and first["audit"]["in_flight"] == 0  # leases returned
     assert list((run_dir / "checkpoints").iterdir()), "no checkpoint written on stop"
 
-    second = _train(run_dir, extra=("--resume", str(run_dir), "--no-report"))
+    second = _train(run_dir, extra=("--resume", str(run_dir), "--no-report"), timeout_s=300)  # ~30 s here; the logs before pytest-timeout
     assert second["steps"] == steps
     assert second["audit"]["balanced"], second["audit"]
     assert second["audit"]["issued"] == 32 * steps
