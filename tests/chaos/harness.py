@@ -36,7 +36,7 @@ TITLES = {
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "MESHRL_LOG_LEVEL": "WARNING",
+    return {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "MESHRL_LOG_LEVEL": os.environ.get("MESHRL_TEST_LOG_LEVEL", "WARNING"),
             "PYTHONUNBUFFERED": "1"}
 
 
