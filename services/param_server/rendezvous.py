@@ -21,13 +21,26 @@ generation of its own. A receiver asking for a version older than the one the se
 told so (it should fetch the newer one) instead of joining a broadcast it would not follow; a
 sender waiting for a version that a receiver already skipped (it checked in for a newer one
 only) is told so at once instead of at its deadline.
+
+A member that is gone holds its rank until the group re-forms, and the group's size is fixed, so
+its replacement finds the group full. A newcomer to a full group therefore takes the place of a
+member the sender waits for (not checked in for the sender's version) that the board has not
+heard from for `replace_after_s` (param_server.stall_timeout_s; a member's check-in call counts
+as heard from every second while it waits): the generation is retired, every member joins the
+new one, and the sender's barrier moves there with it. Without this, a replaced rollout replica
+stalled the sender until its transfer deadline (param_server.transfer_timeout_s, 300 s).
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from services.common.logging import get_logger
+
+log = get_logger(__name__)
 
 BACKENDS = ("nccl", "hccl", "gloo")
 
@@ -69,9 +82,13 @@ class Assignment:
 
 
 class RendezvousBoard:
-    def __init__(self) -> None:
+    def __init__(self, *, replace_after_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._groups: dict[str, GroupState] = {}
         self._generations: dict[str, int] = {}
+        self._seen: dict[tuple[str, str], float] = {}
+        """(group, receiver) -> when its last check-in came (the board's clock)."""
+        self.replace_after_s = replace_after_s
+        self.clock = clock
 
     def group(self, name: str) -> GroupState | None:
         return self._groups.get(name)
@@ -94,6 +111,8 @@ class RendezvousBoard:
             sender_id or old.sender_id, policy_version,
         )
         self._groups[old.name] = state
+        # who was heard from when: kept for the members of `old` only (the others left)
+        self._seen = {k: t for k, t in self._seen.items() if k[0] != old.name or k[1] in old.ranks}
         return state
 
     def _next_generation(self, group: str) -> int:
@@ -180,18 +199,23 @@ class RendezvousBoard:
             self._retire(group, failed_generation)
             state = self._groups[group]
             changed = True
+        now = self.clock()
         rank = state.ranks.get(member_id)
         if rank is None:
-            changed = True
+            if state.sender_version > policy_version:
+                raise FailedPrecondition(
+                    f"group {group!r} is broadcasting version {state.sender_version}; version {policy_version} is "
+                    "gone from this group (fetch the newer version)"
+                )
             taken = set(state.ranks.values())
             free = [r for r in range(1, state.world_size) if r not in taken]
             if not free:
-                raise ResourceExhausted(
-                    f"group {group!r} is full ({state.world_size - 1} receivers: {sorted(state.ranks)}); a replaced "
-                    "member joins after the sender re-forms the group"
-                )
+                state = self._replace_gone(state, member_id, now)
+                free = [1]
+            changed = True
             rank = free[0]
             state.ranks[member_id] = rank
+        self._seen[(group, member_id)] = now
         if state.sender_version > policy_version:
             raise FailedPrecondition(
                 f"group {group!r} is broadcasting version {state.sender_version}; version {policy_version} is gone "
@@ -206,6 +230,27 @@ class RendezvousBoard:
             return None, changed
         return Assignment(rank, state.world_size, state.master_address, state.master_port, state.backend,
                           state.generation, policy_version), changed
+
+    def _replace_gone(self, state: GroupState, newcomer: str, now: float) -> GroupState:
+        """`newcomer` found the group full: retire the generation if a member the sender waits for
+        has been silent for `replace_after_s` (it is gone; the newcomer takes its place), else
+        turn the newcomer away."""
+        waited_for = state.checked_in.get(state.sender_version, set())
+        silent = {m: now - self._seen.get((state.name, m), float("-inf")) for m in state.ranks if m not in waited_for}
+        gone = sorted(m for m, s in silent.items() if s >= self.replace_after_s)
+        if not gone:
+            quiet = max(silent.values(), default=0.0)
+            raise ResourceExhausted(
+                f"group {state.name!r} is full ({state.world_size - 1} receivers: {sorted(state.ranks)}); this member "
+                f"takes the place of one that stays silent for {self.replace_after_s:g}s while the sender waits for it "
+                f"(param_server.stall_timeout_s; the quietest has been silent {quiet:.0f}s), or joins when the "
+                "group re-forms"
+            )
+        for m in gone:
+            self._seen.pop((state.name, m), None)
+        log.warning("rendezvous_member_replaced", group=state.name, generation=state.generation, gone=gone,
+                    newcomer=newcomer, policy_version=state.sender_version)
+        return self._open(state, state.sender_version)
 
     def withdraw(self, group: str, member_id: str, policy_version: int) -> None:
         """A receiver stopped waiting for `policy_version` (its call was cancelled or timed out):

@@ -91,7 +91,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         self.max_concurrent_uploads = max_concurrent_uploads
         self.uploads_in_flight = 0
         self.auth = auth
-        self.board = RendezvousBoard()
+        self.board = RendezvousBoard(replace_after_s=stall_timeout_s)
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ps-io")
         self._changed = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None

@@ -4,7 +4,10 @@ outcome (README "Failure model") and the books: nothing lost, nothing trained tw
 
     rollout replica    Serve replaces it; its leases expire within coordinator.replica_ttl_s
                        (the ledger and the coordinator's `replica_lost` line say when) and are
-                       re-issued; the run goes on and its step rate is back within a minute
+                       re-issued; the run goes on and its step rate is back within a minute.
+                       Under a collective transport (gloo here; nccl and hccl alike) the
+                       replacement takes the dead member's place in the broadcast group once it
+                       has been silent for param_server.stall_timeout_s, and the sender goes on
     reward replica     Serve replaces it; the scores in flight are retried; the run goes on
     param server       Serve replaces it (empty); the trainer's next publish goes to the new one
                        and the rollouts move to that version; the run goes on
@@ -14,7 +17,7 @@ outcome (README "Failure model") and the books: nothing lost, nothing trained tw
                        clear stop (summary.json, the resume command), and `--resume` finishes
 
 The service kinds share one run (one after the other, each once the step rate is back); the
-trainer kills, the stop and the resume are a second. Run with `pytest -m chaos tests/chaos`.
+rollout kill under gloo is a second; the trainer kills, the stop and the resume are a third. Run with `pytest -m chaos tests/chaos`.
 """
 
 from __future__ import annotations
@@ -172,6 +175,48 @@ def test_service_replicas_die_one_after_another_and_the_run_goes_on(tmp_path: Pa
     assert expired and mine, f"the killed replica's leases did not expire early: rows {rows}, events {lost}"
     assert rollout.result["requeued_s"] <= 30.0 and len(expired) == rollout.result["leases_lost"], rollout.record()
     assert rollout.result["regranted_s_max"] <= 35.0, rollout.record()
+
+
+GLOO_STEPS = 300
+
+
+def test_rollout_replica_dies_under_the_gloo_transport_and_the_sender_goes_on(tmp_path: Path) -> None:
+    """The collective transport's group has a fixed size and the dead replica held its rank: its
+    replacement was turned away ("the group is full") and the trainer's broadcast waited for the
+    dead member until param_server.transfer_timeout_s (no step for 300 s; measured 2026-12-05).
+    The replacement now takes the dead member's place once it has been silent for
+    param_server.stall_timeout_s (15 s here), and the step rate is back within a minute."""
+    rng = random.Random(SEED + 2)
+    run_dir = tmp_path / "run"
+    run = TrainRun(run_dir, [f"rollout.total_rollout_steps={BATCH * GLOO_STEPS}", "trainer.test_freq=-1",
+                             "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+                             "param_server.collective_receivers=1", "param_server.stall_timeout_s=15"])
+    kill: Kill | None = None
+    try:
+        wait_until(lambda: len(run.steps()) >= 30, 600, "30 trainer steps")
+        baseline = _baseline(run)
+        kill = _kill_rollout_with_leases(run, rng)
+        print(f"killed rollout pid {kill.pid} at step {kill.step}", flush=True)
+        kill.result |= _recovery(run, kill, baseline, min_after_s=15.0, limit_s=90.0)
+        kill.replaced_by = [p.pid for p in run.processes("rollout")]
+        rc = run.wait(600)
+    finally:
+        run.stop()
+        _record(tmp_path, "gloo", {"kills": [kill.record()] if kill else []})
+    out = run.output()
+    summary = run.summary()
+    replaced = run.log_events("param_server", "rendezvous_member_replaced")
+    _record(tmp_path, "gloo", {"kills": [kill.record()], "replaced": replaced, "wall_s": summary.get("wall_s")})
+    assert rc == 0, out[-4000:]
+    assert summary["steps"] == GLOO_STEPS and "failure" not in summary, summary
+    assert summary["audit"]["balanced"] and summary["audit"]["issued"] == BATCH * GLOO_STEPS, summary["audit"]
+    once = trained_once(run_dir)
+    assert len(once) == BATCH * GLOO_STEPS and all(n == 1 for _, n in once)
+    assert kill.replaced_by and kill.pid not in kill.replaced_by, kill.record()
+    # the param server gave the dead member's rank to its replacement, and the run did not wait
+    # out the transfer deadline (300 s) for the dead member
+    assert replaced and all(e["group"] == "rollout" for e in replaced), replaced
+    assert kill.result["recovered_s"] <= 90.0 and kill.result["longest_gap_s"] < 120.0, kill.record()
 
 
 TRAINER_STEPS = 120

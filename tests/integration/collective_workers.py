@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import queue
 import time
 from collections.abc import Iterator
@@ -96,7 +97,7 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
 
 
 def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any, notify: Any = None,
-             consumer_id: str = "rollout-0", role: str = "recv") -> None:
+             consumer_id: str = "rollout-0", role: str = "recv", gate: Any = None) -> None:
     """Fetch each (version, mode, timeout_s): mode "ok", "corrupt" (damage bucket 1 once),
     "corrupt_meta" (a bit of bucket 1's metadata, once),
     "corrupt_last" (bucket 2, the last, once), "corrupt_always" (bucket 1, every time it comes),
@@ -107,8 +108,12 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
     carrying #delta.base, damaged once: its resend lands after the buckets behind it). With delta
     sync the count is the version's base. "ok_then_fail": fetched whole, then the receiver fails the
     version after the sender finished it (its load failed: it drops its group) and reports that at
-    its next check-in."""
+    its next check-in. "die": the process exits at once, as a killed rollout replica does (no
+    goodbye to the group or the param server), after it opened `gate`. "replacement": wait for
+    `gate`, then fetch (retrying while the param server says the group is full), as the replica
+    that replaces a killed one does."""
     from meshrl.v1 import common_pb2
+    from services.common.errors import ResourceExhausted
     from services.weights.transports.collective import CollectiveFetcher
 
     state: dict[str, Any] = {"bucket": None, "always": False, "meta": False}
@@ -138,15 +143,29 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                                "corrupt_meta": 1, "delta_corrupt_base": 0}.get(mode)
             state["meta"] = mode == "corrupt_meta"
             state["always"] = mode == "corrupt_always"
+            if mode == "die":
+                results.put((role, version, "died", 0))
+                time.sleep(1.0)  # the queue's feeder thread hands the result over
+                gate.set()
+                os._exit(0)
+            if mode == "replacement":
+                await asyncio.to_thread(gate.wait, 60)
             try:
                 ref = common_pb2.WeightsRef(policy_version=version)
                 if mode == "announced":
                     ref = common_pb2.WeightsRef.FromString(await asyncio.to_thread(notify.get, True, 60))
                 got = {}
-                async for bucket in fetcher.fetch(ref):
-                    for name, t in bucket:
-                        assert t.device.type == device
-                        got[name] = t.cpu().clone()
+                while True:
+                    try:
+                        async for bucket in fetcher.fetch(ref):
+                            for name, t in bucket:
+                                assert t.device.type == device
+                                got[name] = t.cpu().clone()
+                        break
+                    except ResourceExhausted:  # the group is full: the rollout worker retries the same way
+                        if mode != "replacement":
+                            raise
+                        await asyncio.sleep(0.5)
                 want = {n: t for b in buckets_for(version, mode) for n, t in b}
                 same = set(got) == set(want) and all(
                     got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in want.items()
@@ -164,25 +183,27 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
 
 
 def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: float = 240.0,
-             more_receivers: tuple[list, ...] = ()) -> dict:
+             more_receivers: tuple[list, ...] = (), *, sender_timeout_s: float = 8.0, group_receivers: int = 0,
+             stall_timeout_s: float = 60.0) -> dict:
     """Run a sender and a receiver process (and one more per plan in `more_receivers`, whose
     results are keyed "recv1", "recv2", ...) against a param server in this process; returns
-    {(role, version): (outcome, count), "versions": [...]}."""
+    {(role, version): (outcome, count), "versions": [...]}. The group has `group_receivers`
+    receivers (0: every receiver process)."""
     from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     async def main() -> dict:
-        server = ParamServerServer(ParamServerConfig(port=0))
+        server = ParamServerServer(ParamServerConfig(port=0, stall_timeout_s=stall_timeout_s))
         await server.start()
         ctx = mp.get_context("spawn")
-        results, notify = ctx.Queue(), ctx.Queue()
+        results, notify, gate = ctx.Queue(), ctx.Queue(), ctx.Event()
         procs = [
-            ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, 8.0, notify,
-                                             1 + len(more_receivers)), daemon=True),
+            ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, sender_timeout_s, notify,
+                                             group_receivers or 1 + len(more_receivers)), daemon=True),
             ctx.Process(target=receiver, args=(server.address, backend, receiver_plan, results, notify), daemon=True),
         ] + [
-            ctx.Process(target=receiver, args=(server.address, backend, plan, results, None, f"rollout-{i}", f"recv{i}"),
-                        daemon=True)
+            ctx.Process(target=receiver, args=(server.address, backend, plan, results, None, f"rollout-{i}", f"recv{i}",
+                                               gate), daemon=True)
             for i, plan in enumerate(more_receivers, start=1)
         ]
         for p in procs:
@@ -200,7 +221,8 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
                 except queue.Empty:
                     if time.monotonic() > end:
                         raise AssertionError(f"collective test timed out; results so far: {got}") from None
-                    if not all(p.is_alive() for p in procs) and results.empty():
+                    # a worker that exits 0 put all its results first ("die" too); any other exit crashed
+                    if any(p.exitcode not in (None, 0) for p in procs) and results.empty():
                         await asyncio.sleep(1.0)
                         if results.empty():
                             raise AssertionError(f"a worker died: {[p.exitcode for p in procs]}; results {got}") from None
@@ -306,6 +328,34 @@ def check_sender_moves_to_a_new_generation(backend: str, deadline_s: float = 240
     assert got[("sent", 3)][1] == gen + 1, got  # version 3 moved to the generation the receiver joined
     assert got[("sent", 4)][1] == gen + 1, got
     assert got["versions"] == [3, 4], got
+
+
+def check_a_replacement_takes_a_dead_receivers_place(backend: str, deadline_s: float = 240.0) -> None:
+    """A group of two receivers; after version 2 one of them dies (no goodbye, as a killed rollout
+    replica) while the sender starts version 3 on the steady group, and a replacement (a new member
+    id) asks for version 3. The dead member held its rank: the replacement was turned away (the
+    group is full) and the sender waited for the dead member until its deadline (here 60 s;
+    param_server.transfer_timeout_s, 300 s, in a real run). Now the param server gives the dead
+    member's place to the replacement once it has been silent for param_server.stall_timeout_s
+    (3 s here): version 3 goes through, in the next generation, well within the deadline."""
+    t0 = time.monotonic()
+    got = run_pair(
+        backend,
+        sender_plan=[(v, "generation") for v in (1, 2, 3, 4)],
+        receiver_plan=[(v, "ok", 60.0) for v in (1, 2, 3, 4)],
+        more_receivers=([(1, "ok", 60.0), (2, "ok", 60.0), (3, "die", 60.0)],
+                        [(3, "replacement", 60.0), (4, "ok", 60.0)]),
+        sender_timeout_s=60.0, group_receivers=2, stall_timeout_s=3.0, deadline_s=deadline_s,
+    )
+    assert got[("recv1", 3)][0] == "died", got
+    for version in (1, 2, 3, 4):
+        assert got[("recv", version)][0] == "identical" and len(got[("sent", version)][0]) == 64, got
+    assert got[("recv1", 1)][0] == got[("recv1", 2)][0] == "identical", got
+    assert got[("recv2", 3)][0] == got[("recv2", 4)][0] == "identical", got
+    gen = got[("sent", 2)][1]
+    assert got[("sent", 3)][1] == gen + 1 and got[("sent", 4)][1] == gen + 1, got
+    assert got["versions"] == [3, 4], got
+    assert time.monotonic() - t0 < 55, "the sender waited for the dead member's deadline"
 
 
 def check_delta_sync(backend: str, receivers: int = 1, deadline_s: float = 240.0) -> None:

@@ -9,6 +9,7 @@ import pytest
 from services.common.errors import MissingDependency
 
 from .collective_workers import (
+    check_a_replacement_takes_a_dead_receivers_place,
     check_delta_sync,
     check_nacks_and_abort,
     check_receiver_behind_gives_up_and_the_sender_moves,
@@ -73,6 +74,10 @@ def test_gloo_the_sender_moves_a_version_to_the_generation_a_failed_receiver_joi
 
 def test_gloo_a_receiver_behind_gives_its_version_up_and_the_sender_moves_to_where_it_checks_in() -> None:
     check_receiver_behind_gives_up_and_the_sender_moves("gloo")
+
+
+def test_gloo_a_replacement_takes_the_place_of_a_receiver_that_died_and_the_sender_goes_on() -> None:
+    check_a_replacement_takes_a_dead_receivers_place("gloo")
 
 
 def test_hccl_fails_fast_without_torch_npu() -> None:

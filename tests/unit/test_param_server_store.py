@@ -343,6 +343,51 @@ def test_rendezvous_the_sender_hears_at_once_of_a_version_its_receivers_skipped(
     assert newer.generation == 2 and board.sender_ready("g", 4, newer) == (False, "0 of 1 receivers checked in for version 4 ([])")
 
 
+def test_rendezvous_a_newcomer_takes_the_place_of_a_member_gone_silent_while_the_sender_waits() -> None:
+    """A rollout replica that died holds its rank, and the group's size is fixed: its replacement
+    found the group full and the sender waited for the dead member until transfer_timeout_s (300
+    s; measured with gloo in a real run, 2026-12-05). A newcomer now takes the place of a member
+    the sender waits for that has been silent for replace_after_s; a member that is merely slow
+    (heard from lately), or one already checked in for the sender's version, keeps its place."""
+    now = [0.0]
+    board = RendezvousBoard(replace_after_s=60.0, clock=lambda: now[0])
+    kw: dict = {"world_size": 3, "backend": "gloo", "master_address": "h", "master_port": 5}
+    board.sender_check_in("g", "s", **kw, policy_version=1)
+    for r in ("r1", "r2"):
+        board.receiver_check_in("g", r, backend="gloo", world_size=0, policy_version=1)
+    now[0] = 10.0
+    state = board.sender_check_in("g", "s", **kw, policy_version=2)  # steady: r2 died before checking in
+    board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=2)
+    now[0] = 59.0  # r2 was last heard from at 0 s: not yet silent for 60 s
+    with pytest.raises(ResourceExhausted, match=r"silent for 60s .*quietest has been silent 59s"):
+        board.receiver_check_in("g", "r3", backend="gloo", world_size=0, policy_version=2)
+    assert board.group("g").generation == 1 and board.group("g").ranks == {"r1": 1, "r2": 2}  # no trace
+    now[0] = 60.0
+    got, changed = board.receiver_check_in("g", "r3", backend="gloo", world_size=0, policy_version=2)
+    assert changed and got is None  # generation 2: r1 joins it too (its waiting call checks in again)
+    cur = board.group("g")
+    assert cur.generation == 2 and cur.ranks == {"r3": 1} and cur.master_port == 5
+    assert board.sender_ready("g", 2, state) == (False, "1 of 2 receivers checked in for version 2 (['r3'])")
+    got, _ = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=2)
+    assert got is not None and (got.generation, got.rank) == (2, 2) and board.sender_ready("g", 2, state)[0]
+    # r2 comes back after all (it was only stalled): the group is full of members heard from lately
+    now[0] = 100.0
+    board.sender_check_in("g", "s", **kw, policy_version=3)
+    board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=3)
+    with pytest.raises(ResourceExhausted, match="full"):  # r3 (heard from at 60 s) is not silent for 60 s
+        board.receiver_check_in("g", "r2", backend="gloo", world_size=0, policy_version=3)
+    now[0] = 1000.0
+    with pytest.raises(FailedPrecondition, match="gone"):  # a newcomer asking for an old version replaces no one
+        board.receiver_check_in("g", "r2", backend="gloo", world_size=0, policy_version=2)
+    assert board.group("g").generation == 2
+    # r3 went silent too: it is replaced; r1, checked in for version 3 (its call waits), was not
+    # silent, and joins the new generation with its next check-in
+    got, changed = board.receiver_check_in("g", "r2", backend="gloo", world_size=0, policy_version=3)
+    assert changed and got is None and board.group("g").generation == 3 and board.group("g").ranks == {"r2": 1}
+    got, _ = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=3)
+    assert got is not None and (got.generation, got.rank) == (3, 2)
+
+
 def test_an_object_store_lookup_of_a_version_not_in_the_object_store_takes_no_hold() -> None:
     """The Serve deployment's object_store_version (the object_store fetcher's lookup) checked the
     version's transport only after pinning it: the refused consumer held a grpc version's host
