@@ -50,7 +50,7 @@ from services.weights.protocols import Bucket
 from . import convert
 from .agent import group as agent_group
 from .agent.loop import AgentLoop
-from .engines.base import Finish, GenerationRequest, PauseMode, RolloutEngine, SampleOutput, SamplingSpec
+from .engines.base import Finish, GenerationRequest, PauseMode, RolloutEngine, SampleOutput, SamplingSpec, stop_across
 
 log = get_logger(__name__)
 
@@ -531,15 +531,14 @@ class RolloutWorker:
         return outs
 
     def _cut_at_boundary_stop(self, o: SampleOutput, boundary: int, stop: Sequence[str]) -> None:
-        """A stop string that starts in the prefix and ends in the continuation is invisible to
-        the engine (it saw only the continuation): end the sample where it completes."""
-        window = max(len(x) for x in stop)
-        for k in range(boundary + 1, min(len(o.token_ids), boundary + window) + 1):
-            tail = str(self.tokenizer.decode(o.token_ids[max(0, k - window) : k], skip_special_tokens=False))
-            if any(x in tail for x in stop):
-                del o.token_ids[k:], o.logprobs[k:], o.versions[k:]
-                o.finish_reason = Finish.STOP
-                return
+        """End the sample where a stop string across the continuation's boundary completes."""
+        k = stop_across(self._decode_raw, o.token_ids, boundary, stop)
+        if k is not None:
+            del o.token_ids[k:], o.logprobs[k:], o.versions[k:]
+            o.finish_reason = Finish.STOP
+
+    def _decode_raw(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     async def _generate_tracked(self, req: GenerationRequest, g: _Group | None) -> list[SampleOutput]:
         if g is not None:

@@ -362,6 +362,24 @@ def test_aborted_turn_continues_from_its_partial_tokens(tok: Any) -> None:
     assert t.num_resumes == 1 and t.final_text == "579" and t.tool_errors == 0
 
 
+def test_a_stop_string_across_the_cut_of_an_aborted_turn_ends_the_turn_there(tok: Any) -> None:
+    """The engine that continues a cut turn sees only the continuation's text: a stop string that
+    began before the cut and completes after it went unseen, and the turn ran on past it (the
+    single-turn worker already cut there; the agent loop and the gateway did not)."""
+    turn = "zebra quokka narwhal wombat<|im_end|>"
+    ids = tok.encode(turn, add_special_tokens=False)
+    before, after = tok.decode(ids[:5]), tok.decode(ids[:6])
+    assert len(after) > len(before) >= 2, (before, after)
+    stop = before[-2:] + after[len(before)]  # starts in the aborted part, completes in the first new token
+    assert turn.count(stop) == 1
+    engine = ScriptedEngine(tok, [turn], abort_first=True)
+    _, (t,) = _run(tok, engine, ScriptedEnv(done_at=0), SamplingSpec(n=1, max_tokens=120, stop=(stop,)))
+    assert engine.requests[1].prompt_token_ids == engine.requests[0].prompt_token_ids + ids[:5]
+    policy = [x for x, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
+    assert policy == ids[:6], tok.decode(policy)  # through the token that completes the stop string
+    assert t.finish_reason == "stop" and t.versions == [0] * 5 + [1]
+
+
 def test_samples_started_differently_share_the_common_prefix(tok: Any) -> None:
     starts = [StartResult(messages=(Message("user", "123+456="),)), StartResult(messages=(Message("user", "123+457="),))]
     prompt_ids, (a, b) = _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), ScriptedEnv(done_at=0, starts=starts),

@@ -642,6 +642,45 @@ def test_a_call_cut_by_a_weight_update_is_continued_on_the_new_weights() -> None
     assert group.min_policy_version == 0 and group.max_policy_version == 1
 
 
+def test_a_stop_string_across_the_cut_of_a_continued_call_ends_the_call_there() -> None:
+    """The engine that continues a cut call sees only the continuation's text, so a stop string
+    (the request's `stop`) that began in the aborted part and completes in the continuation went
+    unseen: the answer and the recorded tokens ran on past it."""
+    tok = build_tokenizer(tools=True)
+    turn = "zebra quokka narwhal wombat<|im_end|>"
+    ids = list(tok.encode(turn, add_special_tokens=False))
+    before, after = tok.decode(ids[:5]), tok.decode(ids[:6])
+    stop = before[-2:] + after[len(before)]
+    assert len(before) >= 2 and turn.count(stop) == 1
+
+    class Cutting(ScriptedPolicy):
+        async def generate(self, req: GenerationRequest) -> list[SampleOutput]:
+            if "/r" not in req.request_id:
+                self.requests.append(req)
+                self.version = 1
+                return [SampleOutput(0, ids[:5], [-0.5] * 5, [0] * 5, Finish.ABORT)]
+            out = await super().generate(req)
+            out[0].token_ids, out[0].logprobs, out[0].versions = (out[0].token_ids[5:], out[0].logprobs[5:],
+                                                                  out[0].versions[5:])
+            return out
+
+    policy = Cutting(tok, [turn])
+    got: list[tuple[str, str]] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        r = await c.chat.completions.create(model="m", messages=prompt["messages"], stop=[stop])
+        got.append((r.choices[0].message.content or "", r.choices[0].finish_reason))
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, _, _ = asyncio.run(play(agent, [], n=1, policy=policy))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert got == [(turn[: turn.index(stop)], "stop")], got
+    (r,) = group.responses
+    assert list(r.token_ids) == ids[:6] and list(r.versions) == [0] * 5 + [1]
+
+
 def test_keys_of_an_ended_group_get_409_then_401() -> None:
     creds: list[tuple[str, str]] = []
 

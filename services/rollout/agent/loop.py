@@ -41,7 +41,7 @@ from services.environment import convert as env_convert
 from services.environment.base import Environment, Message, StartResult
 from services.environment.factory import EnvironmentRouter
 
-from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec
+from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec, stop_across
 from .chat import ChatRenderer, SanityMode
 from .group import build_group
 from .parser import parse_tool_calls
@@ -291,6 +291,9 @@ class AgentLoop:
         s.renderer.delta_fallbacks = 0
         return t
 
+    def _decode_raw(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=False))
+
     async def _generate_turn(
         self, s: _Sample, turn: int, ctx: list[int], left: int, spec: SamplingSpec, generate: GenerateFn,
         cancelled: Callable[[], bool],
@@ -309,10 +312,15 @@ class AgentLoop:
             sub = dataclasses.replace(spec, n=1, max_tokens=remaining, seed=seed)
             rid = f"{s.sid}/t{turn}" + (f"/r{round_}" if round_ else "")
             (out,) = await generate(GenerationRequest(rid, ctx + ids, sub))
+            boundary = len(ids)
             ids += out.token_ids
             lps += out.logprobs
             vers += out.versions
             resumes += out.num_resumes
+            cut = stop_across(self._decode_raw, ids, boundary, spec.stop) if round_ else None
+            if cut is not None:  # a stop string across the cut: the engine could not see it
+                del ids[cut:], lps[cut:], vers[cut:]
+                return ids, lps, vers, Finish.STOP, resumes
             if out.finish_reason is not Finish.ABORT:
                 return ids, lps, vers, out.finish_reason, resumes
             if cancelled():

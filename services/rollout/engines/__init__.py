@@ -12,6 +12,7 @@ from .base import (
     engine_names,
     get_engine_cls,
     register_engine,
+    stop_across,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "engine_names",
     "get_engine_cls",
     "register_engine",
+    "stop_across",
 ]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
@@ -90,6 +90,22 @@ class SamplingSpec:
 
     def sample_seed(self, index: int) -> int | None:
         return None if self.seed is None else self.seed + index
+
+
+def stop_across(decode: Callable[[list[int]], str], token_ids: list[int], boundary: int,
+                stop: Sequence[str]) -> int | None:
+    """A continuation (partial rollout, mode abort) starts at `boundary`; the engine that generated
+    it saw only its own text, so a stop string that begins before the boundary and completes after
+    it went unseen. Returns how many tokens to keep (through the token that completes the first
+    such stop string), or None."""
+    if not stop or boundary >= len(token_ids):
+        return None
+    window = max(len(x) for x in stop)  # characters; every token decodes to at least one
+    for k in range(boundary + 1, min(len(token_ids), boundary + window) + 1):
+        tail = decode(token_ids[max(0, k - window) : k])
+        if any(x in tail for x in stop):
+            return k
+    return None
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from services.environment.base import ToolCall
 from ..agent.chat import ChatRenderer
 from ..agent.parser import parse_tool_calls
 from ..agent.trajectory import Trajectory
-from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec
+from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec, stop_across
 from .openai_api import ApiError, ChatRequest, Completion, CompletionRequest, bad, now
 
 log = get_logger(__name__)
@@ -433,6 +433,9 @@ class SessionRegistry:
                            code="context_length_exceeded")
         return min(requested or left, left, budget)
 
+    def _decode_raw(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=False))
+
     async def _generate(self, s: SampleSession, ctx: list[int], max_tokens: int, stop: tuple[str, ...],
                         on_token: OnToken | None = None) -> tuple[list[int], list[float], list[int], Finish]:
         """One completion; a cut by a weight update (partial rollout, mode abort) is continued from
@@ -450,9 +453,15 @@ class SessionRegistry:
             rid = f"{g.rid}/{s.index}/c{s.calls}-{uuid.uuid4().hex[:6]}" + (f"/r{round_}" if round_ else "")
             hook = None if on_token is None else (lambda _i, t, lp: on_token(t, lp))
             (out,) = await g.generate(GenerationRequest(rid, ctx + ids, spec, on_token=hook))
+            boundary = len(ids)
             ids += out.token_ids
             lps += out.logprobs
             vers += out.versions
+            cut = stop_across(self._decode_raw, ids, boundary, stop) if round_ else None
+            if cut is not None:  # a stop string across the cut (the engine saw the continuation only)
+                del ids[cut:], lps[cut:], vers[cut:]
+                self._check_open(s)
+                return ids, lps, vers, Finish.STOP
             if out.finish_reason is not Finish.ABORT:
                 self._check_open(s)  # its group ended while it generated: answered as a call after the end
                 return ids, lps, vers, out.finish_reason
