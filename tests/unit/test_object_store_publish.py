@@ -290,6 +290,30 @@ def test_a_corrupted_object_fails_its_fingerprint(fake_ray: FakeRay) -> None:
     asyncio.run(main())
 
 
+def test_a_manifest_that_does_not_match_its_checksum_is_refused_before_a_bucket(fake_ray: FakeRay) -> None:
+    """The ref names a version by its manifest's checksum, and the fingerprints the buckets are
+    checked against come from that manifest: one whose content no longer matches the checksum
+    (here a bucket's bytes and its fingerprint both changed, the checksum kept) must not pass."""
+    directory = FakeDirectory()
+
+    async def main() -> None:
+        ref = await osx.ObjectStorePublisher(directory).publish(1, weights())
+        raw, refs = directory.versions[1]
+        arrays = fake_ray.objects[refs[1][0]]
+        arrays[0] = arrays[0].copy()
+        arrays[0][5] ^= 1
+        forged = pb.Manifest.FromString(raw)
+        forged.buckets[1].fingerprint = fingerprint_bytes(arrays[0].tobytes())
+        directory.versions[1] = (forged.SerializeToString(), refs)
+        fetcher = osx.ObjectStoreFetcher(directory, consumer_id="c", verify="always", max_attempts=1)
+        with pytest.raises(DataLoss, match=r"manifest\.checksum"):
+            await anext(fetcher.fetch(ref))
+        await fetcher.settle()
+        assert directory.released == [(1, "c")]  # refused, and its hold goes
+
+    asyncio.run(main())
+
+
 def test_only_objects_put_on_this_node_are_read_unverified(fake_ray: FakeRay) -> None:
     """`remote`: an object put on the fetcher's node is the publisher's own bytes (mapped, never
     transferred); one put elsewhere is fingerprinted, and a corrupted one fails."""

@@ -14,7 +14,8 @@
     rollout: the object_refs actor (a plain call, no hold: the fetch's borrowed refs keep the
              objects) ─▶ manifest + refs ─▶ ray.get: on the same node the
              arrays map the publisher's shared memory (zero copy); from another node Ray pulls them
-             ─▶ checked against the manifest (sizes always, fingerprint per object_store_verify:
+             ─▶ the manifest checked (the ref's checksum, its content against that checksum)
+             ─▶ each bucket checked against it (sizes always, fingerprint per object_store_verify:
              `remote` fingerprints every bucket not put on this node, read from the ref's owner)
              ─▶ after the last bucket, the directory's release, awaited beside the caller (a
              no-op for ServeDirectory, which takes no hold; a directory that pins versions gets
@@ -51,7 +52,7 @@ from services.common.errors import DataLoss, InvalidArgument, MissingDependency,
 from services.common.logging import get_logger
 
 from .. import convert
-from ..layout import Fingerprinter, Manifest
+from ..layout import Fingerprinter, Manifest, validate_manifest
 from ..packing import WireBucket, storage_runs, wire_arrays
 from ..protocols import Bucket, Buckets
 from .base import Deadline, ManifestBuilder, PlannedBucket, check_against_manifest, plan_buckets
@@ -449,6 +450,11 @@ class ObjectStoreFetcher:
         try:
             manifest = convert.manifest_from_proto(raw)
             check_against_manifest(manifest, ref, "object_store fetch")
+            try:  # the fingerprints cover the bytes; the checksum covers where each tensor lies in them
+                validate_manifest(manifest)
+            except InvalidArgument as exc:
+                raise DataLoss(f"object_store fetch of version {version}: the manifest the directory answered "
+                               f"does not check out ({exc})") from None
             if len(refs) != len(manifest.buckets):
                 raise DataLoss(f"version {version}: {len(refs)} objects for {len(manifest.buckets)} buckets")
             firsts = [orefs[0] for orefs in refs if orefs]
