@@ -280,6 +280,38 @@ def test_a_history_that_does_not_extend_starts_a_new_segment() -> None:
     assert "sum: 123+456=" in policy.tok.decode(list(group.prompt_token_ids) + list(r.token_ids))
 
 
+def test_samples_whose_first_prompts_differ_share_their_common_prefix_and_stay_within_the_context() -> None:
+    """Each agent opens with its own system prompt: the group's prompt is what they share, each
+    sample's rest opens its response (mask 0). The budget counts from the sample's own prompt, so
+    the response may pass it by that rest; its trained tokens may not, nor prompt + response the
+    model's context (README, "What is recorded")."""
+    budget, max_model_len = 12, 96
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        system = {"role": "system", "content": "you are agent " + "x" * (3 + 7 * prompt["sample_index"])}
+        await c.chat.completions.create(model="m", messages=[system, *prompt["messages"]], tools=TOOLS)
+        await c.close()
+        await finish(url, key, {"reward": 0.0})
+
+    long_answer = "5" * 40 + "<|im_end|>"
+    group, _, policy = asyncio.run(play(agent, [long_answer], n=3, budget=budget, max_model_len=max_model_len))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    shared = list(group.prompt_token_ids)
+    rests = []
+    for r, req in zip(sorted(group.responses, key=lambda r: r.sample_index),
+                      sorted(policy.requests, key=lambda q: int(q.request_id.split("/")[2])), strict=True):
+        policy_ids = [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m]
+        rest = len(req.prompt_token_ids) - len(shared)
+        rests.append(rest)
+        assert list(req.prompt_token_ids) == shared + list(r.token_ids[:rest])  # the sample's own prompt
+        assert set(r.loss_mask[:rest]) <= {0} and policy_ids == list(r.token_ids[rest:])
+        assert len(policy_ids) == budget and r.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert len(shared) + len(r.token_ids) <= max_model_len
+    assert max(rests) > 0 and len(set(rests)) > 1  # the prompts did differ, by different amounts
+    assert max(len(r.token_ids) for r in group.responses) > budget  # what the README says may happen
+
+
 def test_a_call_past_max_staleness_versions_is_409_and_only_that_sample_starts_over() -> None:
     """Sample 0 calls at version 0, two updates land while it runs its tool, its next call is 409
     policy_too_stale; its agent is started again in a new session of the same lease, while sample 1
