@@ -858,18 +858,25 @@ class CoordinatorCore:
             raise InvalidArgument(
                 "policy_version", f"{version} is not a committed version (current is {self._state.policy_version})"
             )
+        done = [d for d in self._delivered.values() if d.step <= step]
+        if ahead := [d for d in done if d.train_version > self._state.policy_version]:
+            # they hold budget units of the next window until that version commits (fetch's
+            # train_version); consumed now, the window after the commit would lease past the rule
+            raise FailedPrecondition(
+                f"step {ahead[0].step}'s groups are to be trained at version {ahead[0].train_version}, which is not "
+                f"committed (current is {self._state.policy_version}): CommitVersion({ahead[0].train_version}) before "
+                f"reporting a checkpoint of step {step}"
+            )
         s = self._state.copy()
         s.last_checkpoint_step = step
         s.last_checkpoint_path = path
         s.checkpoint_requested = False
-        done = [d for d in self._delivered.values() if d.step <= step]
         with self.ledger.transaction():
             self.ledger.consume_through_step(step)
             self.ledger.save_state(s.to_json())
         self._state = s
         for d in done:
-            del self._delivered[d.lease_id]
-            self._ahead -= int(d.train_version > s.policy_version)
+            del self._delivered[d.lease_id]  # none was fetched ahead (refused above): _ahead stays
 
     def resume_trainer(self, checkpoint_step: int) -> int:
         """A trainer restarted from `checkpoint_step`: groups delivered after it go back to the

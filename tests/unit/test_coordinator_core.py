@@ -466,6 +466,27 @@ def test_fetching_ahead_leaves_budget_and_staleness_as_fetching_after_the_commit
     assert outcomes[0] == outcomes[1] == ([1, 1, 1, 1], 4, 4)
 
 
+def test_a_checkpoint_of_groups_fetched_ahead_waits_for_their_version(tmp_path: Path) -> None:
+    """Groups fetched ahead (train_version=1) hold units of the window after version 1 commits; a
+    checkpoint holding them before that commit is refused with nothing changed (it consumed them
+    and the commit's window granted 8 leases where the rule allows 4), and taken after it."""
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=1.0, trigger=1)  # max_required = 8
+    _fill(core, 8, 0)
+    core.fetch("t", 1, 4, 1.0, train_version=0)
+    core.fetch("t", 2, 4, 1.0, train_version=1)
+    before = core.status(1.0)
+    with pytest.raises(FailedPrecondition, match=r"version 1, which is not committed.*CommitVersion\(1\)"):
+        core.report_checkpoint(2, 0, "/ckpt/2")
+    after = core.status(1.0)
+    assert (after.last_checkpoint_step, after.budget_used, after.totals) == (
+        before.last_checkpoint_step, before.budget_used, before.totals)
+    core.report_checkpoint(1, 0, "/ckpt/1")  # the step trained at the committed version is fine
+    assert core.commit_version(1, b"")[1] == 4
+    core.report_checkpoint(2, 1, "/ckpt/2")
+    assert len(core.lease("r", 100, 2.0).leases) == 4
+    assert core.audit()["balanced"]
+
+
 def test_train_version_must_be_current_or_next(tmp_path: Path) -> None:
     core = make_core(tmp_path / "l.db", mini_batch=2, staleness=1.0)
     _fill(core, 2, 0)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from services.common.errors import FailedPrecondition
 from services.coordinator.core import SubmitStatus
 
 from .coord_helpers import group_for, make_core
@@ -140,11 +142,16 @@ class CoordinatorMachine(RuleBasedStateMachine):
         self.version += 1
         self.core.commit_version(self.version, str(self.version).encode())
 
-    @precondition(lambda self: not self.core._ahead)
     @rule()
     def checkpoint(self) -> None:
-        """(A trainer checkpoints a step after the version it trained at is committed: groups
-        fetched ahead for the next version are not in one.)"""
+        """A trainer checkpoints a step after the version it trained at is committed: one that
+        holds groups fetched ahead for an uncommitted version is refused, and changes nothing."""
+        if self.core._ahead:
+            before = self.core.status(self.now)
+            with pytest.raises(FailedPrecondition, match="not committed"):
+                self.core.report_checkpoint(self.step, self.version, f"/ckpt/{self.step}")
+            assert self.core.status(self.now) == before
+            return
         self.checkpoint_step = self.step
         self.core.report_checkpoint(self.step, self.version, f"/ckpt/{self.step}")
         # its groups stay in delivered_at: a late filter may still name them

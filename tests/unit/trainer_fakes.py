@@ -81,6 +81,11 @@ class FakeCoordinator:
         return coordinator_pb2.CommitVersionResponse(policy_version=self.policy_version)
 
     async def report_checkpoint(self, trainer_id: str, step: int, policy_version: int, path: str) -> None:
+        # the coordinator's rule: a checkpoint holds no groups fetched for an uncommitted version
+        ahead = [f for f in self.fetches if f["step"] <= step and (f["train_version"] or 0) > self.policy_version]
+        if ahead:
+            raise FailedPrecondition(f"step {ahead[0]['step']} fetched for version {ahead[0]['train_version']}, "
+                                     f"{self.policy_version} committed")
         self.checkpoints.append((step, policy_version, path))
         self.checkpoint_requested = False
 
