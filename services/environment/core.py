@@ -76,6 +76,7 @@ class SessionTable:
         self._open: dict[str, _Session] = {}
         self._closed: OrderedDict[str, CloseResult | MeshError] = OrderedDict()
         self.counters = SessionCounters()
+        self._late_closes: set[asyncio.Future[Any]] = set()  # closes of starts that landed after their Close
 
     @property
     def open_sessions(self) -> int:
@@ -158,7 +159,7 @@ class SessionTable:
             self.counters.repeats += 1
             answer = self._closed[session_id]
             if isinstance(answer, MeshError):
-                raise answer
+                raise answer.with_traceback(None)  # each raise would pile its frames (and their locals) onto it
             return answer
         s = self._open.get(session_id)
         if s is None:
@@ -171,7 +172,12 @@ class SessionTable:
         answer: CloseResult | MeshError | None = None
         try:
             await self._settle(session_id, [s.start, *s.steps.values()])
-            if s.start.cancelled() or s.start.exception() is None:  # a cancelled start may have begun
+            if not s.start.done():
+                # it ignored its cancellation: what it opens is closed when it lands (no trajectory
+                # waits on this session's reward)
+                s.start.add_done_callback(lambda f: self._close_late(session_id, f))
+                answer = CloseResult()
+            elif s.start.cancelled() or s.start.exception() is None:  # a cancelled start may have begun
                 answer = await self.env.close(session_id)
             else:
                 answer = CloseResult()
@@ -190,6 +196,19 @@ class SessionTable:
                     self._closed.popitem(last=False)
         self.counters.closed += 1
         return answer
+
+    def _close_late(self, session_id: str, start: asyncio.Future[Any]) -> None:
+        if not start.cancelled() and start.exception() is not None:
+            return  # it failed: nothing to close
+        task = asyncio.ensure_future(self.env.close(session_id))
+        self._late_closes.add(task)
+        task.add_done_callback(self._late_closed)
+
+    def _late_closed(self, task: asyncio.Future[Any]) -> None:
+        self._late_closes.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.counters.errors += 1
+            log.warning("environment_late_close_failed", error=repr(exc))
 
     async def _settle(self, session_id: str, calls: list[asyncio.Future[Any]]) -> None:
         """Wait for the session's calls still running, `close_wait_s` at most, then cancel them."""

@@ -167,7 +167,9 @@ class RewardPipeline:
             return self._routes[data_source]
         except KeyError:
             route = self._find_route(data_source)
-            if len(self._routes) < _MAX_CACHED_ROUTES:  # data_sources come from callers: bound the cache
+            # data_sources come from callers: the cache is bounded, and a source nothing scores is
+            # not kept (its request is refused: it leaves no trace, nor takes a good source's place)
+            if route is not None and len(self._routes) < _MAX_CACHED_ROUTES:
                 self._routes[data_source] = route
             return route
 
@@ -414,7 +416,7 @@ class RewardPipeline:
         down endpoint is not the replica's fault (its items wait)."""
         n = self.pool.abandoned
         if n > self.max_abandoned_threads:
-            return f"{n} timed-out scorer threads are still running (limit reward.max_abandoned_threads={self.max_abandoned_threads})"
+            return f"{n} abandoned scorer threads (timed out, or their caller cancelled) are still running (limit reward.max_abandoned_threads={self.max_abandoned_threads})"
         return None
 
     async def close(self) -> None:

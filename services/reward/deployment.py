@@ -12,7 +12,7 @@ items of many small requests share endpoint calls and thread-pool work. The batc
 endpoint never holds up the batches behind it, and a cancelled request (client deadline) never
 cancels the others' work. A request fails only if one of its own items failed.
 
-Health. `check_health` fails when timed-out scorer threads pile up (see pool.py); Serve then
+Health. `check_health` fails when abandoned (timed-out or cancelled) scorer threads pile up (see pool.py); Serve then
 replaces the replica. A down external endpoint is not a health failure: its items wait, visible in
 `status()` and the `meshrl_reward_*` metrics.
 """
@@ -111,7 +111,7 @@ class RewardDeployment:
         ])
         self._m_waiting = metrics.Gauge("meshrl_reward_endpoint_waiting_items", "Items waiting for a down endpoint.", tag_keys=tags)
         self._m_open = metrics.Gauge("meshrl_reward_endpoint_open", "1 while the endpoint's circuit breaker is not closed.", tag_keys=tags)
-        self._m_abandoned = metrics.Gauge("meshrl_reward_abandoned_threads", "Timed-out scorer threads still running.")
+        self._m_abandoned = metrics.Gauge("meshrl_reward_abandoned_threads", "Abandoned scorer threads (timed out or their caller cancelled) still running.")
         log.info("reward_replica_ready", stages=[s.name for s in self.pipeline.stages], endpoints=len(self.pipeline.remotes))
 
     # ---- handle entry points ------------------------------------------------------------------------

@@ -6,7 +6,7 @@ per call that never stalls the event loop or the calls queued behind it.
 
 Timeline of one call: it waits (without a deadline) for one of `num_workers` slots, is submitted
 to the current executor, and from then on has `timeout_s`. A Python thread cannot be killed, so a
-call that times out is *abandoned*: its slot is freed, the executor is replaced by a fresh one
+call that times out (or whose caller is cancelled while it runs) is *abandoned*: its slot is freed, the executor is replaced by a fresh one
 (later calls never queue behind the stuck thread) and the old executor is shut down without
 waiting, so its threads exit once their work ends. `abandoned` counts timed-out calls still
 running; a replica whose count keeps growing should be replaced (the deployment's health check
@@ -48,7 +48,7 @@ class BlockingPool:
 
     @property
     def abandoned(self) -> int:
-        """Timed-out calls whose threads are still running."""
+        """Abandoned calls (timed out, or their caller cancelled) whose threads are still running."""
         with self._lock:
             return len(self._abandoned)
 
@@ -64,11 +64,18 @@ class BlockingPool:
             try:
                 return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
             except TimeoutError:
+                self.timeouts += 1
                 self._abandon(cfut, afut)
+                raise
+            except asyncio.CancelledError:
+                # The caller left (a client deadline, a drain). A call still queued is dropped; one
+                # already running keeps its thread past this slot: abandoned like a timeout, else
+                # the next call would queue behind it and time out without ever running.
+                if not cfut.cancel():
+                    self._abandon(cfut, afut)
                 raise
 
     def _abandon(self, cfut: concurrent.futures.Future[Any], afut: asyncio.Future[Any]) -> None:
-        self.timeouts += 1
         with self._lock:
             self._abandoned.add(cfut)
 

@@ -5,7 +5,9 @@ environment config rules, and reply validation naming the endpoint."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,10 @@ from services.common.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
+    MeshError,
     NotFound,
     ResourceExhausted,
+    Unavailable,
 )
 from services.environment import convert
 from services.environment.base import CloseResult, Environment, EnvPrompt, Message, StartResult, StepResult, ToolCall
@@ -442,3 +446,77 @@ def test_a_verl_tool_file_works_with_its_imports_changed(tmp_path: Path) -> None
     assert "reward=0.0" in wrong.messages[0].content and wrong.reward == -0.05
     assert "reward=1.0" in right.messages[0].content and right.reward == 0.0
     assert closed.reward == 1.0 and tool._instance_dict == {}  # type: ignore[attr-defined]
+
+
+class SlowStartEnv(Environment):
+    """An environment whose close can fail and whose start can ignore its cancellation."""
+
+    def __init__(self, *, close_fails: bool = False, start_ignores_cancel_s: float = 0.0) -> None:
+        self.close_fails = close_fails
+        self.start_ignores_cancel_s = start_ignores_cancel_s
+        self.gate = asyncio.Event()
+        self.closes: list[str] = []
+        self.started: list[str] = []
+
+    async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
+        if self.start_ignores_cancel_s:
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                await asyncio.sleep(self.start_ignores_cancel_s)  # e.g. a sandbox that finishes booting
+        self.started.append(session_id)
+        return StartResult()
+
+    async def step(self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *,
+                   policy_version: int = 0) -> StepResult:
+        return StepResult(done=True)
+
+    async def close(self, session_id: str) -> CloseResult:
+        self.closes.append(session_id)
+        if self.close_fails:
+            raise Unavailable("the grader is down")
+        return CloseResult(reward=1.0)
+
+
+def test_repeated_close_of_a_failed_session_does_not_grow_its_stored_error() -> None:
+    """A failed close's FailedPrecondition is kept for repeats; raising the same object again must
+    not pile each caller's frames (and their locals: the request, the gRPC context) onto it."""
+    async def go() -> None:
+        table = SessionTable(SlowStartEnv(close_fails=True))
+        await table.start("s", EnvPrompt())
+        with pytest.raises(Unavailable):
+            await table.close("s")
+        depths = []
+        for _ in range(3):
+            try:
+                await table.close("s")
+            except FailedPrecondition as exc:
+                depths.append(len(traceback.extract_tb(exc.__traceback__)))
+        assert depths[0] == depths[-1], f"traceback frames per repeat: {depths}"
+
+    asyncio.run(go())
+
+
+def test_close_of_a_session_whose_start_ignores_cancellation() -> None:
+    """A Close while the start still runs cancels it after close_wait_s; a start that ignores its
+    cancellation and lands later is closed in the environment then, and the Close itself answers
+    (it failed INTERNAL with InvalidStateError, and the session was never closed)."""
+    async def go() -> None:
+        env = SlowStartEnv(start_ignores_cancel_s=1.5)
+        table = SessionTable(env, close_wait_s=0.05)
+        caller = asyncio.ensure_future(table.start("s", EnvPrompt()))
+        await asyncio.sleep(0.01)
+        error: BaseException | None = None
+        try:
+            await table.close("s")  # the rollout gave up on this trajectory
+        except Exception as exc:
+            error = exc
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(caller, 3)
+        await asyncio.sleep(0.1)
+        assert env.started == ["s"]  # the start landed ...
+        assert env.closes == ["s"] and table.open_sessions == 0, "... and nobody closed it in the environment"
+        # a status code is acceptable; InvalidStateError (INTERNAL: a bug) is not
+        assert error is None or isinstance(error, MeshError), f"Close failed with {error!r}"
+
+    asyncio.run(go())

@@ -4,6 +4,7 @@ normalisation, timeouts, errors, DAPO overlong shaping."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -258,7 +259,7 @@ def test_abandoned_threads_make_the_pipeline_unhealthy() -> None:
         pool=BlockingPool(2), item_timeout_s=0.05, max_abandoned_threads=1,
     )
     run(p.score([sample(i, "d", "x") for i in range(2)]))
-    assert "2 timed-out scorer threads" in (p.unhealthy_reason() or "")
+    assert "2 abandoned scorer threads" in (p.unhealthy_reason() or "")
     release.set()
 
 
@@ -338,3 +339,46 @@ def test_verl_batch_reward_function() -> None:
     wrong_len = CustomFunction("m:b", lambda **kw: [1.0], is_async=False, batched=True)
     outcomes = run(RewardPipeline(custom=wrong_len).score_each(items[:2]))
     assert all(isinstance(o, ScorerError) and "returned 1 results for 2 items" in str(o) for o in outcomes)
+
+
+def test_a_cancelled_blocking_scorer_call_does_not_make_the_next_item_time_out() -> None:
+    """A caller cancelled while its scorer runs (a client deadline on the plain RewardServer, a
+    drained LocalScorer) frees its slot, and the thread is abandoned like a timeout's: counted for
+    the health check, and the next call runs on a fresh executor instead of queueing behind it
+    and "timing out" unrun (a made-up score of 0)."""
+    release = threading.Event()
+
+    def score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict) -> float:
+        if solution_str == "slow":
+            release.wait(10)
+        return 1.0
+
+    async def go() -> None:
+        pipeline = RewardPipeline(
+            custom=CustomFunction(name="f", fn=score, is_async=False),  # source None: the thread pool
+            pool=BlockingPool(1), item_timeout_s=0.5,
+        )
+        try:
+            first = asyncio.ensure_future(pipeline.score([Sample("a", "x", "slow")]))
+            await asyncio.sleep(0.1)
+            first.cancel()  # the request's deadline passed
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            abandoned = pipeline.pool.abandoned
+            (s,) = await pipeline.score([Sample("b", "x", "fast")])
+            assert s.score == 1.0 and "timeout" not in s.metrics, f"scored {s} without running the scorer"
+            assert abandoned == 1, "a scorer thread still running after its caller left is not counted"
+        finally:
+            release.set()
+            pipeline.pool.close()
+
+    asyncio.run(go())
+
+
+def test_a_rejected_score_request_leaves_no_route_cache_entry() -> None:
+    """A data_source nothing scores is refused and not cached: keyed by caller input, such entries
+    would fill the bounded route cache and leave good sources uncached."""
+    pipeline = RewardPipeline()
+    with pytest.raises(InvalidArgument, match=r"items\[0\]\.data_source"):
+        pipeline.validate([Sample("a", "junk/not-a-source", "x")])
+    assert "junk/not-a-source" not in pipeline._routes

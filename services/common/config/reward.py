@@ -47,7 +47,7 @@ class RewardServiceConfig(ConfigModel):
     starts running. A timed-out item scores 0 with metric `timeout`=1 (verl's math_verify
     semantics); with `scorer_processes` its process is killed, else its thread is abandoned."""
     max_abandoned_threads: int = Field(default=16, ge=1)
-    """Timed-out scorer threads still running above which the replica reports unhealthy (Serve
+    """Abandoned scorer threads (timed out, or their caller cancelled) still running above which the replica reports unhealthy (Serve
     then replaces it, which ends them)."""
     max_items_per_request: int = Field(default=8192, ge=1)
     """Upper bound on items in one Score request."""
