@@ -2,9 +2,17 @@
 
     <root>/global_step_<S>/            complete checkpoints (engine files + trainer_state.json)
     <root>/global_step_<S>.partial/    being written; renamed when complete, ignored otherwise
+    <root>/global_step_<S>.abandoned-<hex>/   past the step a start went back to: kept, ignored
+    <root>/resumed_from.json           the resume_from_path a start went back to (and its step)
 
 A checkpoint is complete only once renamed, so a crash mid-save leaves the previous one as the
 newest. `trainer_state.json` holds the loop's own state (local step, policy version).
+
+A start that goes back (trainer.resume_mode=resume_path, or disable: to step 0) sets the complete
+checkpoints past its step aside: they are another line of training, which neither `newest` (a
+restart's resume) nor `rotate` may mix with this one's. resume_path's rollback is done once:
+restarts with the same path (Serve restarting a crashed replica) resume from this line's newest
+checkpoint past it, never from the path again.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from services.common.errors import NotFound
 STATE_FILE = "trainer_state.json"
 _NAME = re.compile(r"^global_step_(\d+)$")
 _REPLACED = re.compile(r"^global_step_(\d+)\.replaced-[0-9a-f]+$")
+RESUMED_FROM = "resumed_from.json"
 
 
 @dataclass(frozen=True)
@@ -120,12 +129,58 @@ def read_state(path: Path) -> LoopState:
     return LoopState(**json.loads(f.read_text()))
 
 
-def rotate(root: Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints; returns what was deleted."""
+def rotate(root: Path, keep: int | None, protect: Path | None = None) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, never `protect` (the one just
+    reported); returns what was deleted."""
     if keep is None or not root.is_dir():
         return []
     found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)))
-    doomed = [p for _, p in found[:-keep]] if len(found) > keep else []
+    doomed = [p for _, p in found[:-keep] if p != protect] if len(found) > keep else []
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def set_aside_after(root: Path, step: int) -> list[Path]:
+    """Rename the complete checkpoints past `step` to `<name>.abandoned-<hex>` (see the module
+    docstring); returns their new paths."""
+    if newest(root) is None:  # (also puts back a checkpoint a dead commit had moved aside)
+        return []
+    moved = []
+    for p in sorted(root.iterdir()):
+        m = _NAME.match(p.name)
+        if m and int(m.group(1)) > step:
+            aside = root / f"{p.name}.abandoned-{uuid.uuid4().hex[:8]}"
+            p.rename(aside)
+            moved.append(aside)
+    if moved:
+        _fsync_dir(root)
+    return moved
+
+
+@dataclass(frozen=True)
+class ResumedFrom:
+    path: str
+    step: int
+
+
+def resumed_from(root: Path) -> ResumedFrom | None:
+    """The resume_from_path a start of this checkpoint directory went back to, if any."""
+    f = root / RESUMED_FROM
+    try:
+        return ResumedFrom(**json.loads(f.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def record_resumed_from(root: Path, mark: ResumedFrom | None) -> None:
+    """Write (or, with None, remove) the mark, atomically."""
+    f = root / RESUMED_FROM
+    if mark is None:
+        f.unlink(missing_ok=True)
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{RESUMED_FROM}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.write_text(json.dumps(asdict(mark)))
+    os.replace(tmp, f)
+    _fsync_dir(root)

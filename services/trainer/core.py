@@ -22,9 +22,11 @@ Checkpoints, operator requests and the end of the run wait for the publish in fl
 step fetches is trained twice or dropped (a checkpoint at s leaves step s+1's groups delivered
 after it, so a resume re-queues them).
 
-Start: resume from the newest checkpoint (trainer.resume_mode), ResumeTrainer(step) so the
-coordinator re-queues groups delivered after it, then publish the restored weights as the next
-version (the coordinator may have moved past the checkpoint's version before the crash).
+Start: resume from the newest checkpoint (trainer.resume_mode; resume_path goes back to its path
+once, restarts after it resume from the newest since: checkpoints.py), ResumeTrainer(step) so the
+coordinator re-queues groups delivered after it, ReportCheckpoint(step) of the checkpoint loaded
+(a trainer that died between committing and reporting it), then publish the restored weights as
+the next version (the coordinator may have moved past the checkpoint's version before the crash).
 Operator requests (checkpoint, stop) arrive as FetchBatch flags or through `request_checkpoint`
 (SaveCheckpoint RPC) and are served at the next step boundary.
 
@@ -249,12 +251,26 @@ class TrainerLoop:
     # ---- start / finish ------------------------------------------------------------------------
 
     async def _resume(self) -> None:
+        root = self.s.checkpoint_dir
         path: Path | None = None
+        going_back = False  # to resume_from_path's step, or (disable) to 0: later checkpoints are set aside
         if self.s.resume_mode == "auto":
-            path = checkpoints.newest(self.s.checkpoint_dir)
+            path = checkpoints.newest(root)
         elif self.s.resume_mode == "resume_path":
             assert self.s.resume_from_path is not None
             path = Path(self.s.resume_from_path)
+            done = checkpoints.resumed_from(root)
+            if done is not None and done.path == str(path):
+                # a restart after the rollback (Serve restarting a crashed replica): this line's
+                # newest checkpoint past it, never the path again (it would undo what trained since)
+                newer = checkpoints.newest(root)
+                if newer is not None and checkpoints.read_state(newer).step > done.step:
+                    path = newer
+            else:
+                going_back = True
+        else:
+            going_back = True
+        state: checkpoints.LoopState | None = None
         if path is not None:
             state = checkpoints.read_state(path)
             await self.group.load_checkpoint(path)
@@ -267,8 +283,26 @@ class TrainerLoop:
             self.pending_filtered = list(state.pending_filtered)
             self.last_checkpoint_step, self.last_checkpoint_path = state.step, str(path)
             log.info("trainer_resumed_from_checkpoint", path=str(path), step=self.step)
+        if going_back:
+            aside = checkpoints.set_aside_after(root, self.step)
+            if aside:
+                log.warning("checkpoints_set_aside", step=self.step, resume_mode=self.s.resume_mode,
+                            paths=[str(p) for p in aside], hint="a later line of training than this start's: kept, "
+                            "never resumed from or rotated")
+        if self.s.resume_mode != "resume_path":
+            checkpoints.record_resumed_from(root, None)  # a later resume_path start goes back again
+        elif going_back:
+            checkpoints.record_resumed_from(root, checkpoints.ResumedFrom(str(path), self.step))
         resp = await self._resume_trainer()
         self.policy_version = self.weights_version = resp.policy_version
+        if path is not None and state is not None:
+            # A trainer that died between committing this checkpoint and reporting it resumes from
+            # it: reported now (a repeat is a no-op), else its groups stay delivered for good.
+            version = min(state.policy_version, resp.policy_version)
+            await retry_transient(
+                "ReportCheckpoint", lambda: self.coordinator.report_checkpoint(self.s.trainer_id, self.step, version, str(path)),
+                wait_s=self.s.coordinator_wait_s,
+            )
         log.info("trainer_started", step=self.step, policy_version=self.policy_version, requeued=resp.requeued)
         if path is not None or resp.policy_version > 0:
             await self._publish()  # rollouts move to the weights training continues from
@@ -638,7 +672,7 @@ class TrainerLoop:
             wait_s=self.s.coordinator_wait_s,
         )
         self.last_checkpoint_step, self.last_checkpoint_path = step, str(final)
-        removed = checkpoints.rotate(root, self.s.max_checkpoints_to_keep)
+        removed = checkpoints.rotate(root, self.s.max_checkpoints_to_keep, protect=final)
         log.info("checkpoint_saved", step=step, path=str(final), removed=[p.name for p in removed])
         self._serve_checkpoint_waiters()
 

@@ -40,7 +40,12 @@ class TrainerConfig(ConfigModel):
     default_local_dir: str | None = None
     """Checkpoint directory; null: `<run_dir>/checkpoints`."""
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
-    """Resume from the newest checkpoint (`auto`), never, or from `resume_from_path`."""
+    """Resume from the newest checkpoint (`auto`), never (`disable`), or from `resume_from_path`.
+    `resume_path` goes back to the path once: restarts with the same path (Serve restarting a
+    crashed replica) resume from the newest checkpoint trained since; an `auto` start forgets
+    that, so a later `resume_path` start goes back again. A start that goes back (`resume_path`,
+    `disable`) renames the checkpoints in checkpoint_dir past its step to
+    `global_step_N.abandoned-<hex>`: kept, never resumed from or rotated."""
     resume_from_path: str | None = None
     """Checkpoint used with `resume_mode=resume_path`."""
     seed: int = 42

@@ -119,6 +119,10 @@ def load_state(engine: FSDPEngine, path: Path) -> None:
         extra = torch.load(mine if same_world else path / "extra_rank0.pt", weights_only=False)
         same_world = same_world and extra.get("world_size") == engine.world_size
         engine.scheduler.load_state_dict(extra["scheduler"])
+        # the schedule's position sets the lr: the optimizer's groups hold it only when its state
+        # was loaded too (load_contents without `optimizer`: they would keep step 0's)
+        for group, lr in zip(engine.optimizer.param_groups, engine.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
         engine._step = int(extra["step"])
         if same_world:
             _set_rng_state(extra["rng"], engine.device)
