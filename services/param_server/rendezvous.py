@@ -256,9 +256,18 @@ class RendezvousBoard:
         """A receiver stopped waiting for `policy_version` (its call was cancelled or timed out):
         it no longer counts toward the sender's barrier for it."""
         state = self._groups.get(group)
-        if state is not None:
-            state.checked_in.get(policy_version, set()).discard(member_id)
-            state.delta_bases.get(policy_version, {}).pop(member_id, None)
+        if state is None:
+            return
+        members = state.checked_in.get(policy_version)
+        if members is not None:
+            members.discard(member_id)
+            if not members:  # nothing left for the version: no entry either (caller-chosen keys)
+                del state.checked_in[policy_version]
+        bases = state.delta_bases.get(policy_version)
+        if bases is not None:
+            bases.pop(member_id, None)
+            if not bases:
+                del state.delta_bases[policy_version]
 
 
 def _key(state: GroupState) -> tuple[int, str, str, int, str]:

@@ -176,7 +176,7 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                     upload.set_manifest(m)
                 elif kind == "bucket":
                     if upload is None:
-                        early_buckets.append(item)
+                        self._hold_early(early_buckets, item, manifest_only)
                     else:
                         upload.begin_bucket(convert.bucket_from_proto(item))
                 elif kind == "chunk":
@@ -221,6 +221,18 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         return param_server_pb2.PublishWeightsResponse(
             policy_version=manifest.policy_version, total_bytes=manifest.total_bytes, publish_s=elapsed
         )
+
+    def _hold_early(self, early: list[param_server_pb2.BucketMeta], meta: param_server_pb2.BucketMeta,
+                    manifest_only: Any) -> None:
+        """A BucketMeta before the upload opens (no manifest, no chunk yet): held, checked as it
+        comes (order, the upload quota) so a stream of them alone is refused at once, not held."""
+        if manifest_only is not None:
+            raise InvalidArgument("bucket", "bucket metadata for a version registered as "
+                                  f"{list(manifest_only.transports)} only; add grpc to manifest.transports")
+        if meta.index != len(early):
+            raise InvalidArgument("bucket.index", f"expected bucket {len(early)}, got {meta.index}; send buckets in order")
+        self.store._check_size(sum(b.nbytes for b in early) + meta.nbytes, f"bucket[{meta.index}].nbytes")
+        early.append(meta)
 
     def _begin(self, policy_version: int, early: list[param_server_pb2.BucketMeta], now: float) -> Upload:
         upload = self.store.begin_upload(policy_version, now)

@@ -1,0 +1,65 @@
+"""What a client can make the param server hold: bucket metadata before an upload opens is
+checked as it comes (a stream of it alone is refused at the quota), and a receiver's check-in
+that gives up leaves no entry on the rendezvous board."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from meshrl.v1 import param_server_pb2 as pb
+from services.common.errors import DeadlineExceeded, MeshError, ResourceExhausted
+from services.common.grpc_util import LocalContext
+from services.param_server.servicer import ParamServerServicer
+from services.param_server.store import StoreSettings, WeightStore
+
+
+def test_publish_bucket_metas_before_any_manifest_are_bounded_by_the_upload_quota() -> None:
+    """BucketMeta before the first manifest or chunk is held until the upload opens: checked as
+    it comes, the stream is refused once the declared bytes pass max_upload_bytes (it was read to
+    the end, up to transfer_timeout_s, all of it held, and the quota never checked)."""
+    quota = 1000
+    store = WeightStore(StoreSettings(max_upload_bytes=quota))
+    servicer = ParamServerServicer(store, clock=lambda: 1.0)
+    sent = 0
+
+    async def stream() -> AsyncIterator[pb.PublishWeightsRequest]:
+        nonlocal sent
+        for i in range(5000):
+            sent += 1
+            yield pb.PublishWeightsRequest(bucket=pb.BucketMeta(index=i, nbytes=600, fingerprint="f"))
+
+    async def publish() -> None:
+        await servicer.PublishWeights(stream(), LocalContext())
+
+    with pytest.raises(MeshError) as info:
+        asyncio.run(publish())
+    # 600 + 600 bytes pass the 1000-byte quota at the second bucket.
+    assert sent <= 3, f"the servicer read and buffered {sent} bucket messages ({info.value!r})"
+    assert isinstance(info.value, ResourceExhausted), info.value
+
+
+def test_receiver_check_ins_that_time_out_leave_nothing_on_the_rendezvous_board() -> None:
+    """A withdrawn check-in (deadline, cancel) leaves no empty per-version entries behind: a
+    client checking in for ever newer versions with a short deadline grew the board by two
+    entries per call until the sender passed them."""
+    servicer = ParamServerServicer(WeightStore(StoreSettings()), clock=lambda: 1.0, transfer_timeout_s=0.0)
+    servicer.board.sender_check_in("g", "t0", world_size=2, backend="gloo", master_address="h", master_port=1234,
+                                   policy_version=1)
+
+    async def check_in(version: int) -> None:
+        req = pb.RendezvousRequest(role="receiver", group="g", member_id="r0", backend="gloo", world_size=2,
+                                   policy_version=version)
+        with pytest.raises(DeadlineExceeded):
+            await servicer.Rendezvous(req, LocalContext())
+
+    async def many() -> None:
+        for v in range(2, 502):
+            await check_in(v)
+
+    asyncio.run(many())
+    state = servicer.board.group("g")
+    assert state is not None
+    assert len(state.checked_in) <= 1 and len(state.delta_bases) <= 1, (len(state.checked_in), len(state.delta_bases))
