@@ -258,8 +258,9 @@ class RolloutWorker:
         if ids and self.coordinator is not None:
             try:
                 returned = await self.coordinator.return_leases(self.replica_id, ids)
-            except grpc.RpcError as exc:  # the leases expire instead: nothing is lost
+            except grpc.RpcError as exc:  # retried by the renew loop while it runs, else they expire: nothing is lost
                 log.warning("return_leases_failed", error=str(exc), leases=len(ids))
+                self._to_return.update(dict.fromkeys(ids, ""))
         self.counters.leases_returned += returned
         for g in to_return:
             await self._abort_group(g, "drain")
@@ -393,7 +394,15 @@ class RolloutWorker:
 
     async def _submit(self, group: common_pb2.TrajectoryGroup) -> None:
         """Submit one group; groups finishing together share a SubmitGroups call (Coalescer)."""
-        (status,) = await self._submitter.call([group])
+        try:
+            (status,) = await self._submitter.call([group])
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                raise
+            # The call it shared passed the message limit (groups that each fit, finishing
+            # together): alone it may fit. Submits are idempotent by lease id.
+            log.warning("submit_batch_too_large", lease_id=group.lease_id, hint="submitted alone")
+            (status,) = await self._submit_many([group])
         if status == coordinator_pb2.SUBMIT_STATUS_EXPIRED:
             self.counters.groups_expired += 1
             log.warning("group_expired_on_submit", lease_id=group.lease_id)
@@ -499,7 +508,9 @@ class RolloutWorker:
         for round_ in range(1, self.s.max_resubmits + 1):
             todo = [
                 o for o in outs
-                if o.finish_reason == Finish.ABORT and (g is None or g.cancel_reason is None) and not self._draining
+                # a leased group goes on unless it was given up (a drain that finishes the groups in
+                # flight keeps the ones it did not return: cut short, they would be trained so)
+                if o.finish_reason == Finish.ABORT and (g.cancel_reason is None if g is not None else not self._draining)
             ]
             if not todo:
                 return outs
@@ -637,7 +648,9 @@ class RolloutWorker:
 
     async def _retry_weights(self) -> None:
         delay = self.s.idle_poll_s
-        while self._weights_failed and not self._stopping and not self._draining:
+        # Groups in flight wait on the engine a failed load left paused: retried for them while a
+        # drain finishes them (stop() cancels this after the drain), else until leasing would stop.
+        while self._weights_failed and (self._groups or not (self._stopping or self._draining)):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)
             ref = self._latest_ref
