@@ -385,7 +385,7 @@ class MeshRun:
 
         from .validation import run_validation
 
-        val = val_dataset(self.cfg.data)
+        val = val_dataset(self.cfg.data, self.cfg.actor_rollout_ref.model)
         if val is None:
             return None
         return await run_validation(self.cfg, val, version, self.run_dir, self.started)

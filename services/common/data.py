@@ -8,6 +8,7 @@ with `perm_e` a seeded permutation (identity without shuffle). The mapping is a 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Sequence
@@ -17,6 +18,9 @@ from typing import Any, Protocol
 
 from meshrl.v1 import common_pb2
 from services.common.errors import ConfigError
+from services.common.logging import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,9 @@ class PromptStream:
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = seed
-        self._perm_epoch = -1
-        self._perm: list[int] = []
+        # the last two epochs' orders: near an epoch's end, retried prompts of epoch e and new
+        # ones of e + 1 alternate, and one cached order would be rebuilt (O(N)) at every switch
+        self._perms: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -72,19 +77,26 @@ class PromptStream:
         epoch, offset = divmod(seq, n)
         if not self.shuffle:
             return offset
-        if epoch != self._perm_epoch:
+        perm = self._perms.get(epoch)
+        if perm is None:
             perm = list(range(n))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
-            self._perm, self._perm_epoch = perm, epoch
-        return self._perm[offset]
+            self._perms[epoch] = perm
+            for old in sorted(self._perms)[:-2]:
+                del self._perms[old]
+        return perm[offset]
 
     def get(self, seq: int) -> PromptRecord:
         return self.dataset[self.index_of(seq)]
 
 
-def _record_from_row(row: dict[str, Any], index: int, split: str, prompt_key: str) -> PromptRecord:
+def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: str = "") -> PromptRecord:
+    """Row `index` of the split (its prompt_id) as a record; `where` names it in errors (file:line)."""
+    where = where or f"{split} row {index}"
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: a row must be a JSON object with a {prompt_key!r} column, got {type(row).__name__}")
     if prompt_key not in row:
-        raise ConfigError(f"{split} row {index} has no {prompt_key!r} column; set data.prompt_key")
+        raise ConfigError(f"{where} has no {prompt_key!r} column; set data.prompt_key")
     prompt = row[prompt_key]
     messages: tuple[tuple[str, str], ...] = ()
     text = ""
@@ -94,14 +106,19 @@ def _record_from_row(row: dict[str, Any], index: int, split: str, prompt_key: st
         try:
             messages = tuple((str(m["role"]), str(m["content"])) for m in prompt)
         except (KeyError, TypeError) as exc:
-            raise ConfigError(f"{split} row {index}: {prompt_key} must be a string or a list of {{role, content}}") from exc
+            raise ConfigError(f"{where}: {prompt_key} must be a string or a list of {{role, content}}") from exc
     else:
-        raise ConfigError(f"{split} row {index}: {prompt_key} must be a string or a list of chat messages")
+        raise ConfigError(f"{where}: {prompt_key} must be a string or a list of chat messages")
     reward_model = row.get("reward_model") or {}
     ground_truth = reward_model.get("ground_truth", row.get("ground_truth", "")) if isinstance(reward_model, dict) else ""
     extra = row.get("extra_info") or {}
-    if isinstance(extra, str):
-        extra = json.loads(extra) if extra.strip() else {}
+    try:
+        if isinstance(extra, str):
+            extra = json.loads(extra) if extra.strip() else {}
+        if not isinstance(extra, dict):
+            raise TypeError(type(extra).__name__)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: extra_info must be an object (or a string holding a JSON object): {exc}") from None
     return PromptRecord(
         prompt_id=f"{split}:{index}",
         messages=messages,
@@ -115,22 +132,33 @@ def _record_from_row(row: dict[str, Any], index: int, split: str, prompt_key: st
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL or parquet file."""
+    return [row for _, row in _numbered_rows(path)]
+
+
+def _numbered_rows(path: str | Path) -> list[tuple[str, Any]]:
+    """(file:line or file:row, row) of a JSONL or parquet file. JSONL is UTF-8, one value per
+    line split on "\n" alone (U+2028 and kin are legal inside JSON strings)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"data file {p} does not exist")
     if p.suffix in (".jsonl", ".json"):
         rows = []
-        for lineno, line in enumerate(p.read_text().splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{p}:{lineno} is not valid JSON: {exc}") from exc
+        with p.open(encoding="utf-8", newline="") as fh:
+            lineno = 0
+            try:
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            rows.append((f"{p}:{lineno}", json.loads(line)))
+                        except json.JSONDecodeError as exc:
+                            raise ConfigError(f"{p}:{lineno} is not valid JSON: {exc}") from exc
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{p}: not UTF-8 after line {lineno} ({exc.reason}); JSONL is read as UTF-8") from None
         return rows
     if p.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return list(pq.read_table(p).to_pylist())
+        return [(f"{p} row {i}", row) for i, row in enumerate(pq.read_table(p).to_pylist())]
     raise ConfigError(f"data file {p}: unsupported format {p.suffix!r}; use .jsonl or .parquet")
 
 
@@ -150,9 +178,21 @@ class RecordList:
 def load_files(files: Sequence[str], *, split: str, prompt_key: str = "prompt") -> RecordList:
     records: list[PromptRecord] = []
     for f in files:
-        for row in load_rows(f):
-            records.append(_record_from_row(row, len(records), split, prompt_key))
+        for where, row in _numbered_rows(f):
+            records.append(_record_from_row(row, len(records), split, prompt_key, where))
     return RecordList(records)
+
+
+def stream_digest(dataset: Dataset, *, shuffle: bool, seed: int) -> str:
+    """What the prompt stream's positions mean: sha256 over every record in order, and the
+    shuffle and seed (a coordinator's ledger keeps positions only; see CoordinatorSettings)."""
+    h = hashlib.sha256(json.dumps({"shuffle": shuffle, "seed": seed if shuffle else None}).encode())
+    for i in range(len(dataset)):
+        r = dataset[i]
+        h.update(json.dumps([r.prompt_id, r.messages, r.text, r.data_source, r.ability, r.ground_truth, r.extra_info],
+                            sort_keys=True, separators=(",", ":"), default=str).encode())
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 # ---- built-in synthetic tasks -----------------------------------------------------------------
@@ -215,23 +255,67 @@ def synthetic_records(
     return RecordList(records)
 
 
-def train_dataset(data_cfg: Any) -> RecordList:
-    """The training prompts a `data` config section names (files, else the synthetic task)."""
+def train_dataset(data_cfg: Any, model_cfg: Any = None) -> RecordList:
+    """The training prompts a `data` config section names (files, else the synthetic task);
+    with data.filter_overlong_prompts, those that fit data.max_prompt_length under the model's
+    tokenizer (`model_cfg`: actor_rollout_ref.model)."""
     if data_cfg.train_files:
-        return load_files(data_cfg.train_files, split="train", prompt_key=data_cfg.prompt_key)
-    syn = data_cfg.synthetic
-    if syn is None:
-        raise ConfigError("no prompt data: set data.train_files or data.synthetic")
-    return synthetic_records(syn.name, syn.num_train, digits=syn.digits, seed=syn.seed, split="train",
-                             length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits)
+        records = load_files(data_cfg.train_files, split="train", prompt_key=data_cfg.prompt_key)
+    else:
+        syn = data_cfg.synthetic
+        if syn is None:
+            raise ConfigError("no prompt data: set data.train_files or data.synthetic")
+        records = synthetic_records(syn.name, syn.num_train, digits=syn.digits, seed=syn.seed, split="train",
+                                    length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits)
+    return _filtered(records, data_cfg, model_cfg, "train")
 
 
-def val_dataset(data_cfg: Any) -> RecordList | None:
-    """The validation prompts (files, else the synthetic task's held-out split, else None)."""
+def val_dataset(data_cfg: Any, model_cfg: Any = None) -> RecordList | None:
+    """The validation prompts (files, else the synthetic task's held-out split, else None),
+    filtered as the training prompts are."""
     if data_cfg.val_files:
-        return load_files(data_cfg.val_files, split="val", prompt_key=data_cfg.prompt_key)
+        return _filtered(load_files(data_cfg.val_files, split="val", prompt_key=data_cfg.prompt_key),
+                         data_cfg, model_cfg, "val")
     syn = data_cfg.synthetic
     if data_cfg.train_files or syn is None or syn.num_val <= 0:
         return None
-    return synthetic_records(syn.name, syn.num_val, digits=syn.digits, seed=syn.seed, split="val",
-                             length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits)
+    return _filtered(synthetic_records(syn.name, syn.num_val, digits=syn.digits, seed=syn.seed, split="val",
+                                       length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits),
+                     data_cfg, model_cfg, "val")
+
+
+def chat_prompt_text(messages: Sequence[dict[str, str]], text: str, tokenizer: Any) -> str:
+    """A prompt as the model sees it: the chat template applied (with the generation prompt) to
+    `messages`, or `text` verbatim."""
+    if messages:
+        return str(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False))
+    return text
+
+
+def prompt_tokens(record: PromptRecord, tokenizer: Any) -> int:
+    """Tokens of the prompt as the single-turn rollout encodes it (rollout/convert.encode_prompt)."""
+    text = chat_prompt_text([{"role": r, "content": c} for r, c in record.messages], record.text, tokenizer)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _filtered(records: RecordList, data_cfg: Any, model_cfg: Any, split: str) -> RecordList:
+    """data.filter_overlong_prompts (verl's): the prompts longer than max_prompt_length dropped,
+    before the shuffle (the order of those kept is unchanged; their prompt_ids stay their rows')."""
+    if not data_cfg.filter_overlong_prompts:
+        return records
+    if model_cfg is None or not (model_cfg.tokenizer_path or model_cfg.path):
+        raise ConfigError("data.filter_overlong_prompts counts prompt tokens with the model's tokenizer: set "
+                          "actor_rollout_ref.model.path (or tokenizer_path)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path,
+                                        trust_remote_code=model_cfg.trust_remote_code)
+    limit = data_cfg.max_prompt_length
+    kept = [r for r in records.records if prompt_tokens(r, tok) <= limit]
+    if not kept:
+        raise ConfigError(f"data.filter_overlong_prompts dropped every {split} prompt: none fits "
+                          f"data.max_prompt_length={limit} tokens")
+    if len(kept) < len(records):
+        log.info("overlong_prompts_filtered", split=split, dropped=len(records) - len(kept), kept=len(kept),
+                 max_prompt_length=limit)
+    return RecordList(kept)

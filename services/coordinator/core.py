@@ -93,9 +93,16 @@ class CoordinatorSettings:
     max_consecutive_failures: int | None = None
     """Failed groups in a row that halt leasing (see failures.py); None: never."""
 
+    data_digest: str = ""
+    """The prompt stream's identity (data.stream_digest: its rows in order, shuffle, seed): a
+    ledger's prompt positions mean these prompts only. Empty: not checked."""
+
     def fingerprint(self) -> dict[str, Any]:
         """Facts a ledger must agree with to be continued by this config."""
-        return {"prompts_total": self.prompts_total, "required_samples": self.required_samples}
+        facts: dict[str, Any] = {"prompts_total": self.prompts_total, "required_samples": self.required_samples}
+        if self.data_digest:
+            facts["data"] = self.data_digest
+        return facts
 
 
 class LeaseLimit(Enum):
@@ -334,12 +341,25 @@ class CoordinatorCore:
                 ledger.save_state(self._state.to_json())
             return
         state = _State.from_json(snap.state)
-        if state.fingerprint != settings.fingerprint():
+        want = settings.fingerprint()
+        # a ledger written before the data digest was kept takes this config's (unchecked, once)
+        upgraded = "data" in want and "data" not in state.fingerprint
+        have = {**state.fingerprint, "data": want["data"]} if upgraded else state.fingerprint
+        if have.get("data") != want.get("data"):
+            raise FailedPrecondition(
+                f"ledger {ledger.path} belongs to a run over other prompt data (digest {str(have.get('data'))[:12]}, "
+                f"this config's {str(want.get('data'))[:12]}): the files, their order or content, data.shuffle or "
+                "data.seed differ, and the ledger's prompt positions would name other prompts (some issued twice in "
+                "the epoch, some never); use the run's data settings, or a new coordinator.ledger_path"
+            )
+        if have != want:
             raise FailedPrecondition(
                 f"ledger {ledger.path} belongs to a run with {state.fingerprint}, but this config gives "
-                f"{settings.fingerprint()}; use the same data and batch settings, or a new coordinator.ledger_path"
+                f"{want}; use the same data and batch settings, or a new coordinator.ledger_path"
             )
-        repaired = False
+        repaired = upgraded
+        if upgraded:
+            state.fingerprint = want
         if state.stopping and state.stop_session != settings.session:
             # The Stop ended an earlier session (Ctrl-C, `meshrl stop`); this one continues the run.
             state.stopping = False

@@ -9,7 +9,7 @@ from pathlib import Path
 from meshrl.v1 import common_pb2
 from services.common.auth import Authorizer
 from services.common.config import MeshConfig, derive
-from services.common.data import PromptStream, train_dataset
+from services.common.data import PromptStream, stream_digest, train_dataset
 from services.common.grpc_util import MiB
 from services.common.limits import Limits
 from services.common.model_arch import vocab_size_of
@@ -38,7 +38,7 @@ def build_core(
     cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "", session: str = ""
 ) -> CoordinatorCore:
     """SESSION: see CoordinatorSettings.session; empty means a fresh one (this process)."""
-    dataset = train_dataset(cfg.data)
+    dataset = train_dataset(cfg.data, cfg.actor_rollout_ref.model)
     derived = derive(cfg, dataset_size=len(dataset))
     at = cfg.async_training
     settings = CoordinatorSettings(
@@ -53,6 +53,7 @@ def build_core(
         keep_delivered_payloads=cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable",
         run_id=run_id,
         session=session or uuid.uuid4().hex,
+        data_digest=stream_digest(dataset, shuffle=cfg.data.shuffle, seed=cfg.data.seed),
     )
     prompts = PromptStream(dataset, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     ledger = Ledger(ledger_path(cfg, run_dir), synchronous=cfg.coordinator.ledger_synchronous)

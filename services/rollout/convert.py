@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from meshrl.v1 import common_pb2, reward_pb2
+from services.common.data import chat_prompt_text
 from services.common.errors import InvalidArgument
 
 from .engines.base import Finish, SampleOutput, SamplingSpec
@@ -26,12 +27,9 @@ def prompt_text(prompt: common_pb2.Prompt, tokenizer: Any) -> str:
     `messages`, or `text` verbatim."""
     if prompt.messages and prompt.text:
         raise InvalidArgument("prompt", "set exactly one of messages or text, not both")
-    if prompt.messages:
-        msgs = [{"role": m.role, "content": m.content} for m in prompt.messages]
-        return str(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
-    if not prompt.text:
+    if not prompt.messages and not prompt.text:
         raise InvalidArgument("prompt", "empty: set messages or text")
-    return prompt.text
+    return chat_prompt_text([{"role": m.role, "content": m.content} for m in prompt.messages], prompt.text, tokenizer)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 def dataset_size(cfg: MeshConfig) -> int:
     from services.common.data import train_dataset
 
-    return len(train_dataset(cfg.data))
+    return len(train_dataset(cfg.data, cfg.actor_rollout_ref.model))
 
 
 def total_local_steps(cfg: MeshConfig, size: int | None) -> int:

@@ -68,7 +68,8 @@ class DataConfig(ConfigModel):
     truncation: Literal["error", "left", "right", "middle"] = "error"
     """What to do with prompts longer than `max_prompt_length`."""
     filter_overlong_prompts: bool = False
-    """Drop prompts longer than `max_prompt_length` when loading."""
+    """Drop prompts longer than `max_prompt_length` tokens when loading (the model's tokenizer,
+    the chat template applied as the rollout does; train and val; before the shuffle)."""
     return_raw_chat: bool = True
     """Keep prompts as chat messages (the rollout applies the chat template)."""
     reward_fn_key: str = "data_source"

@@ -1,0 +1,140 @@
+"""Review findings on the trainer's rank group and its failure handling (each test fails before
+the fix): a rank-0 sender whose publish ends cancelled leaves `published` waiting forever; a
+sharded publish reports its version out (and its first error) while other senders still send;
+the replica reports healthy while its loop is dead of a CancelledError."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from meshrl.v1 import common_pb2
+from services.common.errors import Unavailable
+from services.trainer.core import LoopSettings, TrainerLoop
+from services.weights.in_process import InProcessPublisher
+from tests.unit.trainer_fakes import FakeCoordinator, fake_algorithm
+
+# ---- RankSender: a publish that ends cancelled ---------------------------------------------------
+
+
+class _PublishEndsCancelled:
+    """A publisher whose publish coroutine ends in CancelledError without anyone cancelling the
+    sender (what a grpc.aio call raises when it is cancelled under it, e.g. its channel closed)."""
+
+    async def publish(self, version: int, buckets: Any) -> common_pb2.WeightsRef:
+        async for _ in buckets:
+            pass
+        raise asyncio.CancelledError()
+
+
+def test_rank_sender_result_fails_rather_than_hangs_when_the_publish_ends_cancelled() -> None:
+    from services.trainer.workers import RankSender
+
+    sender = RankSender(_PublishEndsCancelled)  # type: ignore[arg-type]
+    try:
+        sender.publish(1, iter([]))
+        outcome: list[BaseException | common_pb2.WeightsRef] = []
+
+        def wait() -> None:  # TrainWorker.published: what the trainer's publish_weights awaits
+            try:
+                outcome.append(sender.result(1))
+            except BaseException as exc:  # noqa: BLE001
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)  # daemon: a hang must not block pytest's exit
+        waiter.start()
+        waiter.join(5.0)
+        assert not waiter.is_alive(), "RankSender.result(1) never returned: the publish's end was lost"
+        assert isinstance(outcome[0], BaseException)
+    finally:
+        sender.close(timeout_s=1.0)
+
+
+# ---- RayTrainGroup.publish_weights: every sender done before the version is out --------------------
+
+
+class _Remote:
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def remote(self, *args: Any) -> Any:
+        return asyncio.ensure_future(self._call(*args))
+
+
+class _Rank:
+    """A rank actor handle: publish_weights (the export) and published (its sender's outcome)."""
+
+    def __init__(self, published: Any) -> None:
+        async def export(version: int, bucket_bytes: int) -> None:
+            return None
+
+        self.publish_weights = _Remote(export)
+        self.published = _Remote(published)
+
+
+def test_a_sharded_publish_is_out_only_once_every_sender_is_done() -> None:
+    from services.trainer.workers import RayTrainGroup
+
+    async def scenario() -> tuple[bool, bool]:
+        rank1_sending = asyncio.Event()
+        rank1_done = asyncio.Event()
+
+        async def rank0_published(version: int) -> bytes:
+            await rank1_sending.wait()
+            # a receiver stalled: an announced broadcast failure, which the loop accepts and goes on
+            exc = Unavailable("receiver stalled")
+            exc.announced_version = version  # type: ignore[attr-defined]
+            raise exc
+
+        async def rank1_published(version: int) -> bytes:
+            rank1_sending.set()
+            await rank1_done.wait()  # still broadcasting its shards of `version`
+            return common_pb2.WeightsRef(policy_version=version).SerializeToString()
+
+        w0, w1 = _Rank(rank0_published), _Rank(rank1_published)
+        group = RayTrainGroup([w0, w1], "pg", [{"dp_rank": 0, "dp_size": 2}, {"dp_rank": 1, "dp_size": 2}], 0)
+        group._senders = [w0, w1]  # start_sender with every_rank (param_server.collective_sharded)
+        out = asyncio.ensure_future(group.publish_weights(1, 1 << 20))
+        await asyncio.wait([out], timeout=0.5)
+        returned_while_rank1_sends = out.done()
+        rank1_done.set()
+        await asyncio.wait([out])
+        return returned_while_rank1_sends, rank1_done.is_set()
+
+    returned_early, _ = asyncio.run(scenario())
+    # the loop would take version 1 as current and start version 2 on rank 1's sender while its
+    # broadcast of version 1 still runs (CollectivePublisher.publish does not wait for it)
+    assert not returned_early, "publish_weights resolved while rank 1's sender was still publishing"
+
+
+# ---- TrainerDeployment.check_health -------------------------------------------------------------------
+
+
+class _CoordinatorCallCancelled(FakeCoordinator):
+    async def resume_trainer(self, trainer_id: str, checkpoint_step: int) -> Any:
+        raise asyncio.CancelledError()  # grpc.aio: the call was cancelled under it (its channel closed)
+
+
+def test_health_check_fails_when_the_loop_died_of_a_cancelled_call(tmp_path: Path) -> None:
+    from services.trainer import deployment
+
+    cls = deployment.TrainerDeployment.func_or_class
+    replica = object.__new__(cls)
+    settings = LoopSettings(trainer_id="t0", groups_per_step=1, checkpoint_dir=tmp_path / "ckpt")
+    group = SimpleNamespace(step=0, world_size=1)
+    loop = TrainerLoop(settings, group, _CoordinatorCallCancelled(), InProcessPublisher(), fake_algorithm()[0])  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        replica._task = asyncio.get_running_loop().create_task(loop.run())
+        replica.parts = SimpleNamespace(loop=loop)
+        await asyncio.wait([replica._task])
+
+    asyncio.run(scenario())
+    assert loop.state == "failed"  # the loop is dead and says so
+    with pytest.raises(RuntimeError, match="trainer loop failed"):
+        replica.check_health()  # ... but Serve hears "healthy" and never restarts the replica
