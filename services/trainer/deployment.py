@@ -92,7 +92,8 @@ class TrainerDeployment:
         return status
 
     def check_health(self) -> None:
-        if self._task.done() and not self._task.cancelled() and self._task.exception() is not None:
+        # a loop that ended in a CancelledError from an inner call (grpc.aio) is a cancelled task
+        if self._task.done() and (self._task.cancelled() or self._task.exception() is not None):
             raise RuntimeError(f"trainer loop failed: {self.parts.loop.error}")
 
     async def __del__(self) -> None:

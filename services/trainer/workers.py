@@ -29,6 +29,7 @@ import torch
 from ray.util.placement_group import remove_placement_group
 
 from meshrl.v1 import common_pb2
+from services.common.errors import root_cause
 from services.common.logging import get_logger
 from services.weights import Bucket, WeightPublisher
 from services.weights.packing import from_wire
@@ -72,7 +73,18 @@ class RankSender:
 
         done = self._future(version)
         running = asyncio.run_coroutine_threadsafe(self.publisher.publish(version, stream()), self.loop)
-        running.add_done_callback(lambda f: done.set_exception(e) if (e := f.exception()) else done.set_result(f.result()))
+
+        def settle(f: concurrent.futures.Future[common_pb2.WeightsRef]) -> None:
+            # a publish that ended cancelled (grpc.aio, a channel closed under its call) fails the
+            # version: f.exception() would raise in this callback, and result() wait for ever
+            if f.cancelled():
+                done.set_exception(RuntimeError(f"the publish of version {version} was cancelled"))
+            elif (e := f.exception()) is not None:
+                done.set_exception(e)
+            else:
+                done.set_result(f.result())
+
+        running.add_done_callback(settle)
         end: BaseException | None = None
         try:
             for bucket in buckets:
@@ -205,8 +217,14 @@ class RayTrainGroup:
 
         async def published() -> common_pb2.WeightsRef:
             await asyncio.gather(*exports)
-            refs = await asyncio.gather(*results)  # a version is out once every sender is done
-            return common_pb2.WeightsRef.FromString(refs[0])
+            # a version is out once every sender is done, failed or not: the first error alone
+            # would let the next version start while another rank still sends this one
+            outcomes = await asyncio.gather(*results, return_exceptions=True)
+            errors = [o for o in outcomes if isinstance(o, BaseException)]
+            if errors:
+                # one the loop cannot take in its stride first (an announced broadcast failure it can)
+                raise next((e for e in errors if getattr(root_cause(e), "announced_version", None) is None), errors[0])
+            return common_pb2.WeightsRef.FromString(outcomes[0])  # type: ignore[arg-type]
 
         return published()
 
