@@ -46,7 +46,10 @@ ESTIMATORS: tuple[str, ...] = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus", 
 
 def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sequence (group mean, unbiased group std, group size), broadcast back to [B].
-    Singleton groups get mean 0 and std 1 (verl)."""
+    Singleton groups get mean 0 and std 1 (verl). Computed in float64: in float32 the mean of
+    equal rewards that float32 cannot hold exactly (0.7) is an ulp off, the std as small, and
+    (score - mean) / (std + eps) a same-sign advantage near +-1 for a group with no signal."""
+    out_dtype, scores = scores.dtype, scores.double()
     _, inv = torch.unique(group_index, return_inverse=True)
     num_groups = int(inv.max().item()) + 1 if inv.numel() else 0
     count = torch.bincount(inv, minlength=num_groups).to(scores.dtype)
@@ -56,7 +59,7 @@ def group_stats(scores: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.
     multi = count > 1
     std = torch.where(multi, torch.sqrt(dev2 / (count - 1).clamp(min=1)), torch.ones_like(sums))
     mean = torch.where(multi, mean, torch.zeros_like(mean))
-    return mean[inv], std[inv], count[inv]
+    return mean[inv].to(out_dtype), std[inv].to(out_dtype), count[inv].to(out_dtype)
 
 
 def grpo_advantage(
@@ -150,6 +153,9 @@ def compute_advantages(batch: SequenceBatch, cfg: AlgorithmConfig) -> torch.Tens
         raise InvalidArgument("batch.response_mask", "the batch has no response tokens")
 
     token_rewards = token_level_rewards(rewards, mask)
+    # the outcome reward counts in its group's baseline even for a row with no policy token to
+    # carry it (an empty response, a trajectory of environment tokens only)
+    scores = rewards
     if cfg.use_kl_in_reward:
         if cfg.kl_ctrl.type != "fixed":
             raise InvalidArgument(
@@ -159,8 +165,9 @@ def compute_advantages(batch: SequenceBatch, cfg: AlgorithmConfig) -> torch.Tens
             if key not in batch.tensors:
                 raise InvalidArgument(f"batch.tensors[{key!r}]", "required by algorithm.use_kl_in_reward=true")
         kl = kl_penalty(batch.tensors["old_logprobs"].float(), batch.tensors["ref_logprobs"].float(), cfg.kl_penalty)
-        token_rewards = token_rewards - cfg.kl_ctrl.kl_coef * kl * mask
-    scores = token_rewards.sum(dim=-1)
+        penalty = cfg.kl_ctrl.kl_coef * kl * mask
+        token_rewards = token_rewards - penalty
+        scores = rewards - penalty.sum(dim=-1)
 
     est = cfg.adv_estimator
     with torch.no_grad():
