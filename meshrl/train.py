@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.config import MeshConfig, derive, load_config, write_resolved_config
-from services.common.errors import first_cause
+from services.common.errors import ConfigError, first_cause
 from services.common.logging import get_logger
 from services.common.serve_util import APP_LOGGING, free_port, port_is_free
 
@@ -416,10 +416,15 @@ class MeshRun:
                 self._check_time_limit(progress)
                 # Every test_freq versions: at the first poll past each multiple (a poll can
                 # miss the exact version while the trainer runs ahead), with the version then live.
-                if test_freq > 0 and progress.policy_version // test_freq > val_due:
-                    val_due = progress.policy_version // test_freq
-                    await self._maybe_validate(progress.policy_version)
-                on_progress(progress)
+                try:
+                    if test_freq > 0 and progress.policy_version // test_freq > val_due:
+                        val_due = progress.policy_version // test_freq
+                        await self._maybe_validate(progress.policy_version)
+                    on_progress(progress)
+                except Exception as exc:  # noqa: BLE001 -- a tracker gone, a validation error: a clean stop
+                    # (raised here, train() would shut Ray down under a healthy trainer: every step
+                    # since its last checkpoint lost)
+                    self.watchdog.stop(time.time(), f"the driver failed: {first_cause(exc)}")
             if self.watchdog.failure is not None:
                 await self._send_stop(client)  # rollouts stop leasing; the stop is this session's only
             elif test_freq > 0:
@@ -436,7 +441,9 @@ class MeshRun:
         try:
             await client.stop()
         except Exception as exc:  # noqa: BLE001 -- the coordinator may be the part that failed
-            log.warning("stop_failed", error=first_cause(exc))
+            log.warning("stop_failed", error=first_cause(exc), hint="sent again at the next poll")
+            self._stop_requested = True  # (a coordinator restarting under Serve takes it a moment later)
+            return
         self._stop_sent_at = self._stop_sent_at or time.monotonic()
 
     def _report_slow_stop(self, progress: Progress) -> None:
@@ -603,7 +610,37 @@ def _failed(run: MeshRun, exc: Exception) -> RunFailed:
 
 
 def new_run_dir(cfg: MeshConfig, mode: str) -> Path:
-    return Path("runs") / f"{cfg.trainer.experiment_name}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """runs/<experiment>-<mode>-<time>, with -2, -3 ... when a run started in the same second
+    has it (a sweep launched from a script)."""
+    base = Path("runs") / f"{cfg.trainer.experiment_name}-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, i = base, 1
+    while path.exists():
+        i += 1
+        path = base.with_name(f"{base.name}-{i}")
+    return path
+
+
+RUN_FILES = ("config.resolved.yaml", "ledger.sqlite", "checkpoints")
+"""What makes a directory an earlier run's: a fresh run there would continue its ledger and checkpoints."""
+
+
+def check_fresh_run_dir(run_dir: Path) -> None:
+    """A fresh run (no --resume) must not take over an earlier run's directory: its services would
+    start on that run's ledger and newest checkpoint under this config."""
+    held = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if held:
+        raise ConfigError(f"--run-dir {run_dir} holds an earlier run ({', '.join(held)}): continue it with "
+                          f"`meshrl train --resume {run_dir}`, or give a new --run-dir")
+
+
+def check_resume_secrets(cfg: MeshConfig) -> None:
+    """A resumed run reads its endpoints' tokens from the variables the first run moved inline
+    tokens to (config.resolved.yaml holds no secret): they must be set again."""
+    missing = [ep.token_env for ep in cfg.reward.endpoints
+               if ep.token_env and not ep.token and not os.environ.get(ep.token_env)]
+    if missing:
+        raise ConfigError(f"reward.endpoints: export {', '.join(missing)} (the endpoint's token the first run had) "
+                          "before --resume; config.resolved.yaml keeps no secret")
 
 
 def train(
@@ -625,7 +662,11 @@ def train(
     cfg = resolve_config(config, overrides, mode=mode, resume=resume)
     check_loggers(cfg.trainer.logger)  # a missing tracker package fails before anything starts
     mode = cfg.async_training.mode
+    if resume is not None:
+        check_resume_secrets(cfg)
     run_dir = resume or run_dir or new_run_dir(cfg, mode)
+    if resume is None:
+        check_fresh_run_dir(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
     os.environ["MESHRL_LOG_DIR"] = str((run_dir / "logs").resolve())
