@@ -560,7 +560,10 @@ class ReportCheckpointRequest(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     trainer_id: _builtins.str
     step: _builtins.int
-    """A step the trainer fetched groups for (<= its FetchBatch step), >= the last reported one."""
+    """A step the trainer fetched groups for (<= its FetchBatch step), >= the last reported one.
+    FAILED_PRECONDITION, nothing changed, while a step up to it holds groups fetched for a version
+    not committed yet (FetchBatch.train_version): commit that version first.
+    """
     policy_version: _builtins.int
     """A committed version (0..current)."""
     path: _builtins.str
