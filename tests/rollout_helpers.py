@@ -58,6 +58,16 @@ def reference_logprobs(model: Any, prompt: Sequence[int], tokens: Sequence[int],
     return lp.gather(-1, torch.tensor(list(tokens))[:, None]).squeeze(-1)
 
 
+def chat_prompts(n: int) -> list[common_pb2.Prompt]:
+    """n chat prompts "what is i+i?" (prompt_seq i, ground truth i)."""
+    out = []
+    for i in range(n):
+        p = common_pb2.Prompt(prompt_seq=i, prompt_id=f"train:{i}", ground_truth=str(i), data_source="test")
+        p.messages.add(role="user", content=f"what is {i}+{i}?")
+        out.append(p)
+    return out
+
+
 async def length_scorer(items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
     """A real (if simple) reward: fraction of digits in the response."""
     out = []

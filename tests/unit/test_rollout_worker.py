@@ -18,20 +18,12 @@ from services.rollout.engines.transformers_engine import TransformersEngine
 from services.rollout.worker import RolloutWorker, WorkerSettings
 from services.weights.in_process import InMemoryWeightStore, model_named_tensors
 from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
+from tests.rollout_helpers import chat_prompts as _prompts
 
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
     return build_tokenizer()
-
-
-def _prompts(n: int) -> list[common_pb2.Prompt]:
-    out = []
-    for i in range(n):
-        p = common_pb2.Prompt(prompt_seq=i, prompt_id=f"train:{i}", ground_truth=str(i), data_source="test")
-        p.messages.add(role="user", content=f"what is {i}+{i}?")
-        out.append(p)
-    return out
 
 
 def _worker(tok: Any, coord: FakeCoordinator, store: InMemoryWeightStore, **kw: Any) -> tuple[RolloutWorker, TransformersEngine]:

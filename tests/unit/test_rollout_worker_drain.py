@@ -19,20 +19,12 @@ from services.rollout.engines import Finish, SampleOutput
 from services.rollout.engines.base import EngineHealth
 from services.rollout.worker import RolloutWorker, WorkerSettings
 from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
+from tests.rollout_helpers import chat_prompts as _prompts
 
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
     return build_tokenizer()
-
-
-def _prompts(n: int) -> list[common_pb2.Prompt]:
-    out = []
-    for i in range(n):
-        p = common_pb2.Prompt(prompt_seq=i, prompt_id=f"train:{i}", ground_truth=str(i), data_source="test")
-        p.messages.add(role="user", content=f"what is {i}+{i}?")
-        out.append(p)
-    return out
 
 
 class _Engine:
@@ -127,10 +119,10 @@ class _Engine:
         return {}
 
     async def start(self) -> None:
-        pass
+        self.started = True
 
     async def close(self) -> None:
-        pass
+        self.closed = True
 
 
 class _Fetcher:
