@@ -109,6 +109,10 @@ class Algorithm:
     correct: Callable[[SequenceBatch], dict[str, float]] | None = None
     """Decoupled mode: behaviour correction applied in place to the whole step batch once old
     logprobs are in (IS weights, rejection mask); returns metrics."""
+    reward_kl: Callable[[SequenceBatch], dict[str, float]] | None = None
+    """`algorithm.use_kl_in_reward`: writes the per-token KL penalty into the whole step batch once
+    the old and reference logprobs are in (set, the loop computes the reference logprobs), before
+    `correct` (verl's order); returns metrics."""
 
 
 @dataclass(frozen=True)
@@ -359,7 +363,6 @@ class TrainerLoop:
         check_batch(batch, self.s.vocab_size)
         timing: dict[str, float] = {}
         at_version = version_mask(token_versions(got.groups), (batch.num_seqs, int(batch.input_ids.shape[1])), self.weights_version)
-        batch.tensors["advantages"] = self.algorithm.compute_advantages(batch).float() * batch.response_mask
         t = self.clock()
         if self.s.bypass_mode:
             batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"]
@@ -372,14 +375,19 @@ class TrainerLoop:
             batch.tensors["old_logprobs"] = old
             timing["timing_s/old_logprob"] = self.clock() - t
             timing.update(split_metrics(old, batch.tensors["rollout_logprobs"], batch.response_mask, at_version))
-        correction: dict[str, float] = {}
-        if not self.s.bypass_mode and self.algorithm.correct is not None:
-            correction = self.algorithm.correct(batch)
-        if self.s.use_kl_loss:
+        if self.s.use_kl_loss or self.algorithm.reward_kl is not None:
             t = self.clock()
             ref, _ = await self.group.compute_logprobs(batch, temperature=self.s.temperature, reference=True)
             batch.tensors["ref_logprobs"] = ref
             timing["timing_s/ref"] = self.clock() - t
+        # verl's order: the KL in the reward (on the whole response), then the correction (which
+        # may reject tokens), then the advantages over what is left
+        correction: dict[str, float] = {}
+        if self.algorithm.reward_kl is not None:
+            correction.update(self.algorithm.reward_kl(batch))
+        if not self.s.bypass_mode and self.algorithm.correct is not None:
+            correction.update(self.algorithm.correct(batch))
+        batch.tensors["advantages"] = self.algorithm.compute_advantages(batch).float() * batch.response_mask
         t = self.clock()
         if self.s.overlap:
             results, blocked = await self._update_overlapped(batch, got)

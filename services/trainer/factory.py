@@ -109,7 +109,7 @@ def engine_spec(cfg: MeshConfig, device: str, size: int | None, model_init: Call
         actor=arr.actor,
         device=device,
         total_training_steps=total_optimizer_steps(cfg, size),
-        ref=arr.ref if arr.actor.use_kl_loss else None,
+        ref=arr.ref if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else None,
         log_prob_micro_batch_size_per_gpu=arr.rollout.log_prob_micro_batch_size_per_gpu,
         seed=cfg.trainer.seed,
         collective_timeout_s=float(arr.nccl_timeout),
@@ -179,12 +179,16 @@ def algorithm_from_config(cfg: MeshConfig) -> Algorithm:
     def correct(batch: Any) -> dict[str, float]:
         return algos.apply_rollout_correction(batch, algo_cfg)  # type: ignore[no-any-return]
 
+    def reward_kl(batch: Any) -> dict[str, float]:
+        return algos.apply_kl_in_reward(batch, algo_cfg)  # type: ignore[no-any-return]
+
     return Algorithm(
         compute_advantages=advantages,
         loss_fn=algos.build_loss_fn(cfg.actor_rollout_ref.actor, algo_cfg),
         keep=algos.dynamic_sampling_keep if algo_cfg.filter_groups.enable else None,
         values=values,
         correct=correct,
+        reward_kl=reward_kl if algo_cfg.use_kl_in_reward else None,
     )
 
 

@@ -9,7 +9,13 @@ import torch
 
 from services.common.config.algorithm import AlgorithmConfig, KLControlConfig
 from services.common.errors import InvalidArgument
-from services.trainer.algos import compute_advantages, discounted_returns, token_level_rewards
+from services.trainer.algos import (
+    KL_REWARD_KEY,
+    apply_kl_in_reward,
+    compute_advantages,
+    discounted_returns,
+    token_level_rewards,
+)
 from tests.unit.algo_helpers import make_batch, mask_rows
 
 SQRT3 = math.sqrt(1.0 / 3.0)  # unbiased std of {1,0,0,1} and of {1,1,0}
@@ -125,6 +131,29 @@ def test_kl_in_reward_fixed_controller() -> None:
     assert per_seq(compute_advantages(batch, cfg), mask) == pytest.approx([-0.05, 0.05], abs=1e-6)
     with pytest.raises(InvalidArgument, match=r"kl_ctrl\.type"):
         compute_advantages(batch, cfg.model_copy(update={"kl_ctrl": KLControlConfig(type="adaptive")}))
+    with pytest.raises(ValueError, match=r"kl_ctrl\.type=adaptive is not implemented"):
+        AlgorithmConfig(use_kl_in_reward=True, kl_ctrl=KLControlConfig(type="adaptive"))
+    AlgorithmConfig(use_kl_in_reward=False, kl_ctrl=KLControlConfig(type="adaptive"))  # unused: accepted
+
+
+def test_kl_in_reward_applied_before_the_correction_covers_the_whole_response() -> None:
+    """The trainer applies the penalty before the rollout correction rejects tokens (verl's
+    apply_kl_penalty then compute_rollout_correction then compute_advantage): a token rejected
+    afterwards still costs its KL in the sequence's score."""
+    mask = mask_rows([[0, 1, 1], [0, 1, 0]])
+    old = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, 0.0]])
+    ref = torch.tensor([[0.0, -2.0, -2.0], [0.0, -2.0, 0.0]])
+    batch = make_batch(mask, rewards=[1.0, 1.0], groups=[0, 0], old_logprobs=old, ref_logprobs=ref)
+    cfg = AlgorithmConfig(adv_estimator="drgrpo", use_kl_in_reward=True, kl_penalty="kl", kl_ctrl=KLControlConfig(kl_coef=0.1))
+    metrics = apply_kl_in_reward(batch, cfg)
+    assert metrics == {"actor/reward_kl_penalty": pytest.approx(1.0), "actor/reward_kl_penalty_coeff": pytest.approx(0.1)}
+    assert torch.allclose(batch.tensors[KL_REWARD_KEY], 0.1 * mask)
+    batch.response_mask = mask_rows([[0, 1, 0], [0, 1, 0]])  # the correction rejects row 0's last token
+    adv = compute_advantages(batch, cfg)
+    assert per_seq(adv, batch.response_mask) == pytest.approx([-0.05, 0.05], abs=1e-6)
+    with pytest.raises(InvalidArgument, match="already applied"):
+        apply_kl_in_reward(batch, cfg)
+    assert apply_kl_in_reward(batch, AlgorithmConfig()) == {}
 
 
 def test_bad_inputs_name_the_field() -> None:

@@ -150,6 +150,13 @@ def test_config_validates_thresholds() -> None:
         RolloutCorrectionConfig(rollout_rs="seq_max_k2,token_k1", rollout_rs_threshold="1,2,3")
     with pytest.raises(ValidationError, match="bypass_mode=true"):
         RolloutCorrectionConfig(bypass_mode=False, loss_type="reinforce")
+    # bypass mode's reinforce loss weighs one micro-batch at a time: a batch normalization there
+    # made the gradient depend on the micro-batch size and, for sequence IS at one sequence per
+    # micro-batch, turned every weight into exactly 1
+    with pytest.raises(ValidationError, match="rollout_is_batch_normalize=true needs the whole batch"):
+        RolloutCorrectionConfig(bypass_mode=True, loss_type="reinforce", rollout_is="sequence", rollout_is_batch_normalize=True)
+    RolloutCorrectionConfig(bypass_mode=True, loss_type="ppo_clip", rollout_is="token", rollout_is_batch_normalize=True)
+    RolloutCorrectionConfig(bypass_mode=False, rollout_is="token", rollout_is_batch_normalize=True)
 
 
 def decoupled_batch():

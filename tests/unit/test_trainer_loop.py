@@ -456,3 +456,46 @@ def test_resume_trainer_fails_on_other_codes_or_when_the_wait_is_over(
     with pytest.raises(grpc.RpcError):
         _run(loop)
     assert loop.state == "failed" and coord.resumes == []
+
+
+def test_kl_in_reward_takes_the_reference_logprobs_and_lands_in_the_advantages(tmp_path: Path) -> None:
+    """algorithm.use_kl_in_reward without use_kl_loss: the loop computes the reference logprobs
+    for it, applies the penalty before the correction and the advantages (verl's order) and
+    reports it; it failed at the first step (the advantages ran before the old logprobs existed,
+    and the reference only came with use_kl_loss)."""
+    from services.common.config.actor_rollout_ref import ActorConfig
+    from services.common.config.algorithm import AlgorithmConfig, KLControlConfig
+    from services.trainer import algos
+    from services.trainer.core import Algorithm
+
+    coord = FakeCoordinator()
+    _fill(coord, 2)
+    group = _group(with_ref=True)
+    cfg = AlgorithmConfig(adv_estimator="drgrpo", use_kl_in_reward=True, kl_penalty="low_var_kl",
+                          kl_ctrl=KLControlConfig(kl_coef=0.5))
+    seen: list[SequenceBatch] = []
+
+    def advantages(batch: SequenceBatch) -> torch.Tensor:
+        seen.append(batch)
+        return algos.compute_advantages(batch, cfg)
+
+    algo = Algorithm(advantages, algos.build_loss_fn(ActorConfig(), cfg),
+                     reward_kl=lambda b: algos.apply_kl_in_reward(b, cfg))
+    loop = TrainerLoop(_settings(tmp_path, bypass_mode=False, use_kl_loss=False), group, coord, InProcessPublisher(), algo)
+    _run(loop)
+    assert loop.step == 1 and len(seen) == 1
+    batch = seen[0]
+    assert "ref_logprobs" in batch.tensors and algos.KL_REWARD_KEY in batch.tensors
+    # the reference is the initial policy and old the proximal (= initial) one: KL ~0, the
+    # penalty ~0 but present; a perturbed reference makes the advantages move with it
+    plain = algos.compute_advantages(batch, cfg.model_copy(update={"use_kl_in_reward": False}))
+    assert torch.allclose(batch.tensors["advantages"], plain * batch.response_mask, atol=1e-5)
+    shifted = SequenceBatch(batch.input_ids, batch.attention_mask, batch.response_mask,
+                            tensors={**{k: v for k, v in batch.tensors.items() if k != algos.KL_REWARD_KEY},
+                                     "ref_logprobs": batch.tensors["ref_logprobs"] - 0.5 * batch.response_mask},
+                            seq_tensors=batch.seq_tensors)
+    assert not torch.allclose(algos.compute_advantages(shifted, cfg), plain, atol=1e-3)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["actor/reward_kl_penalty_coeff"] == 0.5
+    assert row["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-5)
+    assert "timing_s/ref" in row

@@ -139,3 +139,17 @@ def test_run_length_agrees_with_derive(
     ])
     d, loop = derive(cfg, dataset_size=size), cfg.trainer_service.loop
     assert (loop.groups_per_step, loop.total_local_steps(size)) == (d.required_samples, d.total_local_steps)
+
+
+def test_kl_in_reward_builds_the_reference_and_the_loop_applies_it() -> None:
+    """algorithm.use_kl_in_reward alone (no use_kl_loss): the engine gets a reference policy and
+    the algorithm its KL-in-reward step (the FSDP factory built the reference for use_kl_loss only)."""
+    from services.trainer.factory import algorithm_from_config, engine_spec
+
+    plain = load_config(None, [])
+    assert engine_spec(plain, "cpu", 64).ref is None and algorithm_from_config(plain).reward_kl is None
+    cfg = load_config(None, ["algorithm.use_kl_in_reward=true"])
+    assert engine_spec(cfg, "cpu", 64).ref is not None
+    assert algorithm_from_config(cfg).reward_kl is not None
+    with pytest.raises(ConfigError, match=r"kl_ctrl\.type=adaptive"):
+        load_config(None, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"])

@@ -111,7 +111,8 @@ class KLControlConfig(ConfigModel):
     """KL-in-reward controller (verl `algorithm.kl_ctrl`)."""
 
     type: Literal["fixed", "adaptive"] = "fixed"
-    """Fixed or adaptive coefficient."""
+    """Fixed or adaptive coefficient (`adaptive` is refused where `use_kl_in_reward` is on: not
+    implemented)."""
     kl_coef: float = 0.001
     """Initial coefficient."""
     horizon: int = 10000
@@ -172,6 +173,14 @@ class RolloutCorrectionConfig(ConfigModel):
                 "algorithm.rollout_correction.loss_type=reinforce is a bypass-mode loss; set "
                 "algorithm.rollout_correction.bypass_mode=true or loss_type=ppo_clip"
             )
+        if self.loss_type == "reinforce" and self.rollout_is is not None and self.rollout_is_batch_normalize:
+            # bypass mode weighs inside the loss, one micro-batch at a time: a mean over each would
+            # make the gradient depend on the micro-batch size (and undo sequence IS at size 1)
+            raise ValueError(
+                "algorithm.rollout_correction.rollout_is_batch_normalize=true needs the whole batch, which "
+                "bypass mode's reinforce loss never sees (it weighs each micro-batch); set "
+                "rollout_is_batch_normalize=false, or bypass_mode=false with loss_type=ppo_clip"
+            )
         return self
 
 
@@ -198,7 +207,9 @@ class AlgorithmConfig(ConfigModel):
     lam: float = 1.0
     """GAE lambda (unused by the group estimators)."""
     use_kl_in_reward: bool = False
-    """Subtract a KL penalty from the reward."""
+    """Subtract kl_ctrl.kl_coef * KL(pi_old || reference) from each response token's reward (verl
+    `apply_kl_penalty`, before the rollout correction and the advantages); builds the reference
+    policy (`actor_rollout_ref.ref`) as `use_kl_loss` does."""
     kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
     """KL estimator for the in-reward penalty."""
     kl_ctrl: KLControlConfig = KLControlConfig()
@@ -207,6 +218,15 @@ class AlgorithmConfig(ConfigModel):
     """Off-policy corrections."""
     filter_groups: FilterGroupsConfig = FilterGroupsConfig()
     """DAPO dynamic sampling."""
+
+    @model_validator(mode="after")
+    def _kl_ctrl(self) -> AlgorithmConfig:
+        if self.use_kl_in_reward and self.kl_ctrl.type != "fixed":
+            raise ValueError(
+                "algorithm.kl_ctrl.type=adaptive is not implemented (its coefficient would have to live in "
+                "the checkpoint); set algorithm.kl_ctrl.type=fixed with the kl_coef you want"
+            )
+        return self
 
 
 class OverlongBufferConfig(ConfigModel):

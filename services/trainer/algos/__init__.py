@@ -6,8 +6,9 @@ A trainer step, in order (the trainer owns the loop; these are the calls it make
 
     keep = dynamic_sampling_keep(dynamic_sampling_values(batch.seq_tensors, cfg.filter_groups.metric),
                                  batch.seq_tensors["group_index"])        # DAPO, if enabled
-    batch.tensors["advantages"] = compute_advantages(batch, algo)         # whole step batch
+    metrics |= apply_kl_in_reward(batch, algo)    # needs old and ref logprobs; {} without use_kl_in_reward
     metrics |= apply_rollout_correction(batch, algo)                      # decoupled mode; {} in bypass
+    batch.tensors["advantages"] = compute_advantages(batch, algo)         # whole step batch
     tokens, seqs = loss_scale_counts(mini_batch)  -> summed over ranks -> LossScale
     engine.train_step(micro_batches, build_loss_fn(actor, algo))
 
@@ -17,7 +18,14 @@ by dp_size, is the mini-batch loss; each returned loss carries the factor dp_siz
 
 from __future__ import annotations
 
-from .advantages import compute_advantages, discounted_returns, group_stats, token_level_rewards
+from .advantages import (
+    KL_REWARD_KEY,
+    apply_kl_in_reward,
+    compute_advantages,
+    discounted_returns,
+    group_stats,
+    token_level_rewards,
+)
 from .agg import AGG_MODES, agg_loss, loss_scale_counts, masked_mean, masked_sum, masked_whiten, metrics_to_floats
 from .correction import (
     IS_WEIGHTS_KEY,
@@ -36,8 +44,10 @@ from .policy_loss import gspo_loss, ppo_clip_loss, reinforce_loss
 __all__ = [
     "AGG_MODES",
     "IS_WEIGHTS_KEY",
+    "KL_REWARD_KEY",
     "RolloutCorrection",
     "agg_loss",
+    "apply_kl_in_reward",
     "apply_rollout_correction",
     "build_loss_fn",
     "compute_advantages",

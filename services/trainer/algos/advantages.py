@@ -37,10 +37,12 @@ from services.common.config.algorithm import AlgorithmConfig
 from services.common.errors import InvalidArgument
 from services.trainer.engines.base import SequenceBatch
 
-from .agg import masked_whiten
+from .agg import masked_mean, masked_whiten
 from .kl import kl_penalty
 
 EPSILON = 1e-6
+KL_REWARD_KEY = "kl_in_reward"
+"""batch.tensors key of the per-token KL penalty `apply_kl_in_reward` takes off the rewards."""
 ESTIMATORS: tuple[str, ...] = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
@@ -132,13 +134,46 @@ def _seq_tensor(batch: SequenceBatch, key: str) -> torch.Tensor:
     return value
 
 
+def kl_reward_penalty(batch: SequenceBatch, cfg: AlgorithmConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """[B, L] kl_ctrl.kl_coef * kl_penalty(old_logprobs, ref_logprobs, cfg.kl_penalty) on the
+    response tokens (verl's `apply_kl_penalty`, fixed controller) and its metrics:
+    `actor/reward_kl_penalty` (the batch mean of each sequence's mean KL) and
+    `actor/reward_kl_penalty_coeff`."""
+    for key in ("old_logprobs", "ref_logprobs"):
+        if key not in batch.tensors:
+            raise InvalidArgument(f"batch.tensors[{key!r}]", "required by algorithm.use_kl_in_reward=true")
+    if cfg.kl_ctrl.type != "fixed":
+        raise InvalidArgument(
+            "algorithm.kl_ctrl.type", "only the fixed KL-in-reward controller is implemented; set algorithm.kl_ctrl.type=fixed"
+        )
+    mask = batch.response_mask.to(torch.float32)
+    kld = kl_penalty(batch.tensors["old_logprobs"].float(), batch.tensors["ref_logprobs"].float(), cfg.kl_penalty) * mask
+    beta = float(cfg.kl_ctrl.kl_coef)
+    per_seq = masked_mean(kld, mask, dim=-1)
+    metrics = {"actor/reward_kl_penalty": float(per_seq.mean()) if per_seq.numel() else 0.0, "actor/reward_kl_penalty_coeff": beta}
+    return beta * kld, metrics
+
+
+def apply_kl_in_reward(batch: SequenceBatch, cfg: AlgorithmConfig) -> dict[str, float]:
+    """Writes `kl_reward_penalty` into batch.tensors[KL_REWARD_KEY], which `compute_advantages`
+    takes off the rewards, and returns its metrics ({} without `use_kl_in_reward`). The trainer
+    calls it once the old and reference logprobs are in and before the rollout correction narrows
+    the response mask (verl's order: the penalty covers the whole response)."""
+    if not cfg.use_kl_in_reward:
+        return {}
+    if KL_REWARD_KEY in batch.tensors:
+        raise InvalidArgument(f"batch.tensors[{KL_REWARD_KEY!r}]", "the KL penalty was already applied to this batch")
+    batch.tensors[KL_REWARD_KEY], metrics = kl_reward_penalty(batch, cfg)
+    return metrics
+
+
 def compute_advantages(batch: SequenceBatch, cfg: AlgorithmConfig) -> torch.Tensor:
     """[B, L] float32 token-level advantages (0 outside response_mask) for `cfg.adv_estimator`.
 
     Reads batch.seq_tensors["reward"] (float [B]) and batch.seq_tensors["group_index"] (int [B]).
-    With `cfg.use_kl_in_reward`, each response token's reward is reduced by
-    kl_ctrl.kl_coef * kl_penalty(old_logprobs, ref_logprobs, cfg.kl_penalty) (verl
-    `apply_kl_penalty`, fixed controller only), so batch.tensors must hold both logprobs.
+    With `cfg.use_kl_in_reward`, each response token's reward is reduced by the penalty
+    `apply_kl_in_reward` wrote (where it has not, by `kl_reward_penalty` of the batch as it is,
+    which needs the old and reference logprobs in batch.tensors).
     Call it on the whole step batch (groups must be complete; REINFORCE++ whitens over the batch).
     """
     rewards = _seq_tensor(batch, "reward").to(torch.float32)
@@ -157,15 +192,10 @@ def compute_advantages(batch: SequenceBatch, cfg: AlgorithmConfig) -> torch.Tens
     # carry it (an empty response, a trajectory of environment tokens only)
     scores = rewards
     if cfg.use_kl_in_reward:
-        if cfg.kl_ctrl.type != "fixed":
-            raise InvalidArgument(
-                "algorithm.kl_ctrl.type", "only the fixed KL-in-reward controller is implemented; set algorithm.kl_ctrl.type=fixed"
-            )
-        for key in ("old_logprobs", "ref_logprobs"):
-            if key not in batch.tensors:
-                raise InvalidArgument(f"batch.tensors[{key!r}]", "required by algorithm.use_kl_in_reward=true")
-        kl = kl_penalty(batch.tensors["old_logprobs"].float(), batch.tensors["ref_logprobs"].float(), cfg.kl_penalty)
-        penalty = cfg.kl_ctrl.kl_coef * kl * mask
+        if KL_REWARD_KEY in batch.tensors:
+            penalty = batch.tensors[KL_REWARD_KEY].to(torch.float32)
+        else:
+            penalty, _ = kl_reward_penalty(batch, cfg)
         token_rewards = token_rewards - penalty
         scores = rewards - penalty.sum(dim=-1)
 
