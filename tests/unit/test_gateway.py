@@ -280,6 +280,68 @@ def test_a_history_that_does_not_extend_starts_a_new_segment() -> None:
     assert "sum: 123+456=" in policy.tok.decode(list(group.prompt_token_ids) + list(r.token_ids))
 
 
+def test_a_last_call_with_tool_choice_none_continues_the_trajectory_and_parses_no_call() -> None:
+    """Tool rounds, then "answer now": the same tools with tool_choice="none" (OpenAI keeps the
+    tools in the context and only forbids calls, as vLLM's server renders them). Rendered without
+    the tools, the call did not stitch: a new segment, the tool-call turn dropped from training."""
+    replies: list[dict[str, Any]] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        msgs: list[Any] = list(prompt["messages"])
+        r = await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        msg = r.choices[0].message.model_dump(exclude_none=True)
+        msgs += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "579"}]
+        last = await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS, tool_choice="none")
+        replies.append(last.choices[0].message.model_dump(exclude_none=True) | {"finish": last.choices[0].finish_reason})
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    # the policy calls the tool again on the last call: tool_choice=none answers it as text
+    group, ga, policy = asyncio.run(play(agent, [CALL, CALL], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (r,) = group.responses
+    assert r.num_turns == 2 and ga.registry.counters["segments_dropped"] == 0, ga.registry.counters
+    assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[0] + policy.turns[1]
+    (reply,) = replies
+    assert "tool_calls" not in reply and "<tool_call>" in reply["content"] and reply["finish"] == "stop"
+
+
+def test_a_failed_group_stops_the_engine_requests_of_its_other_samples() -> None:
+    """Sample 0's agent crashes while sample 1's call is decoding: the group fails and its lease
+    goes back; sample 1's engine request is cancelled (the engines abort it) instead of decoding
+    to its max_tokens for a session that no longer exists, and its call is a 409."""
+    tok = build_tokenizer(tools=True)
+    outcome: list[str] = []
+
+    class SlowPolicy(ScriptedPolicy):
+        started = asyncio.Event()
+
+        async def generate(self, req: GenerationRequest) -> list[SampleOutput]:
+            if "/1/" in req.request_id:
+                self.started.set()
+                try:
+                    await asyncio.sleep(3.0)  # the server's graceful stop would let it end
+                except asyncio.CancelledError:
+                    outcome.append("cancelled")
+                    raise
+                outcome.append("ran to the end")
+            return await super().generate(req)
+
+    policy = SlowPolicy(tok, [ANSWER])
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        if prompt["sample_index"] == 0:
+            await policy.started.wait()
+            raise RuntimeError("agent 0 crashed")
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
+        await c.chat.completions.create(model="m", messages=prompt["messages"])
+
+    group, _, _ = asyncio.run(play(agent, [ANSWER], policy=policy))
+    assert isinstance(group, GatewayGroupFailed), group
+    assert outcome == ["cancelled"]
+
+
 def test_samples_whose_first_prompts_differ_share_their_common_prefix_and_stay_within_the_context() -> None:
     """Each agent opens with its own system prompt: the group's prompt is what they share, each
     sample's rest opens its response (mask 0). The budget counts from the sample's own prompt, so

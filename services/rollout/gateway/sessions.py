@@ -111,6 +111,9 @@ class GroupSession:
     """False for a group that holds no lease (a Generate call: validation): it is not trained on and
     there is no lease to return, so max_staleness_versions does not apply (nor in the in-process loop)."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    generating: set[asyncio.Future[Any]] = field(default_factory=set)
+    """The engine requests of its calls under way: cancelled (the engines abort them) once the
+    group has ended, so a failed group's calls stop taking engine slots and KV cache."""
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
@@ -119,6 +122,11 @@ class GroupSession:
             if s.state == "open":
                 s.state = "failed"
         self.changed.set()
+        self.stop_generating()
+
+    def stop_generating(self) -> None:
+        for call in self.generating:
+            call.cancel()
 
     @property
     def done(self) -> bool:
@@ -191,6 +199,7 @@ class SessionRegistry:
             self._ended[s.id] = (s.key, why)
         while len(self._ended) > self.limits.ended_sessions_kept:
             self._ended.popitem(last=False)
+        g.stop_generating()
 
     @staticmethod
     def stop_strings(s: SampleSession, requested: Sequence[str]) -> tuple[str, ...]:
@@ -286,8 +295,11 @@ class SessionRegistry:
         (streaming; all of them before this returns, including those of a continuation after an
         abort), where the engine streams."""
         async with s.lock:
-            tools = req.tools if req.tool_choice != "none" else []
-            renderer, tools_key = self._renderer(tools)
+            # tool_choice=none keeps the tools in the context (OpenAI; vLLM's server renders them
+            # too) and only forbids calls: rendered without them, an "answer now" call after tool
+            # rounds would not extend the trajectory. Its output is not parsed for calls.
+            renderer, tools_key = self._renderer(req.tools)
+            parse_calls = bool(req.tools) and req.tool_choice != "none"
             seg = s.segments[-1] if s.segments else None
             env_ids: list[int]
             stitched = (
@@ -332,7 +344,7 @@ class SessionRegistry:
             raw = str(self.tok.decode(ids, skip_special_tokens=True))
             # Parsed before the commit: an error in it must leave the session as it was (a half-recorded
             # call would be the context of the client's retry).
-            parsed = parse_tool_calls(raw, seg.calls if stitched and seg is not None else 0) if tools else None
+            parsed = parse_tool_calls(raw, seg.calls if stitched and seg is not None else 0) if parse_calls else None
             # Commit (no await from here on): the call happened.
             if stitched and seg is not None and not new_msgs:  # stitched on token ids
                 seg.messages = [_template_message(m) for m in req.messages]
@@ -452,7 +464,17 @@ class SessionRegistry:
                                 max_tokens=left, stop=stop, seed=None)
             rid = f"{g.rid}/{s.index}/c{s.calls}-{uuid.uuid4().hex[:6]}" + (f"/r{round_}" if round_ else "")
             hook = None if on_token is None else (lambda _i, t, lp: on_token(t, lp))
-            (out,) = await g.generate(GenerationRequest(rid, ctx + ids, spec, on_token=hook))
+            call = asyncio.ensure_future(g.generate(GenerationRequest(rid, ctx + ids, spec, on_token=hook)))
+            g.generating.add(call)
+            try:
+                (out,) = await call
+            except asyncio.CancelledError:
+                if not call.cancelled() or _cancelling():
+                    raise  # this handler itself was cancelled (a client gone, a shutdown)
+                # the group ended and stopped the engine request
+                raise ApiError(409, f"session {s.id} ended while this call was generating", code="session_closed") from None
+            finally:
+                g.generating.discard(call)
             boundary = len(ids)
             ids += out.token_ids
             lps += out.logprobs
@@ -477,6 +499,11 @@ class SessionRegistry:
             finish_reason=reason, token_texts=[str(self.tok.decode([t], skip_special_tokens=False)) for t in ids],
             logprobs=list(lps), prompt_tokens=prompt_tokens, completion_tokens=len(ids), created=now(),
         )
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _template_message(m: Mapping[str, Any]) -> dict[str, Any]:
