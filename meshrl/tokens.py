@@ -17,10 +17,12 @@ import os
 import secrets
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
+from typing import Any
 
 from services.common.auth import OPERATOR, ROLLOUT, TRAINER, Tokens, env_names, resolve_tokens
 from services.common.config import MeshConfig
 from services.common.security import reset_process_security, use_role
+from services.environment.server import TOKEN_ENV as ENVIRONMENT_TOKEN_ENV
 
 OPERATOR_TOKEN_FILE = "operator.token"
 
@@ -33,23 +35,38 @@ def endpoint_token_env(index: int) -> str:
     return f"MESHRL_REWARD_ENDPOINT_{index}_TOKEN"
 
 
+def environment_endpoint_token_env(index: int) -> str:
+    return f"MESHRL_ENVIRONMENT_ENDPOINT_{index}_TOKEN"
+
+
 def externalize_secrets(cfg: MeshConfig) -> tuple[MeshConfig, dict[str, str]]:
     """CFG without inline secrets, and the environment that carries them instead:
-    `coordinator.token` becomes the operator token's variable (unless that is set already), and a
-    reward endpoint's inline `token` becomes MESHRL_REWARD_ENDPOINT_<i>_TOKEN named by its
-    `token_env`."""
+    `coordinator.token` becomes the operator token's variable (unless that is set already); an
+    inline `token` of `reward.endpoints[i]` / `environment.endpoints[i]` becomes
+    MESHRL_REWARD_ENDPOINT_<i>_TOKEN / MESHRL_ENVIRONMENT_ENDPOINT_<i>_TOKEN (or the endpoint's own
+    `token_env`), which its `token_env` then names; `environment.token` becomes
+    MESHRL_ENVIRONMENT_TOKEN, where `meshrl environment serve` looks when the field is null."""
     data = cfg.model_dump(mode="json")
     env: dict[str, str] = {}
     legacy = data["coordinator"].get("token")
     if legacy:
         env[env_names(cfg)[OPERATOR]] = legacy
         data["coordinator"]["token"] = None
-    for i, ep in enumerate(data.get("reward", {}).get("endpoints", [])):
+    _externalize_endpoints(data.get("reward", {}).get("endpoints", []), endpoint_token_env, env)
+    environment = data.get("environment", {})
+    _externalize_endpoints(environment.get("endpoints", []), environment_endpoint_token_env, env)
+    if environment.get("token"):
+        env[ENVIRONMENT_TOKEN_ENV] = environment["token"]
+        environment["token"] = None
+    return MeshConfig.model_validate(data), env
+
+
+def _externalize_endpoints(endpoints: list[dict[str, Any]], default_env: Callable[[int], str], env: dict[str, str]) -> None:
+    for i, ep in enumerate(endpoints):
         if ep.get("token"):
-            name = ep.get("token_env") or endpoint_token_env(i)
+            name = ep.get("token_env") or default_env(i)
             env[name] = ep["token"]
             ep["token"], ep["token_env"] = None, name
-    return MeshConfig.model_validate(data), env
 
 
 def issue_run_tokens(

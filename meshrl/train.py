@@ -636,11 +636,11 @@ def check_fresh_run_dir(run_dir: Path) -> None:
 def check_resume_secrets(cfg: MeshConfig) -> None:
     """A resumed run reads its endpoints' tokens from the variables the first run moved inline
     tokens to (config.resolved.yaml holds no secret): they must be set again."""
-    missing = [ep.token_env for ep in cfg.reward.endpoints
-               if ep.token_env and not ep.token and not os.environ.get(ep.token_env)]
-    if missing:
-        raise ConfigError(f"reward.endpoints: export {', '.join(missing)} (the endpoint's token the first run had) "
-                          "before --resume; config.resolved.yaml keeps no secret")
+    for section, endpoints in (("reward.endpoints", cfg.reward.endpoints), ("environment.endpoints", cfg.environment.endpoints)):
+        missing = [ep.token_env for ep in endpoints if ep.token_env and not ep.token and not os.environ.get(ep.token_env)]
+        if missing:
+            raise ConfigError(f"{section}: export {', '.join(missing)} (the endpoint's token the first run had) "
+                              "before --resume; config.resolved.yaml keeps no secret")
 
 
 def train(

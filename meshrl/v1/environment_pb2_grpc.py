@@ -48,10 +48,10 @@ class EnvironmentServiceStub:
     order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
     endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
 
-    Auth: when a token is configured, every call carries the metadata `authorization: Bearer <token>`
-    (the rollout's token; `meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN
-    or the mesh's role tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is
-    decoded.
+    Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
+    sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`
+    (`meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN or the mesh's role
+    tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is decoded.
     """
 
     def __init__(self, channel):
@@ -100,15 +100,15 @@ class EnvironmentServiceServicer:
     order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
     endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
 
-    Auth: when a token is configured, every call carries the metadata `authorization: Bearer <token>`
-    (the rollout's token; `meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN
-    or the mesh's role tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is
-    decoded.
+    Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
+    sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`
+    (`meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN or the mesh's role
+    tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is decoded.
     """
 
     def Start(self, request, context):
         """Opens a session for one trajectory of `prompt`.
-        Auth: rollout token.
+        Auth: the endpoint's token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,7 +116,7 @@ class EnvironmentServiceServicer:
 
     def Step(self, request, context):
         """Answers one assistant turn.
-        Auth: rollout token.
+        Auth: the endpoint's token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,7 +124,7 @@ class EnvironmentServiceServicer:
 
     def Close(self, request, context):
         """Ends a session and releases its resources.
-        Auth: rollout token.
+        Auth: the endpoint's token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,10 +179,10 @@ class EnvironmentService:
     order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
     endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
 
-    Auth: when a token is configured, every call carries the metadata `authorization: Bearer <token>`
-    (the rollout's token; `meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN
-    or the mesh's role tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is
-    decoded.
+    Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
+    sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`
+    (`meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN or the mesh's role
+    tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is decoded.
     """
 
     @staticmethod

@@ -49,10 +49,10 @@ class EnvironmentServiceStub:
     order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
     endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
 
-    Auth: when a token is configured, every call carries the metadata `authorization: Bearer <token>`
-    (the rollout's token; `meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN
-    or the mesh's role tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is
-    decoded.
+    Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
+    sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`
+    (`meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN or the mesh's role
+    tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is decoded.
     """
 
     @_typing.overload
@@ -61,15 +61,15 @@ class EnvironmentServiceStub:
     def __new__(cls, channel: _aio.Channel) -> EnvironmentServiceAsyncStub: ...
     Start: _grpc.UnaryUnaryMultiCallable[_environment_pb2.StartRequest, _environment_pb2.StartResponse]
     """Opens a session for one trajectory of `prompt`.
-    Auth: rollout token.
+    Auth: the endpoint's token.
     """
     Step: _grpc.UnaryUnaryMultiCallable[_environment_pb2.StepRequest, _environment_pb2.StepResponse]
     """Answers one assistant turn.
-    Auth: rollout token.
+    Auth: the endpoint's token.
     """
     Close: _grpc.UnaryUnaryMultiCallable[_environment_pb2.CloseRequest, _environment_pb2.CloseResponse]
     """Ends a session and releases its resources.
-    Auth: rollout token.
+    Auth: the endpoint's token.
     """
 
 @_typing.type_check_only
@@ -96,24 +96,24 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
     endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
 
-    Auth: when a token is configured, every call carries the metadata `authorization: Bearer <token>`
-    (the rollout's token; `meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN
-    or the mesh's role tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is
-    decoded.
+    Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
+    sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`
+    (`meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN or the mesh's role
+    tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is decoded.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Start: _aio.UnaryUnaryMultiCallable[_environment_pb2.StartRequest, _environment_pb2.StartResponse]  # type: ignore[assignment]
     """Opens a session for one trajectory of `prompt`.
-    Auth: rollout token.
+    Auth: the endpoint's token.
     """
     Step: _aio.UnaryUnaryMultiCallable[_environment_pb2.StepRequest, _environment_pb2.StepResponse]  # type: ignore[assignment]
     """Answers one assistant turn.
-    Auth: rollout token.
+    Auth: the endpoint's token.
     """
     Close: _aio.UnaryUnaryMultiCallable[_environment_pb2.CloseRequest, _environment_pb2.CloseResponse]  # type: ignore[assignment]
     """Ends a session and releases its resources.
-    Auth: rollout token.
+    Auth: the endpoint's token.
     """
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -139,10 +139,10 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
     order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
     endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
 
-    Auth: when a token is configured, every call carries the metadata `authorization: Bearer <token>`
-    (the rollout's token; `meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN
-    or the mesh's role tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is
-    decoded.
+    Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
+    sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`
+    (`meshrl environment serve` takes environment.token, MESHRL_ENVIRONMENT_TOKEN or the mesh's role
+    tokens) and is refused with UNAUTHENTICATED / PERMISSION_DENIED before it is decoded.
     """
 
     @_abc_1.abstractmethod
@@ -152,7 +152,7 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_environment_pb2.StartResponse, _abc.Awaitable[_environment_pb2.StartResponse]]:
         """Opens a session for one trajectory of `prompt`.
-        Auth: rollout token.
+        Auth: the endpoint's token.
         """
 
     @_abc_1.abstractmethod
@@ -162,7 +162,7 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_environment_pb2.StepResponse, _abc.Awaitable[_environment_pb2.StepResponse]]:
         """Answers one assistant turn.
-        Auth: rollout token.
+        Auth: the endpoint's token.
         """
 
     @_abc_1.abstractmethod
@@ -172,7 +172,7 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_environment_pb2.CloseResponse, _abc.Awaitable[_environment_pb2.CloseResponse]]:
         """Ends a session and releases its resources.
-        Auth: rollout token.
+        Auth: the endpoint's token.
         """
 
 def add_EnvironmentServiceServicer_to_server(servicer: EnvironmentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -192,7 +192,6 @@ class ResilientEndpoint:
         payloads: Mapping[str, str] | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
-        default_token: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.name = cfg.label
@@ -206,7 +205,9 @@ class ResilientEndpoint:
             max_open_s=cfg.breaker_max_open_s, clock=clock,
         )
         self.breaker.name = self.name
-        token = cfg.token or (os.environ.get(cfg.token_env) if cfg.token_env else None) or default_token
+        # Only the endpoint's own token: an endpoint is someone else's code, and a role token of
+        # this process would let it call the mesh's RPCs.
+        token = cfg.token or (os.environ.get(cfg.token_env) if cfg.token_env else None)
         if cfg.token_env and not token:
             log.warning("endpoint_token_missing", endpoint=self.name, env=cfg.token_env)
         self._metadata = tuple(bearer_metadata(token))

@@ -15,13 +15,19 @@ from .errors import InvalidArgument
 DEFAULT_MAX_DEPTH = 64
 
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# A JSON string: to its closing quote, or to the end of the text if it never closes. The
+# quantifiers are possessive and the match always succeeds at a quote, so each character is read a
+# bounded number of times; a string full of `\"` is not retried from every quote inside it (that
+# retry is quadratic, and the scan runs on the caller's event loop).
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
 _BRACKETS = re.compile(r"[\[\]{}]")
 
 
 def _depth_exceeds(text: str, max_depth: int) -> bool:
     """Whether brackets outside strings nest deeper than MAX_DEPTH (scanned before parsing, so the
-    parser never recurses that far)."""
+    parser never recurses that far). Linear in len(TEXT): strings are cut out in one pass, then the
+    brackets are counted up to the first one past MAX_DEPTH. A string that never closes hides the
+    rest of the text (the parser then rejects the document)."""
     depth = 0
     for m in _BRACKETS.finditer(_STRING.sub("", text)):
         if m.group() in "[{":

@@ -1,7 +1,9 @@
 """RemoteEnvironment: an `Environment` whose sessions live in an external
 meshrl.v1.EnvironmentService (one `environment.endpoints[i]`), called through the shared
 resilient endpoint client (services/common/endpoints.py: deadlines, retries with jitter, circuit
-breaker, TLS, token).
+breaker, TLS, token). The only token sent is the endpoint's own (`token` / `token_env`); meshrl's
+role tokens never reach an environment unless its config names one (`token_env:
+MESHRL_ROLLOUT_TOKEN`, for a `meshrl environment serve` on the mesh's tokens).
 
 Retries are safe because the service is idempotent by session id and (session, turn). An
 endpoint that stays down past `max_wait_s` makes the call fail with UNAVAILABLE: the rollout then
@@ -20,7 +22,6 @@ from typing import Any
 
 from meshrl.v1 import environment_pb2
 from services.common.endpoints import ResilientEndpoint
-from services.common.security import default_security
 
 from . import convert
 from .base import CloseResult, Environment, EnvPrompt, StartResult, StepResult, ToolCall
@@ -43,10 +44,9 @@ class RemoteEnvironment(Environment):
         self.cfg = cfg
         self.name = cfg.label
         self.source = f"environment endpoint {cfg.label!r} ({cfg.address}, environment.endpoints[{index}])"
-        # No token of its own: the process's role token (a rollout replica's), which a
-        # `meshrl environment serve` on the mesh's tokens accepts.
-        self.endpoint = ResilientEndpoint(cfg, source=self.source, service=SERVICE, rng=rng, clock=clock,
-                                          default_token=default_security().token)
+        # No default token: an environment is third-party code, and this process's rollout token
+        # would let whoever runs it lease prompts, submit groups and fetch weights.
+        self.endpoint = ResilientEndpoint(cfg, source=self.source, service=SERVICE, rng=rng, clock=clock)
 
     async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
         req = environment_pb2.StartRequest(

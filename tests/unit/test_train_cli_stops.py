@@ -17,6 +17,7 @@ import pytest
 
 import meshrl.train as train_mod
 from meshrl.train import MeshRun, Progress, new_run_dir, resolve_config, train
+from services.common.errors import ConfigError
 
 # ---- fakes ------------------------------------------------------------------------------------
 
@@ -219,3 +220,28 @@ def test_resume_keeps_an_inline_reward_endpoint_token(monkeypatch: pytest.Monkey
     ep = seen[0]["cfg"].reward.endpoints[0]
     assert ep.token == "s3cret" or got == "s3cret", (
         f"the resumed run's reward endpoint has no token (token={ep.token!r}, ${ep.token_env} unset)")
+
+
+def test_resume_refuses_without_an_environment_endpoints_moved_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The first run moves an environment endpoint's inline token to
+    MESHRL_ENVIRONMENT_ENDPOINT_0_TOKEN, as a reward endpoint's: a `--resume` without it would call
+    the endpoint with no token (every Start UNAUTHENTICATED, the prompts re-queued, the run
+    stalled); it refuses to start instead, naming the variable."""
+    var = "MESHRL_ENVIRONMENT_ENDPOINT_0_TOKEN"
+    monkeypatch.delenv(var, raising=False)
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    config = tmp_path / "with_env_endpoint.yaml"
+    config.write_text(train_mod.EXAMPLE_CONFIG.read_text()
+                      + "environment:\n  endpoints:\n    - {address: '127.0.0.1:50071', token: s3cret}\n")
+    run_dir = tmp_path / "run"
+    train(str(config), [], run_dir=run_dir, report=False)
+    assert seen[0]["environ"].get(var) == "s3cret"
+    assert "s3cret" not in (run_dir / "config.resolved.yaml").read_text()
+    seen.clear()
+    with pytest.raises(ConfigError, match=f"environment.endpoints: export {var}"):
+        train(None, [], resume=run_dir, report=False)
+    assert not seen
+    monkeypatch.setenv(var, "s3cret")
+    train(None, [], resume=run_dir, report=False)
+    assert seen and seen[0]["cfg"].environment.endpoints[0].token_env == var

@@ -47,10 +47,13 @@ def build_gateway_agent(cfg: MeshConfig, tokenizer: Any, *, scorer: Scorer | Non
 
 def secret_env_names(cfg: MeshConfig) -> frozenset[str]:
     """The variables holding the mesh's secrets under names the config chose: the role tokens
-    (`security.*_token_env`) and the reward endpoints' tokens (`token_env`)."""
+    (`security.*_token_env`), the reward and environment endpoints' tokens (`token_env`), and
+    `meshrl environment serve`'s token (MESHRL_ENVIRONMENT_TOKEN)."""
     from services.common.auth import env_names
+    from services.environment.server import TOKEN_ENV as ENVIRONMENT_TOKEN_ENV
 
-    return frozenset(env_names(cfg).values()) | {ep.token_env for ep in cfg.reward.endpoints if ep.token_env}
+    endpoints = [*cfg.reward.endpoints, *cfg.environment.endpoints]
+    return frozenset(env_names(cfg).values()) | {ep.token_env for ep in endpoints if ep.token_env} | {ENVIRONMENT_TOKEN_ENV}
 
 
 def _node_ip() -> str:
