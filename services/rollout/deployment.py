@@ -176,8 +176,10 @@ class RolloutDeployment:
             returned, _ = await asyncio.wait_for(self.worker.stop(finish_in_flight=False), DRAIN_TIMEOUT_S)
             log.info("rollout_replica_drained", returned_leases=returned)
         finally:
-            await self.engine.close()
-            await self.coordinator.close()
+            try:
+                await self.engine.close()
+            finally:  # the channel is closed even when the engine fails to
+                await self.coordinator.close()
 
 
 def in_flight_policy(ctx: Any) -> tuple[int, dict[str, Any]]:

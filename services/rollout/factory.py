@@ -66,11 +66,15 @@ def build_engine(cfg: MeshConfig, *, model: Any = None, tokenizer: Any = None) -
         )
         return engine, tokenizer
     if r.name == "vllm":
+        from services.common.device import detect
+
         from .engines.vllm_args import engine_args_from_config
         from .engines.vllm_engine import save_model_dir
 
         path = cfg.actor_rollout_ref.model.path or save_model_dir(model, tokenizer)
-        device = "cpu" if w.device == "cpu" else None
+        # vLLM picks its platform itself; the device kind decides whether its sleep mode
+        # (free_cache_engine) is on, which exists on accelerators only.
+        device = detect("auto").kind if w.device == "auto" else w.device
         args = engine_args_from_config(path, r, max_model_len=max_model_len(cfg), seed=r.seed, device=device,
                                        lora_rank=cfg.actor_rollout_ref.model.lora_rank)
         return cls(args, tokenizer, version=w.initial_policy_version, free_cache_engine=r.free_cache_engine), tokenizer  # type: ignore[call-arg]

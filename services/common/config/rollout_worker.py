@@ -19,7 +19,9 @@ class RolloutWorkerConfig(ConfigModel):
     """Serve application name sent as `application` metadata when the coordinator sits behind
     Serve's gRPC ingress with several applications; null: none sent."""
     device: Literal["auto", "cuda", "npu", "cpu"] = "auto"
-    """Device of the transformers engine; `auto` picks cuda, then npu, then cpu."""
+    """Device of the transformers engine (for vLLM, which picks its platform itself, it decides
+    whether sleep mode, `free_cache_engine`, is on: accelerators only); `auto` picks cuda, then npu,
+    then cpu."""
     initial_policy_version: int = Field(default=0, ge=0)
     """Policy version of the weights the engine starts with (the checkpoint in
     actor_rollout_ref.model.path)."""

@@ -92,6 +92,14 @@ class SamplingSpec:
         return None if self.seed is None else self.seed + index
 
 
+def stop_window(stop: Sequence[str]) -> int:
+    """How many trailing tokens to decode to see every stop string whole: its length in UTF-8
+    bytes. A token carries at least one byte, but a character may span several tokens (byte-level
+    BPE splits one outside its merges into its bytes, and a lone byte of one decodes to U+FFFD), so
+    a window counted in characters can miss a stop string that is there."""
+    return max(len(x.encode("utf-8")) for x in stop)
+
+
 def stop_across(decode: Callable[[list[int]], str], token_ids: list[int], boundary: int,
                 stop: Sequence[str]) -> int | None:
     """A continuation (partial rollout, mode abort) starts at `boundary`; the engine that generated
@@ -100,7 +108,7 @@ def stop_across(decode: Callable[[list[int]], str], token_ids: list[int], bounda
     such stop string), or None."""
     if not stop or boundary >= len(token_ids):
         return None
-    window = max(len(x) for x in stop)  # characters; every token decodes to at least one
+    window = stop_window(stop)
     for k in range(boundary + 1, min(len(token_ids), boundary + window) + 1):
         tail = decode(token_ids[max(0, k - window) : k])
         if any(x in tail for x in stop):

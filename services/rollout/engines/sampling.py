@@ -14,20 +14,24 @@ import torch
 
 
 def truncate_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside each row's top-k and nucleus top-p set. `scaled`: [B, V]
-    temperature-scaled logits; top_k: [B] int (<= 0 = off); top_p: [B] float (1 = off)."""
+    """Mask (to -inf) what vLLM's apply_top_k_top_p and Hugging Face's TopK -> TopP warpers mask:
+    top-k first, keeping every token whose logit reaches the k-th largest (ties included), then
+    top-p over what top-k left, renormalised. `scaled`: [B, V] temperature-scaled logits; top_k:
+    [B] int (<= 0 = off); top_p: [B] float (1 = off)."""
     if not bool((top_k > 0).any()) and not bool((top_p < 1).any()):
         return scaled
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    # Ascending, as vLLM and Hugging Face sort (stable: a tie at the top-p edge leaves by index,
+    # lowest first), so the cumsum adds the tail first and cannot round up to 1 before the head.
+    sorted_logits, order = torch.sort(scaled, dim=-1, stable=True)
     vocab = scaled.shape[-1]
-    ranks = torch.arange(vocab, device=scaled.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(-1)
-    drop = ranks >= k
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # Drop a token when the mass of strictly better tokens already reaches top_p (the best token
-    # always survives).
-    before = torch.cumsum(probs, dim=-1) - probs
-    drop |= before >= top_p.unsqueeze(-1)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(-1, (vocab - k).unsqueeze(-1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Drop a token when the mass of tokens no more likely than it stays within 1 - top_p (with
+    # top_p = 1 only tokens of probability 0); the most likely token always survives.
+    mass = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    drop = mass <= 1 - top_p.unsqueeze(-1)
+    drop[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     out = torch.empty_like(scaled)
     out.scatter_(-1, order, sorted_logits)

@@ -19,6 +19,7 @@ Sampling and logprobs follow services/rollout/engines/sampling.py (the trainer's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -197,11 +198,16 @@ class TransformersEngine(RolloutEngine):
         return out
 
     async def close(self) -> None:
-        if self._thread is None or self._sched.closed:
-            self._sched.closed = True
-            return
-        await self._command(Close())
-        await asyncio.to_thread(self._thread.join, 30.0)
+        """Stop the scheduler thread. Idempotent, and quiet once the thread has failed: it has
+        already failed every request in flight and stopped, so there is nothing left to stop."""
+        thread = self._thread
+        if thread is not None and not self._sched.closed and self._sched.error is None:
+            # A failure between the check and the command stops the thread all the same.
+            with contextlib.suppress(Unavailable):
+                await self._command(Close())
+        self._sched.closed = True
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 30.0)
 
     async def _command(self, command: Command) -> Any:
         self._check_alive()

@@ -36,7 +36,7 @@ from services.weights import Bucket
 from services.weights.adapter import AdapterSpec
 
 from .adapters import InPlaceLoRA
-from .base import Finish, GenerationRequest, PauseMode, SampleOutput
+from .base import Finish, GenerationRequest, PauseMode, SampleOutput, stop_window
 from .sampling import sample
 
 log = get_logger(__name__)
@@ -297,8 +297,11 @@ class Scheduler:
             case Pause(mode=mode):
                 self.paused = True
                 self._pause_mode = mode
+                # Only active rows: in static batches finished rows stay in `_rows` (see _retire),
+                # and their outputs are already with the caller.
                 for s in self._rows:
-                    s.interrupted = True
+                    if s.active:
+                        s.interrupted = True
                 if mode == "abort":
                     self._abort_everything()
                 if mode == "wait" and self._rows:
@@ -306,9 +309,11 @@ class Scheduler:
                     return _DEFERRED
             case Resume():
                 for s in self._rows:
-                    if s.interrupted:
+                    # A row that finished while paused (aborted, or drained by `wait`) was delivered
+                    # without a resume to count.
+                    if s.interrupted and s.active:
                         s.out.num_resumes += 1
-                        s.interrupted = False
+                    s.interrupted = False
                 self.paused = False
                 self._pause_mode = None
             case LoadBucket(bucket=bucket):
@@ -522,7 +527,7 @@ class Scheduler:
         if o.token_ids[-1] in self.eos_ids:
             return Finish.STOP
         if sp.stop:
-            window = max(len(x) for x in sp.stop)
+            window = stop_window(sp.stop)
             tail = str(self.tokenizer.decode(o.token_ids[-window:], skip_special_tokens=False))
             if any(x in tail for x in sp.stop):
                 return Finish.STOP

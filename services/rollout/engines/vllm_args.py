@@ -18,7 +18,9 @@ def engine_args_from_config(
     lora_rank: int = 0,
 ) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments from actor_rollout_ref.rollout (RolloutEngineConfig);
-    `lora_rank` (actor_rollout_ref.model.lora_rank) > 0 turns on vLLM's LoRA support."""
+    `device` is the device kind the replica runs on (cuda, npu or cpu; None: unknown, and sleep
+    mode stays off); `lora_rank` (actor_rollout_ref.model.lora_rank) > 0 turns on vLLM's LoRA
+    support."""
     kwargs: dict[str, Any] = dict(
         model=model_path,
         dtype=rollout.dtype,

