@@ -15,8 +15,11 @@ Contract (what the rollout relies on):
 - A step's messages have role `tool` (one per answered tool call, in call order) or `user`.
 - A malformed or unknown tool call is answered with an error text as the tool's response and
   counted in `tool_errors`, never raised (verl's behaviour).
-- Raise a MeshError for trouble: Unavailable (temporary; the trajectory's prompt is re-queued) or
-  InvalidArgument (the request cannot be served; the rollout reports it).
+- Raise a MeshError for trouble: Unavailable (temporary) or InvalidArgument (the request cannot
+  be served). Either fails the trajectory's group: its prompt is re-queued and the error reported
+  to the coordinator (which halts the run on coordinator.max_consecutive_failures in a row); the
+  rollout replica goes on.
+- Rewards are finite numbers (one that is not fails the group like an error).
 - Sessions of one environment object run concurrently on one event loop: keep per-session state
   keyed by session_id.
 """

@@ -10,7 +10,9 @@ endpoint that stays down past `max_wait_s` makes the call fail with UNAVAILABLE:
 returns the trajectory's lease and its prompt is re-queued (counted), never scored. A reply that
 does not decode or does not fit the request (another session, another turn, a non-finite reward, a
 role an environment may not send) is BadReply naming the endpoint: its fault, not the sample's (the
-group fails and its lease goes back; a rollout stops only on InvalidArgument, bad input).
+group fails and its lease goes back). A refusal of the request (INVALID_ARGUMENT) is raised as
+InvalidArgument; the agent loop turns it into a failed group too (the sampled turn is not the
+replica's own bad input, on which it stops).
 """
 
 from __future__ import annotations

@@ -15,11 +15,19 @@ answers are kept for a while (`closed_keep`) so a repeated Close still gets its 
 error its close failed with (never an empty reward the trajectory would be trained on). A close
 waits `close_wait_s` at most for the session's calls still running (a hung tool), then cancels
 them: one stuck session never holds the others' expiry up.
+
+Bounds (the request came from a sampled turn, so none of them is an error): an assistant text over
+`max_message_chars` is cut before the environment reads it, calls past `max_tool_calls` are
+answered with tool errors without running, and an answer's messages are cut to
+`max_message_chars` characters in all (limits.py) before the answer is stored. Unbounded, a tool
+that prints a huge file makes an answer over the gRPC message limit: the client retries, the table
+repeats the same stored answer, and the prompt fails on every replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,6 +38,7 @@ from services.common.errors import FailedPrecondition, MeshError, NotFound, Reso
 from services.common.logging import get_logger
 
 from .base import CloseResult, Environment, EnvPrompt, StartResult, StepResult, ToolCall
+from .limits import bound_messages, split_calls, truncate_text
 
 log = get_logger(__name__)
 
@@ -52,6 +61,7 @@ class SessionCounters:
     closed: int = 0
     expired: int = 0
     errors: int = 0
+    truncated_messages: int = 0
 
 
 class SessionTable:
@@ -65,10 +75,14 @@ class SessionTable:
         session_ttl_s: float = 900.0,
         closed_keep: int = 4096,
         close_wait_s: float = 30.0,
+        max_tool_calls: int = 64,
+        max_message_chars: int = 1 << 20,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.env = env
         self.max_sessions = max_sessions
+        self.max_tool_calls = max_tool_calls
+        self.max_message_chars = max_message_chars
         self.session_ttl_s = session_ttl_s
         self.closed_keep = closed_keep
         self.close_wait_s = close_wait_s
@@ -134,9 +148,7 @@ class SessionTable:
             # Only the latest answer is kept: a repeat of an older turn cannot arrive once the
             # caller moved on (it waits for each answer before the next turn).
             s.steps = {}
-            fut = asyncio.ensure_future(
-                self.env.step(session_id, turn, assistant_text, list(tool_calls), policy_version=policy_version)
-            )
+            fut = asyncio.ensure_future(self._bounded_step(session_id, turn, assistant_text, tool_calls, policy_version))
             s.steps[turn] = fut
             s.next_turn = turn + 1
             self.counters.steps += 1
@@ -153,6 +165,22 @@ class SessionTable:
             raise
         s.done = s.done or result.done
         return result
+
+    async def _bounded_step(
+        self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], policy_version: int
+    ) -> StepResult:
+        """env.step within the table's bounds (see the module docstring)."""
+        text, _ = truncate_text(assistant_text, self.max_message_chars, "middle")
+        run, refused = split_calls(tool_calls, self.max_tool_calls)
+        r = await self.env.step(session_id, turn, text, run, policy_version=policy_version)
+        messages, cut = bound_messages((*r.messages, *refused), self.max_message_chars)
+        if not refused and not cut:
+            return r
+        metrics = dict(r.metrics)
+        if cut:
+            self.counters.truncated_messages += cut
+            metrics["server_truncated_messages"] = metrics.get("server_truncated_messages", 0.0) + cut
+        return dataclasses.replace(r, messages=messages, metrics=metrics, tool_errors=r.tool_errors + len(refused))
 
     async def close(self, session_id: str) -> CloseResult:
         if session_id in self._closed:

@@ -37,8 +37,9 @@ class EnvironmentServer:
         self.cfg = cfg
         self.host = host if host is not None else cfg.host
         self.table = SessionTable(env, max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
-                                  close_wait_s=cfg.close_wait_s)
-        self.servicer = EnvironmentServicer(self.table, max_tool_calls=cfg.max_tool_calls, max_message_chars=cfg.max_message_chars)
+                                  close_wait_s=cfg.close_wait_s, max_tool_calls=cfg.max_tool_calls,
+                                  max_message_chars=cfg.max_message_chars)
+        self.servicer = EnvironmentServicer(self.table)
         # The caller is a rollout replica (the role table's EnvironmentService entry), checked before
         # any request is decoded or a session touched: the environment's own token proves that
         # role, else the mesh's role tokens (MESHRL_<ROLE>_TOKEN) as on every meshrl server.

@@ -16,12 +16,11 @@ from .core import SessionTable
 
 class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     """Thin shim over SessionTable. Validation happens before the table is touched, so a rejected
-    request leaves no trace."""
+    request leaves no trace. What a sampled turn may overrun (too many calls, a long text) is no
+    reason to reject: the table bounds it (core.py)."""
 
-    def __init__(self, table: SessionTable, *, max_tool_calls: int = 64, max_message_chars: int = 1 << 20) -> None:
+    def __init__(self, table: SessionTable) -> None:
         self.table = table
-        self.max_tool_calls = max_tool_calls
-        self.max_message_chars = max_message_chars
 
     @rpc_method()
     async def Start(self, request: environment_pb2.StartRequest, context: Any) -> environment_pb2.StartResponse:
@@ -35,7 +34,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     @rpc_method()
     async def Step(self, request: environment_pb2.StepRequest, context: Any) -> environment_pb2.StepResponse:
         sid = convert.require_session_id(request.session_id)
-        calls = convert.tool_calls_from_request(request, max_calls=self.max_tool_calls, max_chars=self.max_message_chars)
+        calls = convert.tool_calls_from_request(request)
         result = await self.table.step(sid, request.turn, request.assistant_text, calls, policy_version=request.policy_version)
         return convert.step_response(sid, request.turn, result)
 

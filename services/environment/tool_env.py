@@ -14,7 +14,10 @@ Per assistant turn (Step):
 Tool instances are created lazily, one per (session, tool), with the prompt's
 `extra_info.tools_kwargs[<tool>].create_kwargs`; at Close each instance's `calc_reward` is summed
 into the close reward and the instance released. The environment's reward of a trajectory is the
-sum of the tools' step rewards, the interaction's turn scores and the close reward.
+sum of the tools' step rewards, the interaction's turn scores and the close reward. All three are
+read by one rule: a reward that is not a finite number (a judge's NaN) counts as 0.0, and is
+counted in `bad_rewards` and logged, so one bad score neither reaches the trainer nor fails the
+group (a tool's missing reward, None, is 0.0 as in verl).
 """
 
 from __future__ import annotations
@@ -51,6 +54,15 @@ def _numeric(metrics: Any) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
                 out[str(k)] = float(v)
     return out
+
+
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float, or None when it is not one."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return x if math.isfinite(x) else None
 
 
 def _check_extra_info(extra: Mapping[str, Any]) -> tuple[Mapping[str, Any], dict[str, Any]]:
@@ -92,6 +104,7 @@ class ToolEnvironment(Environment):
         self._sessions: dict[str, _Session] = {}
         self.calls = 0
         self.errors = 0
+        self.bad_rewards = 0
 
     async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
         tools_kwargs, ikw = _check_extra_info(prompt.extra_info)
@@ -129,7 +142,7 @@ class ToolEnvironment(Environment):
         elif s.interaction is not None:
             terminate, content, score, metrics = await s.interaction.generate_response(
                 session_id, [*s.history, assistant], **s.interaction_kwargs)
-            reward = None if score is None else float(score)
+            reward = None if score is None else self._reward(score, f"interaction {type(s.interaction).__name__} turn score")
             result = StepResult(messages=(Message("user", str(content)),), done=bool(terminate), reward=reward,
                                 metrics=_numeric(metrics))
         else:
@@ -182,8 +195,20 @@ class ToolEnvironment(Environment):
         except Exception as exc:  # noqa: BLE001 - a failing tool is answered with its error (verl), not raised
             return f"Error when executing tool {c.name}: {exc}", 0.0, {}, True
         text = resp if isinstance(resp, str) else (resp.text or "") if isinstance(resp, ToolResponse) else str(resp)
-        value = float(reward) if isinstance(reward, (int, float)) and math.isfinite(float(reward)) else 0.0
-        return text, value, _numeric(metrics), False
+        return text, self._reward(reward, f"tool {c.name} step reward"), _numeric(metrics), False
+
+    def _reward(self, value: Any, what: str) -> float:
+        """A tool's or an interaction's reward; 0.0 (counted, logged) for one that is not a finite number."""
+        if value is None:
+            return 0.0
+        x = _finite(value)
+        if x is None:
+            self.bad_rewards += 1
+            if self.bad_rewards in (1, 10, 100, 1000):
+                log.warning("environment_reward_not_finite", what=what, value=repr(value)[:80], times=self.bad_rewards,
+                            hint="counted as 0.0; the tool or interaction should return a finite number")
+            return 0.0
+        return x
 
     async def close(self, session_id: str) -> CloseResult:
         s = self._sessions.pop(session_id, None)
@@ -196,7 +221,7 @@ class ToolEnvironment(Environment):
         for name, instance_id in s.instances.items():
             tool = self.tools[name]
             try:
-                reward += float(await tool.calc_reward(instance_id))
+                reward += self._reward(await tool.calc_reward(instance_id), f"tool {name} calc_reward")
             except Exception as exc:  # noqa: BLE001 - raised below, after the others are released
                 error = error or exc
             try:
@@ -216,4 +241,5 @@ class ToolEnvironment(Environment):
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "kind": "tools", "tools": sorted(self.tools), "interactions": sorted(self.interactions),
-                "open_sessions": len(self._sessions), "calls": self.calls, "errors": self.errors}
+                "open_sessions": len(self._sessions), "calls": self.calls, "errors": self.errors,
+                "bad_rewards": self.bad_rewards}

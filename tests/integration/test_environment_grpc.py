@@ -200,8 +200,8 @@ async def rejects(request: bytes, context: Any) -> bytes:
     ],
 )
 def test_garbage_or_a_refusal_names_the_endpoint(handler: Handler, reason: str) -> None:
-    """Garbage is the endpoint's fault (BadReply); a refusal of the request is the sample's
-    (InvalidArgument, on which a rollout replica stops)."""
+    """Garbage is the endpoint's fault (BadReply); a refusal of the request is InvalidArgument
+    (the agent loop fails the group on it: tests/unit/test_agent_turn_failures.py)."""
     async def go() -> None:
         server, address = await start_raw_server(handler)
         env = RemoteEnvironment(endpoint(address), index=3)

@@ -81,6 +81,18 @@ def test_parser_never_raises_on_json_python_cannot_read() -> None:
     assert calls[4].arguments() == {"a": 123, "b": 456} and not calls[4].parse_error
 
 
+def test_a_tool_name_no_tool_could_have_is_a_parse_error() -> None:
+    """A sampled name past MAX_NAME_CHARS is answered as a malformed call, not sent: an environment
+    server refuses a whole Step whose call names pass security.limits.max_name_chars."""
+    from services.rollout.agent.parser import MAX_NAME_CHARS
+
+    ok = "n" * MAX_NAME_CHARS
+    _, calls = parse_tool_calls(f'<tool_call>{{"name": "{ok}n", "arguments": {{}}}}</tool_call>'
+                                f'<tool_call>{{"name": "{ok}", "arguments": {{}}}}</tool_call>')
+    assert calls[0].name == "" and f"at most {MAX_NAME_CHARS}" in calls[0].parse_error
+    assert calls[1].name == ok and not calls[1].parse_error
+
+
 @pytest.mark.parametrize(("side", "expected"), [
     ("left", "abcde...(truncated)"), ("right", "(truncated)...vwxyz"), ("middle", "ab...(truncated)...xyz"),
 ])

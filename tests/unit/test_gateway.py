@@ -71,9 +71,9 @@ AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[None]]
 
 async def play(agent: AgentFn | None, turns: Sequence[str], *, n: int = 2, command: Sequence[str] | None = None,
                eta: int | None = None, timeout_s: float = 60.0, max_model_len: int = 512, budget: int = 256,
-               policy: ScriptedPolicy | None = None, secret_env: frozenset[str] = frozenset(),
+               policy: ScriptedPolicy | None = None, secret_env: frozenset[str] = frozenset(), tok: Any = None,
                ) -> tuple[common_pb2.TrajectoryGroup | Exception, GatewayAgent, ScriptedPolicy]:
-    tok = build_tokenizer(tools=True)
+    tok = tok if tok is not None else build_tokenizer(tools=True)
     policy = policy or ScriptedPolicy(tok, turns)
     registry = SessionRegistry(tok, GatewayLimits(max_model_len=max_model_len, response_budget=budget,
                                                   max_staleness_versions=eta))
@@ -340,6 +340,49 @@ def test_a_failed_group_stops_the_engine_requests_of_its_other_samples() -> None
     group, _, _ = asyncio.run(play(agent, [ANSWER], policy=policy))
     assert isinstance(group, GatewayGroupFailed), group
     assert outcome == ["cancelled"]
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_qwen3s_template_that_drops_earlier_reasoning_still_stitches_the_next_call(tools: bool) -> None:
+    """Qwen3's template renders an earlier assistant turn without its <think> block (a non-empty
+    one once a new user query follows, an empty one once any message follows): the earlier render
+    is no prefix of the new one and the reply as sampled is not in it. The follow-up call was a
+    400 (the agent crashed, the group failed, its prompt came back again and again)."""
+    from tests.unit.agent_fixtures.qwen3_template import qwen3_tokenizer
+
+    tok = qwen3_tokenizer()
+    first = ('<think>\n\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 123, "b": 456}}\n</tool_call><|im_end|>'
+             if tools else "<think>\nthe user says hi\n</think>\n\nHello!<|im_end|>")
+    policy = ScriptedPolicy(tok, [first, "<think>\nagain\n</think>\n\nFine.<|im_end|>"])
+    errors: list[str] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        msgs: list[Any] = [{"role": "user", "content": "hi"}]
+        extra: dict[str, Any] = {"tools": TOOLS} if tools else {}
+        r = await c.chat.completions.create(model="m", messages=msgs, **extra)
+        msg = r.choices[0].message.model_dump(exclude_none=True)
+        msgs.append(msg)
+        if tools:
+            msgs.append({"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "579"})
+        else:
+            msgs.append({"role": "user", "content": "how are you?"})
+        try:
+            await c.chat.completions.create(model="m", messages=msgs, **extra)
+        except openai.APIStatusError as exc:
+            errors.append(f"{exc.status_code}: {exc.message}")
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, ga, policy = asyncio.run(play(agent, [], n=1, policy=policy, tok=tok, max_model_len=2048, budget=1024))
+    assert errors == [], errors
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (r,) = group.responses
+    assert r.num_turns == 2 and ga.registry.counters["segments_dropped"] == 0, ga.registry.counters
+    # what the policy sampled is trained as sampled; the new message is in the context between
+    assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[0] + policy.turns[1]
+    text = tok.decode(list(group.prompt_token_ids) + list(r.token_ids))
+    assert ("<tool_response>\n579\n</tool_response>" if tools else "how are you?") in text
 
 
 def test_samples_whose_first_prompts_differ_share_their_common_prefix_and_stay_within_the_context() -> None:

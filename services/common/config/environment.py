@@ -60,10 +60,12 @@ class EnvironmentConfig(ConfigModel):
     close_wait_s: float = Field(default=30.0, gt=0)
     """A Close (or the expiry) waits this long at most for the session's calls still running (a
     hung tool), then cancels them and closes the session."""
-    max_message_chars: int = Field(default=1 << 20, ge=1)
-    """Largest assistant text a Step may carry."""
+    max_message_chars: int = Field(default=1 << 20, ge=1, le=8 << 20)
+    """A Step's assistant text past this many characters is cut (in the middle, marked) before the
+    environment reads it, and a Step's answer is cut to this many characters in all (at most 4
+    bytes each: within the 64 MiB gRPC message limit up to the bound of 8 Mi)."""
     max_tool_calls: int = Field(default=64, ge=1)
-    """Most tool calls one Step may carry."""
+    """Calls of one Step past this many are answered with tool errors, not run."""
 
     @model_validator(mode="after")
     def _check(self) -> EnvironmentConfig:

@@ -12,11 +12,18 @@ the policy never sampled. Instead, after an assistant turn A that ended with its
 
 `tail` is what the template writes after an assistant message's content that the policy did not
 sample: the template's assistant suffix (e.g. "<|im_end|>\\n") minus the end-of-turn token the
-policy generated ("\\n"), or the whole suffix when the turn ended without it. Some templates render
-history differently once later messages exist (Qwen3 drops an earlier turn's empty `<think>`
-block), so base is not always a prefix of new; then the delta starts after the last occurrence of
-A's content + suffix in `new` (counted as `delta_fallbacks`). `check_drift` compares a whole
-trajectory with a full re-tokenization (verl's tokenization_sanity_check_mode) and only reports.
+policy generated ("\\n"), or the whole suffix when the turn ended without it.
+
+Some templates render history differently once later messages exist: Qwen3 drops an earlier
+assistant turn's `<think>` block (an empty one once any message follows, a non-empty one once a
+new user query follows). Then base is not a prefix of new, and A's content as the policy wrote it
+is not in new either, so neither can anchor the delta. The fallback (counted as
+`delta_fallbacks`) finds where A's rendering ends without reading A: it renders new once more
+with the first new message's content replaced by a probe, and the delta starts after the last
+assistant suffix before the probe; new must match that rendering up to there. Either way only
+template and environment text is appended: the policy's ids stay as sampled, and what the
+template rewrote in the history is the drift `check_drift` reports (it compares a whole trajectory
+with a full re-tokenization, verl's tokenization_sanity_check_mode, and only reports).
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 
 SanityMode = Literal["disable", "strict", "ignore_strippable"]
 _PROBE = "\x00meshrl-probe\x00"
+_PROBE_A = "\x00meshrl-probe-assistant\x00"
 _WS = re.compile(r"\s+")
 
 
@@ -47,6 +55,7 @@ class ChatRenderer:
         head = self.encode(self.assistant_suffix)[:1]
         self._suffix_head = str(tokenizer.decode(head, skip_special_tokens=False)) if head else ""
         self.delta_fallbacks = 0
+        self._joints: dict[str, str | None] = {}
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool) -> str:
         return str(self.tok.apply_chat_template(
@@ -85,15 +94,44 @@ class ChatRenderer:
             delta = new[len(base) :]
         else:
             self.delta_fallbacks += 1
-            anchor = str(assistant.get("content", "")) + self.assistant_suffix
-            at = new.rfind(anchor)
-            if at < 0:
-                raise InvalidArgument(
-                    "chat template", "cannot find the assistant turn in the rendered conversation; the template rewrites "
-                    "assistant content (set actor_rollout_ref.rollout.multi_turn.enable=false or use a ChatML template)",
-                )
-            delta = new[at + len(anchor) :]
+            delta = new[self._turn_end(history, assistant, new_messages, new) :]
         return self.tail(generated_end) + delta
+
+    def _turn_end(self, history: Sequence[Mapping[str, Any]], assistant: Mapping[str, Any],
+                  new_messages: Sequence[Mapping[str, Any]], new: str) -> int:
+        """Where the assistant turn's rendering (its suffix included) ends in `new`, found without
+        reading its content, which the template may have rewritten (see the module docstring)."""
+        if new_messages:
+            first = new_messages[0]
+            joint = self._joint(str(first.get("role", "")))
+            probed = self.render([*history, assistant, {**first, "content": _PROBE}, *new_messages[1:]],
+                                 add_generation_prompt=True)
+            # The suffix is found with the next message's header after it, not alone: a suffix
+            # as plain as "\n" also ends the header, and the delta would lose the header's text.
+            at = probed.rfind(joint + _PROBE) if joint is not None else -1
+            end = at + len(self.assistant_suffix)
+            if at >= 0 and new.startswith(probed[:end]):  # else the probe changed how the history renders
+                return end
+        # Not InvalidArgument (the replica's own bad input, which stops it): the group fails, and the
+        # coordinator halts the run with this reason on a series of them.
+        raise FailedPrecondition(
+            "chat template: cannot find where the assistant turn ends in the rendered conversation (the template "
+            "rewrites it and writes no recognisable suffix after it); set "
+            "actor_rollout_ref.rollout.multi_turn.enable=false or use a ChatML-style template"
+        )
+
+    def _joint(self, role: str) -> str | None:
+        """What the template writes between an assistant message's content and the content of a
+        `role` message after it (the assistant suffix, then that message's header); None when it
+        does not begin with a non-empty assistant suffix."""
+        if role not in self._joints:
+            text = self.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": _PROBE_A},
+                                {"role": role, "content": _PROBE}], add_generation_prompt=True)
+            a, b = text.find(_PROBE_A), text.find(_PROBE)
+            joint = text[a + len(_PROBE_A) : b] if 0 <= a < b else ""
+            ok = bool(self.assistant_suffix) and joint.startswith(self.assistant_suffix)
+            self._joints[role] = joint if ok else None
+        return self._joints[role]
 
     def env_ids(self, history: Sequence[Mapping[str, Any]], assistant: Mapping[str, Any],
                 new_messages: Sequence[Mapping[str, Any]], generated_end: str) -> list[int]:

@@ -22,7 +22,12 @@ that would cross it are not appended and the trajectory ends with `length`),
 than `max_tool_response_length` characters are truncated (`tool_response_truncate_side`).
 
 Failures: an environment error (after its endpoint's retry budget) fails the group; the worker
-returns the lease and the prompt is re-queued (counted), never scored. Sessions are always closed.
+returns the lease and the prompt is re-queued (counted), never scored. That includes an
+environment's InvalidArgument and a reward that is not finite (raised as BadReply): the worker
+stops a replica on InvalidArgument, its own bad input, and one sampled turn an environment refuses
+is not that. Sessions are always closed: a close, once begun, runs to its end even when its sample
+is cancelled (a sibling failed, a drain), and a failed group closes the sessions whose samples
+never reached their close before it raises.
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from meshrl.v1 import common_pb2
-from services.common.errors import InvalidArgument
+from services.common.errors import BadReply, InvalidArgument
 from services.common.logging import get_logger
 from services.environment import convert as env_convert
-from services.environment.base import Environment, Message, StartResult
+from services.environment.base import CloseResult, Environment, Message, StartResult
 from services.environment.factory import EnvironmentRouter
+from services.environment.limits import TruncateSide, truncate_text
 
 from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec, stop_across
 from .chat import ChatRenderer, SanityMode
@@ -51,7 +57,7 @@ log = get_logger(__name__)
 
 GenerateFn = Callable[[GenerationRequest], Awaitable[list[SampleOutput]]]
 """The worker's engine.generate (tracked per group, so aborts and drains reach it)."""
-TruncateSide = Literal["left", "middle", "right"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -84,17 +90,14 @@ class AgentCounters:
     delta_fallbacks: int = 0
 
 
-def truncate_text(text: str, limit: int, side: TruncateSide) -> tuple[str, bool]:
-    """verl's truncation of a long tool response: keep `limit` characters of its start (left), end
-    (right) or both ends (middle), marked."""
-    if len(text) <= limit:
-        return text, False
-    if side == "left":
-        return text[:limit] + "...(truncated)", True
-    if side == "right":
-        return "(truncated)..." + text[-limit:], True
-    head = limit // 2
-    return text[:head] + "...(truncated)..." + text[len(text) - (limit - head) :], True
+async def _env_call(env: Environment, call: str, sid: str, aw: Awaitable[T]) -> T:
+    """`aw` (a call of `env`), its InvalidArgument raised as BadReply: the group fails and its lease
+    goes back with the error (the coordinator counts it, and halts on a run of them), where an
+    InvalidArgument would stop the whole replica as if its own input were bad."""
+    try:
+        return await aw
+    except InvalidArgument as exc:
+        raise BadReply(f"environment {env.name!r}", f"{call} of session {sid} refused: {exc}") from exc
 
 
 def _truncate_prompt(ids: list[int], limit: int | None, truncation: Literal["error", "left", "right", "middle"],
@@ -131,6 +134,9 @@ class _Sample:
     messages: list[dict[str, Any]]
     renderer: ChatRenderer
     ids: list[int]
+    closing: asyncio.Future[CloseResult] | None = None
+    """Its env.close once begun (shielded: it runs to its end whoever is cancelled)."""
+    close_failure_seen: bool = False
 
 
 class AgentLoop:
@@ -160,7 +166,8 @@ class AgentLoop:
         sids = [f"{rid}/{i}" for i in range(spec.n)]
         try:
             starts = await asyncio.gather(
-                *(env.start(sid, env_prompt, sample_index=i, policy_version=version()) for i, sid in enumerate(sids)),
+                *(_env_call(env, "Start", sid, env.start(sid, env_prompt, sample_index=i, policy_version=version()))
+                  for i, sid in enumerate(sids)),
                 return_exceptions=True,
             )
             failed = next((s for s in starts if isinstance(s, BaseException)), None)
@@ -189,6 +196,7 @@ class AgentLoop:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self._close_all(env, samples)
             raise
         self.counters.trajectories += len(trajectories)
         return prompt_ids, list(trajectories)
@@ -252,7 +260,8 @@ class AgentLoop:
                     break
                 _, calls = parse_tool_calls(text, turn)
                 t0 = time.monotonic()
-                step = await env.step(s.sid, turn, text, calls, policy_version=max(vers) if vers else version())
+                step = await _env_call(env, "Step", s.sid,
+                                       env.step(s.sid, turn, text, calls, policy_version=max(vers) if vers else version()))
                 dt = time.monotonic() - t0
                 self.counters.env_calls += 1
                 self.counters.env_seconds += dt
@@ -262,7 +271,7 @@ class AgentLoop:
                 t.tool_errors += max(step.tool_errors, parse_errors)
                 self.counters.tool_calls += len(calls)
                 self.counters.tool_errors += max(step.tool_errors, parse_errors)
-                t.add_reward(step.reward)
+                t.add_reward(step.reward, source=f"environment {env.name!r}")
                 t.add_metrics(step.metrics)
                 if step.done:
                     break
@@ -279,7 +288,7 @@ class AgentLoop:
                 self.counters.environment_turns += 1
             ok = True
         finally:
-            await self._close(env, s.sid, t, raise_errors=ok)
+            await self._close(env, s, t, raise_errors=ok)
         t.text = str(self.tok.decode(t.token_ids, skip_special_tokens=False))
         if s.renderer.check_drift(prompt_ids + t.token_ids, history, ended_on_assistant=ended_on_assistant,
                                   generated_end=generated_end, mode=self.s.sanity_mode):
@@ -338,16 +347,30 @@ class AgentLoop:
             out.append({"role": m.role, "content": content})
         return out
 
-    async def _close(self, env: Environment, sid: str, t: Trajectory, *, raise_errors: bool) -> None:
+    async def _close(self, env: Environment, s: _Sample, t: Trajectory, *, raise_errors: bool) -> None:
+        # Shielded: a close cancelled half-way (a sibling sample failed, a drain) would leak the
+        # session (in-process: its tool instances are never released; remote: it stays open until
+        # the server's session_ttl_s). run_group waits for it before it raises.
+        s.closing = asyncio.ensure_future(_env_call(env, "Close", s.sid, env.close(s.sid)))
         try:
-            closed = await env.close(sid)
+            closed = await asyncio.shield(s.closing)
         except Exception as exc:
+            s.close_failure_seen = True
             if raise_errors:
                 raise
-            log.warning("environment_close_failed", session_id=sid, error=repr(exc))
+            log.warning("environment_close_failed", session_id=s.sid, error=repr(exc))
             return
-        t.add_reward(closed.reward)
+        t.add_reward(closed.reward, source=f"environment {env.name!r}")
         t.add_metrics(closed.metrics)
+
+    async def _close_all(self, env: Environment, samples: Sequence[_Sample]) -> None:
+        """After a failed group: wait for the closes its samples began, and close the sessions of
+        samples that never reached theirs (cancelled before they ran). Shielded, like each close."""
+        closes = [s.closing or asyncio.ensure_future(env.close(s.sid)) for s in samples]
+        outcomes = await asyncio.shield(asyncio.gather(*closes, return_exceptions=True))
+        for s, outcome in zip(samples, outcomes, strict=True):
+            if isinstance(outcome, Exception) and not s.close_failure_seen:  # else its sample raised or logged it
+                log.warning("environment_close_failed", session_id=s.sid, error=repr(outcome))
 
     async def aclose(self) -> None:
         await self.router.aclose()

@@ -4,9 +4,9 @@
 
 blocks (whitespace around the JSON is allowed; `arguments` may also be a JSON string that holds an
 object, as some models emit). Parsing never raises: a block that is not valid JSON, has no string
-`name`, or whose arguments are not an object becomes a ToolCall with `parse_error` set, which the
-environment answers with an error message (verl's behaviour) and the rollout counts. A `<tool_call>`
-without its closing tag is such an error too.
+`name` (or one longer than MAX_NAME_CHARS), or whose arguments are not an object becomes a ToolCall
+with `parse_error` set, which the environment answers with an error message (verl's behaviour) and
+the rollout counts. A `<tool_call>` without its closing tag is such an error too.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from typing import Any
 from services.environment.base import ToolCall
 
 START, END = "<tool_call>", "</tool_call>"
+MAX_NAME_CHARS = 256
+"""Longest tool name a call may carry. No tool has a longer one, and an environment server refuses
+a Step whose call names pass its security.limits.max_name_chars (1024 by default) as a whole."""
 _BLOCK = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.DOTALL)
 
 
@@ -58,6 +61,8 @@ def _parse_one(raw: str, call_id: str) -> ToolCall:
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return ToolCall(call_id, "", body, parse_error='no "name" (a non-empty string)')
+    if len(name) > MAX_NAME_CHARS:
+        return ToolCall(call_id, "", body, parse_error=f'"name" is {len(name)} characters long; a tool name has at most {MAX_NAME_CHARS}')
     args = obj.get("arguments", {})
     if isinstance(args, str):
         args, error = _loads(args) if args.strip() else ({}, None)

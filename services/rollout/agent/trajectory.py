@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshrl.v1 import common_pb2
-from services.common.errors import InvalidArgument
+from services.common.errors import BadReply
 
 from ..engines.base import Finish
 
@@ -71,11 +71,13 @@ class Trajectory:
         self.versions.extend([ENV_VERSION] * len(ids))
         self.loss_mask.extend([0] * len(ids))
 
-    def add_reward(self, value: float | None) -> None:
+    def add_reward(self, value: float | None, *, source: str = "environment") -> None:
+        """Add an environment's step or close reward. One that is not finite is `source`'s fault
+        (BadReply: the group fails and its lease goes back), never the rollout's own bad input."""
         if value is None:
             return
         if not math.isfinite(value):
-            raise InvalidArgument("environment reward", f"must be finite, got {value}")
+            raise BadReply(source, f"gave a reward that is not finite ({value}); an environment's rewards must be finite")
         self.env_reward = value if self.env_reward is None else self.env_reward + value
 
     def add_metrics(self, metrics: Mapping[str, float]) -> None:

@@ -1,0 +1,119 @@
+"""What the environment side does with a turn the policy overran or a reward user code got wrong:
+the session table bounds a Step (calls past max_tool_calls answered with errors, long texts cut so
+an answer always fits a gRPC message) instead of refusing it, and the tool environment reads every
+reward a tool or an interaction gives by one finiteness rule."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from services.environment import convert
+from services.environment.base import EnvPrompt, Message, StepResult, ToolCall
+from services.environment.config import EnvironmentConfig
+from services.environment.core import SessionTable
+from services.environment.tool_env import ToolEnvironment
+from services.environment.tools import load_tools
+from tests.unit.test_environment import TOOLS, CountingEnv
+
+
+class HugeToolEnv(CountingEnv):
+    """Answers each call with `size` copies of `char` (a tool that prints a whole file)."""
+
+    def __init__(self, size: int, char: str = "x") -> None:
+        super().__init__()
+        self.size, self.char = size, char
+        self.texts: list[str] = []
+        self.calls_seen: list[int] = []
+
+    async def step(self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *,
+                   policy_version: int = 0) -> StepResult:
+        self.texts.append(assistant_text)
+        self.calls_seen.append(len(tool_calls))
+        text = self.char * self.size  # one string, shared by every long message
+        msgs = [Message("tool", "short"), *(Message("tool", text) for _ in tool_calls[1:])]
+        return StepResult(messages=tuple(msgs), tool_errors=1, metrics={"m": 1.0})
+
+
+def test_the_session_table_bounds_a_turn_instead_of_refusing_it() -> None:
+    """Calls past max_tool_calls are answered with tool errors without running, a long assistant
+    text is cut before the environment reads it, and an answer is cut to max_message_chars in all
+    (short messages whole, the long ones sharing the rest, both ends kept) before it is stored:
+    the repeat of a turn gets the same bounded answer."""
+    async def go() -> None:
+        env = HugeToolEnv(size=5000)
+        table = SessionTable(env, max_tool_calls=3, max_message_chars=1000)
+        await table.start("s", EnvPrompt())
+        calls = [ToolCall(f"c{i}", "f", "{}") for i in range(5)]
+        r = await table.step("s", 0, "a" * 600 + "b" * 600, calls)
+        assert env.calls_seen == [3] and len(env.texts[0]) < 1100 and env.texts[0].startswith("a" * 500)
+        assert "(truncated)" in env.texts[0] and env.texts[0].endswith("b" * 500)
+        assert [m.role for m in r.messages] == ["tool"] * 5 and r.messages[0].content == "short"
+        assert all("environment.max_tool_calls=3" in m.content for m in r.messages[3:])
+        assert r.tool_errors == 1 + 2 and r.metrics["m"] == 1.0 and r.metrics["server_truncated_messages"] == 2
+        long = [m.content for m in r.messages[1:3]]
+        assert all(x.startswith("x" * 100) and "...(truncated)..." in x and x.endswith("x" * 100) for x in long)
+        assert sum(len(m.content) for m in r.messages) <= 1000 + 2 * len("...(truncated)...")
+        assert await table.step("s", 0, "again", calls) is r and env.calls_seen == [3]
+        assert table.status()["truncated_messages"] == 2
+
+    asyncio.run(go())
+
+
+def test_a_step_answer_always_fits_a_grpc_message() -> None:
+    """Every message at once at its longest, in 3-byte characters, with the defaults: the answer
+    stays far below the 64 MiB gRPC limit (unbounded, it was retried and refused for ever)."""
+    from services.common.grpc_util import DEFAULT_MAX_MESSAGE_BYTES
+
+    async def go() -> None:
+        cfg = EnvironmentConfig()
+        table = SessionTable(HugeToolEnv(size=cfg.max_message_chars, char="€"), max_tool_calls=cfg.max_tool_calls,
+                             max_message_chars=cfg.max_message_chars)
+        await table.start("s", EnvPrompt())
+        r = await table.step("s", 0, "", [ToolCall(f"c{i}", "f", "{}") for i in range(cfg.max_tool_calls)])
+        assert len(r.messages) == cfg.max_tool_calls
+        assert convert.step_response("s", 0, r).ByteSize() < DEFAULT_MAX_MESSAGE_BYTES // 8
+
+    asyncio.run(go())
+
+
+class NaNJudge:
+    """A verl-style interaction whose turn score is NaN."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    async def start_interaction(self, instance_id: str, **kwargs: Any) -> str:
+        return instance_id
+
+    async def generate_response(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> tuple[bool, str, float, dict[str, Any]]:
+        return True, "done", float("nan"), {}
+
+    async def finalize_interaction(self, instance_id: str) -> None:
+        return None
+
+
+def test_non_finite_interaction_scores_and_calc_rewards_count_as_zero_like_step_rewards() -> None:
+    """One rule for every reward a tool or an interaction gives: not a finite number -> 0.0,
+    counted (a NaN used to reach the rollout, which stopped the replica)."""
+    async def go() -> None:
+        tools = load_tools(TOOLS)
+
+        async def nan_reward(instance_id: str, **kw: Any) -> float:
+            return float("inf")
+
+        async def nan_step(instance_id: str, parameters: dict[str, Any], **kw: Any) -> tuple[str, float, dict[str, Any]]:
+            return "579", float("nan"), {}
+
+        tools[0].calc_reward = nan_reward  # type: ignore[method-assign]
+        tools[0].execute = nan_step  # type: ignore[method-assign]
+        env = ToolEnvironment(tools, {"judge": NaNJudge({})})  # type: ignore[dict-item]
+        await env.start("s", EnvPrompt(messages=(Message("user", "123+456="),)))
+        step = await env.step("s", 0, "call", [ToolCall("c0", "add", '{"a": 1, "b": 2}')])
+        judged = await env.step("s", 1, "579", [])
+        closed = await env.close("s")
+        assert (step.reward, judged.reward, closed.reward) == (0.0, 0.0, 0.0)
+        assert env.status()["bad_rewards"] == 3
+
+    asyncio.run(go())
