@@ -250,8 +250,8 @@ class ReturnLeasesRequest(_message.Message):
     replica_id: _builtins.str
     error: _builtins.str
     """Why the leases come back: empty for a drain or a shutdown; otherwise the error that failed
-    their groups (one line). Counted towards coordinator.max_consecutive_failures and shown in
-    GetStatusResponse.failures.
+    their groups (one line). Counted towards coordinator.max_consecutive_failures and, per prompt,
+    coordinator.max_prompt_failures, and shown in GetStatusResponse.failures.
     """
     @_builtins.property
     def lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -681,6 +681,7 @@ class RunTotals(_message.Message):
     RETRY_PENDING_FIELD_NUMBER: _builtins.int
     DELIVERED_UNCHECKPOINTED_FIELD_NUMBER: _builtins.int
     LEASES_REPLICA_LOST_FIELD_NUMBER: _builtins.int
+    PROMPTS_SET_ASIDE_FIELD_NUMBER: _builtins.int
     prompts_total: _builtins.int
     prompts_issued: _builtins.int
     in_flight: _builtins.int
@@ -699,6 +700,8 @@ class RunTotals(_message.Message):
     """Of leases_expired: those expired early because their replica went silent
     (coordinator.replica_ttl_s).
     """
+    prompts_set_aside: _builtins.int
+    """Prompts set aside after coordinator.max_prompt_failures failures: never leased again."""
     def __init__(
         self,
         *,
@@ -717,10 +720,11 @@ class RunTotals(_message.Message):
         retry_pending: _builtins.int = ...,
         delivered_uncheckpointed: _builtins.int = ...,
         leases_replica_lost: _builtins.int = ...,
+        prompts_set_aside: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "delivered_uncheckpointed", b"delivered_uncheckpointed", "duplicates", b"duplicates", "filtered", b"filtered", "in_flight", b"in_flight", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "leases_replica_lost", b"leases_replica_lost", "leases_returned", b"leases_returned", "prompts_issued", b"prompts_issued", "prompts_total", b"prompts_total", "queued", b"queued", "regenerated", b"regenerated", "rejected_expired", b"rejected_expired", "retry_pending", b"retry_pending"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumed", b"consumed", "delivered_uncheckpointed", b"delivered_uncheckpointed", "duplicates", b"duplicates", "filtered", b"filtered", "in_flight", b"in_flight", "leases_expired", b"leases_expired", "leases_granted", b"leases_granted", "leases_replica_lost", b"leases_replica_lost", "leases_returned", b"leases_returned", "prompts_issued", b"prompts_issued", "prompts_set_aside", b"prompts_set_aside", "prompts_total", b"prompts_total", "queued", b"queued", "regenerated", b"regenerated", "rejected_expired", b"rejected_expired", "retry_pending", b"retry_pending"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -249,6 +249,7 @@ def status_response(s: Status) -> coordinator_pb2.GetStatusResponse:
             retry_pending=s.retry_pending,
             delivered_uncheckpointed=s.delivered_uncheckpointed,
             leases_replica_lost=t.leases_replica_lost,
+            prompts_set_aside=t.prompts_set_aside,
         ),
         staleness_histogram=[coordinator_pb2.StalenessBucket(staleness=k, groups=v) for k, v in s.histogram.items()],
         trainer_step=s.trainer_step,

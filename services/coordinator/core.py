@@ -30,7 +30,7 @@ import heapq
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -42,7 +42,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.limits import RecentlySeen
 from services.common.logging import get_logger
 
-from .failures import FailureLog, FailureReport
+from .failures import MAX_ERROR_CHARS, FailureLog, FailureReport
 from .ledger import GroupRow, GroupState, LeaseRow, LeaseState, Ledger, RetryReason
 from .liveness import ReplicaLiveness
 
@@ -92,6 +92,9 @@ class CoordinatorSettings:
     """A replica holding leases and silent this long is taken for dead (see liveness.py); None: off."""
     max_consecutive_failures: int | None = None
     """Failed groups in a row that halt leasing (see failures.py); None: never."""
+    max_prompt_failures: int | None = None
+    """Failures of one prompt, each after some group was accepted since its last, that set it aside
+    (see return_leases); None: never."""
 
     data_digest: str = ""
     """The prompt stream's identity (data.stream_digest: its rows in order, shuffle, seed): a
@@ -207,6 +210,8 @@ class Totals:
     submitted: int = 0
     leases_replica_lost: int = 0
     """Of leases_expired: those expired early because their replica went silent (replica_ttl_s)."""
+    prompts_set_aside: int = 0
+    """Prompts that failed coordinator.max_prompt_failures times: never leased again."""
 
 
 @dataclass
@@ -330,6 +335,9 @@ class CoordinatorCore:
         self._liveness = ReplicaLiveness(self._replica_seen, settings.replica_ttl_s)
         self._silent_leases: set[str] = set()  # leases due now because their replica went silent
         self.failures = FailureLog(settings.max_consecutive_failures)
+        # seq -> (failures counted, totals.submitted at the last one): see return_leases
+        self._prompt_failures: dict[int, tuple[int, int]] = {}
+        self._set_aside: set[int] = set()
         snap = ledger.load()
         if snap.state is None:
             self._state = _State(
@@ -392,6 +400,8 @@ class CoordinatorCore:
             )
             self._ahead += int(self._delivered[g.lease_id].train_version > state.policy_version)
         self._next_group_id = snap.max_group_id + 1
+        self._prompt_failures = dict(snap.prompt_failures)
+        self._set_aside = set(snap.set_aside)
 
     # ---- derived numbers -------------------------------------------------------------------
 
@@ -523,11 +533,19 @@ class CoordinatorCore:
         self._replica_seen[replica_id] = now
         return renewed, lost, deadline
 
-    def return_leases(self, replica_id: str, lease_ids: list[str], now: float) -> int:
+    def return_leases(self, replica_id: str, lease_ids: list[str], now: float, error: str = "") -> int:
         """Give active leases back unanswered; their prompts go to the head of the retry queue
         order (FIFO among retries). Unknown or finished lease ids are ignored (idempotent), so a
         return that arrives after the lease's submit changes nothing. A returned lease is then
-        treated like an expired one: a submit that arrives after the return is answered by submit."""
+        treated like an expired one: a submit that arrives after the return is answered by submit.
+
+        With an `error` (their groups failed) each prompt's failure is counted, but only when some
+        group was accepted since its last one: while everything fails (an endpoint down) the
+        counts stay put and max_consecutive_failures halts the run instead; a prompt that fails
+        while others go through is the prompt's own trouble (a template it breaks, data a tool
+        cannot take). At coordinator.max_prompt_failures it is set aside: never leased again (it
+        was re-issued at once, every time, for as long as the run lasted), counted
+        (totals.prompts_set_aside), logged, and accounted for by the audit."""
         rows = [self._leases[i] for i in dict.fromkeys(lease_ids) if i in self._leases]
         if not rows:
             self._replica_seen[replica_id] = now
@@ -535,20 +553,41 @@ class CoordinatorCore:
         s = self._state.copy()
         s.totals.leases_returned += len(rows)
         s.budget_used = max(self._floor() - len(rows), s.budget_used - len(rows))
+        counted: dict[int, tuple[int, int]] = {}
+        aside: dict[int, int] = {}
+        if error:
+            mark, limit = s.totals.submitted, self.settings.max_prompt_failures
+            for r in rows:
+                n, last = self._prompt_failures.get(r.seq, (0, -1))
+                counted[r.seq] = (n + 1 if last != mark else n, mark)
+                if limit is not None and counted[r.seq][0] >= limit:
+                    aside[r.seq] = counted[r.seq][0]
+        s.totals.prompts_set_aside += len(aside)
+        why = " ".join(error.split())[:MAX_ERROR_CHARS]
         with self.ledger.transaction():
             self.ledger.set_lease_state([r.lease_id for r in rows], LeaseState.RETURNED)
-            self.ledger.push_retry([r.seq for r in rows], RetryReason.RETURNED)
+            self.ledger.push_retry([r.seq for r in rows if r.seq not in aside], RetryReason.RETURNED)
+            self.ledger.save_prompt_failures((seq, n, mark, why) for seq, (n, mark) in counted.items())
+            self.ledger.set_aside((seq, n, why) for seq, n in aside.items())
             self.ledger.save_state(s.to_json())
         self._state = s
-        self._requeue_leases(rows)
+        self._prompt_failures.update(counted)
+        self._set_aside.update(aside)
+        self._requeue_leases(rows, aside=set(aside))
         self._replica_seen[replica_id] = now
+        for seq, n in aside.items():
+            log.warning("prompt_set_aside", seq=seq, failures=n, error=why,
+                        hint="its groups kept failing while others went through; it is not leased again "
+                             "(coordinator.max_prompt_failures)")
         return len(rows)
 
-    def _requeue_leases(self, rows: list[LeaseRow]) -> None:
-        """Leases that ended unanswered (expired, returned): their prompts wait for re-issue."""
+    def _requeue_leases(self, rows: list[LeaseRow], aside: Collection[int] = ()) -> None:
+        """Leases that ended unanswered (expired, returned): their prompts wait for re-issue, but
+        those set `aside`."""
         for r in rows:
             del self._leases[r.lease_id]
-            self._retry[r.seq] = None
+            if r.seq not in aside:
+                self._retry[r.seq] = None
             self._expired[r.lease_id] = r.seq
 
     def _push_deadline(self, deadline: float, seq: int, lease_id: str) -> None:
@@ -1065,6 +1104,7 @@ class CoordinatorCore:
             "in_flight": len(where["in_flight"]),
             "retry": len(where["retry"]),
             "groups": len(where["groups"]),
+            "set_aside": len(where["set_aside"]),
             "lost": lost,
             "duplicated": duplicated,
             "balanced": not lost and not duplicated,

@@ -49,6 +49,7 @@ def build_core(
         lease_timeout_s=cfg.coordinator.lease_timeout_s,
         replica_ttl_s=cfg.coordinator.replica_ttl_s,
         max_consecutive_failures=cfg.coordinator.max_consecutive_failures,
+        max_prompt_failures=cfg.coordinator.max_prompt_failures,
         max_staleness_versions=at.max_staleness_versions,
         keep_delivered_payloads=cfg.trainer.save_freq > 0 or cfg.trainer.resume_mode != "disable",
         run_id=run_id,

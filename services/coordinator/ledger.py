@@ -8,6 +8,10 @@ Tables
   retry(rid, seq, reason)     prompts waiting to be re-issued (FIFO by rid)
   groups(group_id, ...)       every submitted group: queued -> delivered -> consumed | filtered
                               | rejected (stale); payload kept while it may still be trained on
+  prompt_failures(seq, ...)   prompts whose groups failed (ReturnLeases with an error): how often,
+                              counted as the core says (see CoordinatorCore.return_leases)
+  set_aside(seq, ...)         prompts that failed coordinator.max_prompt_failures times: never
+                              leased again, accounted for by the audit
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ class LedgerSnapshot:
     queued: list[GroupRow]
     delivered: list[GroupRow]
     max_group_id: int
+    prompt_failures: dict[int, tuple[int, int]]
+    """seq -> (failures counted, the run's accepted-group count at the last one)."""
+    set_aside: set[int]
 
 
 _SCHEMA = """
@@ -100,6 +107,9 @@ CREATE TABLE IF NOT EXISTS groups (
     step INTEGER NOT NULL DEFAULT -1, staleness INTEGER NOT NULL DEFAULT -1, qpos INTEGER NOT NULL,
     payload BLOB);
 CREATE INDEX IF NOT EXISTS groups_state ON groups(state);
+CREATE TABLE IF NOT EXISTS prompt_failures (seq INTEGER PRIMARY KEY, failures INTEGER NOT NULL,
+    mark INTEGER NOT NULL, error TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS set_aside (seq INTEGER PRIMARY KEY, failures INTEGER NOT NULL, error TEXT NOT NULL);
 """
 
 
@@ -170,6 +180,17 @@ class Ledger:
 
     def pop_retry(self, seqs: Iterable[int]) -> None:
         self._db.executemany("DELETE FROM retry WHERE seq = ?", [(s,) for s in seqs])
+
+    def save_prompt_failures(self, items: Iterable[tuple[int, int, int, str]]) -> None:
+        """(seq, failures, mark, error) rows, replacing the prompts' earlier ones."""
+        self._db.executemany("INSERT OR REPLACE INTO prompt_failures VALUES (?, ?, ?, ?)", list(items))
+
+    def set_aside(self, items: Iterable[tuple[int, int, str]]) -> None:
+        """(seq, failures, error): prompts never leased again."""
+        self._db.executemany("INSERT INTO set_aside VALUES (?, ?, ?)", list(items))
+
+    def set_aside_rows(self) -> list[tuple[int, int, str]]:
+        return [(r[0], r[1], r[2]) for r in self._db.execute("SELECT seq, failures, error FROM set_aside ORDER BY seq")]
 
     def insert_groups(self, rows: Iterable[GroupRow]) -> None:
         self._db.executemany(
@@ -261,6 +282,8 @@ class Ledger:
             ]
 
         max_gid = self._db.execute("SELECT COALESCE(MAX(group_id), 0) FROM groups").fetchone()[0]
+        failures = {r[0]: (r[1], r[2]) for r in self._db.execute("SELECT seq, failures, mark FROM prompt_failures")}
+        aside = {r[0] for r in self._db.execute("SELECT seq FROM set_aside")}
         return LedgerSnapshot(
             state=state,
             active_leases=leases,
@@ -271,6 +294,8 @@ class Ledger:
             queued=groups(GroupState.QUEUED, "qpos"),
             delivered=groups(GroupState.DELIVERED, "qpos"),
             max_group_id=int(max_gid),
+            prompt_failures=failures,
+            set_aside=aside,
         )
 
     def count_groups(self) -> dict[str, int]:
@@ -290,4 +315,5 @@ class Ledger:
                 f"SELECT seq FROM groups WHERE state IN ({','.join('?' * len(live_states))})", live_states
             )
         ]
-        return {"in_flight": active, "retry": retry, "groups": groups}
+        aside = [r[0] for r in self._db.execute("SELECT seq FROM set_aside")]
+        return {"in_flight": active, "retry": retry, "groups": groups, "set_aside": aside}

@@ -27,6 +27,8 @@ FAMILIES = (
            "counter", ("reason",)),
     Family("meshrl_coordinator_duplicate_submissions", "Submissions of an already submitted lease (idempotent).",
            "counter"),
+    Family("meshrl_coordinator_prompts_set_aside",
+           "Prompts set aside after coordinator.max_prompt_failures failures (never leased again).", "counter"),
     Family("meshrl_coordinator_staleness", "Staleness of each consumed group (versions).", "histogram",
            boundaries=STALENESS_BUCKETS),
     Family("meshrl_coordinator_prompts_lost", "Issued prompts the ledger audit finds nowhere (should be 0)."),
@@ -51,6 +53,7 @@ def export(m: ReplicaMetrics, status: Status, audit: dict[str, Any] | None) -> N
     m.count_to("meshrl_coordinator_groups_submitted", t.submitted)
     m.count_to("meshrl_coordinator_groups_consumed", t.consumed)
     m.count_to("meshrl_coordinator_duplicate_submissions", t.duplicates)
+    m.count_to("meshrl_coordinator_prompts_set_aside", t.prompts_set_aside)
     for reason, field in REQUEUE_REASONS.items():
         m.count_to("meshrl_coordinator_requeued", getattr(t, field), tags={"reason": reason})
     m.observe_counts("meshrl_coordinator_staleness", status.histogram)

@@ -112,7 +112,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         convert.require_id(request.replica_id, "replica_id")
         convert.check_count(len(request.lease_ids), "lease_ids", 1, self.max_groups)
         now = self.clock()
-        n = self.core.return_leases(request.replica_id, list(request.lease_ids), now)
+        n = self.core.return_leases(request.replica_id, list(request.lease_ids), now, request.error)
         if request.error and n:
             # the leases this call returned: a resent request (its first reply lost), unknown or
             # already settled ids count nothing, and a failed return counts nothing either

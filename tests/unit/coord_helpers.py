@@ -23,6 +23,8 @@ def make_core(
     session: str = "s1",
     ledger: Ledger | None = None,
     keep_delivered_payloads: bool = True,
+    max_prompt_failures: int | None = None,
+    max_consecutive_failures: int | None = None,
 ) -> CoordinatorCore:
     settings = CoordinatorSettings(
         required_samples=mini_batch,
@@ -33,6 +35,8 @@ def make_core(
         lease_timeout_s=lease_timeout_s,
         max_staleness_versions=eta,
         keep_delivered_payloads=keep_delivered_payloads,
+        max_prompt_failures=max_prompt_failures,
+        max_consecutive_failures=max_consecutive_failures,
     )
     stream = PromptStream(synthetic_records("addition", dataset_size, digits=2, seed=0, split="train"), shuffle=True, seed=3)
     return CoordinatorCore(settings, stream, ledger if ledger is not None else Ledger(path))

@@ -557,3 +557,64 @@ def test_a_ledger_written_with_weights_as_a_dict_still_opens(tmp_path: Path) -> 
     assert common_pb2.WeightsRef.FromString(ref) == common_pb2.WeightsRef(
         policy_version=1, param_server_address="ps:9", manifest_checksum="ab", total_bytes=7
     )
+
+
+def test_a_prompt_that_keeps_failing_while_others_go_through_is_set_aside(tmp_path: Path) -> None:
+    """A failed group's prompt is re-issued at once, so one that always fails (a template it breaks,
+    data a tool cannot take) came back for as long as the run lasted (a lease, a failure and a
+    ledger row each time; the consecutive-failure halt never came, the other prompts went through).
+    After max_prompt_failures failures, each after some accepted group, it is set aside: never
+    leased again, counted, and accounted for by the audit; the run can end."""
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=6, max_prompt_failures=3)
+    poison, *good = core.lease("r", 1 + 5, 0.0).leases
+    now = 1.0
+    for i in range(3):
+        assert core.return_leases("r", [poison.lease_id], now, error="chat template: cannot render") == 1
+        if i < 2:
+            (poison,) = core.lease("r", 1, now).leases  # back at once, first in line
+            ok = good.pop()
+            assert core.submit("r", [group_for(ok.lease_id, ok.seq, 0)], now) == [SubmitStatus.ACCEPTED]
+        now += 1
+    assert core.lease("r", 1, now).limit is LeaseLimit.EXHAUSTED  # nothing left to issue: set aside
+    assert core.status(now).totals.prompts_set_aside == 1 and core.status(now).retry_pending == 0
+    # a late answer for its old lease is refused (it no longer waits for re-issue)
+    assert core.submit("r", [group_for(poison.lease_id, poison.seq, 0)], now) == [SubmitStatus.EXPIRED]
+    core.submit("r", [group_for(x.lease_id, x.seq, 0) for x in good], now)
+    assert len(core.fetch("t", 1, 10, now).groups) == 5
+    audit = core.audit()
+    assert audit["balanced"] and audit["set_aside"] == 1 and audit["issued"] == 6, audit
+    assert core.exhausted
+    core.ledger.close()
+    again = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=6, max_prompt_failures=3)
+    assert again.status(now).totals.prompts_set_aside == 1 and again.audit()["set_aside"] == 1
+    assert again.lease("r", 1, now).limit is LeaseLimit.EXHAUSTED
+    assert again.ledger.set_aside_rows() == [(poison.seq, 3, "chat template: cannot render")]
+
+
+def test_failures_while_nothing_goes_through_do_not_set_a_prompt_aside(tmp_path: Path) -> None:
+    """An outage (a reward endpoint down) fails every group: the same prompts come back and fail
+    again and again. That is max_consecutive_failures' case (a halt the operator lifts); no prompt
+    is set aside for it, and the counts it left do not add up after a restart either."""
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=6, max_prompt_failures=2,
+                     max_consecutive_failures=50)
+    now = 0.0
+    for _ in range(20):
+        leases = core.lease("r", 2, now).leases
+        core.return_leases("r", [x.lease_id for x in leases], now, error="reward endpoint unavailable")
+        now += 1
+    assert core.status(now).totals.prompts_set_aside == 0
+    core.ledger.close()
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=6, max_prompt_failures=2,
+                     max_consecutive_failures=50)
+    a, b = core.lease("r", 2, now).leases
+    core.return_leases("r", [a.lease_id, b.lease_id], now, error="reward endpoint unavailable")
+    assert core.status(now).totals.prompts_set_aside == 0
+    # the endpoint is back: a group goes through; a prompt that fails after that counts once more
+    c, d = core.lease("r", 2, now).leases
+    assert core.submit("r", [group_for(c.lease_id, c.seq, 0)], now) == [SubmitStatus.ACCEPTED]
+    core.return_leases("r", [d.lease_id], now, error="tool crashed")
+    assert core.status(now).totals.prompts_set_aside == 1
+    # a drain's return (no error) never counts
+    e, *_ = core.lease("r", 1, now).leases
+    assert core.return_leases("r", [e.lease_id], now) == 1 and core.status(now).totals.prompts_set_aside == 1
+    assert core.audit()["balanced"]
