@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from meshrl.v1 import common_pb2, coordinator_pb2
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.tiny import build_tokenizer
 from services.coordinator.convert import groups_from_request
 from services.environment.base import CloseResult, Environment, EnvPrompt, Message, StartResult, StepResult, ToolCall
@@ -426,7 +426,8 @@ def test_reward_sources_and_what_the_reward_service_scores(tok: Any) -> None:
         apply_reward_source(copy, source)
         assert [x.reward for x in copy.responses] == [expected] * 2 and copy.responses[0].reward_metrics["env_reward"] == 1.5
     copy.responses[0].ClearField("env_reward")
-    with pytest.raises(InvalidArgument, match="gave no reward"):
+    # the group fails (not InvalidArgument: the worker would stop the replica on it)
+    with pytest.raises(FailedPrecondition, match="gave no reward"):
         apply_reward_source(copy, "environment")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshrl.v1 import common_pb2
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition
 
 from .trajectory import Trajectory, to_response
 
@@ -36,14 +36,17 @@ def build_group(
 def apply_reward_source(group: common_pb2.TrajectoryGroup, source: str) -> None:
     """Set each response's reward from the environment's (after the reward service scored, if it
     did): `environment` replaces it, `sum` adds to it, `reward_service` only records it as metric
-    `env_reward`. An environment that gave no reward where its reward is required is an error."""
+    `env_reward`. An environment that gave no reward where its reward is required fails the group
+    (FailedPrecondition; an environment that rewards finished episodes only may leave one sample
+    without: not the replica's own bad input, on which it would stop; an environment that never
+    rewards fails every group, and the coordinator halts on a series of them with this reason)."""
     for r in group.responses:
         env = r.env_reward if r.HasField("env_reward") else None
         if source == "environment":
             if env is None:
-                raise InvalidArgument(
-                    "environment.reward_source", f"is environment, but the environment gave no reward for "
-                    f"{group.lease_id}/{r.sample_index}; have it reward Step/Close or use reward_service",
+                raise FailedPrecondition(
+                    f"environment.reward_source is environment, but the environment gave no reward for "
+                    f"{group.lease_id}/{r.sample_index}; have it reward Step/Close or use reward_service"
                 )
             r.reward = env
         elif source == "sum":
