@@ -93,8 +93,8 @@ class CoordinatorSettings:
     max_consecutive_failures: int | None = None
     """Failed groups in a row that halt leasing (see failures.py); None: never."""
     max_prompt_failures: int | None = None
-    """Failures of one prompt, each after some group was accepted since its last, that set it aside
-    (see return_leases); None: never."""
+    """Failures of one prompt, each on a replica that had a group accepted since its own last
+    failure, that set it aside (see return_leases); None: never."""
 
     data_digest: str = ""
     """The prompt stream's identity (data.stream_digest: its rows in order, shuffle, seed): a
@@ -318,11 +318,10 @@ class CoordinatorCore:
         self._leases: dict[str, LeaseRow] = {}
         # (deadline, prompt seq, lease id): ties break on seq so expiry order is reproducible
         self._deadlines: list[tuple[float, int, str]] = []
-        # lease id -> seq of leases that expired or were returned: a late answer is still taken
-        # while the prompt waits for re-issue (see submit)
-        self._expired: dict[str, int] = {}
-        self._refused: set[str] = set()
-        self._submitted: set[str] = set()
+        # Leases that ended (submitted, expired, returned, refused) are looked up in the ledger
+        # (Ledger.lease_fates) when a late or repeated answer names one: a table of every lease
+        # of the run in memory grew with the run (~110 MiB per million prompts) and was read back
+        # whole at every restart.
         self._retry: OrderedDict[int, None] = OrderedDict()
         self._queue: OrderedDict[int, _Queued] = OrderedDict()
         self._delivered: dict[str, _Delivered] = {}
@@ -335,8 +334,11 @@ class CoordinatorCore:
         self._liveness = ReplicaLiveness(self._replica_seen, settings.replica_ttl_s)
         self._silent_leases: set[str] = set()  # leases due now because their replica went silent
         self.failures = FailureLog(settings.max_consecutive_failures)
-        # seq -> (failures counted, totals.submitted at the last one): see return_leases
-        self._prompt_failures: dict[int, tuple[int, int]] = {}
+        # seq -> failures counted, for prompts with no group accepted yet; replica -> whether a
+        # group of it was accepted since its last failure (bounded like _replica_seen): see
+        # return_leases
+        self._prompt_failures: dict[int, int] = {}
+        self._replica_clean: OrderedDict[str, bool] = OrderedDict()
         self._set_aside: set[int] = set()
         snap = ledger.load()
         if snap.state is None:
@@ -386,9 +388,6 @@ class CoordinatorCore:
         for lease in snap.active_leases:
             self._leases[lease.lease_id] = lease
             self._push_deadline(lease.deadline, lease.seq, lease.lease_id)
-        self._expired = dict(snap.expired_leases)
-        self._refused = set(snap.refused_lease_ids)
-        self._submitted = set(snap.submitted_lease_ids)
         for seq, _reason in snap.retry:
             self._retry[seq] = None
         for g in snap.queued:
@@ -539,13 +538,16 @@ class CoordinatorCore:
         return that arrives after the lease's submit changes nothing. A returned lease is then
         treated like an expired one: a submit that arrives after the return is answered by submit.
 
-        With an `error` (their groups failed) each prompt's failure is counted, but only when some
-        group was accepted since its last one: while everything fails (an endpoint down) the
-        counts stay put and max_consecutive_failures halts the run instead; a prompt that fails
-        while others go through is the prompt's own trouble (a template it breaks, data a tool
-        cannot take). At coordinator.max_prompt_failures it is set aside: never leased again (it
-        was re-issued at once, every time, for as long as the run lasted), counted
-        (totals.prompts_set_aside), logged, and accounted for by the audit."""
+        With an `error` (their groups failed) each prompt's failure is counted, but only on a
+        replica that had a group accepted since its own last failure (in this process): a
+        replica that fails everything (a broken engine, its endpoint down) or an outage
+        that fails every replica counts once, not once per re-issue (max_consecutive_failures
+        halts the run on an outage); a prompt that fails on replicas that otherwise work is the
+        prompt's own trouble (a template it breaks, data a tool cannot take). At
+        coordinator.max_prompt_failures it is set aside: never leased again (it was re-issued at
+        once, every time, for as long as the run lasted), counted (totals.prompts_set_aside),
+        logged, and accounted for by the audit. Where groups fail at random (a flaky endpoint
+        failing a share p of them), about p**max_prompt_failures of the prompts are set aside."""
         rows = [self._leases[i] for i in dict.fromkeys(lease_ids) if i in self._leases]
         if not rows:
             self._replica_seen[replica_id] = now
@@ -553,26 +555,31 @@ class CoordinatorCore:
         s = self._state.copy()
         s.totals.leases_returned += len(rows)
         s.budget_used = max(self._floor() - len(rows), s.budget_used - len(rows))
-        counted: dict[int, tuple[int, int]] = {}
+        counted: dict[int, int] = {}
         aside: dict[int, int] = {}
-        if error:
-            mark, limit = s.totals.submitted, self.settings.max_prompt_failures
+        limit = self.settings.max_prompt_failures
+        counts = bool(error) and limit is not None and self._replica_clean.get(replica_id, False)
+        if counts:
             for r in rows:
-                n, last = self._prompt_failures.get(r.seq, (0, -1))
-                counted[r.seq] = (n + 1 if last != mark else n, mark)
-                if limit is not None and counted[r.seq][0] >= limit:
-                    aside[r.seq] = counted[r.seq][0]
+                counted[r.seq] = self._prompt_failures.get(r.seq, 0) + 1
+                if limit is not None and counted[r.seq] >= limit:
+                    aside[r.seq] = counted[r.seq]
         s.totals.prompts_set_aside += len(aside)
         why = " ".join(error.split())[:MAX_ERROR_CHARS]
         with self.ledger.transaction():
             self.ledger.set_lease_state([r.lease_id for r in rows], LeaseState.RETURNED)
             self.ledger.push_retry([r.seq for r in rows if r.seq not in aside], RetryReason.RETURNED)
-            self.ledger.save_prompt_failures((seq, n, mark, why) for seq, (n, mark) in counted.items())
+            self.ledger.save_prompt_failures((seq, n, why) for seq, n in counted.items() if seq not in aside)
+            self.ledger.drop_prompt_failures(aside)  # the set_aside row keeps the count
             self.ledger.set_aside((seq, n, why) for seq, n in aside.items())
             self.ledger.save_state(s.to_json())
         self._state = s
-        self._prompt_failures.update(counted)
+        self._prompt_failures.update((seq, n) for seq, n in counted.items() if seq not in aside)
+        for seq in aside:
+            self._prompt_failures.pop(seq, None)
         self._set_aside.update(aside)
+        if error:
+            self._mark_replica(replica_id, clean=False)
         self._requeue_leases(rows, aside=set(aside))
         self._replica_seen[replica_id] = now
         for seq, n in aside.items():
@@ -581,6 +588,12 @@ class CoordinatorCore:
                              "(coordinator.max_prompt_failures)")
         return len(rows)
 
+    def _mark_replica(self, replica_id: str, *, clean: bool) -> None:
+        self._replica_clean[replica_id] = clean
+        self._replica_clean.move_to_end(replica_id)
+        while len(self._replica_clean) > MAX_REPLICAS_SEEN:
+            self._replica_clean.popitem(last=False)
+
     def _requeue_leases(self, rows: list[LeaseRow], aside: Collection[int] = ()) -> None:
         """Leases that ended unanswered (expired, returned): their prompts wait for re-issue, but
         those set `aside`."""
@@ -588,7 +601,6 @@ class CoordinatorCore:
             del self._leases[r.lease_id]
             if r.seq not in aside:
                 self._retry[r.seq] = None
-            self._expired[r.lease_id] = r.seq
 
     def _push_deadline(self, deadline: float, seq: int, lease_id: str) -> None:
         """Every renewal pushes an entry and leaves the older one to pop at its deadline, so the
@@ -676,6 +688,7 @@ class CoordinatorCore:
         when its prompt was not re-issued yet; once refused (EXPIRED), that lease stays refused, so
         a retried request gets the same answer."""
         self.expire(now)
+        fates = self.ledger.lease_fates(g.lease_id for g in groups if g.lease_id not in self._leases)
         seen: set[str] = set()
         for i, g in enumerate(groups):
             where = f"groups[{i}]"
@@ -683,9 +696,12 @@ class CoordinatorCore:
                 raise InvalidArgument(f"{where}.lease_id", f"lease {g.lease_id} appears twice in one request")
             seen.add(g.lease_id)
             lease = self._leases.get(g.lease_id)
-            known_seq = lease.seq if lease is not None else self._expired.get(g.lease_id)
-            if known_seq is None and g.lease_id not in self._submitted and g.lease_id not in self._refused:
+            fate = fates.get(g.lease_id)
+            if lease is None and fate is None:
                 raise NotFound(f"{where}.lease_id: unknown lease {g.lease_id!r} (never granted by run {self._state.run_id})")
+            # expired or returned: a late answer, for the prompt its lease was for
+            ended = fate is not None and fate[0] in (LeaseState.EXPIRED, LeaseState.RETURNED)
+            known_seq = lease.seq if lease is not None else (fate[1] if fate is not None and ended else None)
             if known_seq is not None and known_seq != g.seq:
                 raise InvalidArgument(
                     f"{where}.prompt.prompt_seq", f"lease {g.lease_id} is for prompt {known_seq}, not {g.seq}"
@@ -705,17 +721,19 @@ class CoordinatorCore:
         refused: list[str] = []
         next_group_id = self._next_group_id
         for g in groups:
-            if g.lease_id in self._submitted:
+            fate = fates.get(g.lease_id)
+            if fate is not None and fate[0] is LeaseState.SUBMITTED:
                 statuses.append(SubmitStatus.DUPLICATE)
                 s.totals.duplicates += 1
                 continue
-            if g.lease_id in self._refused:
+            if fate is not None and fate[0] is LeaseState.REFUSED:
                 statuses.append(SubmitStatus.EXPIRED)
                 continue
             if g.lease_id in self._leases:
                 from_active.append(g.lease_id)
             else:  # expired or returned: accept only if the prompt still waits for re-issue
-                seq = self._expired[g.lease_id]
+                assert fate is not None  # checked above
+                seq = fate[1]
                 # (two expired leases of one prompt in one request: the first one takes it)
                 if seq not in self._retry or seq in late.values():
                     statuses.append(SubmitStatus.EXPIRED)
@@ -735,11 +753,13 @@ class CoordinatorCore:
             s.next_qpos += 1
             statuses.append(SubmitStatus.ACCEPTED)
         s.totals.submitted += len(accepted)
+        failed_before = [r.seq for r in accepted if r.seq in self._prompt_failures]  # done failing
         with self.ledger.transaction():
             self.ledger.insert_groups(accepted)
             self.ledger.set_lease_state([r.lease_id for r in accepted], LeaseState.SUBMITTED)
             self.ledger.set_lease_state(refused, LeaseState.REFUSED)
             self.ledger.pop_retry(late.values())
+            self.ledger.drop_prompt_failures(failed_before)
             self.ledger.save_state(s.to_json())
         self._state = s
         self._replica_seen[replica_id] = now
@@ -748,14 +768,12 @@ class CoordinatorCore:
             del self._leases[lease_id]
         for seq in late.values():
             del self._retry[seq]
-        for lease_id in refused:
-            del self._expired[lease_id]
-            self._refused.add(lease_id)
+        for seq in failed_before:
+            del self._prompt_failures[seq]
         if accepted:
             self.failures.succeeded()
+            self._mark_replica(replica_id, clean=True)
         for row in accepted:
-            self._submitted.add(row.lease_id)
-            self._expired.pop(row.lease_id, None)
             assert row.payload is not None
             self._queue[row.group_id] = _Queued(row.group_id, row.lease_id, row.seq, row.min_version, row.qpos, row.payload)
         return statuses
@@ -784,7 +802,8 @@ class CoordinatorCore:
         check_int64(step, "step")
         current = self._state.policy_version
         version = self.check_train_version(train_version)
-        unknown = [i for i in (filtered or []) if i not in self._submitted]
+        fates = self.ledger.lease_fates(filtered or [])
+        unknown = [i for i in (filtered or []) if fates.get(i, (None, 0))[0] is not LeaseState.SUBMITTED]
         if unknown:
             raise NotFound(f"filtered_lease_ids: {unknown[0]!r} was never submitted")
         self.expire(now)

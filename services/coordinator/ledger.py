@@ -8,8 +8,9 @@ Tables
   retry(rid, seq, reason)     prompts waiting to be re-issued (FIFO by rid)
   groups(group_id, ...)       every submitted group: queued -> delivered -> consumed | filtered
                               | rejected (stale); payload kept while it may still be trained on
-  prompt_failures(seq, ...)   prompts whose groups failed (ReturnLeases with an error): how often,
-                              counted as the core says (see CoordinatorCore.return_leases)
+  prompt_failures(seq, ...)   prompts whose groups failed (ReturnLeases with an error) and that
+                              have none accepted yet: how often, counted as the core says (see
+                              CoordinatorCore.return_leases)
   set_aside(seq, ...)         prompts that failed coordinator.max_prompt_failures times: never
                               leased again, accounted for by the audit
 """
@@ -80,16 +81,12 @@ class GroupRow:
 class LedgerSnapshot:
     state: dict[str, Any] | None
     active_leases: list[LeaseRow]
-    expired_leases: dict[str, int]
-    """Expired or returned leases (lease id -> seq): a late answer may still be accepted."""
-    refused_lease_ids: set[str]
-    submitted_lease_ids: set[str]
     retry: list[tuple[int, int]]
     queued: list[GroupRow]
     delivered: list[GroupRow]
     max_group_id: int
-    prompt_failures: dict[int, tuple[int, int]]
-    """seq -> (failures counted, the run's accepted-group count at the last one)."""
+    prompt_failures: dict[int, int]
+    """seq -> failures counted (prompts with no group accepted yet)."""
     set_aside: set[int]
 
 
@@ -107,8 +104,7 @@ CREATE TABLE IF NOT EXISTS groups (
     step INTEGER NOT NULL DEFAULT -1, staleness INTEGER NOT NULL DEFAULT -1, qpos INTEGER NOT NULL,
     payload BLOB);
 CREATE INDEX IF NOT EXISTS groups_state ON groups(state);
-CREATE TABLE IF NOT EXISTS prompt_failures (seq INTEGER PRIMARY KEY, failures INTEGER NOT NULL,
-    mark INTEGER NOT NULL, error TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS prompt_failures (seq INTEGER PRIMARY KEY, failures INTEGER NOT NULL, error TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS set_aside (seq INTEGER PRIMARY KEY, failures INTEGER NOT NULL, error TEXT NOT NULL);
 """
 
@@ -136,8 +132,11 @@ class Ledger:
         if self._in_tx:
             yield self._db
             return
-        self._in_tx = True
+        # Marked open only once BEGIN succeeded: a BEGIN that fails (SQLITE_BUSY past the timeout,
+        # an I/O error) left the mark set, and every later transaction then "joined" one that did
+        # not exist: each statement committed alone and a failure rolled nothing back.
         self._db.execute("BEGIN IMMEDIATE")
+        self._in_tx = True
         try:
             yield self._db
         except BaseException:
@@ -181,13 +180,28 @@ class Ledger:
     def pop_retry(self, seqs: Iterable[int]) -> None:
         self._db.executemany("DELETE FROM retry WHERE seq = ?", [(s,) for s in seqs])
 
-    def save_prompt_failures(self, items: Iterable[tuple[int, int, int, str]]) -> None:
-        """(seq, failures, mark, error) rows, replacing the prompts' earlier ones."""
-        self._db.executemany("INSERT OR REPLACE INTO prompt_failures VALUES (?, ?, ?, ?)", list(items))
+    def save_prompt_failures(self, items: Iterable[tuple[int, int, str]]) -> None:
+        """(seq, failures, error) rows, replacing the prompts' earlier ones."""
+        self._db.executemany("INSERT OR REPLACE INTO prompt_failures VALUES (?, ?, ?)", list(items))
+
+    def drop_prompt_failures(self, seqs: Iterable[int]) -> None:
+        self._db.executemany("DELETE FROM prompt_failures WHERE seq = ?", [(s,) for s in seqs])
 
     def set_aside(self, items: Iterable[tuple[int, int, str]]) -> None:
         """(seq, failures, error): prompts never leased again."""
         self._db.executemany("INSERT INTO set_aside VALUES (?, ?, ?)", list(items))
+
+    def lease_fates(self, lease_ids: Iterable[str]) -> dict[str, tuple[LeaseState, int]]:
+        """lease id -> (state, seq) of the given leases the ledger knows (by primary key: the core
+        keeps no table of every lease that ever ended)."""
+        ids = list(dict.fromkeys(lease_ids))
+        out: dict[str, tuple[LeaseState, int]] = {}
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            query = f"SELECT lease_id, state, seq FROM leases WHERE lease_id IN ({','.join('?' * len(chunk))})"
+            for r in self._db.execute(query, chunk):
+                out[r[0]] = (LeaseState(r[1]), r[2])
+        return out
 
     def set_aside_rows(self) -> list[tuple[int, int, str]]:
         return [(r[0], r[1], r[2]) for r in self._db.execute("SELECT seq, failures, error FROM set_aside ORDER BY seq")]
@@ -261,18 +275,6 @@ class Ledger:
             LeaseRow(r[0], r[1], r[2], LeaseState(r[3]), r[4], r[5], r[6])
             for r in self._db.execute("SELECT * FROM leases WHERE state = ?", (int(LeaseState.ACTIVE),))
         ]
-        expired = {
-            r[0]: r[1]
-            for r in self._db.execute(
-                "SELECT lease_id, seq FROM leases WHERE state IN (?, ?)", (int(LeaseState.EXPIRED), int(LeaseState.RETURNED))
-            )
-        }
-        refused = {
-            r[0] for r in self._db.execute("SELECT lease_id FROM leases WHERE state = ?", (int(LeaseState.REFUSED),))
-        }
-        submitted = {
-            r[0] for r in self._db.execute("SELECT lease_id FROM leases WHERE state = ?", (int(LeaseState.SUBMITTED),))
-        }
         retry = [(r[0], r[1]) for r in self._db.execute("SELECT seq, reason FROM retry ORDER BY rid")]
 
         def groups(state_: GroupState, order: str) -> list[GroupRow]:
@@ -282,14 +284,11 @@ class Ledger:
             ]
 
         max_gid = self._db.execute("SELECT COALESCE(MAX(group_id), 0) FROM groups").fetchone()[0]
-        failures = {r[0]: (r[1], r[2]) for r in self._db.execute("SELECT seq, failures, mark FROM prompt_failures")}
+        failures = {r[0]: r[1] for r in self._db.execute("SELECT seq, failures FROM prompt_failures")}
         aside = {r[0] for r in self._db.execute("SELECT seq FROM set_aside")}
         return LedgerSnapshot(
             state=state,
             active_leases=leases,
-            expired_leases=expired,
-            refused_lease_ids=refused,
-            submitted_lease_ids=submitted,
             retry=retry,
             queued=groups(GroupState.QUEUED, "qpos"),
             delivered=groups(GroupState.DELIVERED, "qpos"),

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import rule, run_state_machine_as_test
 
@@ -74,9 +75,9 @@ def snapshot(core: CoordinatorCore) -> dict[str, Any]:
         "state": core._state.to_json(),
         "leases": sorted((k, dataclasses.astuple(v)) for k, v in core._leases.items()),
         "deadlines": sorted(core._deadlines),
-        "expired": sorted(core._expired.items()),
-        "refused": sorted(core._refused),
-        "submitted": sorted(core._submitted),
+        "prompt_failures": sorted(core._prompt_failures.items()),
+        "set_aside": sorted(core._set_aside),
+        "replica_clean": list(core._replica_clean.items()),
         "retry": list(core._retry),
         "queue": [(k, q.lease_id, q.seq, q.min_version, q.qpos, digest(q.payload)) for k, q in core._queue.items()],
         "delivered": sorted(
@@ -88,7 +89,7 @@ def snapshot(core: CoordinatorCore) -> dict[str, Any]:
         "replicas": sorted(core._replica_seen.items()),
     }
     db = core.ledger._db
-    for table in ("run_state", "leases", "retry", "groups"):
+    for table in ("run_state", "leases", "retry", "groups", "prompt_failures", "set_aside"):
         mem[f"ledger.{table}"] = [tuple(r) for r in db.execute(f"SELECT * FROM {table} ORDER BY 1")]
     return mem
 
@@ -152,9 +153,9 @@ class AtomicCore:
             reopened.ledger.close()
 
 
-# What a coordinator rebuilds from its ledger (not: replica liveness, the expiry heap's stale
-# entries, the next group id, which only has to exceed every id in use)
-_DURABLE = ("state", "leases", "expired", "refused", "submitted", "retry", "queue", "delivered", "ahead")
+# What a coordinator rebuilds from its ledger (not: replica liveness and failure marks, the expiry
+# heap's stale entries, the next group id, which only has to exceed every id in use)
+_DURABLE = ("state", "leases", "prompt_failures", "set_aside", "retry", "queue", "delivered", "ahead")
 # Across every example: the machine must have injected (and checked) failures at all.
 CHECKED = {"failures": 0, "restarts": 0}
 
@@ -236,3 +237,37 @@ def test_a_commit_that_fails_keeps_nothing_and_the_next_transaction_runs(tmp_pat
     with ledger.transaction():
         ledger.save_state({"policy_version": 8})
     assert ledger.load().state == {"policy_version": 8}
+
+
+def test_a_begin_that_fails_leaves_later_transactions_atomic(tmp_path: Path) -> None:
+    """A BEGIN that fails (SQLITE_BUSY past the busy timeout: another writer on the file, such as
+    an old coordinator replica still alive while Serve starts the new one) left the ledger marked
+    as inside a transaction for good: every later call ran statement by statement, and one that
+    failed between two writes left a lease RETURNED with no retry row (its prompt lost after a
+    restart)."""
+    from tests.unit.coord_helpers import make_core
+
+    db = tmp_path / "l.db"
+    core = make_core(db)
+    a, _ = core.lease("r", 2, 0.0).leases
+    core.ledger._db.execute("PRAGMA busy_timeout=0")
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            core.renew("r", [a.lease_id], 1.0)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+
+    def boom(*_args: Any, **_kwargs: Any) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    real, core.ledger.push_retry = core.ledger.push_retry, boom  # type: ignore[method-assign]
+    with pytest.raises(sqlite3.OperationalError):
+        core.return_leases("r", [a.lease_id], 2.0)
+    core.ledger.push_retry = real  # type: ignore[method-assign]
+    assert core.in_flight == 2
+    core.ledger.close()
+    again = make_core(db)
+    assert again.in_flight == 2 and again.audit()["balanced"]

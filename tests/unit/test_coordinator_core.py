@@ -559,14 +559,16 @@ def test_a_ledger_written_with_weights_as_a_dict_still_opens(tmp_path: Path) -> 
     )
 
 
-def test_a_prompt_that_keeps_failing_while_others_go_through_is_set_aside(tmp_path: Path) -> None:
+def test_a_prompt_that_keeps_failing_where_others_go_through_is_set_aside(tmp_path: Path) -> None:
     """A failed group's prompt is re-issued at once, so one that always fails (a template it breaks,
     data a tool cannot take) came back for as long as the run lasted (a lease, a failure and a
     ledger row each time; the consecutive-failure halt never came, the other prompts went through).
-    After max_prompt_failures failures, each after some accepted group, it is set aside: never
-    leased again, counted, and accounted for by the audit; the run can end."""
-    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=6, max_prompt_failures=3)
-    poison, *good = core.lease("r", 1 + 5, 0.0).leases
+    After max_prompt_failures failures, each on a replica that had a group accepted since its own
+    last failure, it is set aside: never leased again, counted, and accounted for by the audit;
+    the run can end."""
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=7, max_prompt_failures=3)
+    first, poison, *good = core.lease("r", 7, 0.0).leases
+    assert core.submit("r", [group_for(first.lease_id, first.seq, 0)], 0.0) == [SubmitStatus.ACCEPTED]
     now = 1.0
     for i in range(3):
         assert core.return_leases("r", [poison.lease_id], now, error="chat template: cannot render") == 1
@@ -580,41 +582,77 @@ def test_a_prompt_that_keeps_failing_while_others_go_through_is_set_aside(tmp_pa
     # a late answer for its old lease is refused (it no longer waits for re-issue)
     assert core.submit("r", [group_for(poison.lease_id, poison.seq, 0)], now) == [SubmitStatus.EXPIRED]
     core.submit("r", [group_for(x.lease_id, x.seq, 0) for x in good], now)
-    assert len(core.fetch("t", 1, 10, now).groups) == 5
+    assert len(core.fetch("t", 1, 10, now).groups) == 6
     audit = core.audit()
-    assert audit["balanced"] and audit["set_aside"] == 1 and audit["issued"] == 6, audit
+    assert audit["balanced"] and audit["set_aside"] == 1 and audit["issued"] == 7, audit
     assert core.exhausted
     core.ledger.close()
-    again = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=6, max_prompt_failures=3)
+    again = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=7, max_prompt_failures=3)
     assert again.status(now).totals.prompts_set_aside == 1 and again.audit()["set_aside"] == 1
     assert again.lease("r", 1, now).limit is LeaseLimit.EXHAUSTED
     assert again.ledger.set_aside_rows() == [(poison.seq, 3, "chat template: cannot render")]
 
 
-def test_failures_while_nothing_goes_through_do_not_set_a_prompt_aside(tmp_path: Path) -> None:
-    """An outage (a reward endpoint down) fails every group: the same prompts come back and fail
-    again and again. That is max_consecutive_failures' case (a halt the operator lifts); no prompt
-    is set aside for it, and the counts it left do not add up after a restart either."""
-    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=6, max_prompt_failures=2,
-                     max_consecutive_failures=50)
+def test_a_replica_or_an_outage_that_fails_everything_sets_no_prompt_aside(tmp_path: Path) -> None:
+    """A replica whose engine or endpoint fails every group gets the prompt it just failed back at
+    once, while the other replicas' groups go through (no consecutive-failure halt): counted per
+    re-issue, that set good prompts aside for good. A failure counts only on a replica that had a
+    group accepted since its own last failure; an outage (everything fails) is
+    max_consecutive_failures' case. Counts end when a group of the prompt is accepted."""
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=100, max_prompt_failures=2,
+                     max_consecutive_failures=500)
     now = 0.0
-    for _ in range(20):
-        leases = core.lease("r", 2, now).leases
-        core.return_leases("r", [x.lease_id for x in leases], now, error="reward endpoint unavailable")
+    for _ in range(20):  # "bad" fails all it takes, "good" submits all it takes
+        for x in core.lease("bad", 2, now).leases:
+            core.return_leases("bad", [x.lease_id], now, error="engine: CUDA error")
+        (g,) = core.lease("good", 1, now).leases or [None]
+        if g is not None:
+            core.submit("good", [group_for(g.lease_id, g.seq, 0)], now)
         now += 1
     assert core.status(now).totals.prompts_set_aside == 0
+    # a replica that works fails one prompt twice: that prompt is set aside; its counts survive
+    # a restart, and a prompt whose group is accepted in between starts over
     core.ledger.close()
-    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=6, max_prompt_failures=2,
-                     max_consecutive_failures=50)
-    a, b = core.lease("r", 2, now).leases
-    core.return_leases("r", [a.lease_id, b.lease_id], now, error="reward endpoint unavailable")
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=10.0, total=100, max_prompt_failures=2,
+                     max_consecutive_failures=500)
+    a, b, c = core.lease("good", 3, now).leases
+    core.submit("good", [group_for(c.lease_id, c.seq, 0)], now)
+    core.return_leases("good", [a.lease_id, b.lease_id], now, error="tool crashed")
     assert core.status(now).totals.prompts_set_aside == 0
-    # the endpoint is back: a group goes through; a prompt that fails after that counts once more
-    c, d = core.lease("r", 2, now).leases
-    assert core.submit("r", [group_for(c.lease_id, c.seq, 0)], now) == [SubmitStatus.ACCEPTED]
-    core.return_leases("r", [d.lease_id], now, error="tool crashed")
-    assert core.status(now).totals.prompts_set_aside == 1
+    a2, b2 = core.lease("good", 2, now).leases
+    assert (a2.seq, b2.seq) == (a.seq, b.seq)
+    core.submit("good", [group_for(b2.lease_id, b2.seq, 0)], now)  # b went through: its count ends
+    core.return_leases("good", [a2.lease_id], now, error="tool crashed")
+    assert core.status(now).totals.prompts_set_aside == 1 and core.ledger.set_aside_rows()[0][0] == a.seq
     # a drain's return (no error) never counts
-    e, *_ = core.lease("r", 1, now).leases
-    assert core.return_leases("r", [e.lease_id], now) == 1 and core.status(now).totals.prompts_set_aside == 1
+    d, *_ = core.lease("good", 1, now).leases
+    assert core.return_leases("good", [d.lease_id], now) == 1 and core.status(now).totals.prompts_set_aside == 1
+    assert core.audit()["balanced"]
+    assert core._prompt_failures == {}
+
+
+def test_ended_leases_are_looked_up_in_the_ledger_not_kept_in_memory(tmp_path: Path) -> None:
+    """Every lease that ever ended was kept in memory (submitted ids, expired or returned ids and
+    their seqs, refused ids): ~110 MiB per million prompts, all read back at every restart. The
+    ledger answers for them by primary key: a repeat is still DUPLICATE, a late answer still judged
+    by its prompt, after a restart too, and memory holds only what is live."""
+    core = make_core(tmp_path / "l.db", mini_batch=64, staleness=4.0, total=300, dataset_size=16)
+    leases = core.lease("r", 300, 0.0).leases
+    core.return_leases("r", [leases[0].lease_id], 1.0)
+    core.submit("r", [group_for(x.lease_id, x.seq, 0) for x in leases[1:]], 1.0)
+    core.fetch("t", 1, 300, 1.0)
+    core.ledger.close()
+    core = make_core(tmp_path / "l.db", mini_batch=64, staleness=4.0, total=300, dataset_size=16)
+    # (the 299 delivered groups are live until a checkpoint of their step: not counted here)
+    sizes = {k: len(v) for k, v in vars(core).items() if isinstance(v, dict | set | list) and k != "_delivered"}
+    assert max(sizes.values()) < 50, sizes
+    old = leases[5]
+    assert core.submit("r", [group_for(old.lease_id, old.seq, 0)], 2.0) == [SubmitStatus.DUPLICATE]
+    # the returned lease's prompt still waits: its late answer is taken (for its own prompt), once
+    with pytest.raises(InvalidArgument, match="is for prompt"):
+        core.submit("r", [group_for(leases[0].lease_id, leases[8].seq, 0)], 2.0)
+    assert core.submit("r", [group_for(leases[0].lease_id, leases[0].seq, 0)], 2.0) == [SubmitStatus.ACCEPTED]
+    assert core.submit("r", [group_for(leases[0].lease_id, leases[0].seq, 0)], 2.0) == [SubmitStatus.DUPLICATE]
+    with pytest.raises(NotFound):
+        core.submit("r", [group_for("no-such-lease", 1, 0)], 2.0)
     assert core.audit()["balanced"]

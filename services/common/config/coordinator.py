@@ -31,13 +31,14 @@ class CoordinatorConfig(ConfigModel):
     lease is granted and GetStatus reports the reason (`halted_reason`): `meshrl train` stops the
     run with it, an operator lifts it with `meshrl resume`. null: never halt."""
     max_prompt_failures: int | None = Field(default=8, ge=1)
-    """A prompt whose groups failed this many times, each after some other group was accepted
-    since its last failure (so an outage, where everything fails, does not count: that is
-    `max_consecutive_failures`' case), is set aside: never leased again, counted in GetStatus
+    """A prompt whose groups failed this many times, each on a replica that had a group accepted
+    since its own last failure (so a replica that fails everything, or an outage, counts once:
+    that is `max_consecutive_failures`' case), is set aside: never leased again, counted in GetStatus
     (`totals.prompts_set_aside`), logged (`prompt_set_aside`, with the error) and accounted for by
     the ledger audit. A failed prompt is re-issued at once, so without this one that always fails
     (a template it breaks, data a tool cannot take) comes back for as long as the run lasts.
-    null: never set aside."""
+    Where groups fail at random (a flaky endpoint failing a share p of them), about p**8 of the
+    prompts are set aside. null: never set aside."""
     ledger_path: str | None = None
     """SQLite ledger file; null: `<run_dir>/ledger.sqlite`. Restarting on the same file resumes the run."""
     ledger_synchronous: Literal["NORMAL", "FULL"] = "NORMAL"
