@@ -160,3 +160,31 @@ def test_delta_sync_is_refused_where_receivers_may_skip_versions_or_versions_are
         load_config(None, overrides)
     cfg = load_config(None, ["param_server.delta_sync=true", "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo"])
     assert cfg.param_server.delta_sync
+
+
+@pytest.mark.parametrize("key", ["mixed_precision", "model_dtype"])
+def test_fp16_training_with_fsdp_is_refused(key: str) -> None:
+    """The FSDP engine scales no loss: fp16 gradients of a loss divided by the mini-batch's token
+    count underflow (a quarter of them exactly 0 at 1e6 tokens). Accepted, it trained on a
+    corrupted gradient; megatron (its optimizer scales the loss) and bf16 stay allowed."""
+    with pytest.raises(ConfigError, match=f"fsdp_config.{key}=fp16"):
+        load_config(None, [f"actor_rollout_ref.actor.fsdp_config.{key}=fp16"])
+    load_config(None, [f"actor_rollout_ref.actor.fsdp_config.{key}=bf16"])
+    load_config(None, ["actor_rollout_ref.actor.strategy=megatron", f"actor_rollout_ref.actor.fsdp_config.{key}=fp16"])
+
+
+def test_every_rank_builds_a_remote_code_model_with_trust_remote_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks other than 0 build the model on the meta device from its config; without
+    trust_remote_code a custom-code model (registered only in the process that loaded the
+    checkpoint) failed there: a multi-GPU run of one could not start."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.common.config.actor_rollout_ref import ModelConfig
+    from services.trainer.engines import hf_model
+
+    seen: list[dict[str, object]] = []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", lambda *a, **kw: seen.append(kw))
+    model = ModelConfig(path="/models/custom", trust_remote_code=True)
+    hf_model.build_model(model, object(), dtype=torch.float32, attn="sdpa", materialize=False)
+    assert seen and seen[0].get("trust_remote_code") is True

@@ -115,3 +115,16 @@ def test_train_sync_and_export_keep_the_released_class(released: Path, tmp_path:
 def test_unfreezing_the_vision_tower_is_refused(released: Path) -> None:
     with pytest.raises(ConfigError, match=r"freeze_vision_tower=false"):
         get_engine_cls("fsdp", "cpu").build(_spec(released, freeze=False))
+
+
+def test_each_ranks_own_rows_are_published_under_the_released_names(released: Path) -> None:
+    """param_server.collective_sharded publishes each rank's rows (export_shards): they carried the
+    text model's names (model.layers.*), not the released checkpoint's that export_weights gives
+    and vLLM's Qwen3_5ForConditionalGeneration maps (model.language_model.*)."""
+    from services.trainer.engines.base import get_engine_cls
+
+    engine = get_engine_cls("fsdp", "cpu").build(_spec(released))
+    whole = {k for bucket in engine.export_weights(1 << 30) for k, _ in bucket}
+    shards = {k.split("@")[0] for bucket in engine.export_shards(1 << 30) for k, _ in bucket}
+    assert all(n.startswith(("model.language_model.", "model.visual.", "lm_head.")) for n in whole)
+    assert shards == whole, sorted(shards ^ whole)[:3]

@@ -269,6 +269,21 @@ class ActorConfig(ConfigModel):
     checkpoint: CheckpointContentsConfig = CheckpointContentsConfig()
     """Checkpoint contents."""
 
+    @model_validator(mode="after")
+    def _fsdp_fp16(self) -> ActorConfig:
+        # fp16 gradients of a loss divided by the mini-batch's token count underflow (a quarter of
+        # them exactly 0 at 1e6 tokens) unless the loss is scaled, as verl does with a
+        # ShardedGradScaler; the FSDP engine has none. Megatron's optimizer scales its own.
+        fsdp = self.fsdp_config
+        if self.strategy in ("fsdp", "fsdp2") and "fp16" in (fsdp.mixed_precision, fsdp.model_dtype):
+            key = "mixed_precision" if fsdp.mixed_precision == "fp16" else "model_dtype"
+            raise ValueError(
+                f"actor_rollout_ref.actor.fsdp_config.{key}=fp16: the FSDP engine trains without loss "
+                "scaling, so fp16 gradients underflow; use bf16 (or strategy=megatron, whose optimizer "
+                "scales the loss)"
+            )
+        return self
+
 
 class ValKwargs(ConfigModel):
     """Sampling for validation (verl `rollout.val_kwargs`)."""

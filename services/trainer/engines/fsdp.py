@@ -204,7 +204,8 @@ class FSDPEngine(TrainEngine):
             ref.eval()
             return ref
         with torch.device("meta"):
-            ref = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype, attn_implementation=self._attn)
+            ref = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype, attn_implementation=self._attn,
+                                                   trust_remote_code=self.spec.model.trust_remote_code)
         if self._custom_attn:
             ref.set_attn_implementation(attention.ATTN_NAME)
         self._wrap(ref)
@@ -474,7 +475,8 @@ class FSDPEngine(TrainEngine):
         """This rank's own rows of every parameter, copied on its device (fsdp_shards.py)."""
         self._load_actor(with_optimizer=False)
         try:
-            yield from group_by_bytes(local_shards(self.model, self.rank), bucket_bytes)
+            rename = self.released.to_released if self.released is not None else None  # as export_weights
+            yield from group_by_bytes(local_shards(self.model, self.rank, rename), bucket_bytes)
         finally:
             if self._param_offload:
                 self._move(self.model, "cpu")

@@ -133,7 +133,8 @@ def _save_merged(engine: FSDPEngine, full: dict[str, Any], path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     peft = _peft()
-    shell = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype)
+    shell = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype,
+                                             trust_remote_code=engine.spec.model.trust_remote_code)
     wrapped = peft.get_peft_model(shell, engine.model.peft_config[ADAPTER_NAME])
     wrapped.load_state_dict(full, strict=True)
     merged = wrapped.merge_and_unload()

@@ -16,7 +16,7 @@ export makes, would cost a device-to-host and a host-to-device copy of every byt
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -25,9 +25,15 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from services.weights.shards import shard_name
 
 
-def local_shards(model: torch.nn.Module, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(wire name, copy of the rows this rank owns) per parameter, in `named_parameters` order."""
+def local_shards(
+    model: torch.nn.Module, rank: int, rename: Callable[[str], str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(wire name, copy of the rows this rank owns) per parameter, in `named_parameters` order;
+    `rename` maps a parameter's name to the one it is published under (a released checkpoint's,
+    as `export_weights` does) before the rows are named."""
     for name, param in model.named_parameters():
+        if rename is not None:
+            name = rename(name)
         if not isinstance(param, DTensor):
             if rank == 0:
                 yield name, param.detach().clone()

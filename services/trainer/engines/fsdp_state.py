@@ -147,7 +147,8 @@ def save_hf_weights(engine: FSDPEngine, path: Path) -> None:
     elif engine.rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype)
+            shell = AutoModelForCausalLM.from_config(engine.hf_config, dtype=engine.dtype,
+                                                     trust_remote_code=engine.spec.model.trust_remote_code)
         if engine.generation_config is not None:
             shell.generation_config = engine.generation_config
         shell.save_pretrained(path, state_dict=full)

@@ -122,14 +122,17 @@ def build_model(
 
     if not materialize:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+            # trust_remote_code on every rank: only the one that loaded the checkpoint has the class
+            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn,
+                                                    trust_remote_code=model.trust_remote_code)
     if model.path is not None:
         return AutoModelForCausalLM.from_pretrained(
             model.path, config=hf_config, dtype=dtype, attn_implementation=attn, trust_remote_code=model.trust_remote_code
         )
     assert model_init is not None, "model.path is null and no model_init was given"
     init = model_init()
-    fresh = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn)
+    fresh = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn,
+                                             trust_remote_code=model.trust_remote_code)
     fresh.load_state_dict(init.state_dict())
     fresh.generation_config = init.generation_config
     return fresh
