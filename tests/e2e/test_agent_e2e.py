@@ -23,7 +23,7 @@ CONFIG = ROOT / "configs" / "examples" / "tool_add.yaml"
 TOOLS = ROOT / "configs" / "examples" / "tool_add_tools.yaml"
 
 
-def _train(run_dir: Path, *overrides: str, timeout_s: float = 1200) -> dict:
+def _train(run_dir: Path, *overrides: str, timeout_s: float = 2100) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", "MESHRL_LOG_LEVEL": "WARNING",
            "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "meshrl.cli", "train", str(CONFIG), f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS}",
@@ -33,6 +33,10 @@ def _train(run_dir: Path, *overrides: str, timeout_s: float = 1200) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
+# The run builds the tool task's warm start on a clean machine (837 SFT steps: 306 s of the test's
+# 458 s on the 2026-12-02 sandbox). On a 2-core AMD EPYC sandbox (2026-12-06) the steps ran ~3x
+# slower and the test passed pytest's 600 s default (pyproject), so it failed on time alone.
+@pytest.mark.timeout(2400)
 def test_tool_task_learns_to_call_the_tool(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     steps = 28  # the reward's and the tool-call rate's rise are clear by then (BENCHMARKS.md, "CI time")
