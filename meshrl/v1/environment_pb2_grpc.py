@@ -108,7 +108,7 @@ class EnvironmentServiceServicer:
 
     def Start(self, request, context):
         """Opens a session for one trajectory of `prompt`.
-        Auth: the endpoint's token.
+        Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,7 +116,7 @@ class EnvironmentServiceServicer:
 
     def Step(self, request, context):
         """Answers one assistant turn.
-        Auth: the endpoint's token.
+        Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,7 +124,7 @@ class EnvironmentServiceServicer:
 
     def Close(self, request, context):
         """Ends a session and releases its resources.
-        Auth: the endpoint's token.
+        Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

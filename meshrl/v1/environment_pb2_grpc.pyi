@@ -61,15 +61,15 @@ class EnvironmentServiceStub:
     def __new__(cls, channel: _aio.Channel) -> EnvironmentServiceAsyncStub: ...
     Start: _grpc.UnaryUnaryMultiCallable[_environment_pb2.StartRequest, _environment_pb2.StartResponse]
     """Opens a session for one trajectory of `prompt`.
-    Auth: the endpoint's token.
+    Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
     """
     Step: _grpc.UnaryUnaryMultiCallable[_environment_pb2.StepRequest, _environment_pb2.StepResponse]
     """Answers one assistant turn.
-    Auth: the endpoint's token.
+    Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
     """
     Close: _grpc.UnaryUnaryMultiCallable[_environment_pb2.CloseRequest, _environment_pb2.CloseResponse]
     """Ends a session and releases its resources.
-    Auth: the endpoint's token.
+    Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
     """
 
 @_typing.type_check_only
@@ -105,15 +105,15 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Start: _aio.UnaryUnaryMultiCallable[_environment_pb2.StartRequest, _environment_pb2.StartResponse]  # type: ignore[assignment]
     """Opens a session for one trajectory of `prompt`.
-    Auth: the endpoint's token.
+    Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
     """
     Step: _aio.UnaryUnaryMultiCallable[_environment_pb2.StepRequest, _environment_pb2.StepResponse]  # type: ignore[assignment]
     """Answers one assistant turn.
-    Auth: the endpoint's token.
+    Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
     """
     Close: _aio.UnaryUnaryMultiCallable[_environment_pb2.CloseRequest, _environment_pb2.CloseResponse]  # type: ignore[assignment]
     """Ends a session and releases its resources.
-    Auth: the endpoint's token.
+    Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
     """
 
 class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -152,7 +152,7 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_environment_pb2.StartResponse, _abc.Awaitable[_environment_pb2.StartResponse]]:
         """Opens a session for one trajectory of `prompt`.
-        Auth: the endpoint's token.
+        Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
         """
 
     @_abc_1.abstractmethod
@@ -162,7 +162,7 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_environment_pb2.StepResponse, _abc.Awaitable[_environment_pb2.StepResponse]]:
         """Answers one assistant turn.
-        Auth: the endpoint's token.
+        Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
         """
 
     @_abc_1.abstractmethod
@@ -172,7 +172,7 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_environment_pb2.CloseResponse, _abc.Awaitable[_environment_pb2.CloseResponse]]:
         """Ends a session and releases its resources.
-        Auth: the endpoint's token.
+        Auth: rollout token (meshrl environment serve; an external endpoint checks its own token).
         """
 
 def add_EnvironmentServiceServicer_to_server(servicer: EnvironmentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
