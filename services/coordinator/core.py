@@ -319,9 +319,8 @@ class CoordinatorCore:
         # (deadline, prompt seq, lease id): ties break on seq so expiry order is reproducible
         self._deadlines: list[tuple[float, int, str]] = []
         # Leases that ended (submitted, expired, returned, refused) are looked up in the ledger
-        # (Ledger.lease_fates) when a late or repeated answer names one: a table of every lease
-        # of the run in memory grew with the run (~110 MiB per million prompts) and was read back
-        # whole at every restart.
+        # (Ledger.lease_fates) when a late or repeated answer names one: memory holds only what is
+        # live, so it does not grow with the run nor is every lease read back at a restart.
         self._retry: OrderedDict[int, None] = OrderedDict()
         self._queue: OrderedDict[int, _Queued] = OrderedDict()
         self._delivered: dict[str, _Delivered] = {}

@@ -271,9 +271,9 @@ class ActorConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _fsdp_fp16(self) -> ActorConfig:
-        # fp16 gradients of a loss divided by the mini-batch's token count underflow (a quarter of
-        # them exactly 0 at 1e6 tokens) unless the loss is scaled, as verl does with a
-        # ShardedGradScaler; the FSDP engine has none. Megatron's optimizer scales its own.
+        # fp16 gradients of a loss divided by the mini-batch's token count underflow unless the
+        # loss is scaled, as verl does with a ShardedGradScaler; the FSDP engine has none.
+        # Megatron's optimizer scales its own.
         fsdp = self.fsdp_config
         if self.strategy in ("fsdp", "fsdp2") and "fp16" in (fsdp.mixed_precision, fsdp.model_dtype):
             key = "mixed_precision" if fsdp.mixed_precision == "fp16" else "model_dtype"
