@@ -189,6 +189,22 @@ def test_unexpected_error_in_the_watch_loop_still_stops_the_trainer_cleanly(
 # ---- resume ------------------------------------------------------------------------------------
 
 
+def _first_run_with_endpoint_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, var: str, section: str
+) -> tuple[Path, list[dict[str, Any]]]:
+    """A first run (fake mesh) of the example with `section.endpoints[0]` holding the inline token
+    s3cret, `var` unset here: (its run dir, what the fake mesh saw)."""
+    monkeypatch.delenv(var, raising=False)
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    config = tmp_path / f"with_{section}_endpoint.yaml"
+    config.write_text(train_mod.EXAMPLE_CONFIG.read_text()
+                      + f"{section}:\n  endpoints:\n    - {{address: '127.0.0.1:50061', token: s3cret}}\n")
+    run_dir = tmp_path / "run"
+    train(str(config), [], run_dir=run_dir, report=False)
+    return run_dir, seen
+
+
 def test_resume_keeps_an_inline_reward_endpoint_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A config with a reward endpoint's inline `token`: the first run moves it to
     MESHRL_REWARD_ENDPOINT_0_TOKEN (set only in that process) and writes token: null,
@@ -198,14 +214,7 @@ def test_resume_keeps_an_inline_reward_endpoint_token(monkeypatch: pytest.Monkey
     UNAUTHENTICATED and the coordinator halts. The resume must either carry the token or refuse
     to start, naming the variable to export."""
     var = "MESHRL_REWARD_ENDPOINT_0_TOKEN"
-    monkeypatch.delenv(var, raising=False)
-    seen: list[dict[str, Any]] = []
-    _fake_mesh(monkeypatch, seen)
-    config = tmp_path / "with_endpoint.yaml"
-    config.write_text(train_mod.EXAMPLE_CONFIG.read_text()
-                      + "reward:\n  endpoints:\n    - {address: '127.0.0.1:50061', token: s3cret}\n")
-    run_dir = tmp_path / "run"
-    train(str(config), [], run_dir=run_dir, report=False)
+    run_dir, seen = _first_run_with_endpoint_token(monkeypatch, tmp_path, var, "reward")
     assert seen[0]["environ"].get(var) == "s3cret"  # the first run had it
     assert var not in os.environ
 
@@ -228,14 +237,7 @@ def test_resume_refuses_without_an_environment_endpoints_moved_token(monkeypatch
     the endpoint with no token (every Start UNAUTHENTICATED, the prompts re-queued, the run
     stalled); it refuses to start instead, naming the variable."""
     var = "MESHRL_ENVIRONMENT_ENDPOINT_0_TOKEN"
-    monkeypatch.delenv(var, raising=False)
-    seen: list[dict[str, Any]] = []
-    _fake_mesh(monkeypatch, seen)
-    config = tmp_path / "with_env_endpoint.yaml"
-    config.write_text(train_mod.EXAMPLE_CONFIG.read_text()
-                      + "environment:\n  endpoints:\n    - {address: '127.0.0.1:50071', token: s3cret}\n")
-    run_dir = tmp_path / "run"
-    train(str(config), [], run_dir=run_dir, report=False)
+    run_dir, seen = _first_run_with_endpoint_token(monkeypatch, tmp_path, var, "environment")
     assert seen[0]["environ"].get(var) == "s3cret"
     assert "s3cret" not in (run_dir / "config.resolved.yaml").read_text()
     seen.clear()
