@@ -31,8 +31,9 @@ Operator requests (checkpoint, stop) arrive as FetchBatch flags or through `requ
 (SaveCheckpoint RPC) and are served at the next step boundary.
 
 A collective broadcast (nccl / hccl / gloo, from rank 0) that fails after its CommitVersion made
-the version current does not stop the loop: the rollout ranks that missed it load the next one
-(`_broadcast_failed`; three in a row do stop it). Other publishers retry a transient failure.
+the version current does not stop the loop: a peer gone or stalled mid-broadcast has the version
+sent again, otherwise the rollout ranks that missed it load the next one (`_broadcast_failed`;
+three failures in a row do stop it). Other publishers retry a transient failure.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ log = get_logger(__name__)
 _NOT_UP_YET = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DEADLINE_EXCEEDED})
 _BROADCAST_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS,
                                  grpc.StatusCode.FAILED_PRECONDITION})
+_SEND_AGAIN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Broadcast failures after which the version is sent again (TrainerLoop._broadcast_failed)."""
 MAX_FAILED_BROADCASTS_IN_A_ROW = 3
 """A collective broadcast may fail after its version went current (TrainerLoop._broadcast_failed);
 this many in a row stop the loop: no rollout rank has followed the trainer for that long."""
@@ -589,14 +592,20 @@ class TrainerLoop:
 
     async def _publish_and_commit(self, version: int, published: Awaitable[common_pb2.WeightsRef]) -> float:
         t = self.clock()
-        try:
-            ref = await published
-        except Exception as exc:
-            if isinstance(self.publisher, RankZeroPublisher):
-                return self._broadcast_failed(version, exc, self.clock() - t)
-            if not transient(exc):
-                raise
-            ref = await self._republish(version, exc)
+        while True:
+            try:
+                ref = await published
+                break
+            except Exception as exc:
+                if isinstance(self.publisher, RankZeroPublisher):
+                    if not self._broadcast_failed(version, exc, self.clock() - t):
+                        return self.clock() - t
+                    published = self.group.publish_weights(version, self.s.bucket_bytes)
+                    continue
+                if not transient(exc):
+                    raise
+                ref = await self._republish(version, exc)
+                break
         self._failed_in_a_row = 0
         if ref.policy_version != version:
             raise FailedPrecondition(f"publisher returned version {ref.policy_version} for {version}")
@@ -609,12 +618,17 @@ class TrainerLoop:
         log.info("weights_published", policy_version=version, bytes=ref.total_bytes, seconds=round(seconds, 3))
         return seconds
 
-    def _broadcast_failed(self, version: int, exc: Exception, seconds: float) -> float:
-        """A collective broadcast that failed after its CommitVersion made the version current (a
-        rollout rank died or stalled, a bucket failed its checksum max_fetch_attempts times, a
-        receiver on another version): the ranks that got it whole load it, the others keep their
-        weights and load the next version, for which every member re-forms the group; training goes
-        on. Anything else, or MAX_FAILED_BROADCASTS_IN_A_ROW such failures, stops the loop."""
+    def _broadcast_failed(self, version: int, exc: Exception, seconds: float) -> bool:
+        """A collective broadcast that failed after its CommitVersion made the version current.
+        Returns whether to send the version again: a peer that left or stalled mid-broadcast
+        (UNAVAILABLE, DEADLINE_EXCEEDED) aborted it for every receiver, so no rollout rank may hold
+        it, none leases prompts until it does, and no groups come to train a next version on
+        (with one rollout replica, its replacement asked the group for this version and the run
+        stood still); sent again, the group re-forms with whoever checks in, the replacement
+        included. Otherwise (a bucket failed its checksum max_fetch_attempts times, a
+        receiver on another version) the ranks that got it whole load it, the others keep their
+        weights and load the next version. Anything else, or MAX_FAILED_BROADCASTS_IN_A_ROW
+        failures, stops the loop."""
         cause = root_cause(exc)
         if not (isinstance(cause, MeshError) and cause.code in _BROADCAST_FAILURES
                 and getattr(cause, "announced_version", None) == version):
@@ -623,14 +637,16 @@ class TrainerLoop:
         self._failed_in_a_row += 1
         if self._failed_in_a_row >= MAX_FAILED_BROADCASTS_IN_A_ROW:
             raise FailedPrecondition(
-                f"the weight broadcasts of versions {version - self._failed_in_a_row + 1}..{version} all failed "
+                f"the last {self._failed_in_a_row} weight broadcasts (up to version {version}) all failed "
                 f"(the last: {first_cause(exc)}); check the rollout ranks of the collective group"
             ) from exc
         self.policy_version = version
+        again = cause.code in _SEND_AGAIN
         log.warning("weights_broadcast_failed", policy_version=version, seconds=round(seconds, 3),
-                    failed_in_a_row=self._failed_in_a_row, error=first_cause(exc),
-                    hint="the version is current; rollout ranks that missed it load the next one")
-        return seconds
+                    failed_in_a_row=self._failed_in_a_row, error=first_cause(exc), sent_again=again,
+                    hint="the version is current; sent again" if again else
+                    "the version is current; rollout ranks that missed it load the next one")
+        return again
 
     async def _republish(self, version: int, error: BaseException) -> common_pb2.WeightsRef:
         """The param server went away during the upload (Serve replaces it, empty): publish

@@ -159,6 +159,32 @@ class TrainRun:
                     out.append(rec)
         return out
 
+    def timeline(self, since: float, limit: int = 80) -> str:
+        """Every service's log records (warnings and errors at the chaos tests' log level) and the
+        trainer's steps from `since` on, in time order, as seconds after it: what a failed recovery
+        prints, so that a run on another machine says where it stalled."""
+        from datetime import datetime
+
+        steps = [(s, t) for s, t in self.steps() if t >= since]
+        # every 10th step and each after a gap of over 3 s: where the run stalled, not all of it
+        lines = [(t - since, f"trainer step {s}" + (f" ({t - prev:.1f} s after the last)" if t - prev > 3 else ""))
+                 for (s, t), prev in zip(steps, [since, *(t for _, t in steps)], strict=False) if s % 10 == 0 or t - prev > 3]
+        for path in (self.run_dir / "logs").glob("*.jsonl"):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    rec = json.loads(line)
+                    at = datetime.fromisoformat(str(rec.pop("timestamp")).replace("Z", "+00:00")).timestamp()
+                except (json.JSONDecodeError, KeyError, ValueError, AttributeError):
+                    continue
+                if at >= since - 5:
+                    for k in ("service", "level", "logger"):
+                        rec.pop(k, None)
+                    event = rec.pop("event", "?")
+                    lines.append((at - since, f"{path.stem} {event} {json.dumps(rec, default=str)[:300]}"))
+        lines.sort()
+        shown = lines if len(lines) <= limit else [*lines[: limit // 2], (0.0, "..."), *lines[-limit // 2 :]]
+        return "\n".join(f"{t:+8.1f}s {text}" for t, text in shown)
+
     def wait(self, timeout_s: float) -> int:
         try:
             return self.proc.wait(timeout=timeout_s)

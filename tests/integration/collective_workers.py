@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -61,11 +62,13 @@ def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]
 
 
 def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float,
-           notify: Any = None, receivers: int = 1) -> None:
+           notify: Any = None, receivers: int = 1, stall_s: float | None = None) -> None:
     """Publish each (version, mode): mode "ok", "many" (make_many_buckets), "split" (the first
     bucket travels as two), "hang", "announce" (tell the receiver through `notify` first, as the
-    trainer's CommitVersion tells rollouts through the coordinator) or "generation" (the count is
-    the generation of the group the version went out in, not the resent buckets)."""
+    trainer's CommitVersion tells rollouts through the coordinator), "generation" (the count is
+    the generation of the group the version went out in, not the resent buckets) or "resend" (as
+    "generation"; a failed publish is reported, with its seconds as the count, and the version
+    published again, as the trainer does when a peer broke a broadcast off)."""
     from services.weights.transports.collective import CollectivePublisher
 
     async def main() -> None:
@@ -75,13 +78,23 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
             notify.put(ref.SerializeToString())
 
         pub = CollectivePublisher(backend, address, receivers=receivers, group="test", timeout_s=timeout_s,
-                                  delta_sync=any(mode.startswith("delta") for _, mode in plan))
+                                  delta_sync=any(mode.startswith("delta") for _, mode in plan), stall_timeout_s=stall_s)
         for version, mode in plan:
             pub.announce = announce if mode == "announce" else None
             pub.wire_bucket_bytes = 2000 if mode == "split" else 512 << 20  # "split": 4 wire buckets, not 3
             try:
                 device = "cuda" if backend == "nccl" else "cpu"
                 buckets = _hanging(version, timeout_s + 2) if mode == "hang" else buckets_for(version, mode, device)
+                if mode == "resend":
+                    t = time.monotonic()
+                    try:
+                        await pub.publish(version, buckets)
+                        results.put(("sent", version, "went through at once", 0))
+                        buckets = buckets_for(version, mode, device)
+                    except Exception as exc:  # the trainer sends a version a peer broke off again
+                        results.put(("sent", version, f"{type(exc).__name__}: {exc}", time.monotonic() - t))
+                        buckets = buckets_for(version, mode, device)
+                    mode = "generation"
                 ref = await pub.publish(version, buckets)
                 outcome = "announced ref" if mode == "announce" and not ref.manifest_checksum else ref.manifest_checksum
                 if pub.delta is not None:
@@ -97,7 +110,7 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
 
 
 def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], results: Any, notify: Any = None,
-             consumer_id: str = "rollout-0", role: str = "recv", gate: Any = None) -> None:
+             consumer_id: str = "rollout-0", role: str = "recv", gate: Any = None, stall_s: float | None = None) -> None:
     """Fetch each (version, mode, timeout_s): mode "ok", "corrupt" (damage bucket 1 once),
     "corrupt_meta" (a bit of bucket 1's metadata, once),
     "corrupt_last" (bucket 2, the last, once), "corrupt_always" (bucket 1, every time it comes),
@@ -109,16 +122,26 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
     sync the count is the version's base. "ok_then_fail": fetched whole, then the receiver fails the
     version after the sender finished it (its load failed: it drops its group) and reports that at
     its next check-in. "die": the process exits at once, as a killed rollout replica does (no
-    goodbye to the group or the param server), after it opened `gate`. "replacement": wait for
-    `gate`, then fetch (retrying while the param server says the group is full), as the replica
-    that replaces a killed one does."""
+    goodbye to the group or the param server), after it opened `gate`; "die_mid": the same,
+    once bucket 1 of the version arrived (mid-broadcast); "hang_mid": stuck for 10 s there, then
+    as "retry". "replacement": wait for `gate`, then
+    fetch (retrying while the param server says the group is full), as the replica that replaces
+    a killed one does. "retry": a failed fetch is fetched again, as the rollout worker does."""
     from meshrl.v1 import common_pb2
-    from services.common.errors import ResourceExhausted
+    from services.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
     from services.weights.transports.collective import CollectiveFetcher
 
     state: dict[str, Any] = {"bucket": None, "always": False, "meta": False}
 
     def damage(step: int, bucket: int, buf: torch.Tensor) -> None:
+        if state.get("hang") and bucket == 1:  # stuck (its event loop too), once
+            state["hang"] = False
+            time.sleep(10.0)
+        if state.get("die") and bucket == 1:
+            results.put((role, state["die"], "died", 0))
+            time.sleep(1.0)  # the queue's feeder thread hands the result over
+            gate.set()
+            os._exit(0)
         if bucket == state["bucket"]:
             if not state["always"]:
                 state["bucket"] = None
@@ -133,7 +156,7 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
             torch.cuda.set_device(1 if torch.cuda.device_count() > 1 else 0)
             device = "cuda"
         fetcher = CollectiveFetcher(backend, address, consumer_id=consumer_id, group="test", corrupt_hook=damage,
-                                    delta_sync=any(mode.startswith("delta") for _, mode, _ in plan))
+                                    delta_sync=any(mode.startswith("delta") for _, mode, _ in plan), stall_timeout_s=stall_s)
         for version, mode, timeout_s in plan:
             if mode == "delta_drift":
                 held = fetcher.delta.mirror["model.embed_tokens.weight"]  # type: ignore[union-attr]
@@ -148,6 +171,8 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                 time.sleep(1.0)  # the queue's feeder thread hands the result over
                 gate.set()
                 os._exit(0)
+            state["die"] = version if mode == "die_mid" else None
+            state["hang"] = mode == "hang_mid"
             if mode == "replacement":
                 await asyncio.to_thread(gate.wait, 60)
             try:
@@ -165,6 +190,11 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
                     except ResourceExhausted:  # the group is full: the rollout worker retries the same way
                         if mode != "replacement":
                             raise
+                        await asyncio.sleep(0.5)
+                    except (DeadlineExceeded, Unavailable) as exc:
+                        if mode not in ("retry", "hang_mid"):
+                            raise
+                        results.put((role, version, f"{type(exc).__name__}: {exc}", 0))
                         await asyncio.sleep(0.5)
                 want = {n: t for b in buckets_for(version, mode) for n, t in b}
                 same = set(got) == set(want) and all(
@@ -184,11 +214,12 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
 
 def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: float = 240.0,
              more_receivers: tuple[list, ...] = (), *, sender_timeout_s: float = 8.0, group_receivers: int = 0,
-             stall_timeout_s: float = 60.0) -> dict:
+             stall_timeout_s: float = 60.0, peer_stall_s: float | None = None) -> dict:
     """Run a sender and a receiver process (and one more per plan in `more_receivers`, whose
     results are keyed "recv1", "recv2", ...) against a param server in this process; returns
     {(role, version): (outcome, count), "versions": [...]}. The group has `group_receivers`
-    receivers (0: every receiver process)."""
+    receivers (0: every receiver process). `stall_timeout_s` is the param server's (the
+    rendezvous' silence bound), `peer_stall_s` the members' (a step's wait on a peer)."""
     from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
@@ -199,25 +230,30 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
         results, notify, gate = ctx.Queue(), ctx.Queue(), ctx.Event()
         procs = [
             ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, sender_timeout_s, notify,
-                                             group_receivers or 1 + len(more_receivers)), daemon=True),
-            ctx.Process(target=receiver, args=(server.address, backend, receiver_plan, results, notify), daemon=True),
+                                             group_receivers or 1 + len(more_receivers), peer_stall_s), daemon=True),
+            ctx.Process(target=receiver, args=(server.address, backend, receiver_plan, results, notify, "rollout-0",
+                                               "recv", gate, peer_stall_s), daemon=True),
         ] + [
             ctx.Process(target=receiver, args=(server.address, backend, plan, results, None, f"rollout-{i}", f"recv{i}",
-                                               gate), daemon=True)
+                                               gate, peer_stall_s), daemon=True)
             for i, plan in enumerate(more_receivers, start=1)
         ]
         for p in procs:
             p.start()
         got: dict = {}
         end = time.monotonic() + deadline_s
+
+        def take() -> None:
+            role, version, outcome, count = results.get_nowait()
+            key: tuple = (role, version)
+            while key in got:  # the same version fetched again: ("recv", v, "again")
+                key = (*key, "again")
+            got[key] = (outcome, count)
+
         try:
             while len(got) < len(sender_plan) + len(receiver_plan) + sum(len(p) for p in more_receivers):
                 try:
-                    role, version, outcome, count = results.get_nowait()
-                    key: tuple = (role, version)
-                    while key in got:  # the same version fetched again: ("recv", v, "again")
-                        key = (*key, "again")
-                    got[key] = (outcome, count)
+                    take()
                 except queue.Empty:
                     if time.monotonic() > end:
                         raise AssertionError(f"collective test timed out; results so far: {got}") from None
@@ -231,6 +267,10 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
             # last registration when it closes: read the versions once it has exited
             while any(p.is_alive() for p in procs) and time.monotonic() < end:
                 await asyncio.sleep(0.1)
+            # what came after the count was reached (a retried fetch or publish reports each attempt)
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    take()
             got["versions"] = [s.policy_version for s in server.servicer.store.versions()]
             return got
         finally:
@@ -393,3 +433,41 @@ def check_delta_sync(backend: str, receivers: int = 1, deadline_s: float = 240.0
     for role in roles:
         assert got[(role, 4)] == ("identical", 0), got
         assert got[(role, 5)] == ("identical", 4), got
+
+
+def check_a_broadcast_a_peer_broke_off_is_sent_again(backend: str, case: str, deadline_s: float = 240.0) -> None:
+    """A group of two receivers; in the middle of version 3 (after bucket 1 arrived) one of them
+    dies (case "dies": no goodbye, as a killed rollout replica; a replacement asks for version 3)
+    or is stuck for 10 s (case "stalls"). The dying one had checked in for version 3, so the param
+    server could not give its place away: with the version never sent again, the replacement was
+    turned away for good and, with one rollout replica, no version came after (the run stalled).
+    A stuck peer held the sender until its whole deadline (300 s in a real run; a backend need not
+    notice). Now the sender's step fails at once on a peer the backend saw go, or once it has
+    waited on one for the members' stall bound (3 s here); the sender publishes version 3 again, as
+    the trainer does, and every live receiver, the replacement included, gets it in the next
+    generation."""
+    t0 = time.monotonic()
+    others = (([(1, "ok", 60.0), (2, "ok", 60.0), (3, "die_mid", 60.0)], [(3, "replacement", 60.0), (4, "ok", 60.0)])
+              if case == "dies" else ([(1, "ok", 60.0), (2, "ok", 60.0), (3, "hang_mid", 60.0), (4, "ok", 60.0)],))
+    got = run_pair(
+        backend,
+        sender_plan=[(1, "generation"), (2, "generation"), (3, "resend"), (4, "generation")],
+        receiver_plan=[(1, "ok", 60.0), (2, "ok", 60.0), (3, "retry", 60.0), (4, "ok", 60.0)],
+        more_receivers=others, sender_timeout_s=60.0, group_receivers=2, stall_timeout_s=3.0, peer_stall_s=3.0,
+        deadline_s=deadline_s,
+    )
+    first, seconds = got[("sent", 3)]
+    if case == "dies":
+        assert got[("recv1", 3)][0] == "died", got
+        assert ("Unavailable" in first or "no progress for 3s" in first) and seconds < 20, got
+        assert got[("recv2", 3)][0] == got[("recv2", 4)][0] == "identical", got
+    else:
+        assert "DeadlineExceeded" in first and "no progress for 3s" in first and seconds < 9, got
+        stuck = [v for k, v in got.items() if k[:2] == ("recv1", 3)]
+        assert stuck[-1][0] == "identical" and got[("recv1", 4)][0] == "identical", got
+    gen = got[("sent", 2)][1]
+    assert got[("sent", 3, "again")][1] > gen and got[("sent", 4)][1] == got[("sent", 3, "again")][1], got
+    live = [v for k, v in got.items() if k[:2] == ("recv", 3)]
+    assert live[-1][0] == "identical" and all("identical" not in o for o, _ in live[:-1]), got
+    assert got[("recv", 4)][0] == "identical" and got["versions"] == [3, 4], got
+    assert time.monotonic() - t0 < 55, "the sender waited for the peer until its deadline"

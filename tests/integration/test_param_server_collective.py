@@ -9,6 +9,7 @@ import pytest
 from services.common.errors import MissingDependency
 
 from .collective_workers import (
+    check_a_broadcast_a_peer_broke_off_is_sent_again,
     check_a_replacement_takes_a_dead_receivers_place,
     check_delta_sync,
     check_nacks_and_abort,
@@ -78,6 +79,11 @@ def test_gloo_a_receiver_behind_gives_its_version_up_and_the_sender_moves_to_whe
 
 def test_gloo_a_replacement_takes_the_place_of_a_receiver_that_died_and_the_sender_goes_on() -> None:
     check_a_replacement_takes_a_dead_receivers_place("gloo")
+
+
+@pytest.mark.parametrize("case", ["dies", "stalls"])
+def test_gloo_a_broadcast_a_receiver_broke_off_is_sent_again_to_the_live_ones_and_the_replacement(case: str) -> None:
+    check_a_broadcast_a_peer_broke_off_is_sent_again("gloo", case)
 
 
 def test_hccl_fails_fast_without_torch_npu() -> None:

@@ -15,7 +15,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from services.common.auth import Authorizer, Tokens
-from services.common.errors import DeadlineExceeded, FailedPrecondition
+from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, MeshError
 from services.common.grpc_util import LocalContext
 from services.trainer import checkpoints
 from services.trainer.core import LoopSettings, TrainerLoop
@@ -155,61 +155,102 @@ class _TaskError(Exception):
 
 
 class _FailingBroadcast(InProcessPublisher):
-    """A collective sender whose broadcast of the versions in `fail` breaks off after announce
-    made them current (as CollectivePublisher marks them); `announced=False`: before."""
+    """A collective sender whose broadcast of a version in `fail` breaks off (`fail[v]` times,
+    with `error`) after announce made it current (as CollectivePublisher marks it);
+    `announced=False`: before."""
 
-    def __init__(self, coord: FakeCoordinator, fail: set[int], *, announced: bool = True) -> None:
+    def __init__(self, coord: FakeCoordinator, fail: dict[int, int], *, announced: bool = True,
+                 error: type[MeshError] = DeadlineExceeded) -> None:
         super().__init__(retain_versions=10)
-        self.coord, self.fail, self.announced = coord, fail, announced
+        self.coord, self.fail, self.announced, self.error = coord, dict(fail), announced, error
+        self.attempts: list[int] = []
+        self.announced_versions: set[int] = set()
 
     async def publish(self, version: int, buckets: Any) -> Any:
-        if version not in self.fail:
-            return await super().publish(version, buckets)
+        self.attempts.append(version)
+        if not self.fail.get(version):
+            ref = await super().publish(version, buckets)
+            # sent again: announced (committed) already, and the collective publisher returns the
+            # ref it announced, so the commit after it is a no-op
+            return common_pb2.WeightsRef(policy_version=version) if version in self.announced_versions else ref
+        self.fail[version] -= 1
         async for _ in buckets:  # the export runs to its end
             continue
-        exc = DeadlineExceeded(f"nccl broadcast of version {version} (group 'rollout'): a receiver is stuck")
+        exc = self.error(f"nccl broadcast of version {version} (group 'rollout'): a receiver is stuck")
         if self.announced:
             await self.coord.commit_version("t0", common_pb2.WeightsRef(policy_version=version))
+            self.announced_versions.add(version)
             exc.announced_version = version  # type: ignore[attr-defined]
         raise _TaskError(pickle.loads(pickle.dumps(exc)))  # from the rank actor, through Ray
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_broadcast_that_fails_after_its_version_went_current_does_not_stop_training(
-    tmp_path: Path, overlap: bool
-) -> None:
-    """Version 2's broadcast fails after CommitVersion made it current: the loop goes on from it
-    (version 3 is next, committed as usual), counts it, and its metrics rows say so."""
+def test_a_broadcast_a_peer_broke_off_is_sent_again_and_training_goes_on(tmp_path: Path, overlap: bool) -> None:
+    """Version 2's broadcast stalls on a receiver (DEADLINE_EXCEEDED) after CommitVersion made it
+    current: no receiver has it whole, and with one rollout rank nothing would come to train a
+    version 3 on, so version 2 is sent again; it goes through, counted once."""
     coord = FakeCoordinator()
     _fill(coord, 8)
     group = _group()
-    pub = _FailingBroadcast(coord, {2})
+    pub = _FailingBroadcast(coord, {2: 1})
+    asyncio.run(group.start_sender(lambda: pub))
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap, trigger_parameter_sync_step=1), group, coord,
+                       RankZeroPublisher(lambda: pub), fake_algorithm()[0])
+    _run(loop)
+    assert loop.state == "finished" and loop.step == 4, loop.error
+    assert pub.attempts == [1, 2, 2, 3, 4] and pub.versions == [1, 2, 3, 4]
+    assert coord.policy_version == 4 and loop.failed_broadcasts == 1
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["training/failed_broadcasts"] == 1.0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_broadcast_that_failed_its_checksums_is_not_sent_again_and_training_goes_on(
+    tmp_path: Path, overlap: bool
+) -> None:
+    """Version 2's broadcast fails its checksums (DATA_LOSS) after CommitVersion made it current:
+    the loop goes on from it (version 3 is next, committed as usual), counts it, and its metrics
+    rows say so."""
+    coord = FakeCoordinator()
+    _fill(coord, 8)
+    group = _group()
+    pub = _FailingBroadcast(coord, {2: 1}, error=DataLoss)
     asyncio.run(group.start_sender(lambda: pub))
     loop = TrainerLoop(_settings(tmp_path, overlap=overlap, trigger_parameter_sync_step=1), group, coord,
                        RankZeroPublisher(lambda: pub), fake_algorithm()[0])
     _run(loop)
     assert loop.state == "finished" and loop.step == 4, loop.error
     assert [c.policy_version for c in coord.commits] == [1, 2, 3, 4] and coord.policy_version == 4
-    assert loop.failed_broadcasts == 1 and pub.versions == [1, 3, 4]
+    assert loop.failed_broadcasts == 1 and pub.attempts == [1, 2, 3, 4] and pub.versions == [1, 3, 4]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["training/failed_broadcasts"] == 1.0
 
 
-@pytest.mark.parametrize("case", ["three in a row", "not announced"])
+@pytest.mark.parametrize("case", ["sent again three times", "three versions in a row", "not announced"])
 def test_a_broadcast_failure_stops_the_loop_when_no_rank_follows_or_the_version_is_not_current(
     tmp_path: Path, case: str
 ) -> None:
     coord = FakeCoordinator()
     _fill(coord, 10)
     group = _group()
-    pub = _FailingBroadcast(coord, {2, 3, 4} if case == "three in a row" else {2}, announced=case == "three in a row")
+    if case == "sent again three times":
+        pub = _FailingBroadcast(coord, {2: 99})
+    elif case == "three versions in a row":
+        pub = _FailingBroadcast(coord, {2: 1, 3: 1, 4: 1}, error=DataLoss)
+    else:
+        pub = _FailingBroadcast(coord, {2: 1}, announced=False)
     asyncio.run(group.start_sender(lambda: pub))
     loop = TrainerLoop(_settings(tmp_path, trigger_parameter_sync_step=1), group, coord,
                        RankZeroPublisher(lambda: pub), fake_algorithm()[0])
     with pytest.raises(Exception) as raised:
         _run(loop)
-    if case == "three in a row":
-        assert isinstance(raised.value, FailedPrecondition) and "versions 2..4 all failed" in str(raised.value)
+    if case == "sent again three times":
+        assert isinstance(raised.value, FailedPrecondition), raised.value
+        assert "the last 3 weight broadcasts (up to version 2) all failed" in str(raised.value)
+        assert loop.failed_broadcasts == 3 and coord.policy_version == 2 and pub.attempts == [1, 2, 2, 2]
+    elif case == "three versions in a row":
+        assert isinstance(raised.value, FailedPrecondition)
+        assert "the last 3 weight broadcasts (up to version 4) all failed" in str(raised.value)
         assert loop.failed_broadcasts == 3 and coord.policy_version == 4
     else:  # not made current: going on would publish the next version out of order
         assert isinstance(raised.value, _TaskError) and loop.failed_broadcasts == 0 and coord.policy_version == 1

@@ -74,6 +74,9 @@ class FakeCoordinator:
         return resp
 
     async def commit_version(self, trainer_id: str, weights: common_pb2.WeightsRef) -> coordinator_pb2.CommitVersionResponse:
+        # as the coordinator: re-committing the current version with the same weights is a no-op
+        if self.commits and weights.policy_version == self.policy_version and weights == self.commits[-1]:
+            return coordinator_pb2.CommitVersionResponse(policy_version=self.policy_version)
         if weights.policy_version != self.policy_version + 1:
             raise FailedPrecondition(f"expected {self.policy_version + 1}, got {weights.policy_version}")
         self.policy_version = weights.policy_version

@@ -94,7 +94,8 @@ def make_publisher(
         name, address, receivers=collective_receivers(cfg),
         group=sender_group(ps.collective_group, sender_rank) if sender_rank is not None and sharded else ps.collective_group,
         master_address=ps.collective_master_address or local_ip(), timeout_s=ps.transfer_timeout_s,
-        max_attempts=ps.max_fetch_attempts, announce=announce, register=not sharded, delta_sync=ps.delta_sync,
+        max_attempts=ps.max_fetch_attempts, stall_timeout_s=ps.stall_timeout_s, announce=announce,
+        register=not sharded, delta_sync=ps.delta_sync,
         delta_dtype=_wire_dtype(cfg) if ps.delta_sync else None,
     )
 
@@ -145,8 +146,9 @@ def make_fetcher(
         return mod.ShardedFetcher(  # type: ignore[no-any-return]
             name, address, consumer_id=consumer_id, senders=cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node,
             group=ps.collective_group, timeout_s=ps.transfer_timeout_s, delta_sync=ps.delta_sync,
+            stall_timeout_s=ps.stall_timeout_s,
         )
     return mod.CollectiveFetcher(  # type: ignore[no-any-return]
         name, address, consumer_id=consumer_id, group=ps.collective_group, timeout_s=ps.transfer_timeout_s,
-        delta_sync=ps.delta_sync,
+        delta_sync=ps.delta_sync, stall_timeout_s=ps.stall_timeout_s,
     )

@@ -77,8 +77,10 @@ class Group:
     NCCL's watchdog (BENCHMARKS.md, "Measurement notes moved out of code comments")."""
 
     def __init__(self, backend: str, store: Any, rank: int, size: int, generation: int, timeout_s: float,
-                 dev: Device, master: str | None = None) -> None:
+                 dev: Device, master: str | None = None, stall_s: float | None = None) -> None:
         self.backend = backend
+        self.stall_s = stall_s
+        """A wait on a peer that lasts longer than this fails (`wait`); None: the deadline only."""
         self.rank = rank
         self.size = size
         self.generation = generation
@@ -115,16 +117,28 @@ class Group:
         with self.dev.comm():
             return self.pg.allreduce([t], opts)
 
-    async def wait(self, work: Any, deadline: Deadline, doing: str, interrupt: Callable[[], None] | None = None) -> None:
+    async def wait(self, work: Any, deadline: Deadline, doing: str, interrupt: Callable[[], None] | None = None,
+                   armed: Callable[[], bool] | None = None) -> None:
         """Poll until `work` completes; a spin on accelerators (µs matter), short sleeps on CPU.
-        `interrupt` (called at every poll) may raise to stop waiting."""
+        `interrupt` (called at every poll) may raise to stop waiting. Once `armed()` (default: at
+        once), a wait longer than `stall_s` aborts the group: every member is in the broadcast by
+        then, so a peer that is not answering is stuck or gone. A backend notices a peer whose
+        connection closed, not one that is stopped or hung with its sockets open: that held the
+        others until the whole transfer deadline."""
         spins = 0
+        since: float | None = None
         while not work.is_completed():
             if interrupt is not None:
                 interrupt()
             if deadline.expired():
                 self.abort()
                 raise deadline.stalled(doing, deadline.timeout_s)
+            if self.stall_s is not None and (armed is None or armed()):
+                now = time.monotonic()
+                since = now if since is None else since
+                if now - since > self.stall_s:
+                    self.abort()
+                    raise deadline.stalled(doing, self.stall_s)
             spins += 1
             await asyncio.sleep(0 if self.dev.accelerator or spins < 100 else 0.001)
         try:
@@ -205,8 +219,9 @@ class GroupMember:
     nothing of the old one (a stalled rank's late traffic) can reach the new one."""
 
     def __init__(self, backend: str, address: str, *, group: str, timeout_s: float, member_id: str,
-                 slots: int) -> None:
+                 slots: int, stall_timeout_s: float | None = None) -> None:
         self.backend = backend
+        self.stall_timeout_s = stall_timeout_s  # param_server.stall_timeout_s: Group.wait
         self.dev = Device(backend)
         self.address = address
         self.group_name = group
@@ -234,7 +249,7 @@ class GroupMember:
 
         prefix = dist.PrefixStore(f"meshrl/{self.group_name}/{generation}", store)
         build = asyncio.to_thread(Group, self.backend, prefix, rank, size, generation, self._pg_timeout_s(), self.dev,
-                                  store.host)
+                                  store.host, self.stall_timeout_s)
         try:
             return await asyncio.wait_for(build, timeout=max(deadline.remaining(), 0.001))
         except TimeoutError:
@@ -278,6 +293,12 @@ class GroupMember:
             log.warning("rendezvous_check_in_failed", group=self.group_name, policy_version=request.policy_version,
                         error=str(exc))
             self._rejoin = True
+
+    def _answered(self) -> bool:
+        """The version's rendezvous answered (a background check-in's too): every member of the
+        group checked in for it, so each is in the broadcast or about to be (Group.wait's stall
+        bound starts; before, step 0 may wait for a receiver that is still pausing its engine)."""
+        return self._checking is None or self._checking.done()
 
     def _interrupt(self) -> None:
         """Polled while the first step on a steady group waits: raise what the check-in found."""

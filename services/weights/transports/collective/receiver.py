@@ -92,12 +92,14 @@ class CollectiveFetcher(GroupMember):
         consumer_id: str,
         group: str = "rollout",
         timeout_s: float = 300.0,
+        stall_timeout_s: float | None = None,
         corrupt_hook: Callable[[int, int, torch.Tensor], None] | None = None,
         delta_sync: bool = False,
     ) -> None:
         if not consumer_id:
             raise InvalidArgument("consumer_id", "required (a stable id of this rank)")
-        super().__init__(backend, address, group=group, timeout_s=timeout_s, member_id=consumer_id, slots=RECV_SLOTS)
+        super().__init__(backend, address, group=group, timeout_s=timeout_s, member_id=consumer_id, slots=RECV_SLOTS,
+                         stall_timeout_s=stall_timeout_s)
         self._corrupt_hook = corrupt_hook  # tests: damage received bytes (step, bucket, buffer)
         self.nacks_sent = 0
         self._started = False  # CTRL(0) of the version went through
@@ -268,7 +270,8 @@ class CollectiveFetcher(GroupMember):
         ctrl, work, header, read = self._post_ctrl(group, 0, None, None, version)
         while True:
             # until CTRL(0) went through, a steady group's check-in may retire it (_interrupt)
-            await group.wait(work, deadline, f"step {t} control exchange", self._interrupt if t == 0 else None)
+            await group.wait(work, deadline, f"step {t} control exchange", self._interrupt if t == 0 else None,
+                             armed=self._answered if t == 0 else None)
             self._started = True
             await group.wait_event(read, deadline, f"step {t} control exchange")
             words = header.tolist()

@@ -123,6 +123,7 @@ class CollectivePublisher(GroupMember):
         master_address: str = "127.0.0.1",
         timeout_s: float = 300.0,
         max_attempts: int = 3,
+        stall_timeout_s: float | None = None,
         announce: Callable[[common_pb2.WeightsRef], Awaitable[bool | None]] | None = None,
         member_id: str = "",
         corrupt_hook: Callable[[int, torch.Tensor], None] | None = None,
@@ -132,7 +133,8 @@ class CollectivePublisher(GroupMember):
         delta_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(backend, address, group=group, timeout_s=timeout_s,
-                         member_id=member_id or f"sender-{uuid.uuid4().hex[:8]}", slots=SEND_SLOTS)
+                         member_id=member_id or f"sender-{uuid.uuid4().hex[:8]}", slots=SEND_SLOTS,
+                         stall_timeout_s=stall_timeout_s)
         if receivers < 1:
             raise InvalidArgument("param_server.collective_receivers", f"must be >= 1, got {receivers}")
         self.receivers = receivers
@@ -359,7 +361,8 @@ class _SendSession:
             assert self.group is not None
             try:
                 try:
-                    await self.group.wait(step.work, self.deadline, "step 0 control exchange", pub._interrupt)
+                    await self.group.wait(step.work, self.deadline, "step 0 control exchange", pub._interrupt,
+                                          armed=pub._answered)
                     await self.group.wait_event(step.read, self.deadline, "step 0 control exchange")
                     pub._check_join(step.header.tolist(), pub.receivers, self.version)
                     return step

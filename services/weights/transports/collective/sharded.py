@@ -44,11 +44,13 @@ class ShardedFetcher:
     memory on this rank's device: valid as long as the caller keeps them)."""
 
     def __init__(self, backend: str, address: str, *, consumer_id: str, senders: int, group: str = "rollout",
-                 timeout_s: float = 300.0, bucket_bytes: int = WIRE_BUCKET_BYTES, delta_sync: bool = False) -> None:
+                 timeout_s: float = 300.0, bucket_bytes: int = WIRE_BUCKET_BYTES, delta_sync: bool = False,
+                 stall_timeout_s: float | None = None) -> None:
         if senders < 1:
             raise InvalidArgument("trainer.n_gpus_per_node", f"a sharded sync needs >= 1 sender, got {senders}")
         self.parts = [CollectiveFetcher(backend, address, consumer_id=consumer_id, group=sender_group(group, r),
-                                        timeout_s=timeout_s, delta_sync=delta_sync) for r in range(senders)]
+                                        timeout_s=timeout_s, delta_sync=delta_sync, stall_timeout_s=stall_timeout_s)
+                      for r in range(senders)]
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.peak_queued_bytes = 0  # the most completed bytes that waited for the consumer
