@@ -295,9 +295,9 @@ class GroupMember:
             self._rejoin = True
 
     def _answered(self) -> bool:
-        """The version's rendezvous answered (a background check-in's too): every member of the
-        group checked in for it, so each is in the broadcast or about to be (Group.wait's stall
-        bound starts; before, step 0 may wait for a receiver that is still pausing its engine)."""
+        """The version's rendezvous answered (a background check-in's too): every receiver checked
+        in for it, after pausing its engine, and posts step 0 at once, so the sender's stall bound
+        starts (Group.wait); before, step 0 may wait for a receiver still finishing its requests."""
         return self._checking is None or self._checking.done()
 
     def _interrupt(self) -> None:

@@ -80,6 +80,10 @@ def bucket_verdict(buf: torch.Tensor, nbytes: int, meta_len: int, expected: torc
     return columns, ((columns != expected).any() | meta_bad[0]).to(torch.int64).reshape(1)
 
 
+def _never() -> bool:
+    return False
+
+
 class CollectiveFetcher(GroupMember):
     """A rollout rank: receives versions broadcast in its group (into its current device; the
     yielded tensors are views of a receive buffer, valid until the next bucket is requested)."""
@@ -270,8 +274,10 @@ class CollectiveFetcher(GroupMember):
         ctrl, work, header, read = self._post_ctrl(group, 0, None, None, version)
         while True:
             # until CTRL(0) went through, a steady group's check-in may retire it (_interrupt)
+            # step 0 waits for the sender's first bucket, which may wait for a training step its
+            # export is queued behind: no stall bound there, the deadline only
             await group.wait(work, deadline, f"step {t} control exchange", self._interrupt if t == 0 else None,
-                             armed=self._answered if t == 0 else None)
+                             armed=_never if t == 0 else None)
             self._started = True
             await group.wait_event(read, deadline, f"step {t} control exchange")
             words = header.tolist()
