@@ -39,11 +39,11 @@ class ParamServerConfig(ConfigModel):
     start together); 0: fail at once."""
     stall_timeout_s: float = Field(default=60.0, gt=0)
     """A transfer that makes no progress for this long fails with DEADLINE_EXCEEDED (a stuck peer);
-    an upload stalled this long is dropped. nccl/hccl/gloo: once every member checked in for a
-    version, a step of its broadcast that waits this long on a peer fails it (the trainer sends the
-    version again, TrainerLoop); a receiver silent this long while the sender waits for it gives its
-    place in the group to a new receiver that asks (a replaced rollout replica;
-    services/param_server/rendezvous.py)."""
+    an upload stalled this long is dropped. nccl/hccl/gloo: a step of a broadcast that waits this
+    long on a peer fails the version (the sender's steps once every receiver checked in, a
+    receiver's after step 0), and the trainer sends it again (TrainerLoop); a receiver silent this
+    long while the sender waits for it gives its place in the group to a new receiver that asks (a
+    replaced rollout replica; services/param_server/rendezvous.py)."""
     hold_ttl_s: float = Field(default=600.0, gt=0)
     """AcquireVersion pins a version for this long; consumers renew by acquiring again. At least
     `transfer_timeout_s`: a fetch may take that long."""
