@@ -90,11 +90,10 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
                     try:
                         await pub.publish(version, buckets)
                         results.put(("sent", version, "went through at once", 0))
-                        buckets = buckets_for(version, mode, device)
+                        continue
                     except Exception as exc:  # the trainer sends a version a peer broke off again
                         results.put(("sent", version, f"{type(exc).__name__}: {exc}", time.monotonic() - t))
-                        buckets = buckets_for(version, mode, device)
-                    mode = "generation"
+                    buckets, mode = buckets_for(version, mode, device), "generation"
                 ref = await pub.publish(version, buckets)
                 outcome = "announced ref" if mode == "announce" and not ref.manifest_checksum else ref.manifest_checksum
                 if pub.delta is not None:
