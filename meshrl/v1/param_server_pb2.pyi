@@ -566,7 +566,10 @@ class RendezvousRequest(_message.Message):
     group: _builtins.str
     """Collective group name (one per rollout group)."""
     role: _builtins.str
-    """"sender" (trainer rank 0) or "receiver"."""
+    """"sender" (trainer rank 0), "receiver", or "probe": the sender's side asks, checking in to
+    nothing, whether the version it sent last must be sent again (RendezvousResponse.wanted_again);
+    answered at once.
+    """
     member_id: _builtins.str
     world_size: _builtins.int
     """Total members expected, the sender included."""
@@ -622,6 +625,7 @@ class RendezvousResponse(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     DELTA_BASE_VERSION_FIELD_NUMBER: _builtins.int
+    WANTED_AGAIN_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     world_size: _builtins.int
     master_address: _builtins.str
@@ -637,6 +641,12 @@ class RendezvousResponse(_message.Message):
     """To the sender: the delta base every receiver checked in with for this version (0 when they
     differ or any holds none: the version goes whole).
     """
+    wanted_again: _builtins.bool
+    """To a probe: every receiver of the group's current generation waits for policy_version, the
+    version the sender checked in for last, and the sender has not joined that generation (a new
+    member took the place of one that left after receiving it). Nobody gets that version unless
+    the sender sends it again; the trainer does.
+    """
     def __init__(
         self,
         *,
@@ -648,10 +658,11 @@ class RendezvousResponse(_message.Message):
         generation: _builtins.int = ...,
         policy_version: _builtins.int = ...,
         delta_base_version: _builtins.int = ...,
+        wanted_again: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "delta_base_version", b"delta_base_version", "generation", b"generation", "master_address", b"master_address", "master_port", b"master_port", "policy_version", b"policy_version", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "delta_base_version", b"delta_base_version", "generation", b"generation", "master_address", b"master_address", "master_port", b"master_port", "policy_version", b"policy_version", "rank", b"rank", "wanted_again", b"wanted_again", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

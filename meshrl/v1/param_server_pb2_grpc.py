@@ -138,7 +138,7 @@ class ParamServerServiceServicer:
 
     def Rendezvous(self, request, context):
         """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks.
-        Auth: rollout or trainer token; checking in with role "sender" needs the trainer token.
+        Auth: rollout or trainer token; role "sender" or "probe" needs the trainer token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -63,7 +63,7 @@ class ParamServerServiceStub:
     """Auth: rollout token."""
     Rendezvous: _grpc.UnaryUnaryMultiCallable[_param_server_pb2.RendezvousRequest, _param_server_pb2.RendezvousResponse]
     """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks.
-    Auth: rollout or trainer token; checking in with role "sender" needs the trainer token.
+    Auth: rollout or trainer token; role "sender" or "probe" needs the trainer token.
     """
 
 @_typing.type_check_only
@@ -101,7 +101,7 @@ class ParamServerServiceAsyncStub(ParamServerServiceStub):
     """Auth: rollout token."""
     Rendezvous: _aio.UnaryUnaryMultiCallable[_param_server_pb2.RendezvousRequest, _param_server_pb2.RendezvousResponse]  # type: ignore[assignment]
     """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks.
-    Auth: rollout or trainer token; checking in with role "sender" needs the trainer token.
+    Auth: rollout or trainer token; role "sender" or "probe" needs the trainer token.
     """
 
 class ParamServerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -178,7 +178,7 @@ class ParamServerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_param_server_pb2.RendezvousResponse, _abc.Awaitable[_param_server_pb2.RendezvousResponse]]:
         """Forms a collective group (nccl/hccl) between the trainer's rank 0 and rollout ranks.
-        Auth: rollout or trainer token; checking in with role "sender" needs the trainer token.
+        Auth: rollout or trainer token; role "sender" or "probe" needs the trainer token.
         """
 
 def add_ParamServerServiceServicer_to_server(servicer: ParamServerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -29,6 +29,16 @@ heard from for `replace_after_s` (param_server.stall_timeout_s; a member's check
 as heard from every second while it waits): the generation is retired, every member joins the
 new one, and the sender's barrier moves there with it. Without this, a replaced rollout replica
 stalled the sender until its transfer deadline (param_server.transfer_timeout_s, 300 s).
+
+The sender is in a generation it checked in to, or one that opened while it waited at its barrier
+(its wait moves there). A generation that opened after its barrier was answered (a newcomer took
+a silent member's place between versions) has no sender until its next check-in, and its
+receivers are not answered before: they would form a process group that has no rank 0. While the
+sender waits at no barrier, no member is waited for: any member silent for `replace_after_s` may
+be replaced. A newcomer that asks for the version the sender already sent (a single rollout
+replica killed right after receiving it, while the trainer has no groups to train a next version
+on) is then answered only when the sender sends that version again: `wanted_again` tells the
+trainer so (the "probe" role), and it does.
 """
 
 from __future__ import annotations
@@ -61,6 +71,11 @@ class GroupState:
     """policy_version -> receivers that asked for it in this generation."""
     delta_bases: dict[int, dict[str, int]] = field(default_factory=dict)
     """policy_version -> receiver -> the delta base it checked in with (delta sync)."""
+    sender_in: bool = True
+    """The sender checked in to this generation, or waited at its barrier when it opened: its
+    receivers may be answered (module docstring)."""
+    sender_waiting: bool = True
+    """A sender's check-in for sender_version waits at its barrier (not answered yet)."""
 
     def delta_base(self, policy_version: int) -> int:
         """The base every receiver checked in for `policy_version` with (0: they differ, or one
@@ -108,7 +123,7 @@ class RendezvousBoard:
         state = GroupState(
             old.name, self._next_generation(old.name), old.world_size if world_size is None else world_size, backend or old.backend,
             master_address or old.master_address, old.master_port if master_port is None else master_port,
-            sender_id or old.sender_id, policy_version,
+            sender_id or old.sender_id, policy_version, sender_in=old.sender_waiting, sender_waiting=old.sender_waiting,
         )
         self._groups[old.name] = state
         # who was heard from when: kept for the members of `old` only (the others left)
@@ -151,6 +166,7 @@ class RendezvousBoard:
             state = self._open(state, policy_version, world_size=world_size, backend=backend,
                                master_address=master_address, master_port=master_port, sender_id=member_id)
         state.sender_version = policy_version
+        state.sender_in = state.sender_waiting = True
         for v in [v for v in state.checked_in if v < policy_version]:
             del state.checked_in[v]
             state.delta_bases.pop(v, None)
@@ -175,6 +191,28 @@ class RendezvousBoard:
             )
         need = cur.world_size - 1
         return len(have) >= need, f"{len(have)} of {need} receivers checked in for version {policy_version} ({sorted(have)})"
+
+    def sender_done(self, group: str, checked_in_as: GroupState, policy_version: int, *, answered: bool) -> None:
+        """The sender's check-in for `policy_version` (as `checked_in_as`) returned: answered (it
+        joins the generation it was answered with), or not (a deadline, a cancelled call: it joins
+        none; the group's receivers wait for its next check-in). A newer check-in of the sender
+        owns the group's state: nothing changes then."""
+        cur = self._groups.get(group)
+        if cur is None or _key(cur) != _key(checked_in_as) or cur.sender_version != policy_version:
+            return
+        cur.sender_waiting = False
+        if not answered:
+            cur.sender_in = False
+
+    def wanted_again(self, group: str, policy_version: int) -> bool:
+        """Whether every receiver of `group`'s current generation waits for `policy_version`, the
+        version the sender checked in for last, in a generation the sender has not joined: the
+        sender sent it already (a newcomer took the place of a member that left after receiving
+        it) and must send it again, or nobody gets it."""
+        state = self._groups.get(group)
+        if state is None or state.sender_in or state.sender_version != policy_version:
+            return False
+        return len(state.checked_in.get(policy_version, set())) >= state.world_size - 1
 
     def receiver_check_in(self, group: str, member_id: str, *, backend: str, world_size: int,
                           policy_version: int, failed_generation: int = 0,
@@ -226,25 +264,25 @@ class RendezvousBoard:
             members.add(member_id)
             changed = True
         state.delta_bases.setdefault(policy_version, {})[member_id] = delta_base_version
-        if state.sender_version < policy_version or len(members) < state.world_size - 1:
+        if not state.sender_in or state.sender_version < policy_version or len(members) < state.world_size - 1:
             return None, changed
         return Assignment(rank, state.world_size, state.master_address, state.master_port, state.backend,
                           state.generation, policy_version), changed
 
     def _replace_gone(self, state: GroupState, newcomer: str, now: float) -> GroupState:
         """`newcomer` found the group full: retire the generation if a member the sender waits for
-        has been silent for `replace_after_s` (it is gone; the newcomer takes its place), else
-        turn the newcomer away."""
-        waited_for = state.checked_in.get(state.sender_version, set())
+        (any member, while the sender waits at no barrier) has been silent for `replace_after_s`
+        (it is gone; the newcomer takes its place), else turn the newcomer away."""
+        waited_for = state.checked_in.get(state.sender_version, set()) if state.sender_waiting else set()
         silent = {m: now - self._seen.get((state.name, m), float("-inf")) for m in state.ranks if m not in waited_for}
         gone = sorted(m for m, s in silent.items() if s >= self.replace_after_s)
         if not gone:
             quiet = max(silent.values(), default=0.0)
             raise ResourceExhausted(
                 f"group {state.name!r} is full ({state.world_size - 1} receivers: {sorted(state.ranks)}); this member "
-                f"takes the place of one that stays silent for {self.replace_after_s:g}s while the sender waits for it "
-                f"(param_server.stall_timeout_s; the quietest has been silent {quiet:.0f}s), or joins when the "
-                "group re-forms"
+                f"takes the place of one silent for {self.replace_after_s:g}s that the sender's barrier waits for "
+                f"(any one between versions; param_server.stall_timeout_s; the quietest has been silent {quiet:.0f}s), "
+                "or joins when the group re-forms"
             )
         for m in gone:
             self._seen.pop((state.name, m), None)

@@ -15,7 +15,7 @@ pin on its version is released.
 
 Quotas. At most `max_concurrent_uploads` PublishWeights streams at once; an upload may not
 announce or allocate more than the store's `max_upload_bytes`. Only the trainer role may check in
-to a rendezvous as the sender.
+to a rendezvous as the sender, or probe it.
 """
 
 from __future__ import annotations
@@ -345,21 +345,37 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
             self._notify()
             log.info("rendezvous_sender", group=request.group, generation=state.generation,
                      policy_version=request.policy_version, world_size=state.world_size)
-            while True:
-                ready, progress = self.board.sender_ready(request.group, request.policy_version, state)
-                if ready:
-                    state = self.board.group(request.group) or state  # a member's failure report may have bumped it
-                    break
-                if time.monotonic() >= deadline:
-                    raise DeadlineExceeded(f"rendezvous of group {request.group!r}: only {progress} within {budget:.0f}s")
-                await self._wait_change(deadline)
+            checked_in_as, answered = state, False
+            try:
+                while True:
+                    ready, progress = self.board.sender_ready(request.group, request.policy_version, checked_in_as)
+                    if ready:
+                        state = self.board.group(request.group) or state  # a member's failure report may have bumped it
+                        answered = True
+                        break
+                    if time.monotonic() >= deadline:
+                        raise DeadlineExceeded(f"rendezvous of group {request.group!r}: only {progress} within {budget:.0f}s")
+                    await self._wait_change(deadline)
+            finally:
+                # unanswered (a deadline, a cancelled call), the sender joins no generation: a
+                # later one's receivers wait for its next check-in
+                self.board.sender_done(request.group, checked_in_as, request.policy_version, answered=answered)
+                self._notify()
             return param_server_pb2.RendezvousResponse(
                 rank=0, world_size=state.world_size, master_address=state.master_address,
                 master_port=state.master_port, backend=state.backend, generation=state.generation,
                 policy_version=request.policy_version, delta_base_version=state.delta_base(request.policy_version),
             )
+        if request.role == "probe":
+            require_role(context, TRAINER, "Rendezvous as the sender's probe")
+            if not request.group:
+                raise InvalidArgument("group", "required (the collective group name)")
+            return param_server_pb2.RendezvousResponse(
+                policy_version=request.policy_version,
+                wanted_again=self.board.wanted_again(request.group, request.policy_version),
+            )
         if request.role != "receiver":
-            raise InvalidArgument("role", f"{request.role!r}; use sender or receiver")
+            raise InvalidArgument("role", f"{request.role!r}; use sender, receiver or probe")
         while True:
             got, changed = self.board.receiver_check_in(
                 request.group, request.member_id, backend=request.backend, world_size=request.world_size,

@@ -33,7 +33,10 @@ Operator requests (checkpoint, stop) arrive as FetchBatch flags or through `requ
 A collective broadcast (nccl / hccl / gloo, from rank 0) that fails after its CommitVersion made
 the version current does not stop the loop: a peer gone or stalled mid-broadcast has the version
 sent again, otherwise the rollout ranks that missed it load the next one (`_broadcast_failed`;
-three failures in a row do stop it). Other publishers retry a transient failure.
+three failures in a row do stop it). A version that went through and then lost its only holder
+(a single rollout replica killed right after loading it) is sent again when a fetch brings no
+groups and the param server says the group waits for it (`_send_again_if_wanted`). Other
+publishers retry a transient failure.
 """
 
 from __future__ import annotations
@@ -525,6 +528,8 @@ class TrainerLoop:
             if resp.exhausted:
                 out.exhausted = True
                 return out
+            if not groups:
+                await self._send_again_if_wanted()
             limit = self.s.max_num_gen_batches
             if self.algorithm.keep is not None and limit > 0 and productive >= limit and len(out.groups) < need:
                 raise FailedPrecondition(
@@ -647,6 +652,36 @@ class TrainerLoop:
                     hint="the version is current; sent again" if again else
                     "the version is current; rollout ranks that missed it load the next one")
         return again
+
+    async def _send_again_if_wanted(self) -> None:
+        """A collective transport's version that went through, then its receiver died (a single
+        rollout replica killed right after loading it): the replacement takes the dead one's
+        place in the group and asks for that version, which only this sender holds, and with no
+        rollout generating there are no groups to train a next version on (the run stood still).
+        Asked after a FetchBatch that brought no groups, with no publish in flight: the param
+        server says whether every receiver waits for it in a generation the sender has not joined
+        (RankZeroPublisher.wanted_again); it then goes again, or, if the weights were trained on
+        since, they go as the next version."""
+        probe = self.publisher.wanted_again if isinstance(self.publisher, RankZeroPublisher) else None
+        if probe is None or (self._publishing is not None and not self._publishing.done()):
+            return
+        await self._settle_publish()
+        version = self.policy_version
+        try:
+            wanted = await probe(version)
+        except (MeshError, OSError) as exc:  # the param server restarting: asked again after the next fetch
+            log.info("send_again_probe_failed", policy_version=version, error=first_cause(exc))
+            return
+        if not wanted:
+            return
+        log.warning("weights_sent_again", policy_version=version, trained_since=self._since_publish,
+                    hint="every rollout rank of the collective group waits for the current version (one that "
+                    "held it was replaced)" + ("; the weights trained since go as the next version" if self._since_publish else ""))
+        if self._since_publish > 0:
+            await self._begin_publish()
+            return
+        published = self.group.publish_weights(version, self.s.bucket_bytes)
+        self._publishing = asyncio.ensure_future(self._publish_and_commit(version, published))
 
     async def _republish(self, version: int, error: BaseException) -> common_pb2.WeightsRef:
         """The param server went away during the upload (Serve replaces it, empty): publish

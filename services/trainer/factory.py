@@ -283,13 +283,29 @@ def _publisher(
         return build_publisher(ts.publisher, retain_versions=cfg.param_server.retain_versions)
     if cfg.actor_rollout_ref.rollout.checkpoint_engine.backend in COLLECTIVE_BACKENDS:
         every_rank = functools.partial(collective_sender, cfg, str(run_dir)) if cfg.param_server.collective_sharded else None
-        return RankZeroPublisher(functools.partial(collective_sender, cfg, str(run_dir)), every_rank)
+        return RankZeroPublisher(functools.partial(collective_sender, cfg, str(run_dir)), every_rank,
+                                 wanted_again=_send_again_probe(cfg))
     from services.weights.transports import make_publisher
 
     async def announce(ref: Any) -> bool:
         return not (await client.commit_version(ts.trainer_id, ref)).stopping
 
     return make_publisher(cfg, run_dir=run_dir, announce=announce)
+
+
+def _send_again_probe(cfg: MeshConfig) -> Any:
+    """RankZeroPublisher.wanted_again: the rendezvous groups rank 0 (or, sharded, every rank)
+    sends in, asked with the trainer's token from the loop's process."""
+    from services.common.auth import TRAINER
+    from services.common.config.param_server import data_address
+    from services.common.security import client_security
+    from services.weights.shards import sender_group
+    from services.weights.transports.collective import SendAgainProbe
+
+    ps = cfg.param_server
+    senders = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    groups = [sender_group(ps.collective_group, r) for r in range(senders)] if ps.collective_sharded else [ps.collective_group]
+    return SendAgainProbe(data_address(ps), groups, security=client_security(cfg, TRAINER))
 
 
 def collective_sender(cfg: MeshConfig, run_dir: str, rank: int | None = None) -> WeightPublisher:

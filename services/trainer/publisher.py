@@ -12,10 +12,18 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from services.common.errors import ConfigError
 from services.weights import WeightPublisher
+
+
+class SentAgain(Protocol):
+    """Whether the version sent last must go again (services.weights.transports.collective.SendAgainProbe)."""
+
+    async def __call__(self, version: int) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,13 @@ class RankZeroPublisher:
     every_rank: Callable[[int], WeightPublisher] | None = None
     """Set (`param_server.collective_sharded`): every rank r builds `every_rank(r)` instead and
     sends the rows it owns (TrainEngine.export_shards); the receivers rebuild whole tensors."""
+    wanted_again: SentAgain | None = None
+    """Asked, in the loop's process, whether the version sent last must be sent again (a rollout
+    rank that replaced one waits for it: collective.SendAgainProbe)."""
+
+    async def close(self) -> None:
+        if self.wanted_again is not None:
+            await self.wanted_again.close()
 
 
 _PUBLISHERS: dict[str, str] = {"in_process": "services.weights.in_process:InProcessPublisher"}

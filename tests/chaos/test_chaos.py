@@ -95,14 +95,19 @@ def _baseline(run: TrainRun) -> float:
     return rate(steps, end - 2 * WINDOW_S, end)
 
 
-def _kill_rollout_with_leases(run: TrainRun, rng: random.Random) -> Kill:
+def _kill_rollout_with_leases(run: TrainRun, rng: random.Random, *, trainer_idle: bool = False) -> Kill:
     """At a random moment, then as soon as the replica holds leases (those are what must come
     back). The replica is stopped (SIGSTOP) before the coordinator is asked: a replica that runs
     on answers its leases between the question and the kill (CI: it finished 32 groups in ~0.25 s,
     and every lease counted in flight was submitted before the SIGKILL landed, so nothing was left
-    to expire). Stopped, it sends nothing more; a submit already on the wire lands in the pause."""
+    to expire). Stopped, it sends nothing more; a submit already on the wire lands in the pause.
+    `trainer_idle`: for up to 60 s, only while the trainer waits for groups (none queued for it,
+    no step for 1 s; the replica is stopped, so none come): the replica then holds the version the trainer sent last, and nothing comes
+    to train a next one on (the case that stood still with one replica; `trainer_idle` in the
+    kill's record says whether it was caught)."""
     time.sleep(rng.uniform(1.0, 6.0))
-    deadline = time.monotonic() + 60
+    start = time.monotonic()
+    deadline = start + (120 if trainer_idle else 60)
     while time.monotonic() < deadline:
         procs = run.processes("rollout")
         if not procs:
@@ -112,11 +117,16 @@ def _kill_rollout_with_leases(run: TrainRun, rng: random.Random) -> Kill:
         victim.send_signal(signal.SIGSTOP)
         time.sleep(0.5)
         st = run.status()
-        if st is not None and st.totals.in_flight > 0:
-            return run.kill("rollout", in_flight=int(st.totals.in_flight), pid=victim.pid)
+        steps = run.steps()
+        idle = st is not None and st.totals.queued == 0 and bool(steps) and time.time() - steps[-1][1] > 1.0
+        if st is not None and st.totals.in_flight > 0 and (idle or not trainer_idle or time.monotonic() > start + 60):
+            kill = run.kill("rollout", in_flight=int(st.totals.in_flight), pid=victim.pid)
+            if trainer_idle:
+                kill.result["trainer_idle"] = idle
+            return kill
         victim.send_signal(signal.SIGCONT)
         time.sleep(0.2)
-    raise AssertionError("the rollout never held a lease for 60 s")
+    raise AssertionError(f"the rollout never held a lease for {deadline - start:.0f} s")
 
 
 STEPS = 600
@@ -192,22 +202,22 @@ def test_rollout_replica_dies_under_the_gloo_transport_and_the_sender_goes_on(tm
     back within a minute; a replica killed inside a broadcast aborts it, and the trainer sends
     that version again to a new generation the replacement joins.
 
-    Two rollout replicas: with one, a replica killed right after it received the current version,
-    while the trainer has no groups left to train a next one on, leaves the run standing still
-    (an open defect, BENCHMARKS.md "The chaos tier's gloo failure"): the replacement needs that
-    version, which the trainer sent already and sends again only with a next step. Two CI runs of
-    this test with one replica hit it (2026-12-06)."""
+    One rollout replica, killed (if caught within 60 s) while the trainer waits for groups: it
+    holds the version the trainer sent last, and nothing comes to train a next one on. The run
+    stood still there (two CI runs, 2026-12-06): the replacement asked for that version and was
+    turned away for good. Now it takes the silent member's place, and the trainer, asking the
+    param server after a fetch that brought no groups, sends that version again
+    (`weights_sent_again`)."""
     rng = random.Random(SEED + 2)
     run_dir = tmp_path / "run"
     run = TrainRun(run_dir, [f"rollout.total_rollout_steps={BATCH * GLOO_STEPS}", "trainer.test_freq=-1",
                              "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
-                             "serve.rollout.num_replicas=2", "param_server.collective_receivers=2",
                              "param_server.stall_timeout_s=15"])
     kill: Kill | None = None
     try:
         wait_until(lambda: len(run.steps()) >= 30, 600, "30 trainer steps")
         baseline = _baseline(run)
-        kill = _kill_rollout_with_leases(run, rng)
+        kill = _kill_rollout_with_leases(run, rng, trainer_idle=True)
         print(f"killed rollout pid {kill.pid} at step {kill.step}", flush=True)
         kill.result |= _recovery(run, kill, baseline, min_after_s=15.0, limit_s=90.0)
         kill.replaced_by = [p.pid for p in run.processes("rollout")]
@@ -219,18 +229,22 @@ def test_rollout_replica_dies_under_the_gloo_transport_and_the_sender_goes_on(tm
     summary = run.summary()
     replaced = run.log_events("param_server", "rendezvous_member_replaced")
     resent = [e for e in run.log_events("trainer", "weights_broadcast_failed") if e.get("sent_again")]
+    wanted = run.log_events("trainer", "weights_sent_again")
     _record(tmp_path, "gloo", {"kills": [kill.record()], "replaced": replaced, "resent": resent,
-                               "wall_s": summary.get("wall_s")})
+                               "sent_again_when_wanted": wanted, "wall_s": summary.get("wall_s")})
     assert rc == 0, out[-4000:]
     assert summary["steps"] == GLOO_STEPS and "failure" not in summary, summary
     assert summary["audit"]["balanced"] and summary["audit"]["issued"] == BATCH * GLOO_STEPS, summary["audit"]
     once = trained_once(run_dir)
     assert len(once) == BATCH * GLOO_STEPS and all(n == 1 for _, n in once)
     assert kill.replaced_by and kill.pid not in kill.replaced_by, kill.record()
-    # the param server gave the dead member's rank to its replacement (it died between versions),
-    # or the trainer sent the version it broke off again to a new generation (it died inside a
+    # the param server gave the dead member's rank to its replacement (it died between versions;
+    # if it held the version the trainer sent last, the trainer sent it again when asked), or the
+    # trainer sent the version it broke off again to a new generation (it died inside a
     # broadcast), and the run did not wait out the transfer deadline (300 s) for the dead member
     assert (replaced and all(e["group"] == "rollout" for e in replaced)) or resent, (replaced, resent)
+    if wanted:
+        assert replaced and all(e["policy_version"] == replaced[-1]["policy_version"] for e in wanted), (replaced, wanted)
     assert kill.result["recovered_s"] <= 90.0 and kill.result["longest_gap_s"] < 120.0, kill.record()
 
 

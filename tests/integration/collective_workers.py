@@ -66,10 +66,12 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
     """Publish each (version, mode): mode "ok", "many" (make_many_buckets), "split" (the first
     bucket travels as two), "hang", "announce" (tell the receiver through `notify` first, as the
     trainer's CommitVersion tells rollouts through the coordinator), "generation" (the count is
-    the generation of the group the version went out in, not the resent buckets) or "resend" (as
+    the generation of the group the version went out in, not the resent buckets), "resend" (as
     "generation"; a failed publish is reported, with its seconds as the count, and the version
-    published again, as the trainer does when a peer broke a broadcast off)."""
-    from services.weights.transports.collective import CollectivePublisher
+    published again, as the trainer does when a peer broke a broadcast off) or "standby" (ask the
+    param server's probe until it says the version must go again, as the trainer does while no
+    groups come, then publish it again, as "generation")."""
+    from services.weights.transports.collective import CollectivePublisher, SendAgainProbe
 
     async def main() -> None:
         if backend == "nccl":
@@ -85,6 +87,14 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
             try:
                 device = "cuda" if backend == "nccl" else "cpu"
                 buckets = _hanging(version, timeout_s + 2) if mode == "hang" else buckets_for(version, mode, device)
+                if mode == "standby":
+                    probe = SendAgainProbe(address, ["test"])
+                    try:
+                        while not await probe(version):
+                            await asyncio.sleep(0.2)
+                    finally:
+                        await probe.close()
+                    mode = "generation"
                 if mode == "resend":
                     t = time.monotonic()
                     try:
@@ -395,6 +405,32 @@ def check_a_replacement_takes_a_dead_receivers_place(backend: str, deadline_s: f
     assert got[("sent", 3)][1] == gen + 1 and got[("sent", 4)][1] == gen + 1, got
     assert got["versions"] == [3, 4], got
     assert time.monotonic() - t0 < 55, "the sender waited for the dead member's deadline"
+
+
+def check_the_only_receiver_replaced_after_a_version_gets_it_again(backend: str, deadline_s: float = 240.0) -> None:
+    """A group of one receiver; it gets version 2 and dies (a single rollout replica killed right
+    after loading it), and its replacement asks for version 2. The dead member had checked in for
+    it, so its place was never given away: the replacement was turned away for good, and with no
+    rollout generating the trainer sent no next version (the run stood still). Now the
+    replacement takes the silent member's place (3 s here), the param server's probe says
+    version 2 must go again, and the sender (as the trainer does while no groups come) sends it
+    in the new generation; version 3 follows on that group."""
+    t0 = time.monotonic()
+    got = run_pair(
+        backend,
+        sender_plan=[(1, "generation"), (2, "generation"), (2, "standby"), (3, "generation")],
+        receiver_plan=[(1, "ok", 60.0), (2, "ok", 60.0), (3, "die", 60.0)],
+        more_receivers=([(2, "replacement", 60.0), (3, "ok", 60.0)],),
+        sender_timeout_s=60.0, group_receivers=1, stall_timeout_s=3.0, deadline_s=deadline_s,
+    )
+    assert got[("recv", 1)][0] == got[("recv", 2)][0] == "identical" and got[("recv", 3)][0] == "died", got
+    assert got[("recv1", 2)][0] == got[("recv1", 3)][0] == "identical", got
+    gen = got[("sent", 2)][1]
+    assert got[("sent", 1)][1] == gen and len(got[("sent", 2)][0]) == 64, got
+    again = got[("sent", 2, "again")]
+    assert len(again[0]) == 64 and again[0] == got[("sent", 2)][0] and again[1] == gen + 1, got
+    assert got[("sent", 3)][1] == gen + 1 and got["versions"] == [2, 3], got
+    assert time.monotonic() - t0 < 55, "the replacement waited for a deadline"
 
 
 def check_delta_sync(backend: str, receivers: int = 1, deadline_s: float = 240.0) -> None:

@@ -16,6 +16,7 @@ from .collective_workers import (
     check_receiver_behind_gives_up_and_the_sender_moves,
     check_sender_moves_to_a_new_generation,
     check_steady_group_version_mismatch,
+    check_the_only_receiver_replaced_after_a_version_gets_it_again,
     run_pair,
 )
 
@@ -84,6 +85,10 @@ def test_gloo_a_replacement_takes_the_place_of_a_receiver_that_died_and_the_send
 @pytest.mark.parametrize("case", ["dies", "stalls"])
 def test_gloo_a_broadcast_a_receiver_broke_off_is_sent_again_to_the_live_ones_and_the_replacement(case: str) -> None:
     check_a_broadcast_a_peer_broke_off_is_sent_again("gloo", case)
+
+
+def test_gloo_the_only_receiver_replaced_right_after_a_version_gets_that_version_sent_again() -> None:
+    check_the_only_receiver_replaced_after_a_version_gets_it_again("gloo")
 
 
 def test_hccl_fails_fast_without_torch_npu() -> None:

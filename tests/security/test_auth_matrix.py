@@ -83,6 +83,11 @@ def test_only_the_trainer_checks_in_as_the_rendezvous_sender(mesh: PlainMesh) ->
     assert code == grpc.StatusCode.PERMISSION_DENIED and "sender" in details
     code, details, _ = mesh.call(svc, "Rendezvous", sender, token=TOKENS.trainer)
     assert code not in DENIED, details
+    probe = param_server_pb2.RendezvousRequest(group="g", role="probe", policy_version=1)
+    code, details, _ = mesh.call(svc, "Rendezvous", probe, token=TOKENS.rollout)
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "probe" in details
+    code, details, _ = mesh.call(svc, "Rendezvous", probe, token=TOKENS.trainer)
+    assert code == grpc.StatusCode.OK, details
 
 
 def test_bearer_scheme_and_case(mesh: PlainMesh) -> None:

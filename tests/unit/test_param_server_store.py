@@ -388,6 +388,63 @@ def test_rendezvous_a_newcomer_takes_the_place_of_a_member_gone_silent_while_the
     assert got is not None and (got.generation, got.rank) == (3, 2)
 
 
+def test_rendezvous_a_newcomer_after_the_version_went_through_waits_for_the_sender_to_send_it_again() -> None:
+    """One receiver got version 2 and died (a single rollout replica killed right after loading
+    it); its replacement asks for version 2. The dead member had checked in for 2, so it was never
+    counted as gone: the replacement was turned away for good, and the trainer, with no groups to
+    train on, never sent a next version (the run stood still; chaos tier, 2026-12-06). Now no
+    member is waited for once the sender's barrier was answered: the silent one is replaced, and
+    the new generation's receivers are answered only after the sender checks in there (they would
+    otherwise form a group without rank 0). `wanted_again` tells the sender's probe so."""
+    now = [0.0]
+    board = RendezvousBoard(replace_after_s=15.0, clock=lambda: now[0])
+    kw: dict = {"world_size": 2, "backend": "gloo", "master_address": "h", "master_port": 5}
+    for v in (1, 2):
+        state = board.sender_check_in("g", "s", **kw, policy_version=v)
+        assert not board.wanted_again("g", v)
+        got, _ = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=v)
+        assert got is not None and board.sender_ready("g", v, state)[0]
+        board.sender_done("g", state, v, answered=True)
+    assert not board.wanted_again("g", 2)  # every receiver holds it
+    now[0] = 14.0
+    with pytest.raises(ResourceExhausted, match="full"):  # r1 was heard from 14 s ago
+        board.receiver_check_in("g", "r2", backend="gloo", world_size=0, policy_version=2)
+    now[0] = 15.0
+    got, changed = board.receiver_check_in("g", "r2", backend="gloo", world_size=0, policy_version=2)
+    assert changed and got is None  # the group is complete, but the sender is not in generation 2
+    cur = board.group("g")
+    assert (cur.generation, cur.ranks, cur.sender_in) == (2, {"r2": 1}, False)
+    assert board.wanted_again("g", 2) and not board.wanted_again("g", 1) and not board.wanted_again("other", 2)
+    # the sender sends version 2 again: it checks in to generation 2, the receiver is answered
+    again = board.sender_check_in("g", "s", **kw, policy_version=2)
+    assert again.generation == 2 and board.sender_ready("g", 2, again)[0] and not board.wanted_again("g", 2)
+    got, _ = board.receiver_check_in("g", "r2", backend="gloo", world_size=0, policy_version=2)
+    assert got is not None and (got.generation, got.rank) == (2, 1)
+    board.sender_done("g", again, 2, answered=True)
+    assert not board.wanted_again("g", 2)
+
+
+def test_rendezvous_the_sender_follows_a_generation_opened_while_it_waits_and_leaves_it_when_its_call_ends() -> None:
+    """A generation opened while the sender's check-in waits at its barrier (a member's failure
+    report) carries the sender: its receivers are answered. One opened after the sender's call
+    ended unanswered (a deadline) does not, until the sender checks in again; a stale call's end
+    changes nothing of a newer check-in."""
+    board = RendezvousBoard()
+    kw: dict = {"world_size": 2, "backend": "gloo", "master_address": "h", "master_port": 5}
+    state = board.sender_check_in("g", "s", **kw, policy_version=1)
+    board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1, failed_generation=1)
+    got, _ = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=1)
+    assert got is not None and got.generation == 2  # the sender's waiting call moved with it
+    board.sender_done("g", state, 1, answered=True)
+    state = board.sender_check_in("g", "s", **kw, policy_version=2)
+    board.sender_done("g", state, 2, answered=False)  # its deadline passed before r1 came
+    got, _ = board.receiver_check_in("g", "r1", backend="gloo", world_size=0, policy_version=2)
+    assert got is None and board.wanted_again("g", 2)
+    newer = board.sender_check_in("g", "s", **{**kw, "master_port": 6}, policy_version=3)
+    board.sender_done("g", state, 2, answered=False)  # the old call's end: the newer check-in owns the state
+    assert board.group("g").sender_in and board.group("g") is newer
+
+
 def test_an_object_store_lookup_of_a_version_not_in_the_object_store_takes_no_hold() -> None:
     """The Serve deployment's object_store_version (the object_store fetcher's lookup) checked the
     version's transport only after pinning it: the refused consumer held a grpc version's host

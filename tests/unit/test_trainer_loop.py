@@ -226,6 +226,82 @@ def test_a_broadcast_that_failed_its_checksums_is_not_sent_again_and_training_go
     assert lines[-1]["training/failed_broadcasts"] == 1.0
 
 
+class _SendsAgain(InProcessPublisher):
+    """A collective sender that records each publish; a version sent again returns the ref it
+    announced the first time (the commit after it is a no-op) and keeps the weights it sent."""
+
+    def __init__(self) -> None:
+        super().__init__(retain_versions=10)
+        self.attempts: list[int] = []
+        self.refs: dict[int, common_pb2.WeightsRef] = {}
+        self.again: dict[int, dict[str, torch.Tensor]] = {}
+
+    async def publish(self, version: int, buckets: Any) -> Any:
+        self.attempts.append(version)
+        if version in self.refs:
+            self.again[version] = {k: v.clone() async for b in buckets for k, v in [(n, t) for n, t in b]}
+            return self.refs[version]
+        self.refs[version] = await super().publish(version, buckets)
+        return self.refs[version]
+
+
+class _Probe:
+    """The param server's answer to the sender's probe: version `wanted` must go again, once
+    (a replacement rollout rank waits for it). Once it went, the rollout generates again: the
+    queue is refilled and ends."""
+
+    def __init__(self, coord: FakeCoordinator, pub: _SendsAgain, wanted: int) -> None:
+        self.coord, self.pub, self.wanted = coord, pub, wanted
+        self.asked: list[int] = []
+        self.closed = False
+
+    async def __call__(self, version: int) -> bool:
+        self.asked.append(version)
+        if self.asked.count(self.wanted) == 1 and version == self.wanted:
+            return True
+        if len(self.pub.attempts) > len(set(self.pub.attempts)) or len(self.pub.versions) > self.wanted:
+            if not self.coord.queue and not self.coord.finite:
+                _fill(self.coord, 4, start=100)
+                self.coord.finite = True
+        return False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(("overlap", "trigger"), [(False, 1), (True, 1), (False, 2)])
+def test_a_version_a_replaced_rollout_rank_waits_for_is_sent_again_when_no_groups_come(
+    tmp_path: Path, overlap: bool, trigger: int
+) -> None:
+    """A single rollout replica killed right after it loaded version 2: its replacement asks the
+    collective group for version 2, which went through already, and nothing generates groups to
+    train a version 3 on (the run stood still; chaos tier, 2026-12-06). A fetch that brings no
+    groups now asks the param server (the probe), which says the group waits for version 2: it
+    goes again, the same weights, and training goes on. Trained on since (trigger 2: one step
+    after version 1), the weights go as the next version instead."""
+    coord = FakeCoordinator(finite=False)
+    _fill(coord, 4 if trigger == 1 else 6)
+    group = _group()
+    pub = _SendsAgain()
+    asyncio.run(group.start_sender(lambda: pub))
+    wanted = 2 if trigger == 1 else 1
+    probe = _Probe(coord, pub, wanted)
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap, trigger_parameter_sync_step=trigger), group, coord,
+                       RankZeroPublisher(lambda: pub, wanted_again=probe), fake_algorithm()[0])
+    _run(loop)
+    assert loop.state == "finished", loop.error
+    assert probe.asked[0] == wanted and probe.asked.count(wanted) >= 1
+    if trigger == 1:
+        assert loop.step == 4 and pub.attempts == [1, 2, 2, 3, 4] and pub.versions == [1, 2, 3, 4]
+        sent = pub.get(2).weights
+        assert set(pub.again[2]) == set(sent) and all(torch.equal(pub.again[2][k], sent[k]) for k in sent)
+        assert [c.policy_version for c in coord.commits] == [1, 2, 3, 4]
+    else:  # steps 1-2: version 1; step 3, then no groups: version 2 early; steps 4-5, then the end: version 3
+        assert loop.step == 5 and pub.attempts == [1, 2, 3] and not pub.again
+        assert [c.policy_version for c in coord.commits] == [1, 2, 3]
+    assert loop.failed_broadcasts == 0
+
+
 @pytest.mark.parametrize("case", ["sent again three times", "three versions in a row", "not announced"])
 def test_a_broadcast_failure_stops_the_loop_when_no_rank_follows_or_the_version_is_not_current(
     tmp_path: Path, case: str

@@ -93,7 +93,7 @@ its own rows in a group of its own; the receiver joins them all and rebuilds who
 from .device import device_kind
 from .group import WIRE_BUCKET_BYTES
 from .receiver import CollectiveFetcher
-from .sender import CollectivePublisher
+from .sender import CollectivePublisher, SendAgainProbe
 from .sharded import ShardedFetcher
 
-__all__ = ["WIRE_BUCKET_BYTES", "CollectiveFetcher", "CollectivePublisher", "ShardedFetcher", "device_kind"]
+__all__ = ["WIRE_BUCKET_BYTES", "CollectiveFetcher", "CollectivePublisher", "SendAgainProbe", "ShardedFetcher", "device_kind"]

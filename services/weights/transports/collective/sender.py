@@ -294,6 +294,33 @@ class CollectivePublisher(GroupMember):
         return ctrl
 
 
+class SendAgainProbe:
+    """Whether the version a sender sent last must go again (the param server's
+    RendezvousBoard.wanted_again, asked with role "probe"): every receiver of each of `groups`
+    (rank 0's group, or every trainer rank's with param_server.collective_sharded) waits for it
+    in a generation the sender has not joined. Called by the trainer loop while it has no groups
+    to train on (TrainerLoop._send_again_if_wanted), from the trainer's process: it checks in to
+    nothing."""
+
+    def __init__(self, address: str, groups: list[str], *, security: Any = None, timeout_s: float = 10.0) -> None:
+        from ...client import ParamServerClient
+
+        self.groups = groups
+        self.timeout_s = timeout_s
+        self.client = ParamServerClient(address, security=security)
+
+    async def __call__(self, version: int) -> bool:
+        for group in self.groups:
+            resp = await self.client.rendezvous(pb.RendezvousRequest(group=group, role="probe", policy_version=version),
+                                                timeout_s=self.timeout_s)
+            if not resp.wanted_again:
+                return False
+        return True
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
 class _SendSession:
     """One version's broadcast, as the sender sees it. Step t's CTRL and bytes are posted together,
     one step ahead of the host: the host reads CTRL(t) (done once DATA(t-1) is off the wire) while
