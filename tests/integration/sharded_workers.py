@@ -4,7 +4,9 @@ ranks each broadcast the rows they own, R rollout ranks rebuild whole tensors.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
+import os
 import queue
 import time
 from collections.abc import Iterator
@@ -75,11 +77,13 @@ def _hanging(version: int, rank: int, senders: int, hang_s: float) -> Iterator[l
 
 def sender(address: str, backend: str, rank: int, senders: int, receivers: int, plan: list[tuple[int, str]],
            results: Any, timeout_s: float) -> None:
-    """Trainer rank `rank`: publish each (version, mode): "ok", "hang" (this rank stalls) or
+    """Trainer rank `rank`: publish each (version, mode): "ok", "hang" (this rank stalls),
     "delta" (delta sync; the outcome is "ok base=B deltas=N": the base this rank's version went
-    against, and how many of its tensors went as deltas)."""
+    against, and how many of its tensors went as deltas) or "standby" (ask the param server's
+    probe, for every trainer rank's group as the trainer does while no groups come, until it says
+    the version must go again, then publish it as "ok")."""
     from services.weights.shards import sender_group
-    from services.weights.transports.collective import CollectivePublisher
+    from services.weights.transports.collective import CollectivePublisher, SendAgainProbe
 
     async def main() -> None:
         device = "cpu"
@@ -90,6 +94,13 @@ def sender(address: str, backend: str, rank: int, senders: int, receivers: int, 
                                   timeout_s=timeout_s, register=False, delta_sync=any(m == "delta" for _, m in plan))
         for version, mode in plan:
             try:
+                if mode == "standby":
+                    probe = SendAgainProbe(address, [sender_group("test", r) for r in range(senders)])
+                    try:
+                        while not await probe(version):
+                            await asyncio.sleep(0.2)
+                    finally:
+                        await probe.close()
                 buckets = (_hanging(version, rank, senders, timeout_s + 2) if mode == "hang"
                            else shard_buckets(version, rank, senders, device, mode))
                 ref = await pub.publish(version, buckets)
@@ -105,10 +116,14 @@ def sender(address: str, backend: str, rank: int, senders: int, receivers: int, 
 
 
 def receiver(address: str, backend: str, index: int, senders: int, plan: list[tuple[int, str, float]],
-             results: Any) -> None:
-    """Rollout rank `index`: fetch each (version, mode, timeout_s): "ok", or "corrupt" (damage the
-    first bucket from trainer rank 1 once: NACKed and sent again)."""
+             results: Any, gate: Any = None) -> None:
+    """Rollout rank `index`: fetch each (version, mode, timeout_s): "ok", "corrupt" (damage the
+    first bucket from trainer rank 1 once: NACKed and sent again), "die" (the process exits at
+    once, as a killed rollout replica does, after it opened `gate`) or "replacement" (wait for
+    `gate`, then fetch, retrying while the param server says a group is full, as the replica
+    that replaces a killed one does)."""
     from meshrl.v1 import common_pb2
+    from services.common.errors import ResourceExhausted
     from services.weights.transports.collective import ShardedFetcher
 
     state: dict[str, Any] = {"armed": False}
@@ -128,12 +143,27 @@ def receiver(address: str, backend: str, index: int, senders: int, plan: list[tu
             for part in fetcher.parts:
                 part.timeout_s = timeout_s
             state["armed"] = mode == "corrupt"
+            if mode == "die":
+                results.put((f"recv{index}", version, "died", 0))
+                time.sleep(1.0)  # the queue's feeder thread hands the result over
+                gate.set()
+                os._exit(0)
+            if mode == "replacement":
+                await asyncio.to_thread(gate.wait, 60)
             try:
                 got: dict[str, torch.Tensor] = {}
-                async for bucket in fetcher.fetch(common_pb2.WeightsRef(policy_version=version)):
-                    for name, t in bucket:
-                        assert name not in got, name
-                        got[name] = t.cpu().clone()
+                while True:
+                    try:
+                        async for bucket in fetcher.fetch(common_pb2.WeightsRef(policy_version=version)):
+                            for name, t in bucket:
+                                assert name not in got, name
+                                got[name] = t.cpu().clone()
+                        break
+                    except ResourceExhausted:  # a group is full: the rollout worker retries the same way
+                        if mode != "replacement":
+                            raise
+                        got.clear()
+                        await asyncio.sleep(0.5)
                 want = {**weights_for(version, mode), "flag": torch.tensor(True)}
                 same = set(got) == set(want) and all(got[n].dtype == t.dtype and torch.equal(got[n], t)
                                                      for n, t in want.items())
@@ -148,32 +178,41 @@ def receiver(address: str, backend: str, index: int, senders: int, plan: list[tu
 
 def run_sharded(backend: str, senders: int, sender_plans: list[list[tuple[int, str]]],
                 receiver_plans: list[list[tuple[int, str, float]]], deadline_s: float = 240.0,
-                sender_timeout_s: float = 8.0) -> dict:
+                sender_timeout_s: float = 8.0, *, group_receivers: int = 0, stall_timeout_s: float = 60.0) -> dict:
     """S sender and R receiver processes against a param server in this process; returns
-    {(role, version): (outcome, count)}."""
+    {(role, version): (outcome, count)} (a version reported again: (role, version, "again")).
+    Each group has `group_receivers` receivers (0: every receiver process); `stall_timeout_s` is
+    the param server's (the rendezvous' silence bound)."""
     from services.common.config.param_server import ParamServerConfig
     from services.param_server.server import ParamServerServer
 
     async def main() -> dict:
-        server = ParamServerServer(ParamServerConfig(port=0))
+        server = ParamServerServer(ParamServerConfig(port=0, stall_timeout_s=stall_timeout_s))
         await server.start()
         ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        procs = [ctx.Process(target=sender, args=(server.address, backend, r, senders, len(receiver_plans), plan, results,
-                                                  sender_timeout_s), daemon=True)
+        results, gate = ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=sender, args=(server.address, backend, r, senders, group_receivers or len(receiver_plans),
+                                                  plan, results, sender_timeout_s), daemon=True)
                  for r, plan in enumerate(sender_plans)]
-        procs += [ctx.Process(target=receiver, args=(server.address, backend, i, senders, plan, results), daemon=True)
+        procs += [ctx.Process(target=receiver, args=(server.address, backend, i, senders, plan, results, gate), daemon=True)
                   for i, plan in enumerate(receiver_plans)]
         for p in procs:
             p.start()
         want = sum(len(p) for p in sender_plans) + sum(len(p) for p in receiver_plans)
         got: dict = {}
         end = time.monotonic() + deadline_s
+
+        def take() -> None:
+            role, version, outcome, count = results.get_nowait()
+            key: tuple = (role, version)
+            while key in got:  # the same version published again: ("sent0", v, "again")
+                key = (*key, "again")
+            got[key] = (outcome, count)
+
         try:
             while len(got) < want:
                 try:
-                    role, version, outcome, count = results.get_nowait()
-                    got[(role, version)] = (outcome, count)
+                    take()
                 except queue.Empty:
                     if time.monotonic() > end:
                         raise AssertionError(f"sharded test timed out; results so far: {got}") from None
@@ -182,6 +221,9 @@ def run_sharded(backend: str, senders: int, sender_plans: list[list[tuple[int, s
                         if results.empty():
                             raise AssertionError(f"a worker died: {[p.exitcode for p in procs]}; results {got}") from None
                     await asyncio.sleep(0.1)
+            with contextlib.suppress(queue.Empty):  # what came after the count was reached
+                while True:
+                    take()
             got["versions"] = [s.policy_version for s in server.servicer.store.versions()]
             return got
         finally:

@@ -5,6 +5,8 @@ runs nccl on the GPU machine (meshrl/bench/weights_sharded.py)."""
 
 from __future__ import annotations
 
+import time
+
 from .sharded_workers import run_sharded
 
 
@@ -65,3 +67,24 @@ def test_gloo_megatron_layout_columns_and_a_replica_that_sends_nothing() -> None
             assert got[(role, version)] == ("identical", 0), got
         for role in ("sent0", "sent1", "sent2"):
             assert got[(role, version)] == ("ok", 0), got
+
+
+def test_gloo_the_only_rollout_rank_replaced_right_after_a_version_gets_it_again_from_every_trainer_rank() -> None:
+    """One rollout rank gets version 2 from both trainer ranks and dies (a single rollout replica
+    killed right after loading it, while the trainer has no groups to train a next version on).
+    Its replacement takes the silent member's place in each trainer rank's group (3 s here) and
+    asks for version 2; the probe says every group waits for it, each trainer rank sends its rows
+    again, and the replacement rebuilds whole tensors; version 3 follows."""
+    t0 = time.monotonic()
+    got = run_sharded(
+        "gloo", 2,
+        sender_plans=[[(1, "ok"), (2, "ok"), (2, "standby"), (3, "ok")] for _ in range(2)],
+        receiver_plans=[[(1, "ok", 60.0), (2, "ok", 60.0), (3, "die", 60.0)],
+                        [(2, "replacement", 60.0), (3, "ok", 60.0)]],
+        sender_timeout_s=60.0, group_receivers=1, stall_timeout_s=3.0,
+    )
+    assert got[("recv0", 1)][0] == got[("recv0", 2)][0] == "identical" and got[("recv0", 3)][0] == "died", got
+    assert got[("recv1", 2)][0] == got[("recv1", 3)][0] == "identical", got
+    for role in ("sent0", "sent1"):
+        assert got[(role, 1)][0] == got[(role, 2)][0] == got[(role, 2, "again")][0] == got[(role, 3)][0] == "ok", got
+    assert time.monotonic() - t0 < 60, "the replacement waited for a deadline"
