@@ -221,6 +221,17 @@ def receiver(address: str, backend: str, plan: list[tuple[int, str, float]], res
     asyncio.run(main())
 
 
+def keep_result(got: dict, result: tuple) -> None:
+    """Store a worker's (role, version, outcome, count) as got[(role, version)] = (outcome, count);
+    the same version reported again (a fetch retried, a version published again) goes under
+    (role, version, "again"), then (role, version, "again", "again")."""
+    role, version, outcome, count = result
+    key: tuple = (role, version)
+    while key in got:
+        key = (*key, "again")
+    got[key] = (outcome, count)
+
+
 def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: float = 240.0,
              more_receivers: tuple[list, ...] = (), *, sender_timeout_s: float = 8.0, group_receivers: int = 0,
              stall_timeout_s: float = 60.0, peer_stall_s: float | None = None) -> dict:
@@ -252,17 +263,10 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
         got: dict = {}
         end = time.monotonic() + deadline_s
 
-        def take() -> None:
-            role, version, outcome, count = results.get_nowait()
-            key: tuple = (role, version)
-            while key in got:  # the same version fetched again: ("recv", v, "again")
-                key = (*key, "again")
-            got[key] = (outcome, count)
-
         try:
             while len(got) < len(sender_plan) + len(receiver_plan) + sum(len(p) for p in more_receivers):
                 try:
-                    take()
+                    keep_result(got, results.get_nowait())
                 except queue.Empty:
                     if time.monotonic() > end:
                         raise AssertionError(f"collective test timed out; results so far: {got}") from None
@@ -279,7 +283,7 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
             # what came after the count was reached (a retried fetch or publish reports each attempt)
             with contextlib.suppress(queue.Empty):
                 while True:
-                    take()
+                    keep_result(got, results.get_nowait())
             got["versions"] = [s.policy_version for s in server.servicer.store.versions()]
             return got
         finally:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .collective_workers import keep_result
+
 
 def full_weights(version: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(version)
@@ -202,17 +204,10 @@ def run_sharded(backend: str, senders: int, sender_plans: list[list[tuple[int, s
         got: dict = {}
         end = time.monotonic() + deadline_s
 
-        def take() -> None:
-            role, version, outcome, count = results.get_nowait()
-            key: tuple = (role, version)
-            while key in got:  # the same version published again: ("sent0", v, "again")
-                key = (*key, "again")
-            got[key] = (outcome, count)
-
         try:
             while len(got) < want:
                 try:
-                    take()
+                    keep_result(got, results.get_nowait())
                 except queue.Empty:
                     if time.monotonic() > end:
                         raise AssertionError(f"sharded test timed out; results so far: {got}") from None
@@ -223,7 +218,7 @@ def run_sharded(backend: str, senders: int, sender_plans: list[list[tuple[int, s
                     await asyncio.sleep(0.1)
             with contextlib.suppress(queue.Empty):  # what came after the count was reached
                 while True:
-                    take()
+                    keep_result(got, results.get_nowait())
             got["versions"] = [s.policy_version for s in server.servicer.store.versions()]
             return got
         finally:
