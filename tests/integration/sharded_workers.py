@@ -78,12 +78,14 @@ def _hanging(version: int, rank: int, senders: int, hang_s: float) -> Iterator[l
 
 
 def sender(address: str, backend: str, rank: int, senders: int, receivers: int, plan: list[tuple[int, str]],
-           results: Any, timeout_s: float) -> None:
+           results: Any, timeout_s: float, again: Any = None) -> None:
     """Trainer rank `rank`: publish each (version, mode): "ok", "hang" (this rank stalls),
     "delta" (delta sync; the outcome is "ok base=B deltas=N": the base this rank's version went
-    against, and how many of its tensors went as deltas) or "standby" (ask the param server's
-    probe, for every trainer rank's group as the trainer does while no groups come, until it says
-    the version must go again, then publish it as "ok")."""
+    against, and how many of its tensors went as deltas) or "standby" (rank 0 asks the param
+    server's probe, for every trainer rank's group, until it says the version must go again and
+    then sets `again`; the other ranks wait for it; then each publishes it as "ok": the trainer
+    asks once, in rank 0's process, and every rank sends. A rank asking on its own could find
+    the groups no longer waiting once another rank had sent again)."""
     from services.weights.shards import sender_group
     from services.weights.transports.collective import CollectivePublisher, SendAgainProbe
 
@@ -96,13 +98,16 @@ def sender(address: str, backend: str, rank: int, senders: int, receivers: int, 
                                   timeout_s=timeout_s, register=False, delta_sync=any(m == "delta" for _, m in plan))
         for version, mode in plan:
             try:
-                if mode == "standby":
+                if mode == "standby" and rank > 0:
+                    await asyncio.to_thread(again.wait, 60)
+                elif mode == "standby":
                     probe = SendAgainProbe(address, [sender_group("test", r) for r in range(senders)])
                     try:
                         while not await probe(version):
                             await asyncio.sleep(0.2)
                     finally:
                         await probe.close()
+                    again.set()
                 buckets = (_hanging(version, rank, senders, timeout_s + 2) if mode == "hang"
                            else shard_buckets(version, rank, senders, device, mode))
                 ref = await pub.publish(version, buckets)
@@ -192,9 +197,9 @@ def run_sharded(backend: str, senders: int, sender_plans: list[list[tuple[int, s
         server = ParamServerServer(ParamServerConfig(port=0, stall_timeout_s=stall_timeout_s))
         await server.start()
         ctx = mp.get_context("spawn")
-        results, gate = ctx.Queue(), ctx.Event()
+        results, gate, again = ctx.Queue(), ctx.Event(), ctx.Event()
         procs = [ctx.Process(target=sender, args=(server.address, backend, r, senders, group_receivers or len(receiver_plans),
-                                                  plan, results, sender_timeout_s), daemon=True)
+                                                  plan, results, sender_timeout_s, again), daemon=True)
                  for r, plan in enumerate(sender_plans)]
         procs += [ctx.Process(target=receiver, args=(server.address, backend, i, senders, plan, results, gate), daemon=True)
                   for i, plan in enumerate(receiver_plans)]
