@@ -58,9 +58,14 @@ class RankSender:
         self._lock = threading.Lock()
         self._results: dict[int, concurrent.futures.Future[common_pb2.WeightsRef]] = {}
 
-    def _future(self, version: int) -> concurrent.futures.Future[common_pb2.WeightsRef]:
+    def _future(self, version: int, *, fresh: bool = False) -> concurrent.futures.Future[common_pb2.WeightsRef]:
+        """The outcome of `version`'s publish. `fresh` (a publish starting): a finished entry is an
+        earlier attempt's (the loop sends a version again after a failed broadcast), not this one's."""
         with self._lock:
-            return self._results.setdefault(version, concurrent.futures.Future())
+            current = self._results.get(version)
+            if current is None or (fresh and current.done()):
+                current = self._results[version] = concurrent.futures.Future()
+            return current
 
     def publish(self, version: int, buckets: Iterator[Bucket]) -> None:
         queue: asyncio.Queue[Bucket | BaseException | None] = asyncio.Queue()
@@ -71,7 +76,7 @@ class RankSender:
                     raise item
                 yield item
 
-        done = self._future(version)
+        done = self._future(version, fresh=True)
         running = asyncio.run_coroutine_threadsafe(self.publisher.publish(version, stream()), self.loop)
 
         def settle(f: concurrent.futures.Future[common_pb2.WeightsRef]) -> None:
@@ -96,10 +101,13 @@ class RankSender:
             self.loop.call_soon_threadsafe(queue.put_nowait, end)
 
     def result(self, version: int) -> common_pb2.WeightsRef:
-        ref = self._future(version).result()
-        with self._lock:
-            self._results.pop(version, None)
-        return ref
+        done = self._future(version)
+        try:
+            return done.result()
+        finally:  # failed or not: a later attempt at this version gets an entry of its own
+            with self._lock:
+                if self._results.get(version) is done:
+                    del self._results[version]
 
     def close(self, timeout_s: float = 30.0) -> None:
         close = getattr(self.publisher, "close", None)

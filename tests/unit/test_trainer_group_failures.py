@@ -54,6 +54,43 @@ def test_rank_sender_result_fails_rather_than_hangs_when_the_publish_ends_cancel
         sender.close(timeout_s=1.0)
 
 
+class _FailsFirstAttempt:
+    """A publisher whose first publish fails (a peer left mid-broadcast) and whose second, of the
+    same version, succeeds a little later."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def publish(self, version: int, buckets: Any) -> common_pb2.WeightsRef:
+        _ = [b async for b in buckets]
+        self.calls += 1
+        if self.calls == 1:
+            raise Unavailable("a peer left mid-broadcast (attempt 1)")
+        await asyncio.sleep(0.2)
+        return common_pb2.WeightsRef(policy_version=version, total_bytes=self.calls)
+
+
+def test_rank_sender_a_version_sent_again_gets_its_own_outcome_not_the_failed_attempts() -> None:
+    """The loop sends a version again after a failed broadcast (publish_weights(v), published(v)
+    again). The failed attempt's entry outlived its result(), so the second attempt answered with
+    the first one's error at once while the real resend ran unobserved: three such "failures"
+    in milliseconds stopped the run."""
+    from services.trainer.workers import RankSender
+
+    publisher = _FailsFirstAttempt()
+    sender = RankSender(lambda: publisher)  # type: ignore[arg-type,return-value]
+    try:
+        sender.publish(2, iter([]))
+        with pytest.raises(Unavailable, match="attempt 1"):
+            sender.result(2)
+        sender.publish(2, iter([]))  # sent again
+        ref = sender.result(2)
+        assert (ref.policy_version, ref.total_bytes) == (2, 2), "the second attempt's own outcome"
+        assert sender._results == {}, "no entry outlives its result"
+    finally:
+        sender.close(timeout_s=2.0)
+
+
 # ---- RayTrainGroup.publish_weights: every sender done before the version is out --------------------
 
 
