@@ -209,6 +209,7 @@ class TrainerLoop:
         self.weights_version = 0
         """Version of the group's weights: policy_version, or the version being published."""
         self._publishing: asyncio.Task[float] | None = None
+        self._publish_error: BaseException | None = None  # the last publish failure `_settle_publish` raised
         self._prefetch: tuple[int, asyncio.Task[tuple[coordinator_pb2.FetchBatchResponse, float]]] | None = None
         self._training: asyncio.Future[list[StepResult]] | None = None
         """The optimizer steps in flight while a publish settles (overlap): a re-export waits for them."""
@@ -469,7 +470,7 @@ class TrainerLoop:
             try:
                 return await self._collect_once(step)
             except Exception as exc:
-                if not transient(exc):
+                if not transient(exc) or exc is self._publish_error:
                     raise
                 # Groups filtered in this collection go back to the queue with the others; those of
                 # earlier steps are reported again (a repeat is ignored).
@@ -700,10 +701,16 @@ class TrainerLoop:
         )
 
     async def _settle_publish(self) -> None:
-        """Wait for the publish in flight, if any (its failure fails the loop)."""
+        """Wait for the publish in flight, if any (its failure fails the loop: `_collect`, which
+        settles it before a checkpoint or a send-again probe, must not take a transient one for a
+        lost FetchBatch answer)."""
         task, self._publishing = self._publishing, None
         if task is not None:
-            await task
+            try:
+                await task
+            except Exception as exc:
+                self._publish_error = exc
+                raise
 
     async def _cancel_background(self) -> None:
         tasks = [t for t in (self._publishing, self._prefetch[1] if self._prefetch else None) if t is not None]

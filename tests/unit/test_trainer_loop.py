@@ -15,7 +15,7 @@ import torch
 
 from meshrl.v1 import common_pb2
 from services.common.auth import Authorizer, Tokens
-from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, MeshError
+from services.common.errors import DataLoss, DeadlineExceeded, FailedPrecondition, MeshError, Unavailable
 from services.common.grpc_util import LocalContext
 from services.trainer import checkpoints
 from services.trainer.core import LoopSettings, TrainerLoop
@@ -300,6 +300,58 @@ def test_a_version_a_replaced_rollout_rank_waits_for_is_sent_again_when_no_group
         assert loop.step == 5 and pub.attempts == [1, 2, 3] and not pub.again
         assert [c.policy_version for c in coord.commits] == [1, 2, 3]
     assert loop.failed_broadcasts == 0
+
+
+class _FailsBeforeItsAnnounce(InProcessPublisher):
+    """A collective sender whose publish of version 2 fails transiently before its announce (the
+    last version's manifest registration surfacing), once."""
+
+    def __init__(self) -> None:
+        super().__init__(retain_versions=10)
+        self.attempts: list[int] = []
+
+    async def publish(self, version: int, buckets: Any) -> Any:
+        self.attempts.append(version)
+        if version == 2 and self.attempts.count(2) == 1:
+            async for _ in buckets:
+                pass
+            raise Unavailable("registering version 1's manifest: the param server is unavailable")
+        return await super().publish(version, buckets)
+
+
+class _RefillingProbe:
+    """A probe that never wants a version again; the first time it is asked, the rollout has
+    generated more groups (the queue is refilled once, then ends)."""
+
+    def __init__(self, coord: FakeCoordinator) -> None:
+        self.coord = coord
+
+    async def __call__(self, version: int) -> bool:
+        if not self.coord.queue and not self.coord.finite:
+            _fill(self.coord, 4, start=100)
+            self.coord.finite = True
+        return False
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_publish_failure_settled_while_collecting_fails_the_loop_not_a_fetch_resync(tmp_path: Path) -> None:
+    """With the overlap, the send-again probe after an empty fetch settles the publish in flight.
+    Its transient failure was taken for a FetchBatch whose answer was lost: the loop re-synced and
+    went on with its weights one version ahead of the committed one, and failed later on a
+    train_version the coordinator refused. The publish's own error must fail the loop, as it does
+    when the loop settles the publish anywhere else."""
+    coord = FakeCoordinator(finite=False)
+    _fill(coord, 4)
+    group = _group()
+    pub = _FailsBeforeItsAnnounce()
+    asyncio.run(group.start_sender(lambda: pub))
+    loop = TrainerLoop(_settings(tmp_path, overlap=True, trigger_parameter_sync_step=1), group, coord,
+                       RankZeroPublisher(lambda: pub, wanted_again=_RefillingProbe(coord)), fake_algorithm()[0])
+    with pytest.raises(Unavailable, match="registering version 1's manifest"):
+        _run(loop, timeout_s=120)
+    assert loop.state == "failed" and coord.resumes == [0], (loop.state, coord.resumes)
 
 
 @pytest.mark.parametrize("case", ["sent again three times", "three versions in a row", "not announced"])
