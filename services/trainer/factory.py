@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ from .core import Algorithm, LoopSettings, TrainerLoop
 from .engines.base import EngineSpec
 from .group import TrainGroup
 from .publisher import RankZeroPublisher
+from .retry import retry_transient
 
 if TYPE_CHECKING:
     from services.coordinator.client import CoordinatorClient
@@ -318,12 +319,21 @@ def collective_sender(cfg: MeshConfig, run_dir: str, rank: int | None = None) ->
 
     ts = cfg.trainer_service
     use_role(cfg, TRAINER)  # rank 0's process: its param server clients send the trainer token
-    client = coordinator_client(cfg)
+    announce = version_announcer(coordinator_client(cfg), ts.trainer_id, wait_s=ts.coordinator_wait_s)
+    return make_publisher(cfg, run_dir=run_dir, announce=announce, sender_rank=rank)
+
+
+def version_announcer(client: Any, trainer_id: str, *, wait_s: float) -> Callable[[Any], Awaitable[bool]]:
+    """A collective sender's announce: CommitVersion before the broadcast (False: the run is
+    stopping). Retried while the coordinator is being replaced, as the trainer's own commits are
+    (idempotent: the same ref again is a no-op); before, one UNAVAILABLE failed the loop."""
 
     async def announce(ref: Any) -> bool:
-        return not (await client.commit_version(ts.trainer_id, ref)).stopping
+        resp = await retry_transient("CommitVersion (announce)", lambda: client.commit_version(trainer_id, ref),
+                                     wait_s=wait_s)
+        return not resp.stopping
 
-    return make_publisher(cfg, run_dir=run_dir, announce=announce, sender_rank=rank)
+    return announce
 
 
 async def build_trainer(

@@ -240,3 +240,39 @@ def test_check_batch_refuses_out_of_vocabulary_ids_and_non_finite_logprobs() -> 
         check_batch(groups_to_batch([group([3, 4], [-0.1, math.nan])], pad_token_id=0), vocab_size=10)
     # Padding is not a token: a pad id at or above the vocabulary does not trip the check.
     check_batch(groups_to_batch([group([3], [-0.1]), group([3, 4], [-0.1, -0.2])], pad_token_id=99), vocab_size=10)
+
+
+def test_a_collective_senders_announce_waits_out_a_coordinator_being_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collective sender's announce (CommitVersion before the broadcast) met one UNAVAILABLE
+    (the coordinator's replica replaced by Serve) and failed the trainer's loop; the README
+    promises the trainer waits for a restarted coordinator. Retried like the loop's own commits;
+    a non-transient refusal still fails at once."""
+    from meshrl.v1 import common_pb2, coordinator_pb2
+    from services.common.errors import Unavailable
+    from services.trainer import retry
+    from services.trainer.factory import version_announcer
+
+    async def no_sleep(_: float) -> None:
+        return None
+
+    monkeypatch.setattr(retry.asyncio, "sleep", no_sleep)
+
+    class _Coordinator:
+        def __init__(self, errors: list[Exception]) -> None:
+            self.errors, self.calls = errors, 0
+
+        async def commit_version(self, trainer_id: str, ref: common_pb2.WeightsRef) -> coordinator_pb2.CommitVersionResponse:
+            self.calls += 1
+            if self.errors:
+                raise self.errors.pop(0)
+            return coordinator_pb2.CommitVersionResponse(policy_version=ref.policy_version, stopping=ref.policy_version > 2)
+
+    ref = common_pb2.WeightsRef(policy_version=2)
+    restarting = _Coordinator([Unavailable("the coordinator is being replaced"), Unavailable("still")])
+    assert asyncio.run(version_announcer(restarting, "t0", wait_s=60)(ref)) is True and restarting.calls == 3
+    stopping = _Coordinator([])
+    assert asyncio.run(version_announcer(stopping, "t0", wait_s=60)(common_pb2.WeightsRef(policy_version=3))) is False
+    refused = _Coordinator([FailedPrecondition("version 2 is older than the committed 5")])
+    with pytest.raises(FailedPrecondition):
+        asyncio.run(version_announcer(refused, "t0", wait_s=60)(ref))
+    assert refused.calls == 1

@@ -191,13 +191,14 @@ class CollectivePublisher(GroupMember):
 
     async def publish(self, version: int, buckets: Buckets) -> common_pb2.WeightsRef:
         await self.settle()
-        deadline = Deadline(self.timeout_s, f"{self.backend} broadcast of version {version} (group {self.group_name!r})")
         announced = common_pb2.WeightsRef(policy_version=version, param_server_address=self.address)
         if self.announce is not None and await self.announce(announced) is False:
             drained = await drain(buckets)  # the export runs to its end on every rank
             log.warning("broadcast_skipped", transport=self.backend, policy_version=version, buckets=drained,
                         reason="the run is stopping: no rollout will load this version")
             return announced
+        # after the announce, which waits out a coordinator being replaced
+        deadline = Deadline(self.timeout_s, f"{self.backend} broadcast of version {version} (group {self.group_name!r})")
         # Once a version went through, the next starts on the same group at once, like the
         # receivers', its rendezvous in the background: if that answers a new generation (a
         # receiver failed the last version after the sender finished it, and dropped its group)
