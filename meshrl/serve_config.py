@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -157,7 +158,10 @@ def build_serve_config(cfg: MeshConfig, run_dir: Path) -> dict[str, Any]:
     # Secrets never go into the YAML (Serve shows an application's args to whoever can read its
     # config): the apps read every token from the environment variables the comments name.
     cfg, _ = externalize_secrets(cfg)
-    args = {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}
+    # session: the coordinator's, fixed here so that a replica Serve restarts keeps a pending Stop
+    # (without it each replica drew a new one and a restart cancelled `meshrl stop`); a config
+    # generated anew starts a new session, as a new `meshrl train` does.
+    args = {"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "session": uuid.uuid4().hex}
     apps = []
     for name, import_path in APP_IMPORT_PATHS.items():
         app = build_application(import_path, copy.deepcopy(args))

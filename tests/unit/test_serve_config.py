@@ -222,3 +222,29 @@ def test_an_explicit_bytecode_cache_reaches_every_application(tmp_path: Path) ->
     for app in doc["applications"]:
         env = app["runtime_env"]["env_vars"]
         assert env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pyc") and env["PYTHONDONTWRITEBYTECODE"] == ""
+
+
+def test_a_restarted_coordinator_replica_keeps_a_pending_stop(tmp_path: Path) -> None:
+    """The coordinator's session comes from the YAML: a replica Serve restarts builds its core with
+    the same one, so a `meshrl stop` issued before the restart still holds (each replica drew a
+    new session before, and the restart cancelled the Stop). A config generated anew is a new
+    session."""
+    from services.coordinator.factory import build_core
+
+    _, doc = _yaml(tmp_path)
+    args = doc["applications"][0]["args"]
+    assert re.fullmatch(r"[0-9a-f]{32}", args["session"]) and _yaml(tmp_path)[1]["applications"][0]["args"]["session"] != args["session"]
+    cfg = MeshConfig.model_validate(args["config"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    core = build_core(cfg, str(run_dir), "", args["session"])
+    core.stop()
+    assert core.stopping
+    core.ledger.close()
+    restarted = build_core(cfg, str(run_dir), "", args["session"])
+    assert restarted.stopping, "the Stop was lost when the replica restarted"
+    restarted.ledger.close()
+    other = build_core(cfg, str(run_dir), "", "another-session")
+    assert not other.stopping, "a new session continues the run"
+    other.ledger.close()
+
