@@ -153,6 +153,9 @@ def groups_from_request(
         require_id(g.lease_id, f"{where}.lease_id")
         if not g.HasField("prompt"):
             raise InvalidArgument(f"{where}.prompt", "missing (the leased prompt, at least prompt_seq)")
+        if not g.prompt_token_ids:
+            raise InvalidArgument(f"{where}.prompt_token_ids",
+                                  "empty; the trainer needs at least one prompt token before the responses")
         _check_token_ids(g.prompt_token_ids, f"{where}.prompt_token_ids", vocab_size)
         if not g.responses:
             raise InvalidArgument(f"{where}.responses", "empty; a group carries rollout.n responses")

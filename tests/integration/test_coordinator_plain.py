@@ -30,7 +30,7 @@ OVERRIDES = ["coordinator.port=0", "actor_rollout_ref.actor.ppo_mini_batch_size=
 
 
 def _group(lease, n: int = 2, tokens: int = 2) -> common_pb2.TrajectoryGroup:
-    g = common_pb2.TrajectoryGroup(lease_id=lease.lease_id, prompt=lease.prompt)
+    g = common_pb2.TrajectoryGroup(lease_id=lease.lease_id, prompt=lease.prompt, prompt_token_ids=[1, 2])
     for i in range(n):
         g.responses.add(sample_index=i, token_ids=[3] * tokens, logprobs=[-0.5] * tokens, versions=[0] * tokens)
     return g

@@ -23,8 +23,8 @@ TOKEN = "s3cret"
 
 
 def _group(lease, version: int = 0, n: int = 2) -> common_pb2.TrajectoryGroup:
-    g = common_pb2.TrajectoryGroup(lease_id=lease.lease_id, prompt=lease.prompt, min_policy_version=version,
-                                   max_policy_version=version)
+    g = common_pb2.TrajectoryGroup(lease_id=lease.lease_id, prompt=lease.prompt, prompt_token_ids=[1, 2, 3],
+                                   min_policy_version=version, max_policy_version=version)
     for i in range(n):
         g.responses.add(sample_index=i, token_ids=[4, 5, 6], logprobs=[-0.1, -0.2, -0.3], versions=[version] * 3,
                         reward=1.0)
@@ -103,7 +103,8 @@ def test_bad_requests_get_the_right_codes(coordinator_app: str) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await c.lease("r", 100_000)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_groups" in e.value.details()
-            fake = common_pb2.TrajectoryGroup(lease_id="no-such-lease", min_policy_version=0, max_policy_version=0)
+            fake = common_pb2.TrajectoryGroup(lease_id="no-such-lease", prompt_token_ids=[1], min_policy_version=0,
+                                              max_policy_version=0)
             fake.prompt.prompt_seq = 0
             fake.responses.add(token_ids=[1], logprobs=[-1.0], versions=[0])
             fake.responses.add(token_ids=[1], logprobs=[-1.0], versions=[0])

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import sys
 import textwrap
 from collections.abc import Awaitable, Callable, Sequence
@@ -1143,3 +1145,69 @@ def test_a_call_stops_at_the_runs_stop_strings_and_at_its_own(path: str, stream:
         assert r.status_code == 200, r.text
         (req,) = seen.pop().requests
         assert req.sampling.stop == (("</answer>", "\nObservation:") if stop else ("</answer>",)), req.sampling
+
+
+def test_a_group_whose_samples_share_no_prompt_token_fails_with_the_fix_instead_of_reaching_the_trainer() -> None:
+    """Agents whose /v1/completions prompts differ from the first character (a per-sample id or
+    few-shot pick up front) made a group with an empty prompt: the coordinator took it and the
+    trainer, which cannot train a sequence without a prompt token, stopped the run (and the group
+    came back after a restart). The group now fails here, saying what to change, and the
+    coordinator refuses an empty prompt from any rollout."""
+    from meshrl.v1 import coordinator_pb2
+    from services.common.errors import InvalidArgument
+    from services.coordinator.convert import groups_from_request
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        text = "Compute 123+456=" if prompt["sample_index"] == 0 else "What is 123+456? "
+        async with httpx.AsyncClient() as c:
+            r = await c.post(url + "/completions", json={"model": "m", "prompt": text},
+                             headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+        assert (await finish(url, key, {"reward": 1.0})).status_code == 200
+
+    result, ga, _ = asyncio.run(play(agent, [ANSWER], n=2))
+    assert isinstance(result, GatewayGroupFailed) and "share no leading token" in str(result), result
+    assert ga.counters["groups_failed"] == 1
+
+    group = common_pb2.TrajectoryGroup(lease_id="lease-1", prompt=PROMPT, responses=[
+        common_pb2.Response(token_ids=[5, 6], logprobs=[-0.1, -0.2], versions=[0, 0]) for _ in range(2)])
+    with pytest.raises(InvalidArgument, match=r"groups\[0\]\.prompt_token_ids"):
+        groups_from_request(coordinator_pb2.SubmitGroupsRequest(replica_id="rep", groups=[group]),
+                            max_groups=8, max_tokens=1 << 20, expected_n=2)
+
+
+_SPAWNS_A_HELPER = textwrap.dedent("""
+    import json, subprocess, sys, openai
+    prompt = json.load(sys.stdin)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a tool server, say
+    open(sys.argv[1] + f"/child{prompt['sample_index']}", "w").write(str(child.pid))
+    openai.OpenAI(max_retries=0).chat.completions.create(model="m", messages=prompt["messages"])
+    sys.exit(3 if sys.argv[2] == "crash" else 0)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("ending", ["exit0", "crash"])
+def test_what_an_agent_program_started_ends_with_it(tmp_path: Path, ending: str) -> None:
+    """The agent's own processes were killed only at a deadline or cancellation: after a normal
+    exit or a crash its children (tool servers, sandboxes) kept running, holding the replica's
+    resources, for as long as the replica lived."""
+    prog = tmp_path / "agent.py"
+    prog.write_text(_SPAWNS_A_HELPER)
+    try:
+        result, _, _ = asyncio.run(play(None, [ANSWER], n=2, command=[sys.executable, str(prog), str(tmp_path), ending]))
+        assert isinstance(result, common_pb2.TrajectoryGroup if ending == "exit0" else GatewayGroupFailed), result
+    finally:
+        # (after a crash the group fails and the other sample may be stopped before it starts one)
+        pids = [int((tmp_path / f"child{i}").read_text()) for i in range(2) if (tmp_path / f"child{i}").exists()]
+        alive = [p for p in pids if _alive(p)]
+        for p in alive:
+            os.kill(p, signal.SIGKILL)
+    assert pids and not alive, f"the agent's children outlived it: {alive}"

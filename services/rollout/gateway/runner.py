@@ -198,6 +198,12 @@ class GatewayAgent:
                 t.cancel()
             await asyncio.gather(*tasks.values(), *retired, return_exceptions=True)
             self.registry.close_group(g)
+        if g.failure is None and not _common_prefix([s.segments[-1].prompt_ids for s in g.samples]):
+            # the group's prompt is what its samples' prompts share; an empty one reached the
+            # trainer, which cannot train a sequence without a prompt token, and stopped the run
+            g.fail("its samples' prompts share no leading token, so the group has no prompt to train on: start "
+                   "every sample's prompt with the same text (a fixed system prompt or instruction; /v1/completions "
+                   "prompts are encoded without a BOS token)")
         if g.failure is not None:
             self.counters["groups_failed"] += 1
             raise GatewayGroupFailed(f"gateway group {lease_id}: {g.failure}")
@@ -284,9 +290,11 @@ class GatewayAgent:
                     proc.stdin.close()
                 rc = await proc.wait()
             finally:
-                if proc.returncode is None:  # deadline or cancellation: stop the agent and its children
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+                # however the agent ended (exit, crash, deadline, cancellation): what it started (tool
+                # servers, sandboxes) goes with it; its session (it started one) outlived it before
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                if proc.returncode is None:
                     await proc.wait()
             if rc != 0:
                 err.seek(max(0, err.seek(0, os.SEEK_END) - 800))  # the tail only, however much it wrote
