@@ -20,7 +20,7 @@ from services.common.limits import Limits, check_lengths, process_limits
 from services.common.logging import get_logger
 
 from . import convert, wire
-from .core import CoordinatorCore, Status, check_int64
+from .core import Batch, CoordinatorCore, Status, check_int64
 
 log = get_logger(__name__)
 
@@ -46,6 +46,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.core = core
+        # ResumeTrainer calls so far: a FetchBatch that waited across one answers without groups
+        self._resumes = 0
         # the string limits a submitted group's fields are checked against (its bytes pass the
         # interceptor's check unparsed); None: this process's (`use_role`)
         self.limits = limits
@@ -179,6 +181,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         limit = convert.reply_limit(self.max_message_bytes, request)
         deadline = time.monotonic() + request.timeout_ms / 1000.0
         core = self.core
+        resumes = self._resumes
         while (
             (core.queued < request.num_groups or core.paused)
             and not core.exhausted
@@ -186,6 +189,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             and time.monotonic() < deadline
         ):
             await self._wait_change(deadline - time.monotonic())
+        if self._resumes != resumes:
+            # The trainer re-synced while this call waited: it gave this call up (its answer lost
+            # behind a proxy that died, a half-open connection) and collects the step again.
+            # Groups delivered here would reach nobody, and its checkpoint of the step would
+            # mark them consumed: none are delivered.
+            log.warning("fetch_abandoned", trainer_id=request.trainer_id, step=request.step,
+                        reason="a ResumeTrainer came while it waited")
+            return convert.batch_response(Batch([], core.policy_version, core.exhausted, False, core.stopping, 0))
         batch = core.fetch(
             request.trainer_id, request.step, request.num_groups, self.clock(), list(request.filtered_lease_ids),
             train_version, max_reply_bytes=limit,
@@ -220,6 +231,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def ResumeTrainer(self, request: coordinator_pb2.ResumeTrainerRequest, context: Any) -> coordinator_pb2.ResumeTrainerResponse:
         convert.require_id(request.trainer_id, "trainer_id")
         n = self.core.resume_trainer(request.checkpoint_step)
+        self._resumes += 1
         log.info("trainer_resumed", checkpoint_step=request.checkpoint_step, requeued=n)
         self._notify()
         return coordinator_pb2.ResumeTrainerResponse(requeued=n, policy_version=self.core.policy_version)

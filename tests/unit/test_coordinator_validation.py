@@ -263,3 +263,35 @@ def test_a_reply_limit_too_small_for_any_reply_is_refused_by_name(limit: int) ->
     assert err.value.field == "max_reply_bytes"
     assert convert.reply_limit(64 << 20, coordinator_pb2.LeasePromptsRequest(max_reply_bytes=1 << 20)) == 1 << 20
 
+
+
+def test_a_fetch_that_waited_across_a_resume_trainer_delivers_nothing(tmp_path: Path) -> None:
+    """A FetchBatch outlives its caller (the proxy that carried it died, a half-open connection);
+    the trainer sees the call fail, re-syncs (ResumeTrainer) and collects the step again. The
+    old call, still waiting, took the next groups into a reply nobody read, and the trainer's
+    checkpoint of that step marked them consumed: trained by nobody, and the audit balanced."""
+    import asyncio
+
+    core = make_core(tmp_path / "l.db", mini_batch=4, staleness=1.0)
+    sv = CoordinatorServicer(core, sampling=common_pb2.SamplingParams(n=2))
+
+    def fetch() -> coordinator_pb2.FetchBatchRequest:
+        return coordinator_pb2.FetchBatchRequest(trainer_id="t", step=1, num_groups=2, timeout_ms=3000)
+
+    async def main() -> tuple[list[str], list[str]]:
+        abandoned = asyncio.ensure_future(sv.FetchBatch(fetch(), LocalContext()))
+        await asyncio.sleep(0.05)
+        await sv.ResumeTrainer(coordinator_pb2.ResumeTrainerRequest(trainer_id="t", checkpoint_step=0), LocalContext())
+        again = asyncio.ensure_future(sv.FetchBatch(fetch(), LocalContext()))
+        await asyncio.sleep(0.05)
+        grant = core.lease("r", 4, 0.0)
+        core.submit("r", [group_for(x.lease_id, x.seq, 0) for x in grant.leases], 0.0)
+        sv._notify()
+        lost, got = (await abandoned).parse(), (await again).parse()
+        return [g.lease_id for g in lost.groups], [g.lease_id for g in got.groups]
+
+    lost, got = asyncio.run(main())
+    assert lost == [] and len(got) == 2, (lost, got)
+    core.report_checkpoint(1, 0, "/ckpt/1")
+    status = core.status(0.0)
+    assert status.totals.consumed == 2 and status.queued == 2, "only the groups the trainer got are consumed"
