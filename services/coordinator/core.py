@@ -187,7 +187,9 @@ class _Delivered:
     step: int
     staleness: int
     qpos: int
-    payload: bytes | None
+    # whether the ledger keeps its payload (for ResumeTrainer to queue it again); the bytes stay in
+    # the ledger only: held here too, a run without checkpoints grew by every group it trained
+    has_payload: bool
 
     @property
     def train_version(self) -> int:
@@ -394,7 +396,7 @@ class CoordinatorCore:
             self._queue[g.group_id] = _Queued(g.group_id, g.lease_id, g.seq, g.min_version, g.qpos, g.payload)
         for g in snap.delivered:
             self._delivered[g.lease_id] = _Delivered(
-                g.group_id, g.lease_id, g.seq, g.min_version, g.step, g.staleness, g.qpos, g.payload
+                g.group_id, g.lease_id, g.seq, g.min_version, g.step, g.staleness, g.qpos, g.payload is not None
             )
             self._ahead += int(self._delivered[g.lease_id].train_version > state.policy_version)
         self._next_group_id = snap.max_group_id + 1
@@ -840,7 +842,7 @@ class CoordinatorCore:
                 reply_bytes += size
             delivered.append(DeliveredGroup(q.lease_id, q.seq, staleness, q.payload))
             delivered_rows.append(
-                _Delivered(q.group_id, q.lease_id, q.seq, q.min_version, step, staleness, q.qpos, q.payload if keep else None)
+                _Delivered(q.group_id, q.lease_id, q.seq, q.min_version, step, staleness, q.qpos, keep)
             )
         if version > current:
             ahead += len(delivered_rows)
@@ -862,7 +864,7 @@ class CoordinatorCore:
         if delivered_rows or untrained or stale or s.trainer_step != self._state.trainer_step:
             with self.ledger.transaction():
                 self.ledger.deliver_groups(
-                    (d.group_id, d.step, d.staleness, d.payload is not None) for d in delivered_rows
+                    (d.group_id, d.step, d.staleness, d.has_payload) for d in delivered_rows
                 )
                 self.ledger.set_group_state([f.group_id for f in filtered_rows] + [g for g, _, _, _ in consumed_filtered],
                                             GroupState.FILTERED, drop_payload=True)
@@ -978,16 +980,18 @@ class CoordinatorCore:
                         last_checkpoint_step=self._state.last_checkpoint_step, groups_regenerated=len(rolled_back),
                         note="the groups of the steps in between go back to the rollouts as prompts")
         back = sorted((d for d in self._delivered.values() if d.step > checkpoint_step), key=lambda d: d.qpos)
-        with_payload = [d for d in back if d.payload is not None]
-        without = [d for d in back if d.payload is None]
+        with_payload = [d for d in back if d.has_payload]
+        without = [d for d in back if not d.has_payload]
+        payloads = self.ledger.payloads([d.group_id for d in with_payload])
         moves: list[tuple[int, int]] = []
         head: OrderedDict[int, _Queued] = OrderedDict()
         s = self._state.copy()
         base = s.min_qpos - len(with_payload)
         for i, d in enumerate(with_payload):
-            assert d.payload is not None
+            payload = payloads.get(d.group_id)
+            assert payload is not None, f"delivered group {d.group_id} lost its payload in the ledger"
             qpos = base + i
-            head[d.group_id] = _Queued(d.group_id, d.lease_id, d.seq, d.min_version, qpos, d.payload)
+            head[d.group_id] = _Queued(d.group_id, d.lease_id, d.seq, d.min_version, qpos, payload)
             moves.append((d.group_id, qpos))
         s.min_qpos = min(s.min_qpos, base)
         for d in back:

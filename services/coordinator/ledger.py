@@ -277,10 +277,12 @@ class Ledger:
         ]
         retry = [(r[0], r[1]) for r in self._db.execute("SELECT seq, reason FROM retry ORDER BY rid")]
 
-        def groups(state_: GroupState, order: str) -> list[GroupRow]:
+        def groups(state_: GroupState, order: str, payload: str = "payload") -> list[GroupRow]:
             return [
                 GroupRow(r[0], r[1], r[2], GroupState(r[3]), r[4], r[5], r[6], r[7], r[8], r[9])
-                for r in self._db.execute(f"SELECT * FROM groups WHERE state = ? ORDER BY {order}", (int(state_),))
+                for r in self._db.execute(
+                    "SELECT group_id, lease_id, seq, state, min_version, max_version, step, staleness, qpos, "
+                    f"{payload} FROM groups WHERE state = ? ORDER BY {order}", (int(state_),))
             ]
 
         max_gid = self._db.execute("SELECT COALESCE(MAX(group_id), 0) FROM groups").fetchone()[0]
@@ -291,11 +293,23 @@ class Ledger:
             active_leases=leases,
             retry=retry,
             queued=groups(GroupState.QUEUED, "qpos"),
-            delivered=groups(GroupState.DELIVERED, "qpos"),
+            # a delivered group's payload is read when it is queued again (payloads()): b"" marks one kept
+            delivered=groups(GroupState.DELIVERED, "qpos", payload="CASE WHEN payload IS NULL THEN NULL ELSE X'' END"),
             max_group_id=int(max_gid),
             prompt_failures=failures,
             set_aside=aside,
         )
+
+    def payloads(self, group_ids: Iterable[int]) -> dict[int, bytes]:
+        """The stored payloads of these groups (those that keep one)."""
+        ids = list(group_ids)
+        out: dict[int, bytes] = {}
+        for i in range(0, len(ids), 500):  # under SQLite's limit of host parameters per statement
+            chunk = ids[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            out.update((r[0], r[1]) for r in self._db.execute(
+                f"SELECT group_id, payload FROM groups WHERE group_id IN ({marks}) AND payload IS NOT NULL", chunk))
+        return out
 
     def count_groups(self) -> dict[str, int]:
         return {

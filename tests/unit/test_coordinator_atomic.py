@@ -81,7 +81,7 @@ def snapshot(core: CoordinatorCore) -> dict[str, Any]:
         "retry": list(core._retry),
         "queue": [(k, q.lease_id, q.seq, q.min_version, q.qpos, digest(q.payload)) for k, q in core._queue.items()],
         "delivered": sorted(
-            (k, d.group_id, d.seq, d.min_version, d.step, d.staleness, d.qpos, digest(d.payload))
+            (k, d.group_id, d.seq, d.min_version, d.step, d.staleness, d.qpos, d.has_payload)
             for k, d in core._delivered.items()
         ),
         "ahead": core._ahead,

@@ -656,3 +656,29 @@ def test_ended_leases_are_looked_up_in_the_ledger_not_kept_in_memory(tmp_path: P
     with pytest.raises(NotFound):
         core.submit("r", [group_for("no-such-lease", 1, 0)], 2.0)
     assert core.audit()["balanced"]
+
+
+def test_delivered_groups_keep_their_payload_in_the_ledger_only_and_a_resume_queues_them_again(tmp_path: Path) -> None:
+    """Until a checkpoint, a delivered group's payload is kept for ResumeTrainer. It was kept in
+    the coordinator's memory as well as the ledger, and read back into memory on a restart: a run
+    without checkpoints (the default save_freq=-1) held every group it trained, and a coordinator
+    that died of it died again on restart. The bytes now stay in the ledger; a resume (after a
+    restart too) queues the same bytes again, in order."""
+    path = tmp_path / "l.db"
+    core = make_core(path, mini_batch=4, staleness=1.0)
+    grant = core.lease("r", 4, 0.0)
+    sent = [group_for(x.lease_id, x.seq, 0) for x in grant.leases]
+    core.submit("r", sent, 0.0)
+    batch = core.fetch("t", 1, 4, 0.0, [], None)
+    assert [g.payload for g in batch.groups] == [g.payload for g in sent]
+    assert all(d.has_payload for d in core._delivered.values())
+    assert not any(isinstance(v, bytes) for d in core._delivered.values() for v in vars(d).values()), \
+        "a delivered group's bytes are held in memory"
+    core.ledger.close()
+
+    restarted = make_core(path, mini_batch=4, staleness=1.0)
+    assert not any(isinstance(v, bytes) for d in restarted._delivered.values() for v in vars(d).values())
+    assert restarted.resume_trainer(0) == 4
+    again = restarted.fetch("t", 1, 4, 0.0, [], None)
+    assert [(g.lease_id, g.payload) for g in again.groups] == [(g.lease_id, g.payload) for g in sent]
+    assert restarted.audit()["balanced"]
