@@ -290,8 +290,8 @@ class GatewayAgent:
                     proc.stdin.close()
                 rc = await proc.wait()
             finally:
-                # however the agent ended (exit, crash, deadline, cancellation): what it started (tool
-                # servers, sandboxes) goes with it; its session (it started one) outlived it before
+                # however the agent ended (exit, crash, deadline, cancellation), what it started (tool
+                # servers, sandboxes) ends with it: they ran on for the replica's life otherwise
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 if proc.returncode is None:
