@@ -24,6 +24,7 @@ from services.trainer.group import LocalTrainGroup
 from services.trainer.publisher import RankZeroPublisher
 from services.trainer.servicer import TrainerServicer
 from services.weights.in_process import InProcessPublisher
+from services.weights.protocols import drain
 from tests.unit.fsdp_helpers import build, make_spec
 from tests.unit.trainer_fakes import FakeCoordinator, fake_algorithm, make_group
 
@@ -313,8 +314,7 @@ class _FailsBeforeItsAnnounce(InProcessPublisher):
     async def publish(self, version: int, buckets: Any) -> Any:
         self.attempts.append(version)
         if version == 2 and self.attempts.count(2) == 1:
-            async for _ in buckets:
-                pass
+            await drain(buckets)  # the export runs to its end, as a sender's does
             raise Unavailable("registering version 1's manifest: the param server is unavailable")
         return await super().publish(version, buckets)
 
@@ -333,7 +333,7 @@ class _RefillingProbe:
         return False
 
     async def close(self) -> None:
-        pass
+        """Nothing to release (the real probe closes its channel)."""
 
 
 def test_a_publish_failure_settled_while_collecting_fails_the_loop_not_a_fetch_resync(tmp_path: Path) -> None:

@@ -198,24 +198,27 @@ class GatewayAgent:
                 t.cancel()
             await asyncio.gather(*tasks.values(), *retired, return_exceptions=True)
             self.registry.close_group(g)
-        if g.failure is None and not _common_prefix([s.segments[-1].prompt_ids for s in g.samples]):
-            # the group's prompt is what its samples' prompts share; an empty one reached the
-            # trainer, which cannot train a sequence without a prompt token, and stopped the run
+        # the group's prompt: what its samples' last segments' prompts share
+        shared = _common_prefix([s.segments[-1].prompt_ids for s in g.samples]) if g.failure is None else 0
+        if g.failure is None and not shared:
+            # an empty one reached the trainer, which cannot train a sequence without a prompt
+            # token, and stopped the run
             g.fail("its samples' prompts share no leading token, so the group has no prompt to train on: start "
                    "every sample's prompt with the same text (a fixed system prompt or instruction; /v1/completions "
                    "prompts are encoded without a BOS token)")
         if g.failure is not None:
             self.counters["groups_failed"] += 1
             raise GatewayGroupFailed(f"gateway group {lease_id}: {g.failure}")
-        group = self._build(g, prompt, lease_id, replica_id, version(), time.monotonic() - t0)
+        group = self._build(g, prompt, shared, lease_id, replica_id, version(), time.monotonic() - t0)
         await self._rewards(group, g, spec)
         self.counters["groups"] += 1
         return group
 
-    def _build(self, g: GroupSession, prompt: common_pb2.Prompt, lease_id: str, replica_id: str, version: int,
-               gen_s: float) -> common_pb2.TrajectoryGroup:
+    def _build(self, g: GroupSession, prompt: common_pb2.Prompt, shared: int, lease_id: str, replica_id: str,
+               version: int, gen_s: float) -> common_pb2.TrajectoryGroup:
+        """The group; `shared`: how many leading tokens its samples' last prompts share (its prompt)."""
         last = [s.segments[-1] for s in g.samples]
-        prompt_ids = last[0].prompt_ids[: _common_prefix([seg.prompt_ids for seg in last])]
+        prompt_ids = last[0].prompt_ids[:shared]
         trajectories = []
         for s, seg in zip(g.samples, last, strict=True):
             t = Trajectory(index=s.index)
