@@ -163,7 +163,10 @@ class EnvironmentService(environment_pb2_grpc.EnvironmentServiceServicer):
         await self._auth(context)
         s = self.sessions.get(request.session_id)
         if s is None:
-            return environment_pb2.CloseResponse()
+            # Unknown (never started, or lost in a restart): an empty answer would be taken as
+            # "no final reward", and the trajectory trained without it.
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
+            raise AssertionError("unreachable")
         if s.closed is None:
             s.closed = environment_pb2.CloseResponse(reward=s.episode.reward(), metrics={"calls": float(s.episode.calls)})
             # Keep the answer for a repeated Close a little while, then forget the session.

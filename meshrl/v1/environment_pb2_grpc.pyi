@@ -44,10 +44,13 @@ class EnvironmentServiceStub:
     Delivery is at-least-once: a call that timed out is sent again. So Start is idempotent by
     session_id (a second Start returns the first answer), Step by (session_id, turn) (the same
     turn again returns the stored answer without acting twice; turn k+1 may only follow turn k),
-    and Close by session_id. Status codes: INVALID_ARGUMENT for a malformed request (surfaced, not
-    retried), NOT_FOUND for an unknown or expired session, FAILED_PRECONDITION for a turn out of
-    order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
-    endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
+    and Close by session_id (a repeated Close returns the first answer, or NOT_FOUND once the server
+    no longer keeps it). Status codes: INVALID_ARGUMENT for a malformed request (surfaced, not
+    retried), NOT_FOUND for an unknown or expired session (on Close too: never an empty answer, which
+    would train the trajectory without its final reward; the rollout re-queues the prompt),
+    FAILED_PRECONDITION for a turn out of order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary
+    trouble (retried with backoff; after the endpoint's budget the trajectory's prompt is re-queued,
+    never scored as zero).
 
     Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
     sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`
@@ -91,10 +94,13 @@ class EnvironmentServiceAsyncStub(EnvironmentServiceStub):
     Delivery is at-least-once: a call that timed out is sent again. So Start is idempotent by
     session_id (a second Start returns the first answer), Step by (session_id, turn) (the same
     turn again returns the stored answer without acting twice; turn k+1 may only follow turn k),
-    and Close by session_id. Status codes: INVALID_ARGUMENT for a malformed request (surfaced, not
-    retried), NOT_FOUND for an unknown or expired session, FAILED_PRECONDITION for a turn out of
-    order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
-    endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
+    and Close by session_id (a repeated Close returns the first answer, or NOT_FOUND once the server
+    no longer keeps it). Status codes: INVALID_ARGUMENT for a malformed request (surfaced, not
+    retried), NOT_FOUND for an unknown or expired session (on Close too: never an empty answer, which
+    would train the trajectory without its final reward; the rollout re-queues the prompt),
+    FAILED_PRECONDITION for a turn out of order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary
+    trouble (retried with backoff; after the endpoint's budget the trajectory's prompt is re-queued,
+    never scored as zero).
 
     Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
     sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`
@@ -134,10 +140,13 @@ class EnvironmentServiceServicer(metaclass=_abc_1.ABCMeta):
     Delivery is at-least-once: a call that timed out is sent again. So Start is idempotent by
     session_id (a second Start returns the first answer), Step by (session_id, turn) (the same
     turn again returns the stored answer without acting twice; turn k+1 may only follow turn k),
-    and Close by session_id. Status codes: INVALID_ARGUMENT for a malformed request (surfaced, not
-    retried), NOT_FOUND for an unknown or expired session, FAILED_PRECONDITION for a turn out of
-    order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble (retried with backoff; after the
-    endpoint's budget the trajectory's prompt is re-queued, never scored as zero).
+    and Close by session_id (a repeated Close returns the first answer, or NOT_FOUND once the server
+    no longer keeps it). Status codes: INVALID_ARGUMENT for a malformed request (surfaced, not
+    retried), NOT_FOUND for an unknown or expired session (on Close too: never an empty answer, which
+    would train the trajectory without its final reward; the rollout re-queues the prompt),
+    FAILED_PRECONDITION for a turn out of order, UNAVAILABLE / RESOURCE_EXHAUSTED for temporary
+    trouble (retried with backoff; after the endpoint's budget the trajectory's prompt is re-queued,
+    never scored as zero).
 
     Auth: when the endpoint has a token (its own `token` / `token_env`; meshrl's role tokens are never
     sent unless `token_env` names one), every call carries the metadata `authorization: Bearer <token>`

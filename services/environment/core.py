@@ -12,7 +12,8 @@ method must act once per key and answer repeats from what it stored. Calls racin
 (a retry while the first attempt still runs) share the first attempt's result. A session that
 sees no call for `session_ttl_s` (its rollout died) is closed by `expire()`. Closed sessions'
 answers are kept for a while (`closed_keep`) so a repeated Close still gets its reward, or the
-error its close failed with (never an empty reward the trajectory would be trained on). A close
+error its close failed with (never an empty reward the trajectory would be trained on). A Close
+of a session the table does not know is NotFound for the same reason. A close
 waits `close_wait_s` at most for the session's calls still running (a hung tool), then cancels
 them: one stuck session never holds the others' expiry up.
 
@@ -191,7 +192,11 @@ class SessionTable:
             return answer
         s = self._open.get(session_id)
         if s is None:
-            return CloseResult()  # never started (or expired): nothing to release
+            # Never started here, or lost (this server restarted mid-episode; its answer is no
+            # longer kept): the close reward is unknown, and an empty answer would have the
+            # trajectory trained without it. The rollout's clean-up closes ignore this.
+            raise NotFound(f"no session {session_id!r} (never started, lost in a restart of this server, or closed "
+                           f"before the last {self.closed_keep} closes kept); its reward is unknown")
         if s.closing is None:
             s.closing = asyncio.ensure_future(self._close(session_id, s))
         return await asyncio.shield(s.closing)

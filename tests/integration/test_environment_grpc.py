@@ -17,7 +17,7 @@ import grpc.aio
 import pytest
 
 from meshrl.v1 import environment_pb2 as pb
-from services.common.errors import BadReply, InvalidArgument, Unauthenticated, Unavailable
+from services.common.errors import BadReply, InvalidArgument, NotFound, Unauthenticated, Unavailable
 from services.common.serve_util import free_port
 from services.environment.base import EnvPrompt, Message, ToolCall
 from services.environment.client import RemoteEnvironment
@@ -145,6 +145,36 @@ def test_down_then_up_retries_and_completes() -> None:
         finally:
             await env.aclose()
             await stop(proc)
+
+    asyncio.run(go())
+
+
+def test_a_restart_between_the_last_step_and_close_answers_not_found_not_an_empty_reward() -> None:
+    """The restarted server lost the session: Close is NOT_FOUND (the agent loop fails the group and
+    its prompt goes back), never an empty CloseResponse the trajectory would be trained on. The
+    example server in another language's place keeps the same rule."""
+    async def go() -> None:
+        port = free_port()
+        proc, address = await start_cli_server(port=port)
+        env = RemoteEnvironment(endpoint(address, max_wait_s=60))
+        example, example_address = await start_example()
+        other = RemoteEnvironment(endpoint(example_address, name="example"))
+        try:
+            await env.start("R/0", PROMPT)
+            assert (await env.step("R/0", 0, "", ADD)).messages[0].content == "579"
+            await stop(proc)
+            proc, _ = await start_cli_server(port=port)
+            with pytest.raises(NotFound, match=r"environment endpoint 'calc'.*'R/0'.*reward is unknown"):
+                await env.close("R/0")
+            await other.start("E/0", PROMPT)
+            assert (await other.close("E/0")).reward == 0.0
+            with pytest.raises(NotFound, match="no session 'E/1'"):
+                await other.close("E/1")
+        finally:
+            for e in (env, other):
+                await e.aclose()
+            await stop(proc)
+            await stop(example)
 
     asyncio.run(go())
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from meshrl.v1 import common_pb2, coordinator_pb2
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.tiny import build_tokenizer
 from services.coordinator.convert import groups_from_request
 from services.environment.base import CloseResult, Environment, EnvPrompt, Message, StartResult, StepResult, ToolCall
@@ -330,6 +330,21 @@ def test_an_environment_failure_fails_the_group_and_closes_every_session(tok: An
     with pytest.raises(Unavailable, match="environment endpoint"):
         _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), env, SamplingSpec(n=3, max_tokens=50))
     assert env.open == set()
+
+
+def test_a_session_the_environment_lost_before_its_close_fails_the_group(tok: Any) -> None:
+    """The environment server restarted after the last Step: Close answers NotFound (its reward is
+    unknown). The group fails (the worker gives its lease back) rather than train the trajectory
+    without its close reward."""
+    class LostOnClose(ScriptedEnv):
+        async def close(self, session_id: str) -> CloseResult:
+            self.open.discard(session_id)
+            raise NotFound(f"no session {session_id!r} (lost in a restart of this server); its reward is unknown")
+
+    env = LostOnClose(done_at=0)
+    with pytest.raises(NotFound, match="reward is unknown"):
+        _run(tok, ScriptedEngine(tok, ["579<|im_end|>"]), env, SamplingSpec(n=2, max_tokens=50))
+    assert env.steps == 2 and env.open == set()
 
 
 def test_a_group_that_fails_or_is_cancelled_before_its_turns_closes_every_started_session(tok: Any) -> None:

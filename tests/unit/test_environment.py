@@ -96,7 +96,10 @@ def test_session_table_acts_once_per_key() -> None:
             await table.step("s", 2, "x", [])
         with pytest.raises(NotFound):
             await table.step("never", 0, "x", [])
-        assert (await table.close("never")) == CloseResult()
+        # Never started, or lost: the close reward is unknown, so no empty answer (the trajectory
+        # would be trained without it).
+        with pytest.raises(NotFound, match="its reward is unknown"):
+            await table.close("never")
 
     asyncio.run(go())
 
@@ -195,6 +198,28 @@ def test_a_failed_close_fails_its_repeats_too_never_an_empty_reward() -> None:
         with pytest.raises(FailedPrecondition, match="reward is unknown"):
             await table.close("s")
         assert env.closes == ["s"] and table.open_sessions == 0
+
+    asyncio.run(go())
+
+
+def test_a_close_the_table_cannot_answer_is_not_found_never_an_empty_reward() -> None:
+    """A server restarted between a session's last Step and its Close, or a repeat of a Close whose
+    answer is no longer kept: the reward is unknown, and CloseResult(reward=None) would have the
+    trajectory trained without it. The rollout fails the group on NotFound (its prompt goes back)."""
+    async def go() -> None:
+        env = CountingEnv()
+        table = SessionTable(env, closed_keep=1)
+        for sid in ("a", "b"):
+            await table.start(sid, EnvPrompt())
+            await table.step(sid, 0, "x", [])
+        restarted = SessionTable(env)
+        with pytest.raises(NotFound, match="lost in a restart"):
+            await restarted.close("a")
+        assert (await table.close("a")).reward == 1.0 and (await table.close("b")).reward == 1.0
+        assert (await table.close("b")).reward == 1.0  # the kept answer
+        with pytest.raises(NotFound, match="its reward is unknown"):
+            await table.close("a")  # its answer gave way to b's
+        assert env.closes == ["a", "b"]
 
     asyncio.run(go())
 

@@ -182,8 +182,8 @@ class AgentLoop:
                 samples.append(_Sample(i, sid, start, msgs, renderer, ids))
         except BaseException:
             # Every session, also one whose start failed here but may have landed (a timed-out
-            # call): closing one never started is a no-op. Shielded: a cancelled group (drain,
-            # stop) still frees the environment's sessions.
+            # call); one never started answers NotFound, ignored here. Shielded: a cancelled group
+            # (drain, stop) still frees the environment's sessions.
             await asyncio.shield(asyncio.gather(*(env.close(sid) for sid in sids), return_exceptions=True))
             raise
         # Samples whose environment starts them differently share the common prefix as the
