@@ -61,13 +61,6 @@ R = TypeVar("R", bound=Message)
 RETRYABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
 )
-# gRPC's own reconnect backoff grows to 120 s by default; keep it short so a recovered endpoint is
-# seen by the next probe.
-_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 
 
 class EndpointError(MeshError):
@@ -224,7 +217,7 @@ class ResilientEndpoint:
     def _callable(self, method: str) -> Any:
         if self._channel is None:
             cfg = self.cfg
-            options = [*message_options(), *_RECONNECT_OPTIONS]
+            options = message_options()  # its short reconnect backoff: a recovered endpoint is seen by the next probe
             if cfg.tls:
                 roots = Path(cfg.ca_file).read_bytes() if cfg.ca_file else None
                 if cfg.tls_server_name:

@@ -71,8 +71,8 @@ def _ms(seconds: float) -> int:
 def message_options(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *, keepalive: Keepalive | None = None, ingress: bool = False
 ) -> list[tuple[str, Any]]:
-    """Channel options: symmetric size limits, and keepalive that the far side accepts (a meshrl
-    server, or with INGRESS Ray Serve's proxy; see the module docstring)."""
+    """Channel options: symmetric size limits, keepalive that the far side accepts (a meshrl
+    server, or with INGRESS Ray Serve's proxy; see the module docstring), a short reconnect backoff."""
     k = keepalive or Keepalive()
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -81,6 +81,11 @@ def message_options(
         ("grpc.keepalive_timeout_ms", _ms(k.timeout_s)),
         ("grpc.keepalive_permit_without_calls", 0 if ingress else 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # gRPC's own reconnect backoff grows to 120 s by default: a service that Serve replaced (or
+        # one that came up late) would fail its callers' retries for minutes after it is back.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
 
 
