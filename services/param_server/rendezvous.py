@@ -22,6 +22,9 @@ told so (it should fetch the newer one) instead of joining a broadcast it would 
 sender waiting for a version that a receiver already skipped (it checked in for a newer one
 only) is told so at once instead of at its deadline.
 
+Generations are never reused, also across a restart of the param server (its board starts from
+the wall clock): a member still holding an old generation's group always rebuilds.
+
 A member that is gone holds its rank until the group re-forms, and the group's size is fixed, so
 its replacement finds the group full. A newcomer to a full group therefore takes the place of a
 member the sender waits for (not checked in for the sender's version) that the board has not
@@ -97,9 +100,12 @@ class Assignment:
 
 
 class RendezvousBoard:
-    def __init__(self, *, replace_after_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, replace_after_s: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 first_generation: int = 1) -> None:
         self._groups: dict[str, GroupState] = {}
         self._generations: dict[str, int] = {}
+        self.first_generation = first_generation
+        """Every group's first generation (the param server's: unique to this board, module docstring)."""
         self._seen: dict[tuple[str, str], float] = {}
         """(group, receiver) -> when its last check-in came (the board's clock)."""
         self.replace_after_s = replace_after_s
@@ -131,7 +137,7 @@ class RendezvousBoard:
         return state
 
     def _next_generation(self, group: str) -> int:
-        gen = self._generations.get(group, 0) + 1
+        gen = self._generations.get(group, self.first_generation - 1) + 1
         self._generations[group] = gen
         return gen
 

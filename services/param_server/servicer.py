@@ -91,7 +91,10 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
         self.max_concurrent_uploads = max_concurrent_uploads
         self.uploads_in_flight = 0
         self.auth = auth
-        self.board = RendezvousBoard(replace_after_s=stall_timeout_s)
+        # Generations numbered from the wall clock (µs): a restarted param server never answers a
+        # generation its members still hold from before (they would keep their old process group
+        # under ranks the new board handed out anew, and rebuild on the old store prefix).
+        self.board = RendezvousBoard(replace_after_s=stall_timeout_s, first_generation=time.time_ns() // 1000)
         self._io = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="ps-io")
         self._changed = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None

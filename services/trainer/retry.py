@@ -13,45 +13,15 @@ Which calls are retried, and why each is safe:
 
 Only transient failures (services.common.errors.transient: UNAVAILABLE, DEADLINE_EXCEEDED, a
 replica that died under the call) are retried, with backoff, for up to
-`trainer_service.coordinator_wait_s`; anything else fails the loop at once.
+`trainer_service.coordinator_wait_s` (services/common/retry.py); anything else fails the loop at once.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import functools
 
-from services.common.errors import first_cause, transient
-from services.common.logging import get_logger
+from services.common import retry
 
-log = get_logger(__name__)
-
-T = TypeVar("T")
-
-
-async def retry_transient(
-    what: str, call: Callable[[], Awaitable[T]], *, wait_s: float, first_error: BaseException | None = None,
-    before: Callable[[], Awaitable[None]] | None = None,
-) -> T:
-    """`await call()` until it succeeds, retrying transient failures with backoff (0.5 s doubling
-    to 5 s) for up to WAIT_S. FIRST_ERROR: a failure already seen (the first call is then a retry).
-    BEFORE: awaited before each attempt."""
-    deadline = time.monotonic() + wait_s
-    delay = 0.5
-    error = first_error
-    while True:
-        if error is not None:
-            if not transient(error) or time.monotonic() + delay > deadline:
-                raise error
-            log.warning("retrying", call=what, error=first_cause(error), retry_in_s=delay,
-                        hint="a service is being replaced (trainer_service.coordinator_wait_s bounds the wait)")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
-        if before is not None:
-            await before()
-        try:
-            return await call()
-        except Exception as exc:  # noqa: BLE001 -- classified above: only transient failures are retried
-            error = exc
+retry_transient = functools.partial(
+    retry.retry_transient, hint="a service is being replaced (trainer_service.coordinator_wait_s bounds the wait)"
+)

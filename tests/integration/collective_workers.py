@@ -62,7 +62,7 @@ def _hanging(seed: int, hang_s: float) -> Iterator[list[tuple[str, torch.Tensor]
 
 
 def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any, timeout_s: float,
-           notify: Any = None, receivers: int = 1, stall_s: float | None = None) -> None:
+           notify: Any = None, receivers: int = 1, stall_s: float | None = None, down: Any = None) -> None:
     """Publish each (version, mode): mode "ok", "many" (make_many_buckets), "split" (the first
     bucket travels as two), "hang", "announce" (tell the receiver through `notify` first, as the
     trainer's CommitVersion tells rollouts through the coordinator), "generation" (the count is
@@ -70,7 +70,8 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
     "generation"; a failed publish is reported, with its seconds as the count, and the version
     published again, as the trainer does when a peer broke a broadcast off) or "standby" (ask the
     param server's probe until it says the version must go again, as the trainer does while no
-    groups come, then publish it again, as "generation")."""
+    groups come, then publish it again, as "generation") or "after_down" (wait until the harness
+    stopped the param server (`down`), then as "generation")."""
     from services.weights.transports.collective import CollectivePublisher, SendAgainProbe
 
     async def main() -> None:
@@ -87,6 +88,9 @@ def sender(address: str, backend: str, plan: list[tuple[int, str]], results: Any
             try:
                 device = "cuda" if backend == "nccl" else "cpu"
                 buckets = _hanging(version, timeout_s + 2) if mode == "hang" else buckets_for(version, mode, device)
+                if mode == "after_down":
+                    await asyncio.to_thread(down.wait, 60)
+                    mode = "generation"
                 if mode == "standby":
                     probe = SendAgainProbe(address, ["test"])
                     try:
@@ -234,27 +238,34 @@ def keep_result(got: dict, result: tuple) -> None:
 
 def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: float = 240.0,
              more_receivers: tuple[list, ...] = (), *, sender_timeout_s: float = 8.0, group_receivers: int = 0,
-             stall_timeout_s: float = 60.0, peer_stall_s: float | None = None) -> dict:
+             stall_timeout_s: float = 60.0, peer_stall_s: float | None = None, late_start_s: float = 0.0,
+             restart_after: int = 0, down_s: float = 2.0) -> dict:
     """Run a sender and a receiver process (and one more per plan in `more_receivers`, whose
     results are keyed "recv1", "recv2", ...) against a param server in this process; returns
     {(role, version): (outcome, count), "versions": [...]}. The group has `group_receivers`
     receivers (0: every receiver process). `stall_timeout_s` is the param server's (the
-    rendezvous' silence bound), `peer_stall_s` the members' (a step's wait on a peer)."""
+    rendezvous' silence bound), `peer_stall_s` the members' (a step's wait on a peer). With
+    `late_start_s`, the param server starts that long after the first result came (the workers
+    are up: a receiver in "retry" mode reports the fetch that found none); with `restart_after`, once the sender and the
+    first receiver reported that version it is stopped (the sender's "after_down" goes on then)
+    and a new, empty one starts on its address `down_s` later, as Serve replaces a replica."""
     from services.common.config.param_server import ParamServerConfig
+    from services.common.serve_util import free_port
     from services.param_server.server import ParamServerServer
 
     async def main() -> dict:
-        server = ParamServerServer(ParamServerConfig(port=0, stall_timeout_s=stall_timeout_s))
-        await server.start()
+        port = free_port()
+        config = ParamServerConfig(port=port, stall_timeout_s=stall_timeout_s)
+        address = f"127.0.0.1:{port}"
         ctx = mp.get_context("spawn")
-        results, notify, gate = ctx.Queue(), ctx.Queue(), ctx.Event()
+        results, notify, gate, down = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
         procs = [
-            ctx.Process(target=sender, args=(server.address, backend, sender_plan, results, sender_timeout_s, notify,
-                                             group_receivers or 1 + len(more_receivers), peer_stall_s), daemon=True),
-            ctx.Process(target=receiver, args=(server.address, backend, receiver_plan, results, notify, "rollout-0",
+            ctx.Process(target=sender, args=(address, backend, sender_plan, results, sender_timeout_s, notify,
+                                             group_receivers or 1 + len(more_receivers), peer_stall_s, down), daemon=True),
+            ctx.Process(target=receiver, args=(address, backend, receiver_plan, results, notify, "rollout-0",
                                                "recv", gate, peer_stall_s), daemon=True),
         ] + [
-            ctx.Process(target=receiver, args=(server.address, backend, plan, results, None, f"rollout-{i}", f"recv{i}",
+            ctx.Process(target=receiver, args=(address, backend, plan, results, None, f"rollout-{i}", f"recv{i}",
                                                gate, peer_stall_s), daemon=True)
             for i, plan in enumerate(more_receivers, start=1)
         ]
@@ -262,9 +273,22 @@ def run_pair(backend: str, sender_plan: list, receiver_plan: list, deadline_s: f
             p.start()
         got: dict = {}
         end = time.monotonic() + deadline_s
+        if late_start_s:
+            # once the workers are up: the first receiver reported a fetch that found nobody
+            keep_result(got, await asyncio.to_thread(results.get, True, 120))
+            await asyncio.sleep(late_start_s)
+        server = ParamServerServer(config)  # it listens from here on
+        await server.start()
 
         try:
-            while len(got) < len(sender_plan) + len(receiver_plan) + sum(len(p) for p in more_receivers):
+            expected = len(sender_plan) + len(receiver_plan) + sum(len(p) for p in more_receivers)
+            while len(got) < expected or (restart_after and not down.is_set()):  # failed attempts count too
+                if restart_after and ("sent", restart_after) in got and ("recv", restart_after) in got and not down.is_set():
+                    await server.stop()
+                    down.set()
+                    await asyncio.sleep(down_s)
+                    server = ParamServerServer(config)
+                    await server.start()
                 try:
                     keep_result(got, results.get_nowait())
                 except queue.Empty:
@@ -510,3 +534,29 @@ def check_a_broadcast_a_peer_broke_off_is_sent_again(backend: str, case: str, de
     assert live[-1][0] == "identical" and all("identical" not in o for o, _ in live[:-1]), got
     assert got[("recv", 4)][0] == "identical" and got["versions"] == [3, 4], got
     assert time.monotonic() - t0 < 55, "the sender waited for the peer until its deadline"
+
+
+def check_a_param_server_away(backend: str, deadline_s: float = 240.0) -> None:
+    """The param server is not up yet when the first version starts (up 3 s after the receiver's
+    first fetch found none), and is replaced
+    (stopped, an empty one started on its address 2 s later) between versions 2 and 3, version 3
+    sent while it is down. The sender waits for it at the rendezvous and keeps registering
+    version 3's manifest until the replacement answers (both failed the sender at once: the
+    trainer's loop stopped); the receivers' fetches fail meanwhile and are retried, as the rollout
+    worker does. Every version arrives whole; the replacement's generation is a new one, never
+    the one the members still hold from before (they rebuild their group)."""
+    got = run_pair(
+        backend,
+        sender_plan=[(1, "generation"), (2, "generation"), (3, "after_down"), (4, "generation"), (5, "generation")],
+        receiver_plan=[(1, "retry", 60.0), (2, "ok", 60.0), (3, "retry", 60.0), (4, "retry", 60.0), (5, "ok", 60.0)],
+        late_start_s=3.0, restart_after=2, sender_timeout_s=30.0, deadline_s=deadline_s,
+    )
+    for version in range(1, 6):
+        assert len(got[("sent", version)][0]) == 64, got  # a manifest checksum, else the sender's error
+        last = [v for k, v in got.items() if k[:2] == ("recv", version)][-1]
+        assert last[0] == "identical", got
+    assert any("Unavailable" in v[0] for k, v in got.items() if k[:2] == ("recv", 1)), got  # it was down
+    gen = got[("sent", 2)][1]
+    assert got[("sent", 1)][1] == gen == got[("sent", 3)][1], got  # version 3 on the steady group
+    assert got[("sent", 4)][1] > gen and got[("sent", 5)][1] == got[("sent", 4)][1], got
+    assert got["versions"] == [4, 5], got

@@ -10,6 +10,7 @@ from services.common.errors import MissingDependency
 
 from .collective_workers import (
     check_a_broadcast_a_peer_broke_off_is_sent_again,
+    check_a_param_server_away,
     check_a_replacement_takes_a_dead_receivers_place,
     check_delta_sync,
     check_nacks_and_abort,
@@ -89,6 +90,10 @@ def test_gloo_a_broadcast_a_receiver_broke_off_is_sent_again_to_the_live_ones_an
 
 def test_gloo_the_only_receiver_replaced_right_after_a_version_gets_that_version_sent_again() -> None:
     check_the_only_receiver_replaced_after_a_version_gets_it_again("gloo")
+
+
+def test_gloo_a_param_server_late_or_replaced_is_waited_for_and_every_version_arrives() -> None:
+    check_a_param_server_away("gloo")
 
 
 def test_hccl_fails_fast_without_torch_npu() -> None:

@@ -248,8 +248,8 @@ def test_a_collective_senders_announce_waits_out_a_coordinator_being_replaced(mo
     promises the trainer waits for a restarted coordinator. Retried like the loop's own commits;
     a non-transient refusal still fails at once."""
     from meshrl.v1 import common_pb2, coordinator_pb2
+    from services.common import retry
     from services.common.errors import Unavailable
-    from services.trainer import retry
     from services.trainer.factory import version_announcer
 
     async def no_sleep(_: float) -> None:

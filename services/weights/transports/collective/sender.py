@@ -18,6 +18,7 @@ from meshrl.v1 import common_pb2
 from meshrl.v1 import param_server_pb2 as pb
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, MeshError, Unavailable
 from services.common.logging import get_logger
+from services.common.retry import retry_transient
 
 from ... import convert
 from ...delta import DeltaEncoder
@@ -54,6 +55,8 @@ from .group import (
 )
 
 log = get_logger(__name__)
+
+PARAM_SERVER_AWAY = "the param server is being replaced (param_server.transfer_timeout_s bounds the wait)"
 
 
 @dataclass
@@ -166,7 +169,13 @@ class CollectivePublisher(GroupMember):
                 datetime.timedelta(seconds=self._pg_timeout_s()), False,
             )
         req = self._rendezvous_request(version)
-        resp = await self.client.rendezvous(req, timeout_s=max(deadline.check("rendezvous"), 0.001))
+        # A param server being replaced (Serve restarts it) is waited for within the version's
+        # deadline; its receivers' fetches fail meanwhile and are retried by their workers.
+        resp = await retry_transient(
+            f"Rendezvous for version {version}",
+            lambda: self.client.rendezvous(req, timeout_s=max(deadline.check("rendezvous"), 0.001)),
+            wait_s=deadline.remaining(), hint=PARAM_SERVER_AWAY,
+        )
         self._failed_generation = 0  # reported
         self._agreed_base = resp.delta_base_version
         if self.group is None or self.group.generation != resp.generation:
@@ -241,7 +250,14 @@ class CollectivePublisher(GroupMember):
         if self.dev.accelerator:  # every broadcast is done: the trainer's next steps may use the
             self.slots.release()  # slots' memory (the caching allocator hands it back at the next publish)
         if self.register:
-            self._registering = asyncio.create_task(self.client.register(manifest, timeout_s=max(self.timeout_s, 1.0)))
+            # Registering the same manifest again is a no-op, so a param server being replaced is
+            # waited for (in the background; the next publish settles it) instead of failing the
+            # next version with a lost registration.
+            self._registering = asyncio.create_task(retry_transient(
+                f"registering version {version}'s manifest",
+                lambda: self.client.register(manifest, timeout_s=max(self.timeout_s, 1.0)),
+                wait_s=self.timeout_s, hint=PARAM_SERVER_AWAY,
+            ))
         log.info("weights_published", transport=self.backend, policy_version=version, total_bytes=manifest.total_bytes,
                  buckets=len(manifest.buckets), resent=self.resent_buckets)
         if self.announce is not None:
