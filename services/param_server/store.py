@@ -113,6 +113,7 @@ class _UploadBucket:
         self.meta = meta
         self.buffer = buffer
         self.received = 0
+        self.writing = False  # a chunk is being copied in (io thread): not the pool's until it ends
         self.fingerprint = Fingerprinter(buffer.numel())
         self.sha = hashlib.sha256() if want_sha else None
 
@@ -187,17 +188,21 @@ class Upload:
         if offset + size > cur.nbytes:
             raise InvalidArgument("chunk.data", f"bucket {bucket_index}: chunk runs past {cur.nbytes} bytes")
         cur.received += size
+        cur.writing = True  # until write() ends (one chunk at a time per upload)
         return cur
 
     @staticmethod
     def write(bucket: _UploadBucket, offset: int, data: object) -> None:
         """Copy and fingerprint one chunk (thread-safe w.r.t. other uploads; releases the GIL)."""
-        mv = memoryview(data).cast("B")  # type: ignore[arg-type]
-        if len(mv):
-            bucket.buffer.numpy()[offset : offset + len(mv)] = np.frombuffer(mv, dtype=np.uint8)
-        bucket.fingerprint.update(offset, mv)
-        if bucket.sha is not None:
-            bucket.sha.update(mv)
+        try:
+            mv = memoryview(data).cast("B")  # type: ignore[arg-type]
+            if len(mv):
+                bucket.buffer.numpy()[offset : offset + len(mv)] = np.frombuffer(mv, dtype=np.uint8)
+            bucket.fingerprint.update(offset, mv)
+            if bucket.sha is not None:
+                bucket.sha.update(mv)
+        finally:
+            bucket.writing = False
 
     def finish(self, now: float) -> Manifest:
         """Verify everything and make the version visible. Returns the stored manifest."""
@@ -227,6 +232,8 @@ class Upload:
         self.done = True
         buffers = [b.buffer for b in self.buckets]
         self.buckets = []
+        if self.store._uploads.get(self.policy_version) is self:  # only its own entry (register leaves it)
+            del self.store._uploads[self.policy_version]
         return self.store._commit(m.with_transports([GRPC_TRANSPORT]), buffers, now)
 
     def abort(self) -> None:
@@ -234,7 +241,11 @@ class Upload:
             return
         self.aborted = True
         for b in self.buckets:
-            self.store.pool.give(b.buffer)
+            # A buffer the io thread still copies into (the sweeper dropped a stalled upload
+            # mid-write) stays out of the pool: the next upload to take it would get the late
+            # bytes over its own, after its chunks were fingerprinted as they arrived.
+            if not b.writing:
+                self.store.pool.give(b.buffer)
         self.buckets = []
         if self.store._uploads.get(self.policy_version) is self:
             del self.store._uploads[self.policy_version]
@@ -290,7 +301,6 @@ class WeightStore:
     def _commit(self, manifest: Manifest, buffers: list[torch.Tensor] | None, now: float,
                 payload: object | None = None) -> Manifest:
         v = manifest.policy_version
-        self._uploads.pop(v, None)
         existing = self._versions.get(v)
         if existing is not None and existing.manifest.checksum != manifest.checksum and self._orphan(existing):
             # A trainer publishes only the version after the coordinator's committed one, so a
@@ -389,7 +399,8 @@ class WeightStore:
         if not consumer_id:
             raise InvalidArgument("consumer_id", "required (a stable id of the consumer, e.g. its replica id)")
         stored = self._resolve(policy_version)
-        if consumer_id not in stored.holds and stored.live_holders(now) >= self.settings.max_holders_per_version:
+        # a hold that expired (not swept yet) counts as a new holder: else returning consumers overrun the quota
+        if stored.holds.get(consumer_id, 0.0) <= now and stored.live_holders(now) >= self.settings.max_holders_per_version:
             raise ResourceExhausted(
                 f"version {stored.policy_version} already has {self.settings.max_holders_per_version} holders "
                 "(param_server.max_holders_per_version); release holds you no longer need"

@@ -218,6 +218,98 @@ ops = st.lists(
 )
 
 
+def test_a_stalled_upload_dropped_mid_write_keeps_its_buffer_from_the_next_upload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweeper dropped a stalled upload while the io thread still copied a chunk into its
+    buffer: the buffer went back to the pool, the next upload of that size took it, and the late
+    copy landed over bytes already fingerprinted as they arrived. The version was published, and
+    served, with another upload's bytes. A buffer being written stays out of the pool."""
+    import asyncio
+    import threading
+
+    from meshrl.v1 import param_server_pb2 as pb
+    from services.common.grpc_util import LocalContext
+    from services.param_server import store as store_mod
+    from services.param_server.servicer import ParamServerServicer
+    from services.weights import convert
+    from services.weights.wire import RawChunk
+
+    now = [0.0]
+    store = WeightStore(StoreSettings(stall_timeout_s=1.0, retain_versions=4))
+    servicer = ParamServerServicer(store, clock=lambda: now[0], stall_timeout_s=60.0)
+    release_a, a_writing = threading.Event(), threading.Event()
+    real_write = store_mod.Upload.write
+
+    def slow_first_write(bucket: object, offset: int, data: object) -> None:
+        if not a_writing.is_set():  # upload A's chunk: a slow copy in the io thread
+            a_writing.set()
+            release_a.wait(10)
+        real_write(bucket, offset, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store_mod.Upload, "write", staticmethod(slow_first_write))
+    ma, ba = make_version(2, seed=1, sizes=(4000,))
+    mb, bb = make_version(3, seed=2, sizes=(4000,))
+
+    async def requests(m: Manifest, buffers: list[torch.Tensor], hang: asyncio.Event | None = None) -> object:
+        for b, buf in zip(m.buckets, buffers, strict=True):
+            yield pb.PublishWeightsRequest(bucket=convert.bucket_to_proto(b))
+            yield RawChunk(m.policy_version, b.index, 0, memoryview(buf.numpy().tobytes()))
+        if hang is not None:
+            await hang.wait()
+        yield pb.PublishWeightsRequest(manifest=convert.manifest_to_proto(m))
+
+    async def main() -> None:
+        hang = asyncio.Event()
+        a = asyncio.ensure_future(servicer.PublishWeights(requests(ma, ba, hang), LocalContext()))
+        while not a_writing.is_set():
+            await asyncio.sleep(0.01)
+        now[0] += 2.0  # no progress for stall_timeout_s: the sweeper drops A mid-write
+        servicer.start_sweeper(interval_s=0.01)
+        while store._uploads:
+            await asyncio.sleep(0.01)
+        await servicer.PublishWeights(requests(mb, bb), LocalContext())  # B: same size, pool first
+        release_a.set()
+        hang.set()
+        with pytest.raises(FailedPrecondition, match="was dropped"):
+            await a
+        await servicer.close()
+
+    asyncio.run(main())
+    with store.reading(3) as stored:
+        assert stored.buffers is not None and torch.equal(stored.buffers[0], bb[0])
+
+
+def test_a_refused_registration_leaves_the_upload_in_progress_tracked() -> None:
+    """A manifest-only registration refused (the version is immutable once seen) untracked the
+    grpc upload of that version still streaming: the sweeper could no longer drop it, and a
+    second upload of the version was let in beside it. A refused request changes nothing."""
+    store = WeightStore(StoreSettings())
+    m, buffers = make_version(1)
+    upload(store, m, buffers, 0.0, manifest_first=True)
+    store.manifest(1)  # seen: immutable
+    live = store.begin_upload(1, 1.0)  # the publisher's retry of version 1, streaming
+    live.set_manifest(m)
+    other, _ = make_version(1, seed=9)
+    with pytest.raises(FailedPrecondition, match="immutable once seen"):
+        store.register(Manifest(**{**other.__dict__, "transports": ("disk",)}), 1.5)
+    assert store._uploads.get(1) is live
+
+
+def test_a_hold_that_expired_unswept_counts_against_the_holders_quota() -> None:
+    """A consumer whose hold expired (not swept yet) skipped the max_holders_per_version check
+    but counted for nothing in it: returning consumers pushed the live holders past the quota."""
+    store = WeightStore(StoreSettings(max_holders_per_version=2, hold_ttl_s=10.0))
+    upload(store, *make_version(1), 0.0, manifest_first=True)
+    store.acquire("a", 1, 0.0)
+    store.acquire("b", 1, 0.0)
+    store.acquire("c", 1, 20.0)  # a's and b's holds expired; no sweep ran
+    store.acquire("d", 1, 20.0)
+    for late in ("a", "b"):
+        with pytest.raises(ResourceExhausted, match="max_holders_per_version"):
+            store.acquire(late, 1, 20.0)
+    assert store.get(1).live_holders(20.0) == 2
+    store.acquire("c", 1, 21.0)  # a live holder renews its hold
+
+
 @settings(max_examples=60, deadline=None)
 @given(ops, st.integers(1, 3))
 def test_retention_never_frees_a_version_in_use(sequence: list[tuple], keep: int) -> None:
