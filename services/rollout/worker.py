@@ -336,6 +336,15 @@ class RolloutWorker:
                                               group_state=g, score=True)
             if group is None:
                 return
+            cut = sum(1 for r in group.responses if r.finish_reason == common_pb2.FINISH_REASON_ABORT)
+            if cut:
+                # Continued max_resubmits times and cut again (a weight update that kept failing
+                # pauses in mode abort each time it is tried): trained as if it ended there, its
+                # reward would score an unfinished answer. The prompt goes back to the queue.
+                raise FailedPrecondition(
+                    f"{cut} of the group's samples were still cut by weight updates after {self.s.max_resubmits} "
+                    "continuations; not submitted cut short"
+                )
             await self._submit(group)
         except Exception as exc:
             self.counters.groups_failed += 1
@@ -689,7 +698,7 @@ class RolloutWorker:
                     # buckets went in): generating now would mix two versions under the old one's
                     # label. It stays paused until a whole version loads (the retry resumes it); its
                     # groups in flight wait, or expire and are re-issued. A refusal (an adapter for
-                    # another base, a version that is gone) is checked before anything is written.
+                    # another base, a version that is gone) changes nothing (RolloutEngine.load_weights).
                     log.error("weights_half_loaded", policy_version=ref.policy_version, buckets=buckets,
                               hint="generation stays paused until a whole version loads")
                     raise

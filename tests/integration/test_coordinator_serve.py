@@ -40,7 +40,7 @@ def coordinator_app(serve_grpc_port: int, tmp_path_factory: pytest.TempPathFacto
     cfg = load_config(None, [
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_training.staleness_threshold=0.5",
         "async_training.trigger_parameter_sync_step=1", "rollout.total_rollout_steps=40", "actor_rollout_ref.rollout.n=2",
-        f"coordinator.token={TOKEN}", "coordinator.max_groups_per_call=8",
+        f"coordinator.token={TOKEN}", "coordinator.max_groups_per_call=8", "async_training.concurrent_samples_per_replica=8",
     ])
     run_dir = tmp_path_factory.mktemp("coord")
     serve.run(build_app({"config": cfg.model_dump(mode="json"), "run_dir": str(run_dir)}), name="coordinator",

@@ -60,6 +60,15 @@ def test_heartbeat_slower_than_half_the_replica_ttl_is_refused() -> None:
         load_config(None, ["rollout_worker.lease_renew_interval_s=15"])
 
 
+def test_more_concurrent_groups_than_the_coordinator_takes_per_call_is_refused() -> None:
+    """A replica leases all its free slots in one LeasePrompts, which the coordinator refuses
+    above max_groups_per_call: the replica leased nothing, ever, and stayed healthy."""
+    with pytest.raises(ConfigError, match=r"concurrent_samples_per_replica=16 is more than coordinator.max_groups_per_call=8.*"
+                                          r"set coordinator.max_groups_per_call=16"):
+        load_config(None, ["coordinator.max_groups_per_call=8"])
+    load_config(None, ["coordinator.max_groups_per_call=8", "async_training.concurrent_samples_per_replica=8"])
+
+
 def test_unknown_engine_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.name='sglang'"):
         get_engine_cls("sglang")

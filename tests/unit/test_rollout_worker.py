@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from meshrl.v1 import common_pb2
 from services.common.tiny import build_tiny_model, build_tokenizer
@@ -499,6 +500,44 @@ def test_a_version_loaded_in_part_keeps_generation_paused_until_a_whole_one_load
     asyncio.run(scenario())
     assert seen == {"paused_after_failure": True, "paused_after_retry": False}
     assert broken.calls == 2
+
+
+def test_an_engine_refusal_after_weights_went_in_keeps_generation_paused(tok: Any) -> None:
+    """The transformers engine refused an unknown tensor name (a trainer-side naming mismatch on one
+    layer) after earlier buckets, and earlier tensors of the same bucket, were copied in: the
+    worker took the refusal for one that changed nothing and resumed, generating on part of
+    version 1 labelled version 0. A bucket is now checked whole before it is copied, and a refusal
+    after weights went in is not a refusal: generation stays paused."""
+    v1 = model_named_tensors(build_tiny_model("qwen3", tok, seed=4))
+
+    class RefusedMidVersion:
+        async def fetch(self, ref: common_pb2.WeightsRef) -> Any:
+            yield v1[:4]
+            yield [v1[4], ("model.layers.0.not_a_weight", torch.zeros(2))]
+
+    coord = FakeCoordinator(_prompts(40), common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=1))
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        model = build_tiny_model("qwen3", tok, seed=0)
+        before = {n: t.detach().clone() for n, t in model_named_tensors(model)}
+        engine = TransformersEngine(model, tok, max_num_seqs=4)
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=5.0, renew_interval_s=0.2, concurrent_groups=1)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, RefusedMidVersion(), settings)  # type: ignore[arg-type]
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.submitted) >= 1, what="generation under way")
+        coord.push_version(common_pb2.WeightsRef(policy_version=1))
+        await wait_for(lambda: worker.status().weights_failed, what="the refused update")
+        now = dict(model.state_dict())
+        seen["changed"] = sorted(n for n, _ in v1[:5] if not torch.equal(now[n], before[n]))
+        seen["paused"], seen["version"], seen["error"] = engine.paused, engine.version, worker.status().last_error
+        await asyncio.wait_for(worker.stop(), 30)
+        await engine.close()
+
+    asyncio.run(scenario())
+    # bucket 0 went in, bucket 1 (one good tensor, one unknown) changed nothing; paused on that
+    assert seen["changed"] == sorted(n for n, _ in v1[:4]) and seen["paused"] and seen["version"] == 0, seen
 
 
 def test_a_replica_joining_a_live_run_loads_the_current_weights_before_leasing(tok: Any) -> None:

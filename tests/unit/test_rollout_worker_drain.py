@@ -238,3 +238,40 @@ def test_groups_that_each_fit_are_not_failed_together_by_a_coalesced_submit_over
     assert coord.refused >= 1  # they did share a call
     assert coord.returned == [] and coord.errors == [], f"leases failed and returned: {coord.errors}"
     assert sorted(g.lease_id for g in coord.submitted) == ["L0", "L1"]
+
+
+def test_samples_still_cut_after_every_continuation_are_not_submitted(tok: Any) -> None:
+    """Partial rollout, mode abort, the param server down: every retry of the update pauses in
+    mode abort and cuts the group's samples again (no weight changes); once max_resubmits
+    continuations were used, the group was submitted with its samples cut short (finish ABORT)
+    and trained as if they ended there. Now its lease goes back (the prompt is re-queued)."""
+
+    class Unreachable:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def fetch(self, ref: common_pb2.WeightsRef) -> AsyncIterator[Any]:
+            self.calls += 1
+            raise ConnectionError("param server unreachable")
+            yield  # an async generator that fails before its first bucket
+
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=100, seed=1)
+    coord = FakeCoordinator(_prompts(1), sampling)
+    engine = _Engine()
+    fetcher = Unreachable()
+
+    async def scenario() -> None:
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=0.05, renew_interval_s=0.1, concurrent_groups=1,
+                                  partial_rollout=True, partial_rollout_mode="abort", max_resubmits=3)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, fetcher, settings)  # type: ignore[arg-type]
+        worker.start()
+        await wait_for(lambda: "r0/L0" in engine.requests, timeout_s=10, what="the group generating")
+        coord.push_version(common_pb2.WeightsRef(policy_version=1))
+        await wait_for(lambda: bool(coord.returned) or bool(coord.submitted), timeout_s=30, what="the group's end")
+        assert "still cut by weight updates after 3 continuations" in (worker.last_error or "")
+        await asyncio.wait_for(worker.stop(), 10)
+
+    asyncio.run(scenario())
+    assert coord.returned[0] == "L0" and fetcher.calls >= 4
+    for g in coord.submitted:  # a later lease of the prompt may finish once the loads stop cutting it
+        assert common_pb2.FINISH_REASON_ABORT not in [r.finish_reason for r in g.responses]

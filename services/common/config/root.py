@@ -96,6 +96,13 @@ class MeshConfig(ConfigModel):
             )
         if self.data.train_files == [] and self.data.synthetic is None:
             raise ValueError("no prompt data: set data.train_files or data.synthetic")
+        concurrent, per_call = self.async_training.concurrent_samples_per_replica, self.coordinator.max_groups_per_call
+        if concurrent > per_call:
+            raise ValueError(
+                f"async_training.concurrent_samples_per_replica={concurrent} is more than coordinator.max_groups_per_call="
+                f"{per_call}: a rollout replica leases and renews its groups in one call, which the coordinator "
+                f"would refuse every time; set coordinator.max_groups_per_call={concurrent} (or lower the other)"
+            )
         if self.algorithm.filter_groups.enable and arr.rollout.n < 2:
             raise ValueError("algorithm.filter_groups needs actor_rollout_ref.rollout.n >= 2")
         ttl, renew = self.coordinator.replica_ttl_s, self.rollout_worker.lease_renew_interval_s

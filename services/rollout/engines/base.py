@@ -197,7 +197,10 @@ class RolloutEngine(ABC):
     async def load_weights(self, version: int, buckets: AsyncIterator[Bucket]) -> int:
         """Load named tensors bucket by bucket into the running model (no rebuild) and record
         `version` for tokens generated from now on. The engine must be paused. Returns the number
-        of tensors loaded. A failure leaves the version unchanged and raises."""
+        of tensors loaded. A failure leaves the version unchanged and raises; a refusal
+        (InvalidArgument, FailedPrecondition) must leave the weights unchanged too (the worker then
+        generates on them again), so one found after weights were written is raised as another
+        error (the worker keeps generation paused until a whole version loads)."""
 
     @property
     @abstractmethod

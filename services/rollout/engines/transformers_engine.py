@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 from services.weights import Bucket
 from services.weights.adapter import split_descriptor
 
@@ -168,14 +168,22 @@ class TransformersEngine(RolloutEngine):
         if not self._sched.paused:
             raise FailedPrecondition("load_weights needs a paused engine; call pause() first")
         loaded, spec, first = 0, None, True
-        async for bucket in buckets:
-            if first:  # an adapter-only version opens with its descriptor (services/weights/adapter.py)
-                spec, bucket = split_descriptor(bucket)
-            command = LoadAdapter(spec, bucket, first) if spec is not None else LoadBucket(bucket)
-            loaded += await self._command(command)
-            first = False
-        if spec is not None:
-            await self._command(LoadAdapter(spec, [], first=False, last=True))
+        try:
+            async for bucket in buckets:
+                if first:  # an adapter-only version opens with its descriptor (services/weights/adapter.py)
+                    spec, bucket = split_descriptor(bucket)
+                command = LoadAdapter(spec, bucket, first) if spec is not None else LoadBucket(bucket)
+                loaded += await self._command(command)
+                first = False
+            if spec is not None:
+                await self._command(LoadAdapter(spec, [], first=False, last=True))
+        except (InvalidArgument, FailedPrecondition) as exc:
+            if loaded:
+                # A refusal must change nothing (the worker resumes on the old weights after one);
+                # these weights are part old, part new: the worker keeps generation paused.
+                raise DataLoss(f"version {version} refused after {loaded} of its tensors were loaded ({exc}); "
+                               "the model holds part of it") from exc
+            raise
         await self._command(SetVersion(int(version)))
         return loaded
 

@@ -353,6 +353,8 @@ class Scheduler:
         return {k: (v.data if isinstance(v, torch.nn.Parameter) else v) for k, v in named.items()}
 
     def _load_bucket(self, bucket: Bucket) -> int:
+        """Every tensor of the bucket checked before any is copied: a refused bucket changes nothing."""
+        targets = []
         for name, tensor in bucket:
             target = self._params.get(name)
             if target is None and self._weight_name is not None:
@@ -363,6 +365,8 @@ class Scheduler:
                 raise InvalidArgument(
                     "weights", f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
                 )
+            targets.append(target)
+        for target, (_, tensor) in zip(targets, bucket, strict=True):
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         return len(bucket)
 
