@@ -19,8 +19,9 @@ same deadline; remote routes get their samples in one call (the endpoint client 
 and waits). A scorer result is normalised like verl does: a number, a dict with `score` (its other
 numeric entries become metrics), or a sequence whose first element is the score. Metric `score`
 always holds the scorer's own score, before shaping. A non-finite score, a missing `score` key or
-an exception raised by a scorer is an error (ScorerError), never a made-up reward; a timed-out call
-scores 0 with metric `timeout`=1 (verl's semantics for Math-Verify timeouts).
+an exception raised by a scorer (a TimeoutError of its own included) is an error (ScorerError),
+never a made-up reward; a call past the deadline (ScoreDeadline) scores the scorer's "wrong" with
+metric `timeout`=1 (verl's semantics for Math-Verify timeouts: 0, or -1 for DAPO's +1/-1 scorer).
 
 Concurrency: `score_each` may run concurrently for different batches on one event loop; it keeps
 no per-call state outside its own frame.
@@ -32,21 +33,23 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from services.common.errors import InvalidArgument, MeshError
 from services.common.logging import get_logger
 
 from . import scorers
 from .custom import CustomFunction
-from .pool import BlockingPool
+from .pool import BlockingPool, ScoreDeadline
 from .procpool import FunctionSpec, ProcessPool
 from .samples import RemoteScorer, Sample, Score
 from .shaping import OverlongShaping, Stage
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 # Inline scorers yield to the event loop after this many items, so a huge batch of cheap checks
 # does not hold up other requests.
@@ -76,6 +79,8 @@ class _LocalRoute:
     batched: bool = False
     spec: FunctionSpec | None = None
     """Set: a scorer process can run it (ProcessPool), so a timed-out call is killed."""
+    timeout_score: float = 0.0
+    """An item past item_timeout_s scores this (BuiltinScorer.timeout_score)."""
 
 
 @dataclass
@@ -184,7 +189,8 @@ class RewardPipeline:
             route = self._builtin_routes.get(spec.name)
             if route is None:
                 route = _LocalRoute(spec.name, scorers.load(spec), blocking=spec.blocking,
-                                    spec=FunctionSpec.builtin(spec.module, spec.function) if spec.blocking else None)
+                                    spec=FunctionSpec.builtin(spec.module, spec.function) if spec.blocking else None,
+                                    timeout_score=spec.timeout_score)
                 self._builtin_routes[spec.name] = route
             return route
         return self._catch_all
@@ -297,17 +303,17 @@ class RewardPipeline:
         }
         try:
             if route.is_async:
-                raw = await asyncio.wait_for(route.fn(**kwargs), self.item_timeout_s)
+                raw = await _within(route.fn(**kwargs), self.item_timeout_s)
             else:
                 raw = await self._run_blocking(route, kwargs, self.item_timeout_s)
             outcomes[i] = normalize(raw, route.name, sample)
-        except TimeoutError:
+        except ScoreDeadline:
             self._totals.timeouts += 1
             log.warning(
                 "scorer_timeout", scorer=route.name, item_id=sample.item_id, data_source=sample.data_source,
                 timeout_s=self.item_timeout_s,
             )
-            outcomes[i] = Score(sample.item_id, 0.0, {"score": 0.0, "timeout": 1.0})
+            outcomes[i] = _timed_out(sample, route)
         except MeshError as exc:
             outcomes[i] = exc
         except Exception as exc:  # noqa: BLE001 -- a scorer's bug becomes this item's error, with context
@@ -325,23 +331,29 @@ class RewardPipeline:
         timeout_s = self.item_timeout_s * len(batch)
         try:
             if route.is_async:
-                raw = await asyncio.wait_for(route.fn(**kwargs), timeout_s)
+                raw = await _within(route.fn(**kwargs), timeout_s)
             else:
                 raw = await self._run_blocking(route, kwargs, timeout_s)
             if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or len(raw) != len(batch):
                 got = len(raw) if isinstance(raw, Sequence) else type(raw).__name__
                 raise ScorerError(f"batch reward function {route.name} returned {got} results for {len(batch)} items")
-            for i, s, r in zip(idx, batch, raw, strict=True):
-                outcomes[i] = normalize(r, route.name, s)
-        except TimeoutError:
+        except ScoreDeadline:
             self._totals.timeouts += len(batch)
             log.warning("scorer_timeout", scorer=route.name, items=len(batch), timeout_s=timeout_s)
             for i, s in zip(idx, batch, strict=True):
-                outcomes[i] = Score(s.item_id, 0.0, {"score": 0.0, "timeout": 1.0})
+                outcomes[i] = _timed_out(s, route)
+            return
         except Exception as exc:  # noqa: BLE001 -- a scorer's bug becomes its items' error, with context
             err = exc if isinstance(exc, MeshError) else self._scorer_failed(route, batch[0], exc)
             for i in idx:
                 outcomes[i] = err
+            return
+        # One bad result fails its own item only: the Serve deployment batches many rollouts' requests.
+        for i, s, r in zip(idx, batch, raw, strict=True):
+            try:
+                outcomes[i] = normalize(r, route.name, s)
+            except MeshError as exc:
+                outcomes[i] = exc
 
     async def _run_blocking(self, route: _LocalRoute, kwargs: dict[str, Any], timeout_s: float) -> Any:
         """A blocking scorer call: in a scorer process when it can be (a timed-out call is killed),
@@ -425,3 +437,19 @@ class RewardPipeline:
         self.pool.close()
         if self.process_pool is not None:
             self.process_pool.close()
+
+
+async def _within(aw: Awaitable[T], timeout_s: float) -> T:
+    """`aw` under the pipeline's deadline: ScoreDeadline once it passed. A TimeoutError the scorer
+    raised itself stays its own error (the item fails; it is not a timed-out score)."""
+    try:
+        async with asyncio.timeout(timeout_s) as deadline:
+            return await aw
+    except TimeoutError:
+        if deadline.expired():
+            raise ScoreDeadline(f"ran past {timeout_s:g} s") from None
+        raise
+
+
+def _timed_out(sample: Sample, route: _LocalRoute) -> Score:
+    return Score(sample.item_id, route.timeout_score, {"score": route.timeout_score, "timeout": 1.0})

@@ -2,7 +2,7 @@
 per call that never stalls the event loop or the calls queued behind it.
 
     pool = BlockingPool(num_workers=2)
-    result = await pool.run(fn, {"solution_str": ...}, timeout_s=10.0)   # TimeoutError past 10 s
+    result = await pool.run(fn, {"solution_str": ...}, timeout_s=10.0)   # ScoreDeadline past 10 s
 
 Timeline of one call: it waits (without a deadline) for one of `num_workers` slots, is submitted
 to the current executor, and from then on has `timeout_s`. A Python thread cannot be killed, so a
@@ -24,6 +24,11 @@ from typing import Any
 from services.common.logging import get_logger
 
 log = get_logger(__name__)
+
+
+class ScoreDeadline(Exception):
+    """A scorer call ran past the pipeline's deadline. Not a TimeoutError: one the scorer raises
+    itself (a socket, a judge's client library) is its own error, never taken for the deadline."""
 
 
 class BlockingPool:
@@ -53,7 +58,7 @@ class BlockingPool:
             return len(self._abandoned)
 
     async def run(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], *, timeout_s: float) -> Any:
-        """fn(**kwargs) on a worker thread. Raises TimeoutError when it runs longer than
+        """fn(**kwargs) on a worker thread. Raises ScoreDeadline when it runs longer than
         `timeout_s`, or whatever fn raised."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.num_workers)
@@ -64,9 +69,11 @@ class BlockingPool:
             try:
                 return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
             except TimeoutError:
+                if afut.done():
+                    raise  # fn's own TimeoutError
                 self.timeouts += 1
                 self._abandon(cfut, afut)
-                raise
+                raise ScoreDeadline(f"ran past {timeout_s:g} s") from None
             except asyncio.CancelledError:
                 # The caller left (a client deadline, a drain). A call still queued is dropped; one
                 # already running keeps its thread past this slot: abandoned like a timeout, else

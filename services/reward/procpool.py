@@ -2,7 +2,7 @@
 
     pool = ProcessPool(num_workers=2)
     raw = await pool.run(FunctionSpec.builtin("services.reward.scorers.math", "compute_score"),
-                         {"solution_str": ...}, timeout_s=10.0)       # TimeoutError past 10 s
+                         {"solution_str": ...}, timeout_s=10.0)       # ScoreDeadline past 10 s
 
 A Python thread cannot be stopped: a Math-Verify call that times out in the thread pool (pool.py)
 keeps a core busy until sympy gives up, seconds later. Here each worker is a process (spawned, so
@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.logging import get_logger
+
+from .pool import ScoreDeadline
 
 log = get_logger(__name__)
 
@@ -209,7 +211,7 @@ class ProcessPool:
         return self._free
 
     async def run(self, spec: FunctionSpec, kwargs: Mapping[str, Any], *, timeout_s: float) -> Any:
-        """fn(**kwargs) in a worker process. TimeoutError when it runs past `timeout_s` (the worker
+        """fn(**kwargs) in a worker process. ScoreDeadline when it runs past `timeout_s` (the worker
         is killed); a RuntimeError naming the scorer's exception when it raised."""
         if self._closed:
             raise ScorerCrashed("the scorer pool was closed")
@@ -237,7 +239,7 @@ class ProcessPool:
             self.timeouts += 1
             self.killed += 1
             log.warning("scorer_process_killed", pool=self.name, function=f"{spec.target}:{spec.name}", timeout_s=timeout_s)
-            raise TimeoutError(f"{spec.target}:{spec.name} ran past {timeout_s:g} s; its process was killed")
+            raise ScoreDeadline(f"{spec.target}:{spec.name} ran past {timeout_s:g} s; its process was killed")
         if status == "err":
             etype, message = value
             raise _named_error(etype, message)

@@ -120,18 +120,21 @@ def group(
 
 def score_items(group: common_pb2.TrajectoryGroup, prompt_str: str, max_tokens: int) -> list[reward_pb2.ScoreItem]:
     """One item per response. A multi-turn trajectory (loss_mask set) is scored on its final
-    answer (the last assistant turn) and its policy tokens (what DAPO's overlong shaping counts,
-    as in verl); its extra_info gains verl's `num_turns` and `rollout_reward_scores` (the
+    answer (the last assistant turn); its tokens from its first policy token on, environment
+    tokens between turns included, are what DAPO's overlong shaping counts (verl's response
+    attention mask; the environment tokens before it are the rest of the sample's own first
+    prompt); its extra_info gains verl's `num_turns` and `rollout_reward_scores` (the
     environment's reward, when it gave one)."""
     p = group.prompt
     items = []
     for r in group.responses:
         multi = bool(r.loss_mask)
+        first = next((i for i, m in enumerate(r.loss_mask) if m), len(r.loss_mask)) if multi else 0
         items.append(reward_pb2.ScoreItem(
             item_id=f"{group.lease_id}/{r.sample_index}",
             prompt_text=prompt_str,
             response_text=r.final_text if multi else r.text,
-            response_token_ids=[t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] if multi else r.token_ids,
+            response_token_ids=r.token_ids[first:],
             ground_truth=p.ground_truth,
             data_source=p.data_source,
             extra_info_json=_agent_extra_info(p.extra_info_json, r) if multi else p.extra_info_json,

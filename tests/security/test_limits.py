@@ -21,6 +21,7 @@ from services.common.errors import ResourceExhausted
 from services.common.grpc_util import create_channel
 from services.coordinator.server import CoordinatorServer
 from services.param_server.server import ParamServerServer
+from services.reward.pool import ScoreDeadline
 from services.reward.procpool import FunctionSpec, ProcessPool
 from services.weights.client import ParamServerClient
 from services.weights.transports.grpc import GrpcPublisher
@@ -209,7 +210,7 @@ def test_a_scorer_past_its_deadline_is_killed() -> None:
             assert await pool.run(fine, kw, timeout_s=30) == 1.0
             (pid,) = pool.pids()
             t0 = time.monotonic()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(ScoreDeadline):
                 await pool.run(spin, kw, timeout_s=0.5)
             assert time.monotonic() - t0 < 10
             with pytest.raises(ProcessLookupError):

@@ -427,7 +427,9 @@ def test_reward_sources_and_what_the_reward_service_scores(tok: Any) -> None:
     group = asyncio.run(go())
     items = convert.score_items(group, "prompt", 200)
     r = group.responses[0]
-    assert items[0].response_text == "579" and list(items[0].response_token_ids) == [x for x, m in zip(r.token_ids, r.loss_mask, strict=True) if m]
+    # DAPO's overlong length: the whole response from its first policy token (verl's attention mask)
+    assert items[0].response_text == "579" and list(items[0].response_token_ids) == list(r.token_ids)
+    assert 0 in r.loss_mask and r.loss_mask[0] == 1
     extra = json.loads(items[0].extra_info_json)
     assert extra["num_turns"] == 2 and extra["rollout_reward_scores"] == {"env_reward": 1.5}  # step 1.0 + close 0.5
     # The coordinator takes it: staleness from the policy tokens.

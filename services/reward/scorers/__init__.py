@@ -38,6 +38,9 @@ class BuiltinScorer:
     blocking: bool
     data_sources: frozenset[str]
     prefixes: tuple[str, ...] = ()
+    timeout_score: float = 0.0
+    """The score of an item that ran past reward.item_timeout_s: the scorer's "wrong" (never above a
+    wrong answer, which would favour responses that make the verifier hang)."""
 
     def matches(self, data_source: str) -> bool:
         return data_source in self.data_sources or any(data_source.startswith(p) for p in self.prefixes)
@@ -50,7 +53,8 @@ BUILTINS: tuple[BuiltinScorer, ...] = (
         frozenset({"lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "meshrl/math"}),
         prefixes=("numina_",),
     ),
-    BuiltinScorer("math_dapo", f"{__name__}.math", "compute_score_dapo", True, frozenset({"math_dapo"}), prefixes=("aime",)),
+    BuiltinScorer("math_dapo", f"{__name__}.math", "compute_score_dapo", True, frozenset({"math_dapo"}), prefixes=("aime",),
+                  timeout_score=-1.0),
     BuiltinScorer("synthetic", f"{__name__}.synthetic", "compute_score", False, frozenset({ADDITION_SOURCE, COPY_SOURCE, TOOL_ADD_SOURCE})),
 )
 
