@@ -373,7 +373,10 @@ class TrainerLoop:
         t = self.clock()
         if self.s.bypass_mode:
             batch.tensors["old_logprobs"] = batch.tensors["rollout_logprobs"]
-            batch.tensors[VERSION_MASK_KEY] = at_version  # the loss splits the mismatch (first mini-batch)
+            if self._since_publish == 0:
+                # the loss splits the mismatch (first mini-batch); later in a sync window the
+                # weights moved past the published version: no token is at them
+                batch.tensors[VERSION_MASK_KEY] = at_version
         else:
             # at the first step of a window the current parameters are the proximal ones
             old, _ = await self.group.compute_logprobs(

@@ -79,6 +79,9 @@ def test_trains_publishes_every_trigger_steps_and_checkpoints_at_the_end(tmp_pat
     # the tokens at the trainer's version (all at 0 in step 1; none in step 3, at version 1) go to the loss
     assert torch.equal(loss.seen[0]["at_trainer_version"], t["rollout_logprobs"].ne(0).float())
     assert loss.seen[-1]["at_trainer_version"].sum() == 0
+    # step 2 trains on weights one unpublished optimizer step past version 0: no token was generated
+    # at them (else policy drift is reported as engine mismatch on every step after a window's first)
+    assert len(loss.seen) == 3 and "at_trainer_version" not in loss.seen[1]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr", "perf/throughput_tokens_per_s", "perf/idle_ratio",

@@ -18,8 +18,10 @@ reports nothing (absent, not 0: "no tokens" is not "no mismatch").
 Where the trainer's logprobs come from:
 - decoupled mode: the proximal logprobs the trainer computes before its update, at the weights of
   its current version, over the whole step batch (`split_metrics` on the batch, in the core);
-- bypass mode: the training forward of the step's first mini-batch (at the current version's
-  weights; later mini-batches run after an optimizer step, when no token is at equal weights).
+- bypass mode: the training forward of the step's first mini-batch, on the first step after a
+  publish (at the current version's weights; later mini-batches, and the later steps of a
+  trigger_parameter_sync_step window, run after unpublished optimizer steps, when no token is at
+  equal weights: the split is not reported there).
   The loss emits token sums (`loss_sums`), which the engines average over micro-batches and ranks
   like every metric; `finish_loss_sums` turns the averaged sums into the ratios above (a ratio of
   averages of sums = the ratio of the sums: token-weighted over the whole mini-batch).
