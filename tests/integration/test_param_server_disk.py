@@ -14,7 +14,7 @@ import torch
 from services.common.config.param_server import ParamServerConfig
 from services.common.errors import DataLoss, FailedPrecondition
 from services.param_server.server import ParamServerServer
-from services.weights.transports.disk import DiskFetcher, DiskPublisher, read_manifest, version_dir
+from services.weights.transports.disk import DiskFetcher, DiskPublisher, bucket_file, read_manifest, version_dir
 
 
 def buckets(seed: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -102,5 +102,27 @@ def test_a_refused_version_leaves_no_directory_and_a_fetcher_checks_the_files_ag
             await pub.close()
             await other.close()
             await server.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("damage", ["header", "truncated"])
+def test_a_torn_header_is_read_again_then_data_loss(tmp_path: Path, damage: str) -> None:
+    """A torn read on a network filesystem hits the safetensors header as well as the data: it
+    escaped the first read as a bare struct.error / UnicodeDecodeError (no re-read, an error type
+    the callers do not handle). It is read again, then DataLoss, as damaged data is."""
+    async def main() -> None:
+        pub = DiskPublisher(tmp_path)
+        ref = await pub.publish(1, buckets(1))
+        path = bucket_file(version_dir(tmp_path, 1), 1)
+        data = bytearray(path.read_bytes())
+        data = data[:4] if damage == "truncated" else data[:8] + b"\x00" * 8 + data[16:]  # zeros where the JSON starts
+        path.write_bytes(bytes(data))
+        fetcher = DiskFetcher(tmp_path, consumer_id="r0", max_attempts=2)
+        with pytest.raises(DataLoss, match="unreadable safetensors header"):
+            await fetch_all(fetcher, ref)
+        assert fetcher.reread_buckets == 2
+        await fetcher.close()
+        await pub.close()
 
     run(main())

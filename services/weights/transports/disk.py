@@ -226,18 +226,21 @@ def newest_on_disk(root: Path) -> int:
 def _read_bucket(path: Path, metas: list[TensorMeta], nbytes: int, buf: torch.Tensor) -> str:
     """Read a bucket file into `buf` after checking its header; returns the fingerprint. Worker thread."""
     with open(path, "rb") as f:
-        (hlen,) = struct.unpack("<Q", f.read(8))
-        if hlen > 100 << 20:
-            raise DataLoss(f"{path}: implausible safetensors header of {hlen} bytes")
-        header = json.loads(f.read(hlen))
-        header.pop("__metadata__", None)
-        if set(header) != {m.name for m in metas}:
-            raise DataLoss(f"{path}: tensors differ from the manifest's")
-        for m in metas:
-            e = header[m.name]
-            if (dtype_from_safetensors(e["dtype"]) != m.dtype or tuple(e["shape"]) != m.shape
-                    or e["data_offsets"] != [m.offset, m.offset + m.nbytes]):
-                raise DataLoss(f"{path}: tensor {m.name} differs from the manifest")
+        try:  # a torn read hits the header as well as the data: DataLoss, read again like those
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            if hlen > 100 << 20:
+                raise DataLoss(f"{path}: implausible safetensors header of {hlen} bytes")
+            header = json.loads(f.read(hlen))
+            header.pop("__metadata__", None)
+            if set(header) != {m.name for m in metas}:
+                raise DataLoss(f"{path}: tensors differ from the manifest's")
+            for m in metas:
+                e = header[m.name]
+                if (dtype_from_safetensors(e["dtype"]) != m.dtype or tuple(e["shape"]) != m.shape
+                        or e["data_offsets"] != [m.offset, m.offset + m.nbytes]):
+                    raise DataLoss(f"{path}: tensor {m.name} differs from the manifest")
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise DataLoss(f"{path}: unreadable safetensors header ({exc!r})") from exc
         view = host_view(buf)
         got = 0
         while got < nbytes:
