@@ -109,7 +109,7 @@ class BucketMeta(_message.Message):
     """
     fingerprint: _builtins.str
     """Hex 128-bit meshrl fingerprint of the bucket's bytes (column sums of 64-bit words; see
-    services/param_server/layout.py). Always set; cheap enough to compute on device, so every
+    services/weights/layout.py). Always set; cheap enough to compute on device, so every
     transport verifies it.
     """
     def __init__(

@@ -14,8 +14,13 @@ safetensors file (the `disk` transport writes exactly that).
 Checks. Every bucket carries a fingerprint: 128 bits over its bytes read as little-endian 64-bit
 words w_i (zero padded to whole words), from the K column sums S[c] = sum of w_i with i = c mod K
 (mod 2^64), mixed with fixed odd constants and the byte length. It is not cryptographic; it
-catches flipped bits, lost or stale regions, truncation and shifted blocks (K = 509 is prime, so
-swapping power-of-two sized blocks moves words to other columns). It runs at memory speed and,
+catches a flipped bit, lost or stale regions, truncation and shifted blocks (K = 509 is prime, so
+swapping power-of-two sized blocks moves words to other columns). Its known blind spot: a change
+of 2^63 vanishes in pairs (2^63 x an even sum = 0 mod 2^64), so flips of bit 63 of an even number
+of words (the sign bit of every 4th bf16 / 2nd fp32 element) pass unseen; the collective
+transports compare the column sums themselves, which leaves only pairs within one column. Random
+damage (torn reads, lost chunks, a flipped bit) does not take that shape; where any corruption
+must be caught, turn on `param_server.bucket_sha256`. It runs at memory speed and,
 being sums, is the same whether computed in one pass on a device (`fingerprint_tensor`, torch) or
 incrementally over chunks in any order (`Fingerprinter`, numpy). A sha256 per bucket is optional
 (`param_server.bucket_sha256`); it costs ~1.5 GB/s of one core. The manifest checksum (sha256 over
