@@ -161,11 +161,14 @@ def set_aside_after(root: Path, step: int) -> list[Path]:
 @dataclass(frozen=True)
 class ResumedFrom:
     path: str
+    """resume_from_path; "" for resume_mode=disable (back to step 0)."""
     step: int
+    session: str = ""
+    """The run session (one per `meshrl train` or generated serve config) of the start that went back."""
 
 
 def resumed_from(root: Path) -> ResumedFrom | None:
-    """The resume_from_path a start of this checkpoint directory went back to, if any."""
+    """Where a start of this checkpoint directory went back to (resume_path, or disable), if any."""
     f = root / RESUMED_FROM
     try:
         return ResumedFrom(**json.loads(f.read_text()))

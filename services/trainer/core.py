@@ -148,6 +148,9 @@ class LoopSettings:
     metrics_path: Path | None = None
     resume_mode: str = "auto"
     resume_from_path: str | None = None
+    session: str = ""
+    """The run session (`meshrl train`'s, or the generated serve config's): a start with
+    resume_mode=disable goes back to step 0 once per session (its restarts go on)."""
     seed: int = 42
     hf_export_dir: Path | None = None
     """Where the final policy is written as a Hugging Face checkpoint when the run ends; None: not."""
@@ -280,7 +283,14 @@ class TrainerLoop:
             else:
                 going_back = True
         else:
-            going_back = True
+            # disable: back to step 0 once per run session; a restart in the same session (Serve
+            # restarting a crashed replica) goes on from this line's newest checkpoint, never
+            # back to 0 again (that set aside everything trained and republished the initial weights)
+            done = checkpoints.resumed_from(root)
+            if self.s.session and done is not None and done.path == "" and done.session == self.s.session:
+                path = checkpoints.newest(root)
+            else:
+                going_back = True
         state: checkpoints.LoopState | None = None
         if path is not None:
             state = checkpoints.read_state(path)
@@ -300,10 +310,11 @@ class TrainerLoop:
                 log.warning("checkpoints_set_aside", step=self.step, resume_mode=self.s.resume_mode,
                             paths=[str(p) for p in aside], hint="a later line of training than this start's: kept, "
                             "never resumed from or rotated")
-        if self.s.resume_mode != "resume_path":
-            checkpoints.record_resumed_from(root, None)  # a later resume_path start goes back again
+        if self.s.resume_mode == "auto":
+            checkpoints.record_resumed_from(root, None)  # a later resume_path / disable start goes back again
         elif going_back:
-            checkpoints.record_resumed_from(root, checkpoints.ResumedFrom(str(path), self.step))
+            checkpoints.record_resumed_from(
+                root, checkpoints.ResumedFrom(str(path) if path is not None else "", self.step, self.s.session))
         resp = await self._resume_trainer()
         self.policy_version = self.weights_version = resp.policy_version
         if path is not None and state is not None:

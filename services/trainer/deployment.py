@@ -76,7 +76,7 @@ class TrainerDeployment:
             raise
         self.parts: TrainerParts = await build_trainer(
             cfg, run_dir, algorithm=extras.get("algorithm"), publisher=extras.get("publisher"),
-            model_init=extras.get("model_init"), clock=clock, ranks=ranks,
+            model_init=extras.get("model_init"), clock=clock, ranks=ranks, session=extras.get("session", ""),
         )
         self._servicer = self.parts.servicer
         self._task = asyncio.get_running_loop().create_task(self.parts.loop.run())
@@ -112,8 +112,10 @@ def deployment_options(app: AppDeployConfig) -> dict[str, Any]:
 def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder: args = {config: dict, run_dir: str} plus, from Python only,
     `algorithm`, `publisher` and `model_init` objects (tests; a param-server publisher) and
-    `ranks` (`meshrl train`: rank actors it spawned before Serve started, `ranks.spawn_for`)."""
+    `ranks` (`meshrl train`: rank actors it spawned before Serve started, `ranks.spawn_for`), and
+    `session` (the run's, as the coordinator's: resume_mode=disable goes back to step 0 once per
+    session, so a replica Serve restarts goes on)."""
     cfg = MeshConfig.model_validate(args.get("config", {}))
-    extras = {k: args[k] for k in ("algorithm", "publisher", "model_init", "ranks") if args.get(k) is not None}
+    extras = {k: args[k] for k in ("algorithm", "publisher", "model_init", "ranks", "session") if args.get(k) is not None}
     deployment = TrainerDeployment.options(**deployment_options(cfg.serve.trainer))  # type: ignore[attr-defined]
     return deployment.bind(cfg.model_dump(mode="json"), str(args["run_dir"]), extras or None)  # type: ignore[no-any-return]

@@ -124,6 +124,7 @@ def checkpoint_dir(loop: TrainerLoopConfig, run_dir: str | os.PathLike[str]) -> 
 
 def loop_settings(
     ts: TrainerServiceConfig, run_dir: str | os.PathLike[str], size: int | None, pad_id: int, vocab_size: int | None,
+    session: str = "",
 ) -> LoopSettings:
     """The loop's settings from the trainer service's own section alone (`ts.loop` holds what
     verl's keys say, mapped at load) plus what only the run knows: its directory, the dataset's
@@ -152,6 +153,7 @@ def loop_settings(
         metrics_path=Path(run_dir) / ts.metrics_file,
         resume_mode=loop.resume_mode,
         resume_from_path=loop.resume_from_path,
+        session=session,
         seed=loop.seed,
         hf_export_dir=Path(run_dir) / ts.hf_export_dir if ts.hf_export_dir else None,
         coordinator_wait_s=ts.coordinator_wait_s,
@@ -345,6 +347,7 @@ async def build_trainer(
     model_init: Callable[[], Any] | None = None,
     clock: StartupClock | None = None,
     ranks: SpawnedRanks | None = None,
+    session: str = "",
 ) -> TrainerParts:
     """Everything the Serve deployment runs: rank actors (Ray; RANKS: already asked for, see
     `ranks.spawn_for`), the coordinator client, the publisher and the loop. Config problems
@@ -374,7 +377,8 @@ async def build_trainer(
         algorithm = algorithm or algorithm_from_config(cfg)
         size = dataset_size(cfg)
         spec = engine_spec(cfg, device, size, model_init)
-        settings = loop_settings(ts, run_dir, size, pad_token_id(cfg), vocab_size_of(cfg.actor_rollout_ref.model.path))
+        settings = loop_settings(ts, run_dir, size, pad_token_id(cfg), vocab_size_of(cfg.actor_rollout_ref.model.path),
+                                 session)
         # The engines build while this replica builds its clients and publisher.
         starting = asyncio.ensure_future(
             ranks.start(spec, cfg.actor_rollout_ref.actor.strategy, nice=cfg.tuning.nice.trainer_ranks))

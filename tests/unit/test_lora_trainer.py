@@ -146,6 +146,28 @@ def test_hf_export_is_a_peft_adapter_and_a_merged_model(tmp_path: Path) -> None:
         build(make_spec(model_extra={"lora_rank": 4, "lora_adapter_path": str(tmp_path / "hf")}))
 
 
+def test_a_checkpoints_huggingface_copy_of_a_lora_policy_is_the_adapter(tmp_path: Path) -> None:
+    """save_contents with hf_model wrote a LoRA engine's PEFT-wrapped state (base_model.model.*
+    names) through a plain HF shell: from_pretrained matched none of it and loaded a random
+    model. It is the adapter directory, as the final export writes."""
+    from peft import PeftModel
+
+    from services.common.config.actor_rollout_ref import CheckpointContentsConfig
+
+    spec = make_spec(model_extra=LORA, optim={"lr": 1e-2})
+    spec.actor.checkpoint = CheckpointContentsConfig(save_contents=["model", "optimizer", "extra", "hf_model"])
+    engine: Any = build(spec)
+    batch = fixed_batch()
+    _train(engine, batch, 3)
+    ours = engine.compute_logprobs(batch).logprobs
+    engine.save_checkpoint(tmp_path / "ckpt")
+    adapted = PeftModel.from_pretrained(tiny_init(), tmp_path / "ckpt" / "huggingface").eval()
+    with torch.no_grad():
+        logits = adapted(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(lp * batch.response_mask[:, 1:], ours[:, 1:], atol=1e-5, rtol=1e-5)
+
+
 def test_target_and_exclude_modules() -> None:
     engine: Any = build(make_spec(model_extra={**LORA, "target_modules": ["q_proj", "v_proj"], "exclude_modules": ["k_proj"]}))
     spec, tensors = _version(engine)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from services.common.config.actor_rollout_ref import CheckpointContentsConfig
 from services.common.errors import NotFound
@@ -68,6 +69,28 @@ def test_restart_under_resume_path_resumes_this_runs_newest_checkpoint(tmp_path:
     except NotFound as exc:
         pytest.fail(f"the restarted trainer cannot resume at all: {exc}")
     assert coord.resumes[-1] == 3, coord.resumes  # not a rollback to step 1
+
+
+def test_restart_under_disable_goes_on_in_its_session_and_a_new_session_starts_over(tmp_path: Path) -> None:
+    """resume_mode=disable went back to step 0 at every start, Serve's restart of a crashed replica
+    included: the run's checkpoints were set aside, the coordinator re-queued every group since
+    step 0, and the initial weights went out as the next version. Once per run session now."""
+    coord = FakeCoordinator(finite=False)
+    _fill(coord, 30)
+    root = tmp_path / "ckpt"
+    same = {"resume_mode": "disable", "save_freq": 1, "session": "s1"}
+    first = _loop(tmp_path, coord, total_steps=2, **same)
+    _run(first)  # the loop stops at step 2 (as a crash after its checkpoint would)
+    trained = {k: v for b in first.group.engine.export_weights(1 << 30) for k, v in b}
+    pub = InProcessPublisher(retain_versions=20)
+    restarted = TrainerLoop(_settings(tmp_path, total_steps=3, **same), _group(), coord, pub, fake_algorithm()[0])
+    _run(restarted)  # Serve restarts the replica: same config, same session
+    assert coord.resumes == [0, 2] and not [p for p in root.iterdir() if ".abandoned-" in p.name]
+    first_version = pub.get(min(pub.versions)).weights  # the restart's first publish: the trained weights
+    assert all(torch.equal(first_version[k], trained[k]) for k in trained)
+    # a new `meshrl train` (a new session) with disable starts over, as it always did
+    _run(_loop(tmp_path, coord, total_steps=1, **{**same, "session": "s2"}))
+    assert coord.resumes[-1] == 0 and [p for p in root.iterdir() if ".abandoned-" in p.name]
 
 
 def test_rotation_never_deletes_the_checkpoint_just_reported(tmp_path: Path) -> None:

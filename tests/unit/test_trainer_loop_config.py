@@ -45,7 +45,7 @@ TRACED: dict[str, tuple[list[str], Any]] = {
     "total_steps": (["rollout.total_rollout_steps=40", "actor_rollout_ref.actor.ppo_mini_batch_size=2"], 20),
 }
 # Run-time values, and the trainer service's own keys.
-RUNTIME = {"pad_token_id", "vocab_size"}
+RUNTIME = {"pad_token_id", "vocab_size", "session"}
 OWN: dict[str, tuple[list[str], Any]] = {
     "trainer_id": (["trainer_service.trainer_id=tx"], "tx"),
     "fetch_timeout_ms": (["trainer_service.fetch_timeout_ms=7"], 7),
@@ -74,8 +74,8 @@ def test_each_loop_setting_follows_its_key(name: str) -> None:
 
 
 def test_runtime_values_are_passed_through() -> None:
-    s = loop_settings(load_config().trainer_service, "/run", 100, pad_id=5, vocab_size=77)
-    assert (s.pad_token_id, s.vocab_size) == (5, 77)
+    s = loop_settings(load_config().trainer_service, "/run", 100, pad_id=5, vocab_size=77, session="s1")
+    assert (s.pad_token_id, s.vocab_size, s.session) == (5, 77, "s1")
 
 
 def test_the_section_repeats_each_verl_key_type_and_default() -> None:

@@ -94,7 +94,12 @@ def save_state(engine: FSDPEngine, path: Path) -> None:
         }
         torch.save(extra, path / f"extra_rank{engine.rank}.pt")
     if "hf_model" in contents:
-        save_hf_weights(engine, path / "huggingface")
+        if engine.lora:  # a PEFT adapter directory (as save_hf writes): the plain HF shell loads none of the wrapped names
+            from . import fsdp_lora
+
+            fsdp_lora.save_adapter(engine, path / "huggingface", merged=engine.spec.model.lora_export_merged)
+        else:
+            save_hf_weights(engine, path / "huggingface")
     _barrier()
 
 
