@@ -8,6 +8,7 @@ outcome (README "Failure model") and the books: nothing lost, nothing trained tw
                        Under a collective transport (gloo here; nccl and hccl alike) the
                        replacement takes the dead member's place in the broadcast group once it
                        has been silent for param_server.stall_timeout_s, and the sender goes on
+                       (and a param server killed next is waited for: the trainer never restarts)
     reward replica     Serve replaces it; the scores in flight are retried; the run goes on
     param server       Serve replaces it (empty); the trainer's next publish goes to the new one
                        and the rollouts move to that version; the run goes on
@@ -214,6 +215,7 @@ def test_rollout_replica_dies_under_the_gloo_transport_and_the_sender_goes_on(tm
                              "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
                              "param_server.stall_timeout_s=15"])
     kill: Kill | None = None
+    ps_kill: Kill | None = None
     try:
         wait_until(lambda: len(run.steps()) >= 30, 600, "30 trainer steps")
         baseline = _baseline(run)
@@ -221,17 +223,27 @@ def test_rollout_replica_dies_under_the_gloo_transport_and_the_sender_goes_on(tm
         print(f"killed rollout pid {kill.pid} at step {kill.step}", flush=True)
         kill.result |= _recovery(run, kill, baseline, min_after_s=15.0, limit_s=90.0)
         kill.replaced_by = [p.pid for p in run.processes("rollout")]
+        # The param server next: the broadcast group does not go through it, but the sender's
+        # rendezvous and manifest registrations do (they failed the trainer's loop at once).
+        assert run.proc.poll() is None, "the run ended before the param server was killed; raise GLOO_STEPS"
+        baseline = _baseline(run)
+        time.sleep(rng.uniform(1.0, 6.0))
+        ps_kill = run.kill("param_server")
+        print(f"killed param_server pid {ps_kill.pid} at step {ps_kill.step}", flush=True)
+        ps_kill.result |= _recovery(run, ps_kill, baseline, min_after_s=15.0, limit_s=90.0)
+        ps_kill.replaced_by = [p.pid for p in run.processes("param_server")]
         rc = run.wait(600)
     finally:
         run.stop()
-        _record(tmp_path, "gloo", {"kills": [kill.record()] if kill else []})
+        _record(tmp_path, "gloo", {"kills": [k.record() for k in (kill, ps_kill) if k]})
     out = run.output()
     summary = run.summary()
     replaced = run.log_events("param_server", "rendezvous_member_replaced")
     resent = [e for e in run.log_events("trainer", "weights_broadcast_failed") if e.get("sent_again")]
     wanted = run.log_events("trainer", "weights_sent_again")
-    _record(tmp_path, "gloo", {"kills": [kill.record()], "replaced": replaced, "resent": resent,
-                               "sent_again_when_wanted": wanted, "wall_s": summary.get("wall_s")})
+    _record(tmp_path, "gloo", {"kills": [kill.record(), ps_kill.record()], "replaced": replaced, "resent": resent,
+                               "sent_again_when_wanted": wanted, "incidents": summary.get("incidents"),
+                               "wall_s": summary.get("wall_s")})
     assert rc == 0, out[-4000:]
     assert summary["steps"] == GLOO_STEPS and "failure" not in summary, summary
     assert summary["audit"]["balanced"] and summary["audit"]["issued"] == BATCH * GLOO_STEPS, summary["audit"]
@@ -246,6 +258,12 @@ def test_rollout_replica_dies_under_the_gloo_transport_and_the_sender_goes_on(tm
     if wanted:
         assert replaced and all(e["policy_version"] == replaced[-1]["policy_version"] for e in wanted), (replaced, wanted)
     assert kill.result["recovered_s"] <= 90.0 and kill.result["longest_gap_s"] < 120.0, kill.record()
+    # the param server: Serve replaced it, the run went on, and the trainer's loop never failed
+    # (no restart from a checkpoint)
+    assert ps_kill.replaced_by and ps_kill.pid not in ps_kill.replaced_by, ps_kill.record()
+    assert ps_kill.result["recovered_s"] <= 90.0, ps_kill.record()
+    assert not summary.get("trainer_restarts"), summary.get("incidents")
+    assert "trainer_failed" not in [i["kind"] for i in summary.get("incidents") or []], summary.get("incidents")
 
 
 TRAINER_STEPS = 120
