@@ -105,6 +105,7 @@ class ToolEnvironment(Environment):
         self.calls = 0
         self.errors = 0
         self.bad_rewards = 0
+        self._late_releases: set[asyncio.Future[Any]] = set()  # instances created after their sample was cancelled
 
     async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
         tools_kwargs, ikw = _check_extra_info(prompt.extra_info)
@@ -176,8 +177,28 @@ class ToolEnvironment(Environment):
         ck = dict((s.tools_kwargs.get(name) or {}).get("create_kwargs") or {})
         ck.pop("instance_id", None)
         ck.pop("create_kwargs", None)
-        instance_id, _ = await self.tools[name].create(f"{session_id}/{name}", create_kwargs=dict(ck), **ck)
+        tool = self.tools[name]
+        creating = asyncio.ensure_future(tool.create(f"{session_id}/{name}", create_kwargs=dict(ck), **ck))
+        try:
+            instance_id, _ = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            # The sample was cancelled mid-create (a sibling failed, a drain): its close cannot
+            # know this instance, so it is released when the create lands (a sandbox, a container).
+            creating.add_done_callback(lambda f: self._release_late(tool, f))
+            raise
         s.instances[name] = instance_id
+
+    def _release_late(self, tool: BaseTool, created: asyncio.Future[Any]) -> None:
+        if created.cancelled() or created.exception() is not None:
+            return  # nothing was created
+        task = asyncio.ensure_future(tool.release(created.result()[0]))
+        self._late_releases.add(task)
+        task.add_done_callback(self._late_released)
+
+    def _late_released(self, task: asyncio.Future[Any]) -> None:
+        self._late_releases.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("tool_late_release_failed", error=repr(exc))
 
     async def _call(self, s: _Session, c: ToolCall) -> tuple[str, float, dict[str, float], bool]:
         """(response text, step reward, metrics, is_error) of one call; never raises."""

@@ -104,11 +104,17 @@ class ChatRenderer:
         if new_messages:
             first = new_messages[0]
             joint = self._joint(str(first.get("role", "")))
-            probed = self.render([*history, assistant, {**first, "content": _PROBE}, *new_messages[1:]],
+            # The probe goes inside the message's own content, not in its place: a template may
+            # read the content (Qwen3 takes a user message wrapped in <tool_response> for a tool
+            # answer, not a new query), and the probed history must render as the real one.
+            content = str(first.get("content") or "")
+            head = content[: len(content) // 2]
+            probe = head + _PROBE + content[len(head):]
+            probed = self.render([*history, assistant, {**first, "content": probe}, *new_messages[1:]],
                                  add_generation_prompt=True)
             # The suffix is found with the next message's header after it, not alone: a suffix
             # as plain as "\n" also ends the header, and the delta would lose the header's text.
-            at = probed.rfind(joint + _PROBE) if joint is not None else -1
+            at = probed.rfind(joint + head + _PROBE) if joint is not None else -1
             end = at + len(self.assistant_suffix)
             if at >= 0 and new.startswith(probed[:end]):  # else the probe changed how the history renders
                 return end

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from meshrl.v1 import common_pb2
-from services.common.errors import BadReply, InvalidArgument
+from services.common.errors import BadReply, FailedPrecondition, InvalidArgument
 from services.common.logging import get_logger
 from services.environment import convert as env_convert
 from services.environment.base import CloseResult, Environment, Message, StartResult
@@ -224,7 +224,17 @@ class AgentLoop:
         cancelled: Callable[[], bool], version: Callable[[], int],
     ) -> Trajectory:
         t = Trajectory(index=s.index)
-        t.add_environment(s.ids[len(prompt_ids) :])
+        own = s.ids[len(prompt_ids) :]  # the rest of this sample's own first prompt (the group shares the prefix)
+        if len(own) >= spec.max_tokens:
+            # it would fill the response budget before the policy's first token; submitted, the
+            # coordinator refuses the response as over max_tokens
+            await self._close(env, s, t, raise_errors=False)
+            raise FailedPrecondition(
+                f"sample {s.index}'s first prompt differs from the group's shared prefix by {len(own)} tokens, "
+                f">= the response budget ({spec.max_tokens}); raise data.max_response_length or have the "
+                "environment start the group's samples alike"
+            )
+        t.add_environment(own)
         ctx = list(s.ids)
         history = list(s.messages)
         limits = [x for x in (self.s.max_assistant_turns, s.start.max_turns) if x]
