@@ -267,10 +267,11 @@ class MeshRun:
         """Take the rollout replicas down: each returns its unfinished leases on the way out (a
         multi-turn trajectory can still be mid-conversation when the trainer stops), so the ledger
         audit that follows sees them back in the queue."""
+        import ray
         from ray import serve
 
-        if self._rollouts_stopped:
-            return
+        if self._rollouts_stopped or not ray.is_initialized():
+            return  # nothing deployed: Serve's calls would join (or start) whatever Ray this host runs
         self._rollouts_stopped = True
         try:
             serve.delete("rollout")
@@ -281,6 +282,8 @@ class MeshRun:
         import ray
         from ray import serve
 
+        if not ray.is_initialized():
+            return  # Ray never started (or the start failed): nothing of ours runs anywhere
         self.stop_rollouts()
         if self.cfg.serve.ray_address:
             serve.shutdown()  # a cluster we joined: take our applications down, leave Ray up

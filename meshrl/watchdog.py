@@ -88,6 +88,8 @@ class Watchdog:
     _trainer: _Outage = field(default_factory=_Outage)
     _failed_replicas: set[str] = field(default_factory=set)
     _restart_deadline: float | None = None
+    _replica: str = ""
+    """The trainer replica seen last: another one is a restart, seen failing or not."""
     _reported: set[str] = field(default_factory=set)
     _app_status: dict[str, str] = field(default_factory=dict)
 
@@ -134,6 +136,11 @@ class Watchdog:
         if self._trainer.since is None:
             self._incident(now, "trainer_unreachable", error)
         down = self._trainer.failed(now, error)
+        if self._restart_deadline is not None and now > self._restart_deadline:
+            reason = (f"the trainer failed and was not restarted within trainer_service.restart_timeout_s="
+                      f"{self.restart_timeout_s:g} (unreachable: {error})")
+            self.stop(now, reason)
+            raise RunFailure(reason)
         if down > max(OUTAGE_LIMIT_S, self.restart_timeout_s):
             raise RunFailure(f"the trainer has not answered for {down:.0f} s: {error}")
 
@@ -143,11 +150,27 @@ class Watchdog:
         self._trainer.ok(now)
         state = str(status.get("state", "?"))
         replica = str(status.get("replica", ""))
+        previous, self._replica = self._replica, replica or self._replica
         if state != "failed":
             if self._restart_deadline is not None and replica not in self._failed_replicas:
+                if now > self._restart_deadline:  # the replacement came, but too late
+                    self.stop(now, f"the trainer failed and was not restarted within "
+                                   f"trainer_service.restart_timeout_s={self.restart_timeout_s:g}")
+                    return "failed"
                 self._restart_deadline = None
                 self._incident(now, "trainer_restarted", f"training again from step {status.get('step', 0)}",
                                step=int(status.get("step", 0)))
+            elif previous and replica and replica != previous and replica not in self._failed_replicas:
+                # replaced between two looks (its process died, or its failed state came and went
+                # unseen): a restart all the same, bounded by max_restarts
+                if self.failure is not None or self.trainer_restarts >= self.max_restarts:
+                    self.stop(now, f"the trainer replica {previous} was replaced (it died) past "
+                                   f"trainer_service.max_restarts={self.max_restarts}")
+                    return "failed"
+                self.trainer_restarts += 1
+                self._incident(now, "trainer_restarted", f"replica {previous} was replaced; training again from "
+                               f"step {status.get('step', 0)}", step=int(status.get("step", 0)),
+                               restart=self.trainer_restarts)
             return "restarting" if self._restart_deadline is not None else state
         error = " ".join(str(status.get("error") or "unknown error").split())[:500]
         if replica in self._failed_replicas:  # the failed replica has not been replaced yet

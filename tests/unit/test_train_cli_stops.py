@@ -17,6 +17,7 @@ import pytest
 
 import meshrl.train as train_mod
 from meshrl.train import MeshRun, Progress, new_run_dir, resolve_config, train
+from meshrl.watchdog import RunFailed
 from services.common.errors import ConfigError
 
 # ---- fakes ------------------------------------------------------------------------------------
@@ -247,3 +248,66 @@ def test_resume_refuses_without_an_environment_endpoints_moved_token(monkeypatch
     monkeypatch.setenv(var, "s3cret")
     train(None, [], resume=run_dir, report=False)
     assert seen and seen[0]["cfg"].environment.endpoints[0].token_env == var
+
+
+def _train_whose_ray_does_not_start(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                    overrides: list[str]) -> tuple[list[dict[str, Any]], BaseException | None]:
+    import ray
+
+    import meshrl.tensorboard
+    import meshrl.trackers
+    import services.common.logging
+    import services.common.serve_util
+
+    monkeypatch.setattr(train_mod, "ensure_model", lambda cfg: cfg)
+    monkeypatch.setattr(meshrl.trackers, "start_tracking", lambda *a, **k: None)
+    monkeypatch.setattr(services.common.logging, "configure_logging", lambda *a, **k: None)
+    monkeypatch.setattr(meshrl.tensorboard, "write_tensorboard", lambda run_dir: None)
+    monkeypatch.setattr(train_mod, "_app_builders", lambda: [])
+
+    def init_ray(*a: Any, **k: Any) -> None:
+        raise ConnectionError("could not start or reach Ray")
+
+    monkeypatch.setattr(services.common.serve_util, "init_ray", init_ray)
+    inits: list[dict[str, Any]] = []
+
+    def recording_init(*a: Any, **k: Any) -> None:
+        inits.append(dict(k))
+        raise RuntimeError("ray.init called by the teardown")
+
+    monkeypatch.setattr(ray, "init", recording_init)
+    saved = dict(os.environ)
+    err: BaseException | None = None
+    try:
+        train_mod.train(None, ["trainer.val_before_train=false", *overrides], run_dir=tmp_path / "run", report=False)
+    except BaseException as exc:
+        err = exc
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return inits, err
+
+
+def test_teardown_after_a_failed_ray_start_does_not_start_or_join_a_ray(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """deploy() fails in init_ray (Ray did not start; or Ctrl-C during its start). train()'s
+    finally calls MeshRun.shutdown -> stop_rollouts -> serve.delete("rollout"), and Serve's
+    _connect() calls ray.init(namespace="serve") when Ray is not initialized: with no address that
+    joins whatever Ray this host runs (RAY_ADDRESS / `ray start`) and deletes ITS "rollout"
+    application, or else starts a fresh local Ray just to tear it down again."""
+    inits, err = _train_whose_ray_does_not_start(monkeypatch, tmp_path, [])
+    assert isinstance(err, RunFailed), repr(err)
+    assert not inits, f"the teardown called ray.init{inits} (via serve.delete) after Ray never started"
+
+
+def test_teardown_of_a_joined_cluster_run_whose_ray_did_not_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As above with serve.ray_address: shutdown() calls serve.shutdown(), which discovers the
+    controller through _connect() -> ray.init(namespace="serve") and then shuts down ALL of Serve on
+    the Ray it found. Here ray.init raises, and that error escapes train()'s finally: the RunFailed
+    (exit 1, cause, resume line) is replaced by a traceback and restore_env is skipped."""
+    inits, err = _train_whose_ray_does_not_start(monkeypatch, tmp_path, ["serve.ray_address=ray://10.9.9.9:10001"])
+    assert isinstance(err, RunFailed), f"train() raised {err!r} instead of RunFailed (ray.init calls: {inits})"
+    assert not inits, f"the teardown called ray.init{inits} (via serve.delete / serve.shutdown)"

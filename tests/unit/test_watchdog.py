@@ -81,3 +81,43 @@ def test_serve_application_changes_are_reported_once() -> None:
     w.serve_status(3.0, {"rollout": ("DEPLOYING", "replica crashed")})
     w.serve_status(4.0, {"rollout": ("RUNNING", "")})
     assert [i["detail"] for i in w.incidents] == ["rollout: DEPLOYING: replica crashed", "rollout: RUNNING"]
+
+
+def test_a_trainer_replica_replaced_without_a_seen_failed_state_counts_as_a_restart() -> None:
+    """The trainer replica is replaced by Serve between two looks at it (its process died: OOM,
+    node lost; or its 'failed' state was up for the ~30 s of Serve's 3 health checks while the
+    driver was busy validating): the driver sees it unreachable, then a new replica at step 0.
+    Watchdog.trainer_state counts a restart only for a replica seen in state 'failed', so
+    trainer_restarts stays 0 and max_restarts is never enforced: a crash loop runs forever."""
+    w = Watchdog("runs/x", max_restarts=1, restart_timeout_s=100.0, started=0.0)
+    assert w.trainer_state(1.0, _trainer("training", "a", step=40)) == "training"
+    w.trainer_unreachable(10.0, "ActorDiedError: the actor died unexpectedly")
+    w.trainer_state(40.0, _trainer("starting", "b", step=0))
+    w.trainer_state(45.0, _trainer("training", "b", step=30))
+    first = w.trainer_restarts
+    w.trainer_unreachable(60.0, "ActorDiedError: the actor died unexpectedly")
+    w.trainer_state(90.0, _trainer("starting", "c", step=0))
+    w.trainer_state(95.0, _trainer("training", "c", step=30))
+    assert first == 1, f"the first replacement (a -> b) counted {first} restarts; incidents: {w.incidents}"
+    assert w.failure is not None, (
+        f"the second replacement (b -> c) is past max_restarts=1 and the run goes on; "
+        f"trainer_restarts={w.trainer_restarts}")
+
+
+def test_a_restart_slower_than_restart_timeout_stops_the_run() -> None:
+    """trainer_service.restart_timeout_s: 'How long meshrl train waits for a restarted trainer
+    replica to train again before it stops the run.' The deadline is only checked when the OLD
+    replica reports 'failed' again; once Serve takes it down (unreachable while the new replica is
+    built) the only bound is max(300 s, restart_timeout_s), and a replacement that arrives after
+    the deadline clears it as 'trainer_restarted'. With restart_timeout_s=60, a restart of 250 s
+    goes on."""
+    w = Watchdog("runs/x", max_restarts=3, restart_timeout_s=60.0, started=0.0)
+    assert w.trainer_state(0.0, _trainer("failed", "a", error="boom")) == "restarting"
+    with pytest.raises(RunFailure, match="restart_timeout_s=60"):  # the driver's poll ends the watch with it
+        for t in range(5, 250, 5):
+            w.trainer_unreachable(float(t), "TimeoutError: no replica")  # a stopped, b being built
+    assert w.failure is not None and "restart_timeout_s=60" in w.failure
+    # a replacement that reports after the deadline (no unreachable look in between) stops it too
+    late = Watchdog("runs/x", max_restarts=3, restart_timeout_s=60.0, started=0.0)
+    late.trainer_state(0.0, _trainer("failed", "a", error="boom"))
+    assert late.trainer_state(250.0, _trainer("starting", "b", step=0)) == "failed" and late.failure is not None
