@@ -338,9 +338,8 @@ class RolloutWorker:
                 return
             cut = sum(1 for r in group.responses if r.finish_reason == common_pb2.FINISH_REASON_ABORT)
             if cut:
-                # Continued max_resubmits times and cut again (a weight update that kept failing
-                # pauses in mode abort each time it is tried): trained as if it ended there, its
-                # reward would score an unfinished answer. The prompt goes back to the queue.
+                # A sample cut short is unfinished: trained, its reward would score an answer it
+                # never gave. Its group fails and the prompt goes back to the queue.
                 raise FailedPrecondition(
                     f"{cut} of the group's samples were still cut by weight updates after {self.s.max_resubmits} "
                     "continuations; not submitted cut short"
