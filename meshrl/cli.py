@@ -653,6 +653,13 @@ def _bench(args: argparse.Namespace) -> int:
                              group_size=args.group_size)
     else:  # pragma: no cover - argparse restricts choices
         raise SystemExit(f"unknown benchmark {args.bench_command}")
+    # what a result needs to be reproduced and compared, whichever benchmark wrote it
+    import platform
+    import time
+
+    result.setdefault("date", time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    result.setdefault("machine", {"platform": platform.platform(), "python": platform.python_version(),
+                                  "cpus": os.cpu_count()})
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

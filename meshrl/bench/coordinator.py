@@ -25,12 +25,14 @@ from services.coordinator.client import CoordinatorClient
 
 N_RESPONSES = 4
 TOKENS = 64
+PROMPT_TOKENS = 16
 BATCH = 64
 CLIENTS = 4
 
 
 def _template() -> common_pb2.TrajectoryGroup:
     g = common_pb2.TrajectoryGroup()
+    g.prompt_token_ids.extend(range(PROMPT_TOKENS))  # the coordinator refuses a group without them
     for i in range(N_RESPONSES):
         g.responses.add(sample_index=i, token_ids=list(range(TOKENS)), logprobs=[-0.5] * TOKENS, versions=[0] * TOKENS,
                         reward=1.0, text="x" * TOKENS)
@@ -117,12 +119,19 @@ async def _measure(address: str, application: str | None, seconds: float) -> dic
 
         sub_lat: list[float] = []
         await _timed(one_submit, seconds / 2)
-        # drain what the latency probes queued so the cycles start empty
-        step = 0
-        while (await c.status()).totals.queued:
-            step += 1
-            await c.fetch_batch("bench-drain", step, 4096, timeout_ms=0)
+        drained = 0
+
+        async def drain() -> None:
+            # what the probes (or the previous cycle) queued, so each cycle starts empty: a cycle's
+            # groups/s counts only groups leased and submitted in its own window
+            nonlocal drained
+            while (await c.status()).totals.queued:
+                drained += 1
+                await c.fetch_batch("bench-drain", drained, 4096, timeout_ms=0)
+
+        await drain()
         unbatched = await _cycle(c, 1, seconds)
+        await drain()
         batched = await _cycle(c, BATCH, seconds)
     echo_s, sub_s = _lat(echo), _lat(sub_lat)
     return {
