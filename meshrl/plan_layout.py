@@ -2,11 +2,15 @@
 model's shape, and per-rank parameter / gradient / optimizer memory.
 
 Memory model (bytes per parameter, stated so the numbers can be checked by hand):
-  megatron: bf16 params 2, fp32 grads 4 (grad_reduce_in_fp32), Adam fp32 master + m + v 12;
-            params and grads split by TP x PP (dense) or ETP x EP x PP (experts); optimizer
-            state additionally by DP x CP (dense) or expert-DP with the distributed optimizer.
-  fsdp:     params and grads in `fsdp_config.model_dtype` (4 for fp32, 2 for bf16), Adam m + v
-            (+ fp32 master when the model is bf16), all sharded over the FSDP group.
+  megatron: params in `model.dtype` (2 for bf16 / fp16, 4 for fp32), fp32 grads 4
+            (grad_reduce_in_fp32), Adam fp32 master + m + v 12 (bf16 / fp16; fp32 params are
+            their own master: m + v 8); params and grads split by TP x PP (dense) or
+            ETP x EP x PP (experts); optimizer state additionally by DP x CP (dense) or expert-DP
+            with the distributed optimizer. Tied embeddings with PP > 1: the last stage holds its
+            own copy of the embedding (megatron's output_layer).
+  fsdp:     params and grads in the engine's master dtype (`fsdp_config.model_dtype` when set,
+            else `model.dtype`; hf_model.master_dtype), torch AdamW's m + v in the same dtype
+            (no separate fp32 master), all sharded over the FSDP group.
 Offload flags move the at-rest copy to host memory; activations and KV are not estimated.
 """
 
@@ -20,6 +24,27 @@ from services.common.model_arch import ModelArch
 
 GiB = 1024**3
 _ARR = "actor_rollout_ref"
+_MODEL_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_FSDP_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def trainer_param_bytes(cfg: MeshConfig) -> int:
+    """Bytes per parameter the trainer holds and exports: megatron builds its model in
+    `model.dtype`; FSDP in `fsdp_config.model_dtype` when it is set, else `model.dtype`
+    (services/trainer/engines/hf_model.master_dtype)."""
+    arr = cfg.actor_rollout_ref
+    fsdp = arr.actor.fsdp_config
+    if arr.actor.strategy not in ("megatron", "mindspeed") and fsdp.model_dtype is not None:
+        return _FSDP_DTYPE_BYTES[fsdp.model_dtype]
+    return _MODEL_DTYPE_BYTES[arr.model.dtype]
+
+
+def fsdp_shard_size(cfg: MeshConfig) -> int:
+    """Ranks one FSDP shard group spans (services/trainer/engines/dist.build_meshes): the whole
+    world for fsdp_size -1 / 0 or >= the world, else fsdp_size (replicated groups beside it)."""
+    world = _world(cfg)
+    size = cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size
+    return world if size <= 0 or size >= world else size
 
 
 def _world(cfg: MeshConfig) -> int:
@@ -44,9 +69,11 @@ def stage_layers(num_layers: int, pp: int, first: int | None, last: int | None) 
     return ([f] if f is not None else []) + mid + ([la] if la is not None else [])
 
 
-def stage_params(arch: ModelArch, m: MegatronConfig) -> list[tuple[int, int]]:
+def stage_params(arch: ModelArch, m: MegatronConfig, resident: bool = False) -> list[tuple[int, int]]:
     """(dense, expert) parameters of each megatron pipeline stage: its layers, the input embedding
-    on the first stage, the LM head (0 if tied) and the final norm on the last."""
+    on the first stage, the LM head (0 if tied) and the final norm on the last. `resident`: what
+    the stage allocates, i.e. with tied embeddings and PP > 1 the last stage's own copy of the
+    embedding as well (exported once, so not counted for weight sync)."""
     pp = m.pipeline_model_parallel_size
     tcfg = m.override_transformer_config
     stages = stage_layers(arch.num_layers, pp, tcfg.get("num_layers_in_first_pipeline_stage"),
@@ -62,6 +89,8 @@ def stage_params(arch: ModelArch, m: MegatronConfig) -> list[tuple[int, int]]:
             dense += counts["embedding"]
         if s == pp - 1:
             dense += counts["output"] + arch.hidden_size
+            if resident and pp > 1 and arch.tie_word_embeddings:
+                dense += counts["embedding"]
         out.append((dense, expert))
     return out
 
@@ -112,7 +141,7 @@ def trainer_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings
                     f"a mini-batch of {seqs} sequences does not split over {dp} data-parallel ranks; change ppo_mini_batch_size"
                 )
         fsdp_size = actor.fsdp_config.fsdp_size
-        if fsdp_size > 0 and world % fsdp_size:
+        if 0 < fsdp_size < world and world % fsdp_size:
             errors.append(f"{_ARR}.actor.fsdp_config.fsdp_size={fsdp_size} does not divide the {world} training devices")
 
 
@@ -204,35 +233,39 @@ def memory_estimate(cfg: MeshConfig, arch: ModelArch) -> dict[str, Any]:
         ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
         dp = max(1, world // (tp * pp * cp))
         edp = max(1, world // (pp * etp * ep))
+        p_bytes = trainer_param_bytes(cfg)
+        opt_bytes = 8 if p_bytes == 4 else 12  # fp32 params are their own master copy
         worst: dict[str, float] = {}
-        for s, (dense, expert) in enumerate(stage_params(arch, m)):
+        for s, (dense, expert) in enumerate(stage_params(arch, m, resident=True)):
             dense_rank, expert_rank = dense / tp, expert / (etp * ep)
             opt_div_dense = dp * cp if m.use_distributed_optimizer else 1
             opt_div_expert = edp if m.use_distributed_optimizer else 1
             stage = {
                 "stage": s,
                 "params": dense_rank + expert_rank,
-                "param_bytes": 2 * (dense_rank + expert_rank),
+                "param_bytes": p_bytes * (dense_rank + expert_rank),
                 "grad_bytes": 4 * (dense_rank + expert_rank),
-                "optimizer_bytes": 12 * (dense_rank / opt_div_dense + expert_rank / opt_div_expert),
+                "optimizer_bytes": opt_bytes * (dense_rank / opt_div_dense + expert_rank / opt_div_expert),
             }
             if not worst or stage["param_bytes"] + stage["grad_bytes"] + stage["optimizer_bytes"] > (
                 worst["param_bytes"] + worst["grad_bytes"] + worst["optimizer_bytes"]
             ):
                 worst = stage
         offload = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload}
-        assumptions = "bf16 params, fp32 grads, fp32 Adam master+m+v; largest pipeline stage"
+        assumptions = (f"{cfg.actor_rollout_ref.model.dtype} params, fp32 grads, fp32 Adam "
+                       f"{'m+v' if p_bytes == 4 else 'master+m+v'}; largest pipeline stage")
     else:
         f = actor.fsdp_config
-        shard = world if f.fsdp_size <= 0 else f.fsdp_size
-        p_bytes = 4 if f.model_dtype == "fp32" else 2
+        shard = fsdp_shard_size(cfg)
+        p_bytes = trainer_param_bytes(cfg)
         total = arch.total_params / shard
         worst = {
             "stage": 0, "params": total, "param_bytes": p_bytes * total, "grad_bytes": p_bytes * total,
-            "optimizer_bytes": (8 + (4 if p_bytes == 2 else 0)) * total,
+            "optimizer_bytes": 2 * p_bytes * total,  # torch AdamW: m and v in the parameters' dtype
         }
         offload = {"params": f.param_offload, "grads": f.param_offload, "optimizer": f.optimizer_offload}
-        assumptions = f"{f.model_dtype} params and grads, Adam m+v (+fp32 master for bf16), sharded over {shard} ranks"
+        dtype = "fp32" if p_bytes == 4 else "bf16"
+        assumptions = f"{dtype} params and grads, Adam m+v in {dtype} (no separate master), sharded over {shard} ranks"
     device = sum(worst[k] for k, kind in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer"))
                  if not offload[kind])
     host = sum(worst[k] for k, kind in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer"))

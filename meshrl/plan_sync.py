@@ -6,8 +6,8 @@ The model (the numbers it was checked against are in BENCHMARKS.md, "Weight sync
     L          X / 8 GB/s: one device's link (one NIC per device, as 8 x 400G nodes have; on one
                host, the device's NVLink bandwidth per direction)
     S          senders: 1 (rank 0 gathers and broadcasts every byte), or every trainer rank with
-               `param_server.collective_sharded` (each sends the part it owns). FSDP: every rank
-               sends 1/S. megatron / mindspeed: replicas send nothing, so dense bytes leave the
+               `param_server.collective_sharded` (each sends the part it owns). FSDP: the ranks of
+               one shard group (fsdp_size, the world when -1) each send 1/S; replicas send nothing. megatron / mindspeed: replicas send nothing, so dense bytes leave the
                TP x PP ranks of one data-parallel replica, expert bytes the EP x ETP x PP ranks
                of one expert-data-parallel replica; S = the larger of the two counts, and the most
                loaded rank carries its stage's dense/TP + expert/(EP x ETP) (its stage's layers;
@@ -18,7 +18,8 @@ The model (the numbers it was checked against are in BENCHMARKS.md, "Weight sync
                (one sender's broadcast runs at one link's speed into any one node)
     wire_s   = max(B / (min(S, rollout devices per node) x L), most loaded sender's bytes / L)
                the broadcast is pipelined, so the number of rollout nodes adds latency, not time
-    gather_s = B / L (rank 0 only, trainer sharded over more than one device): rank 0's export
+    gather_s = B / L (rank 0 only, the model sharded over more than one device, i.e. S > 1 in
+               every-rank mode; pure data parallelism gathers nothing): rank 0's export
                all-gathers the full tensors while it sends them; the two overlap bucket by bucket,
                so the slower of them sets the pace
     expected_s = max(wire_s, gather_s) / efficiency
@@ -33,9 +34,11 @@ carry only the elements that changed since the version every rollout rank holds:
     w          bytes per element on the wire: the rollout's dtype when it names one, else the export's
     delta B  = params x f x (4 + w)   an int32 index and the new value per changed element (a tensor
                whose delta would not be smaller goes whole: delta B is capped at params x w)
-    device_s = params x w x (enc / S + dec)   the sender's compare and gather (each sender its own
-               part) and each receiver's rebuild and check, per byte (H200: enc 4.1, dec 1.6 ms per
-               GiB; BENCHMARKS.md, "Delta sync")
+    delta wire_s = max(delta B / (min(S, rollout devices per node) x L), delta B x m / L)
+               m: the most loaded sender's share of the version (1 for rank 0, 1/S for FSDP)
+    device_s = params x w x (enc x m + dec)   the sender's compare and gather (each sender its own
+               part, the most loaded one last) and each receiver's rebuild and check, per
+               byte (H200: enc 4.1, dec 1.6 ms per GiB; BENCHMARKS.md, "Delta sync")
     expected_s = max(delta wire_s, gather_s) / efficiency + device_s
                rank 0's gather still moves every byte of a sharded trainer: there delta sync
                shortens the wire, not the gather
@@ -53,7 +56,7 @@ from services.common.config import MeshConfig
 from services.common.config.actor_rollout_ref import COLLECTIVE_BACKENDS
 from services.common.model_arch import ModelArch
 
-from .plan_layout import stage_params
+from .plan_layout import fsdp_shard_size, stage_params, trainer_param_bytes
 
 DEFAULT_EFFICIENCY = 0.7
 """The nccl transport's share of a raw broadcast, one sender, 8 GiB (BENCHMARKS.md: 0.58-0.74 on
@@ -70,8 +73,9 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def export_bytes_per_param(cfg: MeshConfig) -> int:
-    """Bytes per parameter of what the trainer exports: its parameter dtype."""
-    return _DTYPE_BYTES[cfg.actor_rollout_ref.model.dtype]
+    """Bytes per parameter of what the trainer exports: its parameter dtype (FSDP: the engine's
+    master dtype, `fsdp_config.model_dtype` when set; meshrl.plan_layout.trainer_param_bytes)."""
+    return trainer_param_bytes(cfg)
 
 
 def delta_wire_bytes_per_param(cfg: MeshConfig) -> int:
@@ -104,8 +108,11 @@ def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
         return {"senders": senders, "wire_s": round(wire, 3), "gather_s": round(gather_s, 3),
                 "expected_s": round(max(wire, gather_s) / efficiency, 3)}
 
-    rank0 = case(1, trainer_world > 1, nbytes)
-    every = case(*_every_rank_senders(cfg, arch, trainer_world))
+    every_senders = _every_rank_senders(cfg, arch, trainer_world)
+    # rank 0 gathers only what other ranks own: nothing when every rank holds the whole model
+    # (megatron TP = PP = EP = ETP = 1, FSDP shard groups of 1): the owners are every_rank's senders
+    rank0 = case(1, every_senders[0] > 1, nbytes)
+    every = case(*every_senders)
     mode = "every_rank" if cfg.param_server.collective_sharded else "rank0"
     whole = every if mode == "every_rank" else rank0
     return {
@@ -117,7 +124,8 @@ def weight_sync_estimate(cfg: MeshConfig, arch: ModelArch, link_gbps: float,
         "rank0": rank0,
         "every_rank": {**every, "available": sharded_ok},
         "speedup_every_rank": round(rank0["expected_s"] / every["expected_s"], 2),
-        "delta": _delta_case(cfg, arch.total_params, whole, link, per_node, efficiency, changed_fraction),
+        "delta": _delta_case(cfg, arch.total_params, whole, link, per_node, efficiency, changed_fraction,
+                             most_loaded_share=(every_senders[2] / nbytes if mode == "every_rank" else 1.0)),
         "note": "every_rank needs param_server.collective_sharded=true, a collective transport "
         "(checkpoint_engine.backend nccl, hccl or gloo) and no LoRA"
         if not sharded_ok or mode == "rank0" else "",
@@ -130,7 +138,8 @@ def _every_rank_senders(cfg: MeshConfig, arch: ModelArch, world: int) -> tuple[i
     arr = cfg.actor_rollout_ref
     per_param = export_bytes_per_param(cfg)
     if arr.actor.strategy not in ("megatron", "mindspeed"):
-        return world, False, arch.total_params * per_param / world
+        shard = fsdp_shard_size(cfg)  # replicated groups (fsdp_size < world) send nothing
+        return shard, False, arch.total_params * per_param / shard
     m = arr.actor.megatron
     tp, pp, ep = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size
     etp = m.expert_tensor_parallel_size or tp
@@ -142,13 +151,15 @@ def _every_rank_senders(cfg: MeshConfig, arch: ModelArch, world: int) -> tuple[i
 
 
 def _delta_case(cfg: MeshConfig, params: int, whole: dict[str, float], link: float, per_node: int,
-                efficiency: float, changed: float) -> dict[str, Any]:
-    """Delta sync in the config's mode (`whole`: that mode's case): a version after the first."""
+                efficiency: float, changed: float, most_loaded_share: float = 1.0) -> dict[str, Any]:
+    """Delta sync in the config's mode (`whole`: that mode's case): a version after the first.
+    `most_loaded_share`: the share of the version the most loaded sender owns (1 for rank 0)."""
     senders = int(whole["senders"])
     w = delta_wire_bytes_per_param(cfg)
     nbytes = min(params * changed * (4 + w), params * w)
-    wire = nbytes / (min(senders, per_node) * link)
-    device = params * w / 2**30 * (DELTA_ENCODE_S_PER_GIB / senders + DELTA_DECODE_S_PER_GIB)
+    # as the whole version: the receiving node's links, or the most loaded sender's own link
+    wire = max(nbytes / (min(senders, per_node) * link), nbytes * most_loaded_share / link)
+    device = params * w / 2**30 * (DELTA_ENCODE_S_PER_GIB * most_loaded_share + DELTA_DECODE_S_PER_GIB)
     expected = round(max(wire, whole["gather_s"]) / efficiency + device, 3)
     arr = cfg.actor_rollout_ref
     return {
