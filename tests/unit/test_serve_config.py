@@ -248,3 +248,47 @@ def test_a_restarted_coordinator_replica_keeps_a_pending_stop(tmp_path: Path) ->
     assert not other.stopping, "a new session continues the run"
     other.ledger.close()
 
+
+
+def test_every_deployment_is_what_meshrl_train_deploys(tmp_path: Path) -> None:
+    """Each app's deployment options in the YAML are those of the app `meshrl train` builds from
+    the same args (its `_app_builders`): serve.coordinator reaches both or neither."""
+    from ray.serve.deployment import deployment_to_schema
+
+    from meshrl.train import _app_builders
+
+    _, doc = _yaml(tmp_path, "serve.coordinator.num_cpus=2", "serve.coordinator.resources={head: 1}")
+    args = doc["applications"][0]["args"]
+    for name, builder in _app_builders():
+        deployed = deployment_to_schema(builder(dict(args))._bound_deployment).model_dump(mode="json", exclude_unset=True)
+        written = _deployment(doc, name)
+        assert deployed["ray_actor_options"] == written["ray_actor_options"], name
+        assert deployed.get("max_ongoing_requests") == written.get("max_ongoing_requests"), name
+        assert deployed.get("num_replicas") == written.get("num_replicas"), name
+
+
+def test_meshrl_train_starts_serve_with_the_configured_proxy_location(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """serve.proxy_location=EveryNode (a joined cluster: every service dials 127.0.0.1 of its own
+    node) reaches the Serve that `meshrl train` starts, as it reaches the serve-config YAML."""
+    from meshrl.train import MeshRun
+    from services.common import serve_util
+    from services.trainer import ranks
+
+    seen: dict[str, Any] = {}
+
+    class Started(Exception):
+        pass
+
+    def start_serve(grpc_port: int, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setattr(serve_util, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(serve_util, "start_serve", start_serve)
+    monkeypatch.setattr(ranks, "spawn_for", lambda cfg, **k: None)
+    cfg = resolve_config(None, ["serve.proxy_location=EveryNode", "serve.ray_address=auto"])
+    with pytest.raises(Started):
+        MeshRun(cfg, tmp_path, "fully_async").deploy()
+    assert seen.get("proxy_location", "HeadOnly") == "EveryNode"

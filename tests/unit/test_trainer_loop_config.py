@@ -127,7 +127,7 @@ def test_a_dump_leaves_the_section_out_and_loads_again_with_edits(tmp_path: Path
 @settings(max_examples=60, deadline=None)
 @given(
     mini=st.integers(1, 8), require=st.integers(1, 3), trigger=st.integers(1, 4), rollout_steps=st.integers(1, 500),
-    epochs=st.integers(1, 5), cap=st.none() | st.integers(0, 20), size=st.none() | st.integers(1, 200),
+    epochs=st.integers(1, 5), cap=st.none() | st.integers(1, 20), size=st.none() | st.integers(1, 200),
 )
 def test_run_length_agrees_with_derive(
     mini: int, require: int, trigger: int, rollout_steps: int, epochs: int, cap: int | None, size: int | None,

@@ -105,8 +105,9 @@ class FSDPConfig(ConfigModel):
     """Free gathered parameters after forward (ZeRO-3 style)."""
     fsdp_size: int = -1
     """Ranks per FSDP shard group; -1: all ranks."""
-    model_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Master parameter dtype."""
+    model_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """Master parameter dtype; null: `actor_rollout_ref.model.dtype` (a null survives a dumped
+    config, which the services and --resume load again)."""
     mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     """Compute dtype for forward/backward."""
 

@@ -13,4 +13,7 @@ class ConfigModel(BaseModel):
         validate_assignment=True,
         use_attribute_docstrings=True,
         validate_default=True,
+        # A dotted override's value is read as YAML: `trainer.experiment_name=2024` or
+        # `agent.command=[python, a.py, --n, 4]` give numbers where a string is wanted.
+        coerce_numbers_to_str=True,
     )

@@ -58,7 +58,8 @@ class DataConfig(ConfigModel):
     """Response token budget (max new tokens per sample)."""
     train_batch_size: int = 0
     """verl's colocated batch size in prompts. Fully async requires 0 (batches are
-    `ppo_mini_batch_size * require_batches`); sync mode may set it."""
+    `ppo_mini_batch_size * require_batches`); the other modes may set it only to the prompts of one
+    weight version, `ppo_mini_batch_size * require_batches * trigger_parameter_sync_step` (checked)."""
     gen_batch_size: int = 1
     """Prompts per generation unit; only 1 is supported (as in verl's fully async)."""
     shuffle: bool = True

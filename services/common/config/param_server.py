@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.common.net import WILDCARD_HOSTS
+from services.common.net import WILDCARD_HOSTS, host_port
 
 from .base import ConfigModel
 
@@ -50,8 +50,9 @@ class ParamServerConfig(ConfigModel):
     max_fetch_attempts: int = Field(default=3, ge=1)
     """Attempts per bucket when received bytes fail their checksum (the bucket is fetched again)."""
     bucket_sha256: bool = False
-    """Also put a sha256 per bucket in manifests (and check it). The always-on fingerprint already
-    catches corruption; sha256 costs about 1.5 GB/s of one core on each side."""
+    """Also put a sha256 per bucket in manifests (and check it): the grpc transport only; the others
+    rely on the always-on fingerprint, which already catches corruption. sha256 costs about
+    1.5 GB/s of one core on each side."""
     object_store_verify: Literal["always", "remote"] = "remote"
     """`object_store` fetch: fingerprint every bucket (`always`) or only buckets not put on the
     fetcher's node (`remote`: a read of an object the publisher put on this node maps its shared
@@ -117,7 +118,7 @@ def data_address(cfg: ParamServerConfig) -> str:
     """Where publishers and fetchers dial the param server's data plane (for a wildcard `host`
     without `advertise_address` this is this node only: consumers on other nodes discover the
     address, services/weights/transports/discovery.py)."""
-    return cfg.advertise_address or f"{cfg.host}:{cfg.port}"
+    return cfg.advertise_address or host_port(cfg.host, cfg.port)
 
 
 def discovers_address(cfg: ParamServerConfig) -> bool:

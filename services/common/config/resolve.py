@@ -125,6 +125,7 @@ def resolve_tree(data: Any) -> Any:
     tree: dict[str, Any] = _plain(data)
     _move_legacy(tree)
     _rollout_n(tree)
+    _total_epochs(tree)
     _sync_mode(tree)
     _loss_scale_factor(tree)
     _trainer_loop(tree)
@@ -153,6 +154,21 @@ def _rollout_n(tree: dict[str, Any]) -> None:
         _set(tree, "actor_rollout_ref.rollout.n", n)
     elif inner != n:
         raise ValueError(f"rollout.n={n} disagrees with actor_rollout_ref.rollout.n={inner}; set one of them")
+
+
+def _total_epochs(tree: dict[str, Any]) -> None:
+    """verl fully async caps the run with `trainer.total_epochs`; meshrl reads `rollout.total_epochs`:
+    the first stands for the second when that is not given, and must equal it when it is."""
+    epochs = _get(tree, "trainer.total_epochs")
+    if epochs is _MISSING or epochs is None:
+        return
+    inner = _get(tree, "rollout.total_epochs")
+    if inner is _MISSING:
+        _set(tree, "rollout.total_epochs", epochs)
+    elif inner != epochs:
+        raise ValueError(
+            f"trainer.total_epochs={epochs} disagrees with rollout.total_epochs={inner}; set one of them"
+        )
 
 
 def _sync_mode(tree: dict[str, Any]) -> None:

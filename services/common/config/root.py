@@ -112,6 +112,23 @@ class MeshConfig(ConfigModel):
                 f"of coordinator.replica_ttl_s={ttl} (else a live replica is taken for dead); lower it, or leave it "
                 "unset (replica_ttl_s / 4)"
             )
+        if renew is not None and renew > self.coordinator.lease_timeout_s / 2:
+            raise ValueError(
+                f"rollout_worker.lease_renew_interval_s={renew} must be at most half of coordinator.lease_timeout_s="
+                f"{self.coordinator.lease_timeout_s} (a lease not renewed within lease_timeout_s expires and its "
+                "prompt is re-issued); lower it, or leave it unset"
+            )
+        tbs = self.data.train_batch_size
+        per_version = (arr.actor.ppo_mini_batch_size * self.async_training.require_batches
+                       * self.async_training.trigger_parameter_sync_step)
+        if tbs not in (0, per_version):
+            raise ValueError(
+                f"data.train_batch_size={tbs} is not what a weight version trains: meshrl's batches are "
+                f"actor_rollout_ref.actor.ppo_mini_batch_size * async_training.require_batches * "
+                f"trigger_parameter_sync_step = {per_version} prompts; set data.train_batch_size=0 and choose "
+                "require_batches / trigger_parameter_sync_step (verl's colocate-equivalent: train_batch_size / "
+                "ppo_mini_batch_size), or set data.train_batch_size to that product"
+            )
         if arr.model.lora_rank > 0 and arr.actor.strategy in ("megatron", "mindspeed"):
             raise ValueError(
                 f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: LoRA is not supported by the "

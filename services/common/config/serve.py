@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import ConfigModel
 
@@ -23,6 +23,16 @@ class AutoscalingConfig(ConfigModel):
     """Seconds above target before adding a replica."""
     downscale_delay_s: float = 600.0
     """Seconds below target before removing one."""
+
+    @model_validator(mode="after")
+    def _range(self) -> AutoscalingConfig:
+        # Ray Serve refuses min > max only when the application is deployed.
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"max_replicas={self.max_replicas} is below min_replicas={self.min_replicas}; "
+                f"raise max_replicas to at least {self.min_replicas} (or lower min_replicas)"
+            )
+        return self
 
 
 class AppDeployConfig(ConfigModel):
@@ -86,9 +96,25 @@ class ServeConfig(ConfigModel):
     reward: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
     """Reward replicas."""
     param_server: AppDeployConfig = AppDeployConfig(num_cpus=0.5)
-    """Param server replicas."""
+    """The param server (always one replica)."""
     trainer: AppDeployConfig = AppDeployConfig()
-    """The trainer driver replica (its ranks are separate actors in a placement group)."""
+    """The trainer driver replica (always one; its ranks are separate actors in a placement group)."""
+
+    @model_validator(mode="after")
+    def _single_replica_apps(self) -> ServeConfig:
+        if self.proxy_location == "Disabled":
+            raise ValueError("serve.proxy_location=Disabled: the services talk through Serve's gRPC ingress; "
+                             "use HeadOnly or EveryNode")
+        # These deployments are built with one replica (the coordinator owns the ledger, the
+        # param server the versions, the trainer its ranks): other values would be ignored.
+        for name in ("coordinator", "param_server", "trainer"):
+            app: AppDeployConfig = getattr(self, name)
+            if app.num_replicas != 1 or app.autoscaling is not None:
+                raise ValueError(
+                    f"serve.{name} runs as exactly one replica; remove serve.{name}.num_replicas / "
+                    f"serve.{name}.autoscaling (scale rollout and reward instead)"
+                )
+        return self
 
     @field_validator("bytecode_cache", mode="before")
     @classmethod

@@ -27,9 +27,11 @@ class TrainerConfig(ConfigModel):
     """Training nodes."""
     n_gpus_per_node: int = Field(default=1, ge=1)
     """Training devices per node (ranks of the training group)."""
-    total_epochs: int = 1
-    """Passes over the prompt data."""
-    total_training_steps: int | None = None
+    total_epochs: int | None = Field(default=None, ge=1)
+    """Passes over the prompt data (verl fully async caps the run at len(data) * trainer.total_epochs
+    prompts): stands for `rollout.total_epochs` when that is not given, and must equal it when it
+    is; null: `rollout.total_epochs`."""
+    total_training_steps: int | None = Field(default=None, ge=1)
     """Cap on total_train_steps (policy versions, as verl fully async counts them); null: derived."""
     save_freq: int = -1
     """Checkpoint every N optimizer steps (-1: only at the end and on request)."""

@@ -100,11 +100,9 @@ def attn_implementation(device: str, compute_dtype: torch.dtype) -> str:
 
 
 def master_dtype(model: ModelConfig, actor: ActorConfig) -> torch.dtype:
-    """fsdp_config.model_dtype when set explicitly, else model.dtype."""
+    """fsdp_config.model_dtype when set, else model.dtype."""
     fsdp = actor.fsdp_config
-    if "model_dtype" in fsdp.model_fields_set:
-        return DTYPES[fsdp.model_dtype]
-    return DTYPES[model.dtype]
+    return DTYPES[fsdp.model_dtype] if fsdp.model_dtype is not None else DTYPES[model.dtype]
 
 
 def build_model(

@@ -1,0 +1,91 @@
+"""Configs that used to load and then crash or misbehave at run time are refused at load, naming
+the key and the fix; verl's `trainer.total_epochs` caps the run; numeric overrides of string keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.config import derive, dump_config, load_config
+from services.common.errors import ConfigError
+
+
+def test_autoscaling_min_above_max_is_refused_at_load() -> None:
+    # Ray Serve refuses it only at deploy time, without naming the meshrl key.
+    with pytest.raises(ConfigError, match=r"serve\.rollout\.autoscaling.*max_replicas"):
+        load_config(None, ["serve.rollout.autoscaling.min_replicas=4"])
+
+
+@pytest.mark.parametrize("override", ["serve.coordinator.num_replicas=2", "serve.trainer.autoscaling={max_replicas: 2}",
+                                      "serve.param_server.num_replicas=3"])
+def test_a_single_replica_service_refuses_more(override: str) -> None:
+    # the coordinator, param server and trainer deployments are built with one replica
+    with pytest.raises(ConfigError, match=r"runs as exactly one replica"):
+        load_config(None, [override])
+
+
+def test_lease_renew_interval_longer_than_lease_timeout_is_refused() -> None:
+    # Leases expire (prompts re-issued, work thrown away) before the replica ever renews them.
+    with pytest.raises(ConfigError, match=r"coordinator\.lease_timeout_s"):
+        load_config(None, ["coordinator.replica_ttl_s=null", "rollout_worker.lease_renew_interval_s=900"])
+
+
+def test_train_batch_size_outside_fully_async_is_not_silently_ignored() -> None:
+    # sync mode: a step takes ppo_mini_batch_size * require_batches prompts; train_batch_size is read by nothing.
+    with pytest.raises(ConfigError, match=r"data\.train_batch_size"):
+        load_config(None, ["async_training.mode=sync", "data.train_batch_size=512",
+                           "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
+    cfg = load_config(None, ["async_training.mode=sync", "data.train_batch_size=32",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
+    assert derive(cfg).required_samples == 32
+
+
+def test_trainer_total_epochs_caps_the_run() -> None:
+    # verl fully async: total_rollout_steps = min(rollout.total_rollout_steps, len(data) * trainer.total_epochs)
+    cfg = load_config(None, ["trainer.total_epochs=1", "rollout.total_rollout_steps=100000"])
+    assert derive(cfg, dataset_size=64).total_rollout_steps == 64
+    with pytest.raises(ConfigError, match=r"trainer\.total_epochs=1 disagrees with rollout\.total_epochs=3"):
+        load_config(None, ["trainer.total_epochs=1", "rollout.total_epochs=3"])
+    # a resolved config loads again
+    again = load_config(None, [f"{k}={v}" for k, v in (("trainer.total_epochs", 2),)])
+    tree = yaml.safe_load(dump_config(again))
+    assert tree["rollout"]["total_epochs"] == 2
+    assert load_config(None).rollout.total_epochs == 10
+
+
+def test_dumped_default_config_reloads(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(dump_config(load_config(None)))
+    load_config(p)
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_total_training_steps_zero_or_negative_is_refused(value: str) -> None:
+    # 0 versions -> total_steps 0, which the trainer reads as "no limit" (the opposite).
+    with pytest.raises(ConfigError, match=r"trainer\.total_training_steps"):
+        load_config(None, [f"trainer.total_training_steps={value}"])
+
+
+def test_numeric_override_of_a_string_field() -> None:
+    cfg = load_config(None, ["trainer.experiment_name=2024", "agent.command=[python, agent.py, --steps, 4]"])
+    assert cfg.trainer.experiment_name == "2024"
+    assert cfg.agent.command is not None and cfg.agent.command[-1] == "4"
+
+
+@pytest.mark.parametrize(("overrides", "want"), [
+    (["actor_rollout_ref.model.dtype=bfloat16"], "bfloat16"),
+    ([], "float32"),
+    (["actor_rollout_ref.model.dtype=bfloat16", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32"], "float32"),
+])
+def test_the_fsdp_master_dtype_survives_a_dumped_config(tmp_path: Path, overrides: list[str], want: str) -> None:
+    # the services and --resume load the dumped config: an unset fsdp_config.model_dtype must
+    # still mean model.dtype there
+    from services.trainer.engines.hf_model import master_dtype
+
+    cfg = load_config(None, overrides)
+    p = tmp_path / "c.yaml"
+    p.write_text(dump_config(cfg))
+    for c in (cfg, load_config(p)):
+        assert str(master_dtype(c.actor_rollout_ref.model, c.actor_rollout_ref.actor)) == f"torch.{want}"
