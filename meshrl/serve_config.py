@@ -94,9 +94,6 @@ def check_cluster_config(cfg: MeshConfig) -> None:
     if ps.port == 0 and not discovers_address(ps):
         raise ConfigError("param_server.port=0: publishers and fetchers dial the param server's data plane at a "
                           "fixed port; set one, e.g. 50071 (or param_server.host=0.0.0.0: they ask it)")
-    if s.proxy_location == "Disabled" and "proxy_location" in s.model_fields_set:
-        raise ConfigError("serve.proxy_location=Disabled: the services talk through Serve's gRPC ingress; use "
-                          "EveryNode (or HeadOnly on a single node)")
     if ps.advertise_address and ps.host in _LOOPBACK:
         raise ConfigError(f"param_server.advertise_address={ps.advertise_address} but param_server.host={ps.host} "
                           "binds loopback only; set param_server.host=0.0.0.0")
@@ -120,7 +117,7 @@ def _deployment_entry(app_name: str, app: Any, cfg: MeshConfig) -> dict[str, Any
     schema = deployment_to_schema(app._bound_deployment)
     opts: dict[str, Any] = schema.model_dump(mode="json", exclude_unset=True)
     if app_name == "coordinator" and "ray_actor_options" not in opts:
-        # The coordinator's builder does not read serve.coordinator: spell it out here.
+        # serve.coordinator, should the coordinator's builder ever leave it out.
         opts["ray_actor_options"] = cfg.serve.coordinator.ray_actor_options()
     if "logging_config" in opts:
         # A deployment-level logging config hides the global one: keep its access-log choice only.

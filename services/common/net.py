@@ -10,6 +10,14 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
 """Bind addresses that mean every interface (never an address to dial from another host)."""
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC reads it: an IPv6 literal in brackets (`[::1]:50071`; unbracketed,
+    `::1:50071` is taken as a host name without a port)."""
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
 def local_ip() -> str:
     """This host's address as other hosts see it. Inside a Ray cluster: the node's IP as Ray
     knows it (the operator may have chosen it with `ray start --node-ip-address`, and a node

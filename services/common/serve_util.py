@@ -81,20 +81,31 @@ def repo_root() -> Path:
     return Path(services.__file__).resolve().parent.parent
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports free_port returned in this process: nothing is bound to them until their server starts,
+so port_is_free alone would hand one out again (the gRPC ingress and the param server alike)."""
+
+
 def free_port() -> int:
     """A port free on every interface, outside the kernel's ephemeral range and Ray's worker ports
     (10002-19999): Ray's processes, started after this pick, take ephemeral ports and could grab it
-    before Serve binds it (seen on a 32-core host: the proxy failed to bind its gRPC port)."""
+    before Serve binds it (seen on a 32-core host: the proxy failed to bind its gRPC port). Never
+    one this process was given before."""
     import random
     import socket
 
     for _ in range(200):
         port = random.randint(20000, 32000)
-        if port_is_free(port):
+        if port not in _HANDED_OUT and port_is_free(port):
+            _HANDED_OUT.add(port)
             return port
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+    while True:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def port_is_free(port: int) -> bool:

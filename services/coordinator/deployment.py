@@ -71,7 +71,9 @@ class CoordinatorDeployment:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder: args = {config: dict, run_dir: str, run_id?: str, session?: str}."""
-    return CoordinatorDeployment.bind(  # type: ignore[attr-defined]
+    """Serve application builder: args = {config: dict, run_dir: str, run_id?: str, session?: str}.
+    The replica's Ray resources come from the config's `serve.coordinator`."""
+    actor = MeshConfig.model_validate(args["config"]).serve.coordinator.ray_actor_options()
+    return CoordinatorDeployment.options(ray_actor_options=actor).bind(  # type: ignore[attr-defined]
         args["config"], args["run_dir"], args.get("run_id", ""), args.get("session", "")
     )  # type: ignore[attr-defined]

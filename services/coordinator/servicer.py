@@ -75,7 +75,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             pass
 
     def start_sweeper(self, interval_s: float = 1.0) -> None:
-        """Expire leases on a timer too, so waiting trainers see re-issued work promptly."""
+        """Expire leases on a timer too, so waiting trainers see re-issued work promptly. It ticks
+        at most replica_ttl_s / 8 apart, the cadence liveness.py assumes: checks further apart than
+        replica_ttl_s / 4 read as a coordinator stall and credit every lease holder, so with only
+        this timer checking, a dead replica would never be found silent."""
+        ttl = self.core.settings.replica_ttl_s
+        if ttl is not None:
+            interval_s = min(interval_s, ttl / 8)
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep(interval_s))
 

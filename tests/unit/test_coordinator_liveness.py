@@ -5,16 +5,20 @@ and a failure that repeats halts leasing with its reason until the operator resu
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from meshrl.v1 import common_pb2
 from services.common.data import PromptStream, synthetic_records
 from services.coordinator.core import CoordinatorCore, CoordinatorSettings, LeaseLimit, SubmitStatus
 from services.coordinator.failures import FailureLog
 from services.coordinator.ledger import Ledger
 from services.coordinator.liveness import ReplicaLiveness
+from services.coordinator.servicer import CoordinatorServicer
 from tests.unit.coord_helpers import group_for
 
 TTL = 20.0
@@ -195,3 +199,27 @@ def test_failure_log_keeps_the_newest_distinct_errors_and_never_halts_without_a_
         assert log.failed("r", f"error {i % 3}", 1, float(i)) is False
     assert [r.error for r in log.reports()] == ["error 0", "error 2"]
     assert log.failed("r", "x" * 10_000, 1, 0.0) is False and len(log.reports()[0].error) == 500
+
+
+def test_sweeper_finds_a_dead_replica_under_a_short_replica_ttl(tmp_path: Path) -> None:
+    """With only the servicer's sweeper checking (the run's one replica died), a TTL under 4 s must
+    not read every 1 s tick as a coordinator stall: the dead replica's leases return within it."""
+    ttl = 2.0
+    core = _core(tmp_path / "l.db", ttl=ttl)
+    assert len(core.lease("dead", 2, time.time()).leases) == 2
+
+    async def run() -> float:
+        servicer = CoordinatorServicer(core, sampling=common_pb2.SamplingParams(n=2))
+        servicer.start_sweeper()
+        start = time.monotonic()
+        try:
+            while core.in_flight and time.monotonic() - start < 3 * ttl:
+                await asyncio.sleep(0.05)
+            return time.monotonic() - start
+        finally:
+            assert servicer._sweeper is not None
+            servicer._sweeper.cancel()
+
+    waited = asyncio.run(run())
+    assert core.in_flight == 0, f"the dead replica's leases are still held after {waited:.1f} s (ttl {ttl} s)"
+    assert core.status(time.time()).totals.leases_replica_lost == 2

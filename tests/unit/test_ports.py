@@ -37,3 +37,16 @@ def test_wire_moves_the_param_server_off_a_busy_port() -> None:
         # An advertised address is the user's statement of where it runs: left alone.
         kept = wire(load_config(None, [f"param_server.port={port}", "param_server.advertise_address=10.0.0.5:1234"]), 9000)
         assert kept.param_server.port == port
+
+
+def test_free_port_never_hands_out_the_same_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`meshrl train` picks the gRPC ingress, the param server's and the HTTP proxy's ports with
+    free_port before any of them is bound: one pick must not be given again to another."""
+    import random
+
+    from services.common.serve_util import free_port
+
+    draws = iter([24680, 24680, 24681])
+    monkeypatch.setattr(random, "randint", lambda a, b: next(draws))
+    first, second = free_port(), free_port()
+    assert first != second
