@@ -1,6 +1,6 @@
 """`meshrl report RUN_DIR [RUN_DIR ...]`: one self-contained report.html from run directories.
 
-A run directory holds `metrics/trainer.jsonl` (one record per optimizer step), optionally
+A run directory holds `metrics/trainer.jsonl` (one record per trainer step), optionally
 `metrics/validation.jsonl`, `metrics/rollout.jsonl`, `config.resolved.yaml` and `summary.json`
 (written at the end of a run: mode, staleness histogram, ledger audit, totals). Several run
 directories are overlaid (sync and async side by side). The report is written into the first run
@@ -11,8 +11,8 @@ Metric keys read (the trainer's names; a missing one leaves its plot or row out)
   step, time (unix s), policy_version, critic/rewards/mean, val/score, val-core/*, staleness/mean,
   perf/throughput_tokens_per_s, perf/idle_ratio (trainer), rollout/idle_ratio, timing_s/publish,
   and agent metrics (AGENT_KEYS) when a run has them.
-Wall time on the x axis is seconds since the run started (summary.json's started_unix_s, else the
-first record).
+Wall time on the x axis is seconds since the run started (summary.json's started_unix_s, or the
+first record when that is earlier: a resumed run), from each record's `time`.
 """
 
 from __future__ import annotations
@@ -83,9 +83,13 @@ def load_run(path: str | Path) -> Run:
     steps = _jsonl(p / "metrics" / "trainer.jsonl")
     validation = _jsonl(p / "metrics" / "validation.jsonl")
     rollout = _jsonl(p / "metrics" / "rollout.jsonl")
-    start = summary.get("started_unix_s") or (steps[0].get("time") if steps else None)
+    # One clock for every file: summary.json is the last session's, so after a resume records older
+    # than its start exist (and the services' own time_s restarted at 0 with each session).
+    times = [rec["time"] for rec in (*steps, *validation, *rollout) if isinstance(rec.get("time"), int | float)]
+    starts = [t for t in (summary.get("started_unix_s"), min(times, default=None)) if t is not None]
+    start = min(starts) if starts else None
     for rec in (*steps, *validation, *rollout):
-        if "time_s" not in rec and start is not None and "time" in rec:
+        if start is not None and isinstance(rec.get("time"), int | float):
             rec["time_s"] = rec["time"] - start
         if "step" not in rec and "policy_version" in rec:
             rec["step"] = rec["policy_version"]  # validation records: x = policy version

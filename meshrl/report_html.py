@@ -115,12 +115,16 @@ def _values(records: list[dict[str, Any]], key: str) -> list[float]:
 def summary_rows(run: Run) -> list[tuple[str, Any]]:
     rows: list[tuple[str, Any]] = []
     s = run.summary
-    for label, key in (("mode", "mode"), ("optimizer steps", "steps"), ("policy versions", "policy_versions"),
+    # summary.json's `steps` are trainer steps (each require_batches x ppo_epochs optimizer steps)
+    for label, key in (("mode", "mode"), ("trainer steps", "steps"), ("policy versions", "policy_versions"),
                        ("wall time (s)", "wall_s")):
         if s.get(key) is not None:
             rows.append((label, s[key]))
     if "steps" not in s and run.steps:
-        rows.append(("optimizer steps", len(run.steps)))
+        rows.append(("trainer steps", len(run.steps)))
+    optimizer_steps = _values(run.steps, "training/optimizer_steps")
+    if optimizer_steps:
+        rows.append(("optimizer steps", int(optimizer_steps[-1])))
     rewards = _values(run.steps, "critic/rewards/mean")
     if rewards:
         k = max(1, len(rewards) // 10)

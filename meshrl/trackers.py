@@ -244,6 +244,12 @@ class MetricsFollower:
             for name in self.FILES:
                 path = self._path(name)
                 self.offsets[name] = path.stat().st_size if path.exists() else 0
+            # what follows is logged after the newest trainer step already logged, not at step 0
+            self.offsets["trainer"], end = 0, self.offsets["trainer"]
+            for rec in self._new_records("trainer"):
+                if isinstance(rec.get("step"), int | float):
+                    self.step = max(self.step, int(rec["step"]))
+            self.offsets["trainer"] = end
 
     def _path(self, name: str) -> Path:
         return self.run_dir / "metrics" / f"{name}.jsonl"

@@ -147,12 +147,17 @@ class Progress:
     in_flight: int = 0
     val_score: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    first_step: int = 0
+    first_step_elapsed_s: float = 0.0
+    """The step this driver first saw and when: a resumed run starts at its checkpoint's step,
+    and the ETA's pace counts only the steps trained since."""
 
     @property
     def eta_s(self) -> float | None:
-        if self.step <= 0 or self.total_steps <= 0:
+        done = self.step - self.first_step
+        if done <= 0 or self.total_steps <= 0:
             return None
-        return self.elapsed_s / self.step * max(0, self.total_steps - self.step)
+        return (self.elapsed_s - self.first_step_elapsed_s) / done * max(0, self.total_steps - self.step)
 
 
 class MeshRun:
@@ -178,6 +183,7 @@ class MeshRun:
         self._stop_reported = 0.0
         self.interrupts = 0
         self._rollout_prev: dict[str, Any] = {}  # replica id -> its last GetRolloutStatusResponse
+        self._first_step: tuple[int, float] | None = None  # (step, elapsed_s) of the trainer's first answer
         ts = cfg.trainer_service
         self.watchdog = Watchdog(str(run_dir), max_restarts=ts.max_restarts, restart_timeout_s=ts.restart_timeout_s,
                                  started=self.started)
@@ -223,7 +229,8 @@ class MeshRun:
             # The applications deploy while Serve's proxies start (start_serve's wait_for_proxies).
             proxies_ready = start_serve(
                 self.grpc_port, http_port=self.cfg.serve.http_port if port_is_free(self.cfg.serve.http_port)
-                else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s, wait_for_proxies=False)
+                else free_port(), request_timeout_s=self.cfg.serve.request_timeout_s,
+                proxy_location=self.cfg.serve.proxy_location, wait_for_proxies=False)
             if not self.cfg.serve.ray_address:  # a Ray of our own: its daemons may step back
                 renice_ray_system(self.cfg.tuning.nice.ray_daemons, key="tuning.nice.ray_daemons")
             self.startup["ray_and_serve_s"] = round(time.monotonic() - t0, 2)
@@ -318,6 +325,8 @@ class MeshRun:
             trainer = {"state": reply.state, "step": int(reply.step), "error": reply.error, "replica": reply.replica,
                        "metrics": dict(reply.metrics)}
             self._last_trainer = trainer
+            if self._first_step is None:
+                self._first_step = (trainer["step"], time.time() - self.started)
         state = self.watchdog.trainer_state(now, trainer) if trainer.get("state") != "restarting" else "restarting"
         m = trainer.get("metrics", {})
         totals = status.totals if status is not None else None
@@ -330,6 +339,8 @@ class MeshRun:
             queued=int(totals.queued) if totals is not None else 0,
             in_flight=int(totals.in_flight) if totals is not None else 0,
         )
+        if self._first_step is not None:
+            p.first_step, p.first_step_elapsed_s = self._first_step
         await self._check_serve(now)
         try:
             await asyncio.wait_for(self._sample_rollout(), HANDLE_TIMEOUT_S)
@@ -581,8 +592,13 @@ def _watch(run: MeshRun, on_progress: Callable[[Progress], None]) -> Progress:
         run.request_stop()
 
     handled = threading.current_thread() is threading.main_thread()
+    # SIGTERM (a scheduler's preemption, `timeout`, `docker stop`) is a Ctrl-C: a clean stop, then an
+    # abort. The handler ray.init installs (sys.exit wherever the main thread is) would take the
+    # mesh down with no Stop: every step since the last checkpoint lost, no summary.json.
+    sigterm_before = signal.getsignal(signal.SIGTERM) if handled else None
     if handled:
         loop.add_signal_handler(signal.SIGINT, on_sigint)
+        loop.add_signal_handler(signal.SIGTERM, on_sigint)
     try:
         return loop.run_until_complete(watch)
     except asyncio.CancelledError:
@@ -590,6 +606,8 @@ def _watch(run: MeshRun, on_progress: Callable[[Progress], None]) -> Progress:
     finally:
         if handled:
             loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, sigterm_before if sigterm_before is not None else signal.SIG_DFL)
         loop.close()
 
 
@@ -666,6 +684,9 @@ def train(
     check_loggers(cfg.trainer.logger)  # a missing tracker package fails before anything starts
     mode = cfg.async_training.mode
     if resume is not None:
+        if run_dir is not None and run_dir.resolve() != resume.resolve():
+            raise ConfigError(f"--resume {resume} continues that run in its own directory; --run-dir {run_dir} "
+                              "is another: leave --run-dir out")
         check_resume_secrets(cfg)
     run_dir = resume or run_dir or new_run_dir(cfg, mode)
     if resume is None:

@@ -57,7 +57,8 @@ class StartupClock:
 
 def timeline(log_dir: Path, t0_unix: float) -> dict[str, dict[str, float]]:
     """Every process's marks under LOG_DIR as seconds since T0_UNIX, keyed `service.pid`, in the
-    order the processes started."""
+    order the processes started. A process whose every mark precedes T0_UNIX is an earlier
+    session's (a `--resume` writes into the same logs/): left out."""
     out: list[tuple[float, str, dict[str, float]]] = []
     for path in sorted((log_dir / DIR).glob("*.json")):
         try:
@@ -65,7 +66,7 @@ def timeline(log_dir: Path, t0_unix: float) -> dict[str, dict[str, float]]:
             marks = {str(k): float(v) for k, v in rec["marks"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-        if marks:
+        if marks and max(marks.values()) >= t0_unix:
             first = min(marks.values())
             out.append((first, f"{rec.get('service', path.stem)}.{rec.get('pid', '')}",
                         {k: round(v - t0_unix, 2) for k, v in sorted(marks.items(), key=lambda kv: kv[1])}))

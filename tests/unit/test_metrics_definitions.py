@@ -1,0 +1,111 @@
+"""Metrics as their names promise: critic/rewards is the KL-penalized reward (verl), the report's
+optimizer steps are the JSONL's, and a resumed run keeps one step axis and one clock."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from meshrl.trackers import MetricsFollower
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict[str, float], int]] = []
+
+    def log(self, data: Any, step: int) -> None:
+        self.logged.append((dict(data), step))
+
+
+def _append(path: Path, *recs: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_resumed_follower_logs_rollout_samples_at_the_last_trainer_step(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics"
+    # the first session: 5 trainer steps
+    _append(metrics / "trainer.jsonl", *({"step": s, "time": 100.0 + s, "critic/rewards/mean": 0.1 * s} for s in range(1, 6)))
+    rec = _Recorder()
+    follower = MetricsFollower(tmp_path, rec, from_end=True)  # type: ignore[arg-type]
+    # the resumed session: a rollout sample and a validation before its first trainer step
+    _append(metrics / "rollout.jsonl", {"time": 200.0, "rollout/idle_ratio": 0.5})
+    _append(metrics / "validation.jsonl", {"time": 201.0, "policy_version": 5, "val/score": 0.7})
+    follower.pump()
+    # they follow trainer step 5 (trackers such as wandb drop a step that goes back)
+    assert [step for _, step in rec.logged] == [5, 5]
+
+
+def _record_row(batch: Any, tmp_path: Path) -> dict[str, float]:
+    """TrainerLoop._record on a stand-in loop: the step's metrics row."""
+    from types import SimpleNamespace
+
+    from services.trainer.core import TrainerLoop, _Collected
+    from services.trainer.engines.base import StepResult
+
+    fake = SimpleNamespace(
+        s=SimpleNamespace(ppo_epochs=1, bypass_mode=True, metrics_path=None), tokens_trained=0, step=1,
+        weights_version=0, group=SimpleNamespace(step=1), failed_broadcasts=0, last_metrics={},
+    )
+    got = _Collected(groups=[object()], staleness=[0], fetches=1)
+    result = StepResult(grad_norm=1.0, lr=1e-3, metrics={"actor/pg_loss": 0.0}, num_tokens=1, step=1)
+    TrainerLoop._record(fake, batch, got, [result], {}, wait_s=0.0, train_s=1.0, step_s=1.0)  # type: ignore[arg-type]
+    return fake.last_metrics
+
+
+def test_critic_rewards_mean_is_the_kl_penalized_reward_as_in_verl(tmp_path: Path) -> None:
+    """verl: critic/score/* = token_level_scores summed per sequence, critic/rewards/* = token_level_rewards
+    (scores minus the KL penalty when use_kl_in_reward) summed per sequence."""
+    import torch
+
+    from services.trainer.algos.advantages import KL_REWARD_KEY
+    from services.trainer.engines.base import SequenceBatch
+
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float32)
+    batch = SequenceBatch(
+        input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4, dtype=torch.long),
+        response_mask=mask,
+        tensors={"advantages": torch.zeros(2, 4), KL_REWARD_KEY: 0.1 * mask},  # penalty 0.2 and 0.3
+        seq_tensors={"reward": torch.tensor([1.0, 0.0]), "response_length": torch.tensor([2.0, 3.0]),
+                     "group_index": torch.tensor([0, 0])},
+    )
+    m = _record_row(batch, tmp_path)
+    assert abs(m["critic/score/mean"] - 0.5) < 1e-6
+    assert abs(m["critic/rewards/mean"] - (0.8 + -0.3) / 2) < 1e-6
+
+
+def test_report_optimizer_steps_agree_with_the_trainer_jsonl(tmp_path: Path) -> None:
+    """ppo_epochs=2: 3 trainer steps are 6 optimizer steps (training/optimizer_steps); the report's
+    'optimizer steps' row must not show the trainer's step count."""
+    from meshrl.report import load_run
+    from meshrl.report_html import summary_rows
+
+    metrics = tmp_path / "metrics"
+    _append(metrics / "trainer.jsonl", *({"step": s, "time": 100.0 + s, "critic/rewards/mean": 0.5,
+                                          "training/optimizer_steps": 2.0 * s} for s in range(1, 4)))
+    (tmp_path / "summary.json").write_text(json.dumps({"mode": "fully_async", "steps": 3, "started_unix_s": 100.0}))
+    rows = dict(summary_rows(load_run(tmp_path)))
+    assert rows.get("optimizer steps") in (None, 6)
+    assert rows.get("trainer steps") == 3
+
+
+def test_report_wall_time_of_a_resumed_run_is_one_clock(tmp_path: Path) -> None:
+    """A resumed run: summary.json is the last session's (started_unix_s = the resume), the metrics
+    files hold both sessions. Wall time must not go negative nor restart for the second session."""
+    from meshrl.report import load_run
+
+    metrics = tmp_path / "metrics"
+    _append(metrics / "trainer.jsonl", {"step": 1, "time": 110.0}, {"step": 2, "time": 120.0},
+            {"step": 3, "time": 1010.0})
+    # rollout samples carry the seconds since their own session started
+    _append(metrics / "rollout.jsonl", {"time": 105.0, "time_s": 5.0, "rollout/idle_ratio": 0.1},
+            {"time": 1005.0, "time_s": 5.0, "rollout/idle_ratio": 0.2})
+    (tmp_path / "summary.json").write_text(json.dumps({"mode": "fully_async", "steps": 3, "started_unix_s": 1000.0}))
+    run = load_run(tmp_path)
+    trainer = [r["time_s"] for r in run.steps]
+    rollout = [r["time_s"] for r in run.rollout]
+    assert min(trainer + rollout) >= 0
+    assert trainer == sorted(trainer) and rollout[0] < trainer[0] < trainer[1] < rollout[1] < trainer[2]

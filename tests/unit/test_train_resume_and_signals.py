@@ -1,0 +1,151 @@
+"""`meshrl train` across sessions and signals: a resumed run's ETA counts only the steps this
+session trained, its start-up timeline only this session's processes; SIGTERM is a clean stop;
+--resume with another --run-dir is refused. No Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import meshrl.train as train_mod
+from meshrl.train import MeshRun, resolve_config
+from services.common.startup import timeline
+
+
+class _Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _StatusClient:
+    async def status(self) -> Any:
+        return SimpleNamespace(policy_version=0, totals=SimpleNamespace(queued=0, in_flight=0),
+                               failures=[], halted_reason="")
+
+
+def _trainer_handle(step: dict[str, int]) -> Any:
+    async def status() -> Any:
+        return SimpleNamespace(state="training", step=step["n"], error="", replica="r1", metrics={})
+
+    return SimpleNamespace(status=SimpleNamespace(remote=status))
+
+
+def test_eta_of_a_resumed_run_counts_only_the_steps_trained_in_this_session(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`meshrl train --resume` of a run stopped at step 250 of 500: the trainer reports the global
+    step (250, from its checkpoint), while elapsed_s counts from this session's start. The ETA
+    (elapsed / step * steps left) then takes 250 steps as trained in this session's first minute:
+    after 10 more steps of 1 s each (1 s per step, 240 left: ~240 s) it shows ~65 s."""
+    from ray import serve
+
+    clock = _Clock(1000.0)
+    monkeypatch.setattr(train_mod.time, "time", clock)
+    cfg = resolve_config(None, [])
+    run = MeshRun(cfg, tmp_path, "fully_async")
+    total = run.derived.total_local_steps
+    assert total == 500
+    step = {"n": 250}
+    monkeypatch.setattr(serve, "get_app_handle", lambda name: _trainer_handle(step))
+
+    async def nothing(*_a: Any, **_k: Any) -> None:
+        return None
+
+    monkeypatch.setattr(run, "_check_serve", nothing)
+    monkeypatch.setattr(run, "_sample_rollout", nothing)
+    client = _StatusClient()
+
+    clock.now = 1060.0  # start-up (Ray, Serve, deploy) took a minute; the trainer resumed at 250
+    p = asyncio.run(run.poll(client))
+    for _ in range(10):  # ten steps, one a second
+        clock.now += 1.0
+        step["n"] += 1
+        p = asyncio.run(run.poll(client))
+    assert p.step == 260
+    true_eta = (total - p.step) * 1.0
+    assert p.eta_s is not None
+    assert abs(p.eta_s - true_eta) <= 0.2 * true_eta, f"ETA {p.eta_s:.0f} s, about {true_eta:.0f} s to go"
+
+
+def test_startup_timeline_of_a_resumed_run_holds_only_its_own_processes(tmp_path: Path) -> None:
+    """Each session of a run writes logs/startup/<service>.<pid>.json; a --resume writes into the
+    same logs/ and MeshRun.deploy puts every file there on the new session's timeline: the first
+    session's processes show up in the resumed run's summary.json (startup_s.timeline) with
+    start-up phases hours before `meshrl train` started."""
+    d = tmp_path / "startup"
+    d.mkdir()
+    first_session = 1_000.0
+    resumed = first_session + 3 * 3600
+    (d / "trainer.11.json").write_text(json.dumps(
+        {"service": "trainer", "pid": 11, "marks": {"constructor": first_session + 5, "ready": first_session + 30}}))
+    (d / "trainer.22.json").write_text(json.dumps(
+        {"service": "trainer", "pid": 22, "marks": {"process_started": resumed - 0.5, "constructor": resumed + 4,
+                                                    "ready": resumed + 20}}))
+    line = timeline(tmp_path, resumed)
+    assert list(line) == ["trainer.22"], f"the timeline of the resumed session holds {list(line)}"
+    assert all(v >= -1.0 for marks in line.values() for v in marks.values())
+
+
+def test_sigterm_during_the_watch_is_a_clean_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM (a scheduler's preemption, `timeout`, `docker stop`, systemd) during the watch: Ray's
+    driver handler (ray.init sets it) raises SystemExit(15) wherever the main thread is, the mesh is
+    torn down with no Stop sent: every step since the last checkpoint is lost and no summary.json is
+    written. It must ask for the same clean stop as the first Ctrl-C."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    from tests.unit.test_train_sigint import _Run
+
+    def ray_handler(signum: int, frame: object) -> None:  # what ray.init installs
+        sys.exit(signum)
+
+    previous = signal.signal(signal.SIGTERM, ray_handler)
+    try:
+        run = _Run(finish_after_stop_s=0.3)
+
+        def send() -> None:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=send, daemon=True).start()
+        progress = train_mod._watch(run, lambda p: None)  # type: ignore[arg-type]
+        assert progress.trainer_state == "finished"
+        assert run.stop_requested_at is not None
+    except SystemExit as exc:
+        pytest.fail(f"SIGTERM aborted the watch without a clean stop (SystemExit({exc.code}))")
+    finally:
+        restored = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)
+    assert restored is ray_handler, "the watch left SIGTERM without the driver's handler"
+
+
+def test_resume_with_another_run_dir_is_not_silently_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`meshrl train --resume runs/a --run-dir runs/b`: train() takes `resume or run_dir`, so --run-dir
+    is dropped without a word and runs/a is continued (its config.resolved.yaml rewritten, its ledger
+    and checkpoints advanced) where the user asked for runs/b. It must refuse, naming both."""
+    from services.common.errors import ConfigError
+    from tests.unit.test_train_cli_stops import _fake_mesh
+
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    first = tmp_path / "a"
+    train_mod.train(None, [], run_dir=first, report=False)
+    assert seen
+    seen.clear()
+    with pytest.raises(ConfigError, match="--run-dir"):
+        train_mod.train(None, [], run_dir=tmp_path / "b", resume=first, report=False)
+    assert not seen, f"deployed into {seen[0]['run_dir']} for --run-dir {tmp_path / 'b'}"
+    # the same directory twice (as the chaos and e2e tests pass it) is a plain resume
+    train_mod.train(None, [], run_dir=first, resume=first, report=False)
+    assert seen and seen[0]["run_dir"] == first.resolve()
