@@ -56,7 +56,8 @@ def check_equivalence(r: dict[str, Any], *, n_micro: int, logprob_atol: float = 
     assert r["entropy_max_abs_diff"] <= logprob_atol, r["entropy_max_abs_diff"]
     for got, ref in zip(r["grad_norms"], r["ref_grad_norms"], strict=True):
         assert abs(got - ref) <= grad_rtol * abs(ref), (r["grad_norms"], r["ref_grad_norms"])
-    # The engine averages metrics over micro-batches; the reference sums micro-batch losses.
+    # The engine averages metrics over the micro-batches it ran; the reference sums their losses.
+    assert all(u == 1.0 for u in r["unit_metric"]), r["unit_metric"]
     for got, ref in zip(r["losses"], r["ref_losses"], strict=True):
         assert abs(got * n_micro - ref) <= max(logprob_atol, grad_rtol * abs(ref)) * 10, (r["losses"], r["ref_losses"])
     assert r["post_train_logprob_max_abs_diff"] <= post_atol, r["post_train_logprob_max_abs_diff"]

@@ -54,7 +54,8 @@ def loss_fn(fo: ForwardOutput, mb: SequenceBatch, scale: LossScale) -> tuple[tor
     assert fo.entropy is not None
     per_tok = -(fo.logprobs * adv) - 0.01 * fo.entropy
     loss = (per_tok * mask).sum() / scale.num_tokens * scale.dp_size
-    return loss, {"pg_loss": float(loss.detach()) / scale.dp_size}
+    # "unit" is 1 in every micro-batch: the engine's mean over the micro-batches it ran must be 1.
+    return loss, {"pg_loss": float(loss.detach()) / scale.dp_size, "unit": 1.0}
 
 
 def hf_reference(ckpt: str, batch: SequenceBatch, micro: int, steps: int, optim: OptimConfig, clip: float, device: str):
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--build-spec", action="store_true",
                     help="construct through TrainEngine.build(spec) with model.path=null and a model_init callable")
     ap.add_argument("--proximal", action="store_true", help="snapshot_proximal before training, compare after")
+    ap.add_argument("--uneven-dp", action="store_true",
+                    help="DP rank 0 trains on every sequence, the others on an empty share")
     args = ap.parse_args()
 
     from services.trainer.engines.megatron.config import MegatronEngineConfig
@@ -186,6 +189,15 @@ def main() -> None:
         engine.snapshot_proximal()
     per = batch.num_seqs // dp
     shard = batch.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
+    empty_shapes: list = [None] * engine.world_size
+    if args.uneven_dp:  # as a batch with fewer sequences than DP ranks leaves some ranks
+        shard = batch if dp_rank == 0 else batch.select([])
+        per = shard.num_seqs
+        mine = engine.compute_logprobs(shard, with_entropy=True)
+        import torch.distributed as dist
+
+        shapes = [list(mine.logprobs.shape), list(mine.entropy.shape) if mine.entropy is not None else None]
+        dist.all_gather_object(empty_shapes, shapes)
     micro = [shard.select(list(range(i, min(i + args.micro, per)))) for i in range(0, per, args.micro)]
     if args.ragged:
         micro = [trim(mb) for mb in micro]
@@ -222,6 +234,7 @@ def main() -> None:
 
     report: dict[str, object] = {
         "dp": [engine.dp_rank, engine.dp_size],
+        "share_logprob_shapes": empty_shapes,
         "applied_transformer": {
             k: repr(getattr(unwrap(engine.model[0]).config, k)) for k in mcfg.override_transformer_config
         },
@@ -267,6 +280,7 @@ def main() -> None:
             logprob_max_abs_diff=float((out.logprobs - lp0).abs().max()),
             entropy_max_abs_diff=float((out.entropy - ent0).abs().max()),  # type: ignore[operator]
             losses=[r.metrics["pg_loss"] for r in results],
+            unit_metric=[r.metrics["unit"] for r in results],
             ref_losses=ref_losses,
             grad_norms=[r.grad_norm for r in results],
             ref_grad_norms=ref_norms,

@@ -92,6 +92,8 @@ class ModelArch:
     linear_attention_layers: tuple[bool, ...] = ()
     """Per layer: True where the token mixer is gated delta-net (linear attention)."""
     attention_bias: bool = False
+    mlp_bias: bool = False
+    """Biases on the MLP projections (Llama's `mlp_bias`)."""
     qk_norm: bool = True
     attn_output_gate: bool = False
     linear_num_key_heads: int = 0
@@ -100,6 +102,10 @@ class ModelArch:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     max_position_embeddings: int = 32768
+    rope_type: str = "default"
+    """`rope_scaling` / `rope_parameters` type (llama3, yarn, linear, ...); "default": plain RoPE."""
+    sliding_window: bool = False
+    """Some layers use sliding-window attention (`layer_types` / `use_sliding_window`)."""
     verified: bool = True
     """False where some field comes from memory rather than the published config.json."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -147,6 +153,12 @@ class ModelArch:
         rope = cfg.get("rope_theta")
         if rope is None and isinstance(cfg.get("rope_parameters"), dict):
             rope = cfg["rope_parameters"].get("rope_theta")
+        sliding = any(t == "sliding_attention" for t in layer_types or ()) or bool(
+            not layer_types and cfg.get("use_sliding_window") and cfg.get("sliding_window")
+            and int(cfg.get("max_window_layers") or 0) < layers
+        )
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope_type = str(scaling.get("rope_type") or scaling.get("type") or "default") if isinstance(scaling, dict) else "default"
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -166,7 +178,9 @@ class ModelArch:
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             moe_layers=moe_layers,
             linear_attention_layers=linear,
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            # Qwen2 (and Qwen2-MoE) always have q/k/v biases; their config.json has no such key.
+            attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type not in ("qwen2", "qwen2_moe", "llama"),
             attn_output_gate=bool(cfg.get("attn_output_gate", model_type in LINEAR_ATTENTION_TYPES)),
             linear_num_key_heads=int(cfg.get("linear_num_key_heads") or 0),
@@ -175,6 +189,8 @@ class ModelArch:
             linear_value_head_dim=int(cfg.get("linear_value_head_dim") or 0),
             linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim") or 0),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+            rope_type=rope_type,
+            sliding_window=sliding,
             verified=bool(cfg.get("verified", True)),
         )
 

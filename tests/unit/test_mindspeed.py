@@ -189,3 +189,18 @@ def test_engines_build_their_own_config_from_the_run_config(tmp_path) -> None:
         from services.trainer.engines.megatron.mcore_config import split_overrides
 
         split_overrides(MegatronEngineConfig.from_mesh(cfg, "cuda", 1).megatron.override_transformer_config, TransformerConfig)
+
+
+def test_repatch_gets_attention_backend_as_megatron_enum() -> None:
+    """verl: repatch(mapping_string_to_attn_backend(override_transformer_config)) -- MindSpeed's
+    repatch sets megatron's global args, where attention_backend is an AttnBackend (megatron's
+    argparse converts it), never the YAML string."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.enums import AttnBackend
+
+    plan = build_patch_plan(MegatronConfig(override_transformer_config={"attention_backend": "flash"}), TFIELDS)
+    assert plan.repatch["attention_backend"] is AttnBackend.flash
+    # The TransformerConfig side keeps the string (build_dataclass coerces it there).
+    assert plan.transformer_overrides["attention_backend"] == "flash"
+    with pytest.raises(ConfigError, match="attention_backend"):
+        build_patch_plan(MegatronConfig(override_transformer_config={"attention_backend": "flsh"}), TFIELDS)

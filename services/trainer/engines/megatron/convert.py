@@ -91,6 +91,22 @@ def check_supported(arch: ModelArch) -> None:
             f"{arch.model_type}: gated delta-net / shared experts / gated attention are not mapped by the megatron "
             "engine; use actor_rollout_ref.actor.strategy=fsdp"
         )
+    if arch.mlp_bias or (arch.attention_bias and arch.model_type != "qwen2"):
+        # megatron's add_qkv_bias covers q/k/v only; attention_bias of Qwen3 / Llama also biases o_proj.
+        raise ConfigError(
+            f"{arch.model_type}: o_proj / MLP biases (attention_bias / mlp_bias) are not mapped by the megatron "
+            "engine; use actor_rollout_ref.actor.strategy=fsdp"
+        )
+    if arch.sliding_window:
+        raise ConfigError(
+            f"{arch.model_type}: sliding-window attention layers are not mapped by the megatron engine (they would "
+            "attend to the whole prefix); use actor_rollout_ref.actor.strategy=fsdp"
+        )
+    if arch.rope_type != "default":
+        raise ConfigError(
+            f"{arch.model_type}: rope scaling {arch.rope_type!r} is not mapped by the megatron engine (it would run "
+            "plain RoPE); use actor_rollout_ref.actor.strategy=fsdp"
+        )
 
 
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.(.+)$")

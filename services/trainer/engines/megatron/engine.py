@@ -45,6 +45,7 @@ from services.trainer.engines.base import (
     TrainEngine,
     register_engine,
 )
+from services.trainer.engines.batching import dummy_batch
 from services.weights import Bucket
 from services.weights.layout import group_by_bytes
 
@@ -287,9 +288,14 @@ class MegatronEngine(TrainEngine):
         if model is None:
             raise ConfigError("compute_logprobs(reference=True) needs a reference model: set actor_rollout_ref.actor.use_kl_loss")
         self._onload(model, reference)
-        size = self.cfg.log_prob_micro_batch_size or batch.num_seqs
-        micro = [batch.select(list(range(i, min(i + size, batch.num_seqs)))) for i in range(0, batch.num_seqs, size)]
-        micro = self._fit_schedule(micro)
+        if batch.num_seqs == 0:
+            # an empty DP share (a batch with fewer sequences than DP ranks): a forward of one
+            # dummy keeps this replica's collectives (MoE's expert-parallel all-to-all) in step
+            micro = self._dummies()
+        else:
+            size = self.cfg.log_prob_micro_batch_size or batch.num_seqs
+            micro = [batch.select(list(range(i, min(i + size, batch.num_seqs)))) for i in range(0, batch.num_seqs, size)]
+            micro = self._fit_schedule(micro)
         outputs: list[ForwardOutput] = []
 
         def loss_func(mb: SequenceBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -302,13 +308,14 @@ class MegatronEngine(TrainEngine):
         self._run_schedule(model, micro, loss_func, forward_only=True)
         for chunk in model:
             chunk.train()
-        result = self._broadcast_from_last_stage(outputs, batch, with_entropy)
+        result = self._broadcast_from_last_stage(outputs, micro[0] if batch.num_seqs == 0 else batch, with_entropy)
         self._offload_model(model, reference)
+        if batch.num_seqs == 0:
+            empty = torch.zeros(tuple(batch.input_ids.shape), dtype=torch.float32)
+            return ForwardOutput(logprobs=empty, entropy=empty.clone() if with_entropy else None)
         return result
 
     def train_step(self, micro_batches: list[SequenceBatch], loss_fn: LossFn, *, temperature: float = 1.0) -> StepResult:
-        if not micro_batches:
-            raise ValueError("train_step needs at least one micro-batch")
         self._onload(self.model, False)
         for chunk in self.model:
             chunk.zero_grad_buffer()  # type: ignore[operator]
@@ -321,25 +328,39 @@ class MegatronEngine(TrainEngine):
         dist.all_reduce(counts, group=dp_group)
         dp = ps.get_data_parallel_world_size()
         scale = LossScale(num_tokens=int(counts[0].item()), num_seqs=int(counts[1].item()), dp_size=dp)
-        n_micro = len(micro_batches)
-        micro_batches = self._fit_schedule(micro_batches)
+        # An empty DP share (fewer sequences than DP ranks) runs dummies with a zero loss: the
+        # gradient all-reduce over DP (and MoE's all-to-all) needs every rank.
+        dummies = [] if micro_batches else self._dummies()
+        micro_batches = dummies or self._fit_schedule(micro_batches)
         n_sched = len(micro_batches)
-        metric_sums: dict[str, float] = {}
+        metric_sums: dict[str, list[float]] = {}
 
         def loss_func(mb: SequenceBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            if any(mb is d for d in dummies):
+                return output.float().sum() * 0.0, {}
             fo = self._token_logprobs(output, mb, temperature, with_entropy=True)
             loss, metrics = loss_fn(fo, mb, scale)
             for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + float(v)
+                acc = metric_sums.setdefault(k, [0.0, 0.0])
+                acc[0] += float(v)
+                acc[1] += 1.0
             return loss * n_sched, {}
 
         lr = lr_at(self._schedule_optim, self._step, self.cfg.total_training_steps)
         self._run_schedule(self.model, micro_batches, loss_func, forward_only=False)
         grad_norm = self._optimizer_step(lr)
         self._step += 1
-        metrics = self._average_metrics(metric_sums, n_micro)
+        metrics = self._average_metrics(metric_sums)
         self._offload(after_step=True)
         return StepResult(grad_norm=grad_norm, lr=lr, metrics=metrics, num_tokens=scale.num_tokens, step=self._step)
+
+    def _dummies(self) -> list[SequenceBatch]:
+        """Stand-ins for an empty DP share: one all-padding sequence without response tokens, as
+        many as the schedule needs (PP of them under VPP)."""
+        pp = self.coords.pp_size
+        group = getattr(self.tcfg, "microbatch_group_size_per_vp_stage", None) or pp
+        dummy = dummy_batch(2, 0)
+        return [dummy] * (1 if len(self.model) == 1 else group)
 
     def _fit_schedule(self, micro: list[SequenceBatch]) -> list[SequenceBatch]:
         """The interleaved (VPP) schedule needs at least PP micro-batches, and megatron refuses a
@@ -406,17 +427,19 @@ class MegatronEngine(TrainEngine):
             log.warning("optimizer step skipped (non-finite gradients)", step=self._step)
         return float(grad_norm or 0.0)
 
-    def _average_metrics(self, sums: dict[str, float], n_micro: int) -> dict[str, float]:
-        """Metrics exist on the last pipeline stage: average there over micro-batches and DP
-        (a DP group never spans stages), then hand them to every stage."""
-        keys = sorted(sums)
-        out: dict[str, float] = {}
-        if keys:
-            t = torch.tensor([sums[k] / n_micro for k in keys], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, group=ps.get_data_parallel_group())
-            t /= ps.get_data_parallel_world_size()
-            out = dict(zip(keys, t.tolist(), strict=True))
-        return self._broadcast_metrics(out)
+    def _average_metrics(self, sums: dict[str, list[float]]) -> dict[str, float]:
+        """Metrics exist on the last pipeline stage: the mean there over every micro-batch the
+        schedule ran (after `_fit_schedule`'s splits) on every DP rank, as the FSDP engine reports
+        it (a DP group never spans stages), then handed to every stage."""
+        parts: list[Any] = [None] * ps.get_data_parallel_world_size()
+        dist.all_gather_object(parts, sums, group=ps.get_data_parallel_group())  # a rank of dummies has none
+        merged: dict[str, list[float]] = {}
+        for part in parts:
+            for k, (total, n) in part.items():
+                acc = merged.setdefault(k, [0.0, 0.0])
+                acc[0] += total
+                acc[1] += n
+        return self._broadcast_metrics({k: total / n for k, (total, n) in sorted(merged.items())})
 
     def _broadcast_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         if self.coords.pp_size == 1:

@@ -136,6 +136,13 @@ def check_layout(m: MegatronConfig, world_size: int, num_experts: int = 0) -> in
             f"actor_rollout_ref.actor.megatron: ETP({etp}) x EP({ep}) = {etp * ep} does not divide the {world_size // pp} "
             f"devices of one pipeline stage; change expert_model_parallel_size or expert_tensor_parallel_size"
         )
+    if num_experts and etp > tp:
+        # With megatron-core 0.16.1 an ETP above TP trains wrong expert gradients on CPU/gloo (the
+        # forward is exact); unchecked on GPU, so refused rather than trained wrong.
+        raise ConfigError(
+            f"actor_rollout_ref.actor.megatron.expert_tensor_parallel_size={etp} is above "
+            f"tensor_model_parallel_size={tp}: its expert gradients were found wrong; use an ETP of at most {tp}"
+        )
     if num_experts and num_experts % ep:
         raise ConfigError(
             f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep} does not divide the model's {num_experts} "

@@ -50,6 +50,21 @@ class PatchPlan:
     """The part of override_transformer_config that goes to megatron's TransformerConfig."""
 
 
+def _attn_backend(value: Any) -> Any:
+    """megatron's AttnBackend for a YAML string, as verl's mapping_string_to_attn_backend gives
+    repatch (megatron's own argparse stores the enum in the global args MindSpeed reads)."""
+    if not isinstance(value, str):
+        return value
+    from megatron.core.transformer.enums import AttnBackend
+
+    try:
+        return AttnBackend[value]
+    except KeyError:
+        raise ConfigError(
+            f"override_transformer_config.attention_backend={value!r} is not one of {', '.join(b.name for b in AttnBackend)}"
+        ) from None
+
+
 def build_patch_plan(m: MegatronConfig, transformer_fields: set[str]) -> PatchPlan:
     """Split `m.override_transformer_config` and derive MindSpeed's repatch dict.
     `transformer_fields` is the set of megatron TransformerConfig field names."""
@@ -61,7 +76,7 @@ def build_patch_plan(m: MegatronConfig, transformer_fields: set[str]) -> PatchPl
         elif key in transformer_fields:
             overrides[key] = value
             if key == "attention_backend":
-                repatch[key] = value
+                repatch[key] = _attn_backend(value)
         else:
             close = difflib.get_close_matches(key, sorted(MINDSPEED_FLAGS | transformer_fields), n=1, cutoff=0.7)
             hint = f"; did you mean {close[0]!r}?" if close else ""
