@@ -61,6 +61,7 @@ from services.common.logging import get_logger
 from services.weights import WeightPublisher
 
 from . import checkpoints
+from .algos.advantages import KL_REWARD_KEY
 from .algos.dapo import dynamic_sampling_values
 from .algos.mismatch import VERSION_MASK_KEY, finish_loss_sums, split_metrics, version_mask
 from .convert import agent_metrics, check_batch, groups_to_batch, sequence_tensors, token_versions
@@ -80,6 +81,15 @@ _SEND_AGAIN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_E
 MAX_FAILED_BROADCASTS_IN_A_ROW = 3
 """A collective broadcast may fail after its version went current (TrainerLoop._broadcast_failed);
 this many in a row stop the loop: no rollout rank has followed the trainer for that long."""
+
+
+def sequence_rewards(batch: SequenceBatch) -> torch.Tensor:
+    """[B] reward of each sequence as trained on: the score minus its summed KL penalty when the
+    batch carries one (use_kl_in_reward); verl's token_level_rewards.sum(-1)."""
+    reward = batch.seq_tensors["reward"].float()
+    if KL_REWARD_KEY in batch.tensors:
+        reward = reward - batch.tensors[KL_REWARD_KEY].float().sum(dim=-1)  # masked when written
+    return reward
 
 
 class CoordinatorLike(Protocol):
@@ -231,6 +241,10 @@ class TrainerLoop:
                 pass
             await self._finish()
             self.state = "finished"
+            for fut in self._ckpt_waiters:  # a run that ended before its first step has no checkpoint
+                if not fut.done():
+                    fut.set_exception(FailedPrecondition("the trainer finished and has no checkpoint"))
+            self._ckpt_waiters = []
             log.info("trainer_finished", step=self.step, policy_version=self.policy_version)
         except BaseException as exc:
             self.state = "failed"
@@ -541,6 +555,10 @@ class TrainerLoop:
                 out.stop = True
                 return out
             if resp.exhausted:
+                if self.pending_filtered:
+                    # the groups this fetch filtered are reported by one more (nothing is left to
+                    # deliver: it answers at once), else the final checkpoint has them consumed
+                    continue
                 out.exhausted = True
                 return out
             if not groups:
@@ -791,7 +809,9 @@ class TrainerLoop:
             "training/filtered_groups": float(got.filtered),
             "training/fetches": float(got.fetches),
             "training/failed_broadcasts": float(self.failed_broadcasts),
-            "critic/rewards/mean": float(batch.seq_tensors["reward"].mean()),
+            # verl: score = the reward as scored, rewards = it minus the KL penalty (use_kl_in_reward)
+            "critic/score/mean": float(batch.seq_tensors["reward"].mean()),
+            "critic/rewards/mean": float(sequence_rewards(batch).mean()),
             "critic/advantages/mean": float((batch.tensors["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
             "response_length/mean": float(resp_len.mean()),
             "response_length/max": float(resp_len.max()),

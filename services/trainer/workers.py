@@ -20,7 +20,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,26 @@ class RankSender:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+async def _next_or_none(stream: Any) -> Any:
+    """The stream's next item; None at its end."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _unless_one_fails(step: asyncio.Future[Any], watched: Sequence[asyncio.Future[Any]]) -> None:
+    """Wait for `step`; if a `watched` task fails first, cancel `step` and raise that failure."""
+    while True:
+        for task in watched:
+            if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+                step.cancel()
+                raise exc
+        if step.done():
+            return
+        await asyncio.wait([step, *(t for t in watched if not t.done())], return_when=asyncio.FIRST_COMPLETED)
+
+
 class RayTrainGroup:
     """TrainGroup over rank actors (see the module docstring). Use `await RayTrainGroup.create(...)`."""
 
@@ -133,6 +153,13 @@ class RayTrainGroup:
         self._senders: list[Any] = workers[:1]
         self.dp_size = layout[0]["dp_size"]
         self.sp_size = len(workers) // self.dp_size
+        # one rank per data-parallel share answers for it: the first rank that has it (SP rank 0 of
+        # an FSDP group, rank = dp * sp + sp; not r % sp == 0, which in megatron's order, tp-cp-ep-dp-pp,
+        # picks ranks of dp rank 0 only once PP > 1)
+        first: dict[int, int] = {}
+        for r, lay in enumerate(layout):
+            first.setdefault(lay["dp_rank"], r)
+        self._leaders = sorted(first.values())
 
     @classmethod
     async def create(
@@ -167,7 +194,7 @@ class RayTrainGroup:
             for w, p in zip(self.workers, parts, strict=True)
         ])
         shape = (batch.num_seqs, int(batch.input_ids.shape[1]))
-        leaders = [r for r in range(self.world_size) if r % self.sp_size == 0]
+        leaders = self._leaders
         logprobs = scatter_rows([(index[self.layout[r]["dp_rank"]], outs[r][0]) for r in leaders], shape)
         entropy = None
         if with_entropy:
@@ -197,13 +224,22 @@ class RayTrainGroup:
                 await ref
 
         others = [asyncio.ensure_future(drain(s)) for s in streams[1:]]
+        first = streams[0].__aiter__()
+        step: asyncio.Future[Any] | None = None
         try:
-            async for ref in streams[0]:
+            while True:
+                # another rank's failure ends the export now: rank 0 may be waiting for that rank
+                # in a collective, which would only time out (actor_rollout_ref nccl_timeout)
+                step = asyncio.ensure_future(_next_or_none(first))
+                await _unless_one_fails(step, others)
+                ref = step.result()
+                if ref is None:
+                    break
                 # the stream's objects are owned by this process (the caller of the generator)
                 yield from_wire(await ref, stored=ref if self._rank0_here else None)
             await asyncio.gather(*others)
         finally:
-            for task in others:
+            for task in [*others, *([step] if step is not None else [])]:
                 if not task.done():
                     task.cancel()
 

@@ -56,11 +56,11 @@ def shard_buckets(version: int, rank: int, senders: int, device: str = "cpu",
     from services.weights.shards import shard_name
 
     out: list[tuple[str, torch.Tensor]] = []
-    owners = min(senders, 2) if mode == "megatron" else senders
+    owners = min(senders, 2) if mode.startswith("megatron") else senders
     if rank >= owners:
         return []
     for name, t in weights_for(version, mode).items():
-        if mode == "megatron" and name.endswith("down_proj.weight"):
+        if mode.startswith("megatron") and name.endswith("down_proj.weight"):
             start, stop = owned_rows(t.shape[1], rank, owners)
             out.append((shard_name(name, start, stop, t.shape[1], dim=1), t[:, start:stop].to(device)))
             continue
@@ -95,7 +95,7 @@ def sender(address: str, backend: str, rank: int, senders: int, receivers: int, 
             torch.cuda.set_device(rank)
             device = "cuda"
         pub = CollectivePublisher(backend, address, receivers=receivers, group=sender_group("test", rank),
-                                  timeout_s=timeout_s, register=False, delta_sync=any(m == "delta" for _, m in plan))
+                                  timeout_s=timeout_s, register=False, delta_sync=any(m in ("delta", "megatron_delta") for _, m in plan))
         for version, mode in plan:
             try:
                 if mode == "standby" and rank > 0:
@@ -144,7 +144,7 @@ def receiver(address: str, backend: str, index: int, senders: int, plan: list[tu
         if backend == "nccl":
             torch.cuda.set_device(senders + index)
         fetcher = ShardedFetcher(backend, address, consumer_id=f"rollout-{index}", senders=senders, group="test",
-                                 delta_sync=any(m == "delta" for _, m, _ in plan))
+                                 delta_sync=any(m in ("delta", "megatron_delta") for _, m, _ in plan))
         fetcher.parts[min(1, senders - 1)]._corrupt_hook = damage
         for version, mode, timeout_s in plan:
             for part in fetcher.parts:

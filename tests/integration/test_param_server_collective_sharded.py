@@ -69,6 +69,18 @@ def test_gloo_megatron_layout_columns_and_a_replica_that_sends_nothing() -> None
             assert got[(role, version)] == ("ok", 0), got
 
 
+def test_gloo_delta_sync_with_a_replica_that_sends_nothing() -> None:
+    """Delta sync with megatron's layout: the data-parallel replica's version has no bucket, so
+    its encoder never named the base; every rollout rank's part for it failed its commit
+    (DataLoss: "no '#delta.base' entry"), hence every sharded version."""
+    plan = [(v, "megatron_delta") for v in range(1, 3)]
+    got = run_sharded("gloo", 3, sender_plans=[plan, plan, plan],
+                      receiver_plans=[[(v, "megatron_delta", 60.0) for v in range(1, 3)] for _ in range(2)])
+    for version in range(1, 3):
+        for role in ("recv0", "recv1"):
+            assert got[(role, version)][0] == "identical", got
+
+
 def test_gloo_the_only_rollout_rank_replaced_right_after_a_version_gets_it_again_from_every_trainer_rank() -> None:
     """One rollout rank gets version 2 from both trainer ranks and dies (a single rollout replica
     killed right after loading it, while the trainer has no groups to train a next version on).

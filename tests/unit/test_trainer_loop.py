@@ -452,6 +452,27 @@ def test_dynamic_sampling_drops_flat_groups_reports_them_and_refills(tmp_path: P
     assert all(int(x["training/groups"]) == 2 for x in lines)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dynamic_sampling_reports_the_groups_filtered_by_the_last_fetch_of_the_data(tmp_path: Path, overlap: bool) -> None:
+    """The fetch that says the data is exhausted may bring groups the filter drops: they are
+    reported as filtered all the same (else the final checkpoint has the coordinator count them
+    consumed, in its totals and staleness histogram, though they were never trained)."""
+    coord = FakeCoordinator()
+    coord.queue.extend([
+        make_group("ok0", [1.0, 0.0, 0.0, 0.0], seed=1),
+        make_group("ok1", [0.0, 1.0, 0.0, 0.0], seed=2),
+        make_group("ok2", [1.0, 1.0, 0.0, 0.0], seed=3),
+        make_group("flat0", [1.0, 1.0, 1.0, 1.0], seed=4),
+    ])
+    algo, _ = fake_algorithm(filter_groups=True)
+    loop = TrainerLoop(_settings(tmp_path, overlap=overlap), _group(), coord, InProcessPublisher(), algo)
+    _run(loop)
+    assert loop.state == "finished" and loop.step == 2
+    reported = [i for f in coord.fetches for i in f["filtered"]]
+    assert reported == ["flat0"], coord.fetches
+    assert loop.pending_filtered == []
+
+
 def test_dynamic_sampling_gives_up_after_max_num_gen_batches(tmp_path: Path) -> None:
     coord = FakeCoordinator(finite=False)
     coord.queue.extend(make_group(f"flat{i}", [1.0] * 4, seed=i) for i in range(6))
@@ -519,6 +540,31 @@ def test_checkpoint_requests_from_coordinator_and_rpc(tmp_path: Path, overlap: b
 
     asyncio.run(scenario())
     assert [s for s, _, _ in coord.checkpoints] == [1, 2]
+
+
+def test_a_checkpoint_request_pending_when_the_run_ends_without_a_step_is_answered(tmp_path: Path) -> None:
+    """A run whose data ends before any step writes no checkpoint: a SaveCheckpoint that came
+    while it waited for data must fail as one made after the end does, not wait for ever."""
+    coord = FakeCoordinator(finite=True)  # no data at all
+    loop = TrainerLoop(_settings(tmp_path), _group(), coord, InProcessPublisher(), fake_algorithm()[0])
+
+    fetch = coord.fetch_batch
+    asked: list[asyncio.Future[Any]] = []
+
+    async def fetch_after_a_request(*args: Any, **kw: Any) -> Any:
+        if not asked:
+            asked.append(loop.request_checkpoint())  # the operator's RPC, while the loop waits for data
+        return await fetch(*args, **kw)
+
+    coord.fetch_batch = fetch_after_a_request  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        await asyncio.wait_for(loop.run(), timeout=120)
+        assert loop.state == "finished" and loop.step == 0
+        with pytest.raises(FailedPrecondition):
+            await asyncio.wait_for(asked[0], timeout=5)
+
+    asyncio.run(scenario())
 
 
 def test_save_checkpoint_rpc_needs_the_operator_token(tmp_path: Path) -> None:

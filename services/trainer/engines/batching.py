@@ -191,8 +191,8 @@ def unpack_next_token(values: torch.Tensor, packed: Packed, shape: tuple[int, in
             cols.append(torch.arange(1, n, dtype=torch.long))
             src.append(torch.arange(o, o + n - 1, dtype=torch.long))
     out = values.new_zeros(shape[0] * shape[1])
-    if not rows:
-        return out.view(shape)
+    if not rows:  # stay on the graph (a dummy's zero loss must still run backward and FSDP's hooks)
+        return out.view(shape) + values[:0].sum()
     device = values.device
     flat = (torch.cat(rows) * shape[1] + torch.cat(cols)).to(device)
     return out.index_put((flat,), values[torch.cat(src).to(device)]).view(shape)
