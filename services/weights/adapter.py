@@ -83,6 +83,13 @@ class AdapterSpec:
         return (self.rank, self.alpha, set(self.target_modules)) == (other.rank, other.alpha, set(other.target_modules))
 
 
+def peft_target_modules(spec: AdapterSpec) -> str | list[str]:
+    """`target_modules` as peft must be given it: a regex string stays a string (peft fullmatches
+    it against module paths; as a one-element list it would be taken as a module name)."""
+    saved = spec.peft_config.get("target_modules")
+    return saved if isinstance(saved, str) else list(spec.target_modules)
+
+
 def descriptor(spec: AdapterSpec) -> tuple[str, torch.Tensor]:
     """The descriptor tensor that opens an adapter version."""
     return DESCRIPTOR_NAME, torch.frombuffer(bytearray(spec.to_json()), dtype=torch.uint8)
@@ -215,7 +222,7 @@ def write_peft_dir(spec: AdapterSpec, tensors: Sequence[tuple[str, torch.Tensor]
     out.mkdir(parents=True, exist_ok=True)
     config = dict(spec.peft_config)
     config.setdefault("peft_type", "LORA")
-    config["r"], config["lora_alpha"], config["target_modules"] = spec.rank, spec.alpha, list(spec.target_modules)
+    config["r"], config["lora_alpha"], config["target_modules"] = spec.rank, spec.alpha, peft_target_modules(spec)
     tmp_cfg, tmp_st = out / ".adapter_config.json.tmp", out / ".adapter_model.safetensors.tmp"
     tmp_cfg.write_text(json.dumps(config, indent=2, sort_keys=True))
     save_file({n: t.detach().cpu().contiguous() for n, t in tensors}, str(tmp_st),

@@ -136,6 +136,8 @@ class DeltaEncoder:
                 first = False
             out.extend(self._bucket(bucket, delta, stats))
             yield out
+        if first:  # nothing to send (a sharded sender that owns nothing): the receivers still learn the base
+            yield [(BASE, torch.tensor([stats.base_version, version], dtype=torch.int64, device=self.device or "cpu"))]
 
     def _bucket(self, bucket: Bucket, delta: bool, stats: DeltaStats) -> Bucket:
         """One bucket's entries, in order. Each tensor's `nonzero` reads its count back to the

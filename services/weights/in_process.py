@@ -27,7 +27,7 @@ def tensor_digest(h: Any, name: str, tensor: torch.Tensor) -> None:
     """Feed name, dtype, shape and bytes of a tensor into a hashlib object."""
     t = tensor.detach().contiguous().cpu()
     h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # 0-dim too
 
 
 def model_named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -217,3 +217,35 @@ def test_a_negative_base_is_refused_before_the_board_changes() -> None:
         board.receiver_check_in("g", "a", backend="gloo", world_size=3, policy_version=5, delta_base_version=-1)
     state = board.group("g")
     assert state is not None and not state.ranks and not state.checked_in
+
+
+def test_a_sender_with_nothing_to_send_still_names_the_base_and_its_receivers_commit() -> None:
+    """With param_server.collective_sharded a trainer rank may own nothing (a megatron replica
+    sends nothing, shards.py): its version has no bucket. Without the base entry every receiver's
+    commit raised DataLoss ("the sender does not use delta sync"): that part, hence the whole
+    sharded version, failed on every receiver, every version."""
+    enc, dec = DeltaEncoder(), DeltaDecoder()
+
+    async def base() -> int:
+        return 0
+
+    async def run() -> list[list[tuple[str, torch.Tensor]]]:
+        return [b async for b in enc.encode(1, [], base)]
+
+    wire = asyncio.run(run())
+    enc.commit(1)
+    dec.begin(1)
+    got = [entry for bucket in wire for entry in dec.decode(bucket)]
+    dec.commit()
+    assert got == [] and dec.version == 1
+
+
+def test_the_in_process_digest_takes_a_0_dim_tensor() -> None:
+    import hashlib
+
+    from services.weights.in_process import tensor_digest
+
+    a, b = hashlib.sha256(), hashlib.sha256()
+    tensor_digest(a, "scale", torch.tensor(1.5))
+    tensor_digest(b, "scale", torch.tensor(2.5))
+    assert a.hexdigest() != b.hexdigest()

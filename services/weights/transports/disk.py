@@ -285,11 +285,15 @@ class DiskFetcher:
         self._io.shutdown(wait=False)
 
     @staticmethod
-    async def _wait_for_swap(directory: Path, manifest: Manifest, checksum: str, deadline: Deadline) -> Manifest:
-        """The manifest on disk once it is the one the param server handed out (`checksum`)."""
+    async def _wait_for_swap(directory: Path, manifest: Manifest | None, checksum: str, deadline: Deadline) -> Manifest:
+        """The manifest on disk once it is the one the param server handed out (`checksum`);
+        `manifest` None: the directory was missing (between the swap's two renames)."""
         waited = 0.0
-        while manifest.checksum != checksum:
+        while manifest is None or manifest.checksum != checksum:
             if waited >= min(SWAP_WAIT_S, deadline.remaining()):
+                if manifest is None:
+                    manifest = read_manifest(directory)  # still missing: NotFound, naming the path
+                    continue
                 raise DataLoss(
                     f"{directory} holds version {manifest.policy_version} with manifest {manifest.checksum[:12]}, the "
                     f"param server holds {checksum[:12]} (after {waited:.1f}s): param_server.disk_dir names another "
@@ -313,9 +317,17 @@ class DiskFetcher:
             version = newest_on_disk(self.root)
         try:
             directory = version_dir(self.root, version)
-            manifest = read_manifest(directory)
+            try:
+                found: Manifest | None = read_manifest(directory)
+            except NotFound:
+                if client is None:
+                    raise
+                found = None  # between the two renames of a replaced orphan's swap: wait for it
             if client is not None:
-                manifest = await self._wait_for_swap(directory, manifest, acquired.checksum, deadline)
+                manifest = await self._wait_for_swap(directory, found, acquired.checksum, deadline)
+            else:
+                assert found is not None
+                manifest = found
             check_against_manifest(manifest, ref, f"fetch from {directory}")
             loop = asyncio.get_running_loop()
 
