@@ -19,13 +19,26 @@ import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, MissingDependency
 from services.weights import Bucket
-from services.weights.adapter import AdapterSpec, base_identity_for, check_base, module_param_name
+from services.weights.adapter import (
+    AdapterSpec,
+    base_identity_for,
+    base_identity_of_module,
+    check_base,
+    model_label,
+    module_param_name,
+    peft_target_modules,
+)
 
 # peft LoraConfig fields an adapter's saved config may set that shape the injected layers.
 _LAYER_FIELDS = (
     "exclude_modules", "fan_in_fan_out", "use_rslora", "use_dora", "layers_to_transform", "layers_pattern",
     "rank_pattern", "alpha_pattern", "lora_bias",
 )
+
+
+def _layer_config(spec: AdapterSpec) -> dict[str, Any]:
+    """The fields besides rank, alpha and targets that shape (and scale) the injected layers."""
+    return {k: v for k in _LAYER_FIELDS if (v := spec.peft_config.get(k)) not in (None, False, {}, [])}
 
 
 class InPlaceLoRA:
@@ -37,12 +50,16 @@ class InPlaceLoRA:
         self._base: str | None = None
         self._params: dict[str, torch.Tensor] = {}
         self._seen: set[str] = set()
+        self._replaced = False  # full weights replaced the checkpoint's: identify the base in memory
 
     @property
     def base_model(self) -> str:
         """This model's base identity (computed once, before any adapter is injected)."""
         if self._base is None:
-            self._base = base_identity_for(self.model, getattr(self.model.config, "_name_or_path", None))
+            path = getattr(self.model.config, "_name_or_path", None)
+            # after a full-weight version the checkpoint's files no longer describe the weights
+            self._base = (base_identity_of_module(self.model, model_label(path)) if self._replaced
+                          else base_identity_for(self.model, path))
         return self._base
 
     def load(self, spec: AdapterSpec, bucket: Bucket, *, first: bool, last: bool) -> int:
@@ -53,13 +70,16 @@ class InPlaceLoRA:
             check_base(spec, self.base_model)
             if self.spec is None:
                 self._inject(spec)
-            elif not self.spec.same_shape(spec):
+            elif not self.spec.same_shape(spec) or _layer_config(self.spec) != _layer_config(spec):
                 raise FailedPrecondition(
-                    f"adapter of rank {spec.rank}, alpha {spec.alpha} on {sorted(spec.target_modules)} does not fit the "
-                    f"injected one (rank {self.spec.rank}, alpha {self.spec.alpha} on {sorted(self.spec.target_modules)}); "
+                    f"adapter of rank {spec.rank}, alpha {spec.alpha} on {sorted(spec.target_modules)} "
+                    f"({_layer_config(spec)}) does not fit the injected one (rank {self.spec.rank}, alpha "
+                    f"{self.spec.alpha} on {sorted(self.spec.target_modules)}, {_layer_config(self.spec)}); "
                     "restart the rollout to change the LoRA shape"
                 )
             self._seen = set()
+        # Every tensor of the bucket checked before any is copied: a refused bucket changes nothing.
+        targets = []
         for name, tensor in bucket:
             key = module_param_name(name)
             target = self._params.get(key)
@@ -69,6 +89,8 @@ class InPlaceLoRA:
                 raise InvalidArgument(
                     "weights", f"{name}: shape {tuple(tensor.shape)} does not match the layer's {tuple(target.shape)}"
                 )
+            targets.append((key, target))
+        for (key, target), (_, tensor) in zip(targets, bucket, strict=True):
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self._seen.add(key)
         if last and len(self._seen) != len(self._params):
@@ -83,6 +105,7 @@ class InPlaceLoRA:
             if ".lora_B." in key:
                 t.zero_()
         self._base = None
+        self._replaced = True
 
     def _inject(self, spec: AdapterSpec) -> None:
         try:
@@ -91,7 +114,7 @@ class InPlaceLoRA:
             raise MissingDependency("LoRA adapters in the transformers rollout engine", f"install meshrl[lora]; {exc}") from exc
         extra = {k: spec.peft_config[k] for k in _LAYER_FIELDS if spec.peft_config.get(k) is not None}
         alpha: Any = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha  # peft types it int
-        config = peft.LoraConfig(r=spec.rank, lora_alpha=alpha, target_modules=list(spec.target_modules),
+        config = peft.LoraConfig(r=spec.rank, lora_alpha=alpha, target_modules=peft_target_modules(spec),
                                  lora_dropout=0.0, bias="none", **extra)
         _ = self.base_model  # fixed before the model changes
         peft.inject_adapter_in_model(config, self.model)

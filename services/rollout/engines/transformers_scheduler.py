@@ -317,7 +317,6 @@ class Scheduler:
                 self.paused = False
                 self._pause_mode = None
             case LoadBucket(bucket=bucket):
-                self.lora.base_replaced()
                 return self._load_bucket(bucket)
             case LoadAdapter(spec=spec, bucket=bucket, first=first, last=last):
                 return self.lora.load(spec, bucket, first=first, last=last)
@@ -366,6 +365,7 @@ class Scheduler:
                     "weights", f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
                 )
             targets.append(target)
+        self.lora.base_replaced()  # only once the bucket is accepted: a refusal changes nothing
         for target, (_, tensor) in zip(targets, bucket, strict=True):
             target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         return len(bucket)

@@ -68,6 +68,8 @@ _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 LORA_ID = 1
 """The one LoRA id the engine serves (every version replaces the adapter under it)."""
 LORA_NAME = "meshrl-policy"
+_MIN_TEMPERATURE = 1e-2
+"""vLLM's SamplingParams raises a temperature in (0, 1e-2) to 1e-2 (sampling and logprobs)."""
 
 
 @register_engine("vllm")
@@ -99,11 +101,13 @@ class VLLMEngine(RolloutEngine):
         """The last pause kept running requests on their KV (keep without prefix caching)."""
         self._live: dict[str, asyncio.Future[list[SampleOutput]]] = {}
         self._started: set[str] = set()
+        self._abort_tasks: set[asyncio.Task[None]] = set()
         self._error: BaseException | None = None
         self._counters = {"tokens_generated": 0.0, "requests_finished": 0.0, "weight_loads": 0.0}
         self._lora: Any = None  # the LoRARequest every request runs with, once an adapter is loaded
         self._lora_spec: AdapterSpec | None = None
         self._lora_dir: str | None = None
+        self._lora_layout: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._base: str | None = None
         self._base_replaced_at: int | None = None
 
@@ -129,6 +133,12 @@ class VLLMEngine(RolloutEngine):
     async def generate(self, request: GenerationRequest) -> list[SampleOutput]:
         llm = self._check()
         request.sampling.validate()
+        if 0 < request.sampling.temperature < _MIN_TEMPERATURE:
+            raise InvalidArgument(
+                "sampling.temperature",
+                f"vLLM samples a temperature in (0, {_MIN_TEMPERATURE}) at {_MIN_TEMPERATURE}, so its tokens and "
+                f"logprobs would not be those of {request.sampling.temperature}; use 0 (greedy) or >= {_MIN_TEMPERATURE}",
+            )
         if request.request_id in self._live:
             raise InvalidArgument("request_id", f"{request.request_id!r} is already in flight")
         if not request.prompt_token_ids:
@@ -171,7 +181,9 @@ class VLLMEngine(RolloutEngine):
             # Deltas where anything reads tokens as they come: partial rollout (`stream`) or a
             # caller that streams them on (`on_token`, the gateway's stream: true).
             output_kind=RequestOutputKind.DELTA if self.stream or request.on_token else RequestOutputKind.FINAL_ONLY,
-            skip_special_tokens=True,
+            # Stop strings are matched on the text with special tokens, as the transformers engine
+            # and stop_across do (vLLM's text is not used: `text` is decoded below).
+            skip_special_tokens=False,
         )
         outs = [SampleOutput(index=i) for i in range(n)]
         spans: dict[int, list[Any]] = {}
@@ -187,6 +199,8 @@ class VLLMEngine(RolloutEngine):
                     out.logprobs.append(float(lp[tok].logprob))
                     if request.on_token is not None:
                         request.on_token(c.index, int(tok), out.logprobs[-1])
+                        for i in range(n, sp.n):  # greedy copies of sample 0 stream too
+                            request.on_token(i, int(tok), out.logprobs[-1])
                 # Version of the weights current when the delta arrived; replaced by vLLM's
                 # exact spans from the final output below when it has them.
                 out.versions.extend([self._version] * len(c.token_ids))
@@ -218,14 +232,31 @@ class VLLMEngine(RolloutEngine):
         llm = self._check()
         if request_id not in self._live:
             return False
-        await llm.abort(request_id)
+        await self._abort_ids(llm, [request_id])
         return True
+
+    async def _abort_ids(self, llm: Any, ids: list[str]) -> None:
+        """vLLM drops an abort for a request it has not registered yet (generate() is still
+        processing its inputs): abort those again as soon as vLLM knows them."""
+        known = llm.output_processor.external_req_ids
+        pending = [(rid, self._live[rid]) for rid in ids if rid not in known and rid in self._live]
+        await llm.abort(ids)
+        for rid, fut in pending:
+            task = asyncio.create_task(self._abort_once_added(llm, rid, fut))
+            self._abort_tasks.add(task)
+            task.add_done_callback(self._abort_tasks.discard)
+
+    async def _abort_once_added(self, llm: Any, rid: str, fut: asyncio.Future[list[SampleOutput]]) -> None:
+        while self._live.get(rid) is fut and rid not in llm.output_processor.external_req_ids:
+            await asyncio.sleep(0.005)
+        if self._live.get(rid) is fut:
+            await llm.abort(rid)
 
     async def abort_all(self) -> dict[str, list[SampleOutput]]:
         llm = self._check()
         live = dict(self._live)
         if live:
-            await llm.abort(list(live))
+            await self._abort_ids(llm, list(live))
         out: dict[str, list[SampleOutput]] = {}
         for rid, fut in live.items():
             with contextlib.suppress(asyncio.CancelledError):
@@ -291,6 +322,12 @@ class VLLMEngine(RolloutEngine):
             loaded += int(counts[0])
         await llm.collective_rpc("meshrl_finish_update")
         if self._lora is not None:  # full weights replace the base: the adapter no longer applies
+            # Requests that hold it (kept across this update, queued while paused) make vLLM load
+            # it again from its directory, onto the new base: leave a zero adapter (an exact no-op)
+            # there first; new requests run without one.
+            if self._lora_spec is not None and self._lora_dir is not None:
+                zero = [(n, torch.zeros(shape, dtype=dtype)) for n, shape, dtype in self._lora_layout]
+                write_peft_dir(self._lora_spec, zero, self._lora_dir)
             await llm.remove_lora(LORA_ID)
             self._lora = self._lora_spec = None
         self._base_replaced_at = version
@@ -354,6 +391,7 @@ class VLLMEngine(RolloutEngine):
             raise Unavailable(f"vllm did not load the adapter of version {version}")
         self._lora = LoRARequest(lora_name=LORA_NAME, lora_int_id=LORA_ID, lora_path=self._lora_dir)
         self._lora_spec = spec
+        self._lora_layout = [(n, tuple(t.shape), t.dtype) for n, t in tensors]
         await llm.update_weight_version(str(version))
         if self.engine_args.get("enable_prefix_caching", True):
             await llm.reset_prefix_cache()  # one LoRA id for every version: cached blocks would match

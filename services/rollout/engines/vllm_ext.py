@@ -51,7 +51,8 @@ class MeshrlWorkerExtension:
                 params_dtype=module.params_dtype,
                 weight_loader=loader,
             )
-            recreated[f"{name}.weight"] = module
+            # model.load_weights reports a LoRA-wrapped layer's weight without ".base_layer"
+            recreated[f"{name}.weight".replace(".base_layer.", ".")] = module
         self._meshrl_recreated = recreated
         self._meshrl_loaded: set[str] = set()
         return len(recreated)
