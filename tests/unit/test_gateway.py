@@ -519,6 +519,9 @@ AGENT_PROGRAM = textwrap.dedent("""
         sys.exit(3)
     if mode == "hang":
         time.sleep(3600)
+    if mode == "loud":
+        sys.stderr.write("x" * (4 << 20) + "\\nthe last words\\n")
+        sys.exit(4)
     c = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL / OPENAI_API_KEY from the environment
     r = c.chat.completions.create(model="m", messages=prompt["messages"])
     print("answer", r.choices[0].message.content)
@@ -528,7 +531,7 @@ AGENT_PROGRAM = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["finish", "exit0", "fail", "hang"])
+@pytest.mark.parametrize("mode", ["finish", "exit0", "fail", "hang", "loud"])
 def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHRL_ROLLOUT_TOKEN", "secret")
     # security.operator_token_env: RUN_OP_TOKEN names a role token outside MESHRL_*
@@ -537,7 +540,10 @@ def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("AGENT_OWN_KEY", "kept")
     prog = tmp_path / "agent.py"
     prog.write_text(AGENT_PROGRAM)
-    group, ga, _ = asyncio.run(play(None, [ANSWER], n=2, command=[sys.executable, str(prog), mode],
+    command = [sys.executable, str(prog), mode]
+    if mode == "loud":  # 4 MiB of stderr under a 1 MiB file-size limit: kept in no file, only its tail
+        command = ["bash", "-c", f"ulimit -f 1024; exec {sys.executable} {prog} loud"]
+    group, ga, _ = asyncio.run(play(None, [ANSWER], n=2, command=command,
                                     timeout_s=3.0 if mode == "hang" else 60.0, secret_env=frozenset({"RUN_OP_TOKEN"})))
     if mode in ("finish", "exit0"):
         assert isinstance(group, common_pb2.TrajectoryGroup), group
@@ -546,6 +552,9 @@ def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPat
         assert isinstance(group, GatewayGroupFailed) and "exited with 3" in str(group)
         # its stderr's tail travels to the coordinator and its logs: the session's key does not
         assert "key <the session's key> refused" in str(group), group
+    elif mode == "loud":
+        assert isinstance(group, GatewayGroupFailed) and "exited with 4" in str(group), group
+        assert str(group).rstrip().endswith("the last words") and len(str(group)) < 2000
     else:
         assert isinstance(group, GatewayGroupFailed) and "agent.sample_timeout_s" in str(group)
         assert ga.counters["deadlines"] >= 1  # the first deadline fails the group and stops the other agent

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,7 +41,7 @@ from .openai_api import (
     parse_chat,
     parse_completion,
 )
-from .sessions import SessionRegistry
+from .sessions import SampleSession, SessionRegistry
 from .streaming import StreamSpec, open_stream
 
 log = get_logger(__name__)
@@ -86,10 +87,27 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
         except RecursionError:
             raise bad("body", "nests deeper than this server parses") from None
 
+    def authenticate(session_id: str, request: Request) -> Callable[[], SampleSession]:
+        """The key now (401); the session's state (409 for one whose group has ended) when the
+        returned function is called, after the body's validation."""
+        try:
+            s = registry.authenticate(session_id, request.headers.get("authorization"))
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            ended = exc
+
+            def closed() -> SampleSession:
+                raise ended
+
+            return closed
+        return lambda: s
+
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat(session_id: str, request: Request) -> Response:
-        s = registry.authenticate(session_id, request.headers.get("authorization"))
+        session = authenticate(session_id, request)
         req = parse_chat(await body_of(request))
+        s = session()
         if req.stream:
             spec = StreamSpec("chat", s.response_id("chatcmpl"), req.model or registry.limits.model_name,
                               now(), bool(req.tools) and req.tool_choice != "none", registry.stop_strings(s, req.stop),
@@ -101,8 +119,9 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
 
     @app.post("/sessions/{session_id}/v1/completions")
     async def completions(session_id: str, request: Request) -> Response:
-        s = registry.authenticate(session_id, request.headers.get("authorization"))
+        session = authenticate(session_id, request)
         req = parse_completion(await body_of(request))
+        s = session()
         if req.stream:
             spec = StreamSpec("completion", s.response_id("cmpl"), req.model or registry.limits.model_name,
                               now(), False, registry.stop_strings(s, req.stop), req.logprobs, req.include_usage)
@@ -118,7 +137,7 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
 
     @app.post("/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> Response:
-        s = registry.authenticate(session_id, request.headers.get("authorization"))
+        session = authenticate(session_id, request)
         body = await body_of(request)
         if not isinstance(body, dict):
             raise bad("body", 'must be a JSON object: {"reward": x} or {}')
@@ -129,6 +148,7 @@ def build_app(registry: SessionRegistry, *, max_request_bytes: int = 4 * 1024 * 
             raise bad("reward", f"must be a finite number or absent (then the reward service scores), got {reward!r}")
         if set(body) - {"reward"}:
             raise bad(sorted(set(body) - {"reward"})[0], "unknown field; /finish takes only reward")
+        s = session()
         await registry.finish(s, None if reward is None else float(reward))
         return JSONResponse({"session_id": session_id, "state": s.state})
 

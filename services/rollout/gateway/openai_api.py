@@ -221,7 +221,8 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise bad("logprobs", "must be null, 0 or 1: the rollout engine reports only the sampled token's logprob")
     if body.get("echo"):
         raise bad("echo", "is not supported")
-    return CompletionRequest(prompt, max_tokens, stop, lp == 1, stream, include_usage, model)
+    # 0 asks for no alternatives, yet the sampled tokens' logprobs come back (OpenAI, vLLM)
+    return CompletionRequest(prompt, max_tokens, stop, lp is not None, stream, include_usage, model)
 
 
 # ---- responses ------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -85,6 +84,7 @@ class GatewaySettings:
     the agent's /finish reward, else the reward service's score)."""
 
 
+_STDERR_TAIL = 800  # bytes of a failed agent's stderr its sample's error carries
 RAY_SECRETS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # Ray's cluster token: the whole cluster's keys
 
 
@@ -280,30 +280,57 @@ class GatewayAgent:
         argv = list(self.s.command)
         if argv[0] in ("python", "python3"):  # the replica's own interpreter (its packages, its venv)
             argv[0] = sys.executable
-        with tempfile.TemporaryFile() as err:
+        # Only the tail of its stderr is kept, however much it writes. The pipe is the runner's own
+        # (not asyncio's): a process the agent started inherits it, and asyncio would wait for
+        # every holder of its pipes before reporting the agent's exit.
+        read_fd, write_fd = os.pipe()
+        stream = asyncio.StreamReader()
+        try:
+            pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(read_fd, "rb", 0))
+        except BaseException:
+            os.close(write_fd)
+            raise
+        try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=err,
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL, stderr=write_fd,
                 env=env, start_new_session=True,
             )
-            try:
-                assert proc.stdin is not None
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    proc.stdin.write(json.dumps(payload).encode())
-                    await proc.stdin.drain()
-                    proc.stdin.close()
-                rc = await proc.wait()
-            finally:
-                # however the agent ended (exit, crash, deadline, cancellation), what it started (tool
-                # servers, sandboxes) ends with it: they ran on for the replica's life otherwise
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                if proc.returncode is None:
-                    await proc.wait()
-            if rc != 0:
-                err.seek(max(0, err.seek(0, os.SEEK_END) - 800))  # the tail only, however much it wrote
-                # it reaches the coordinator's failure messages and logs: never the session's key
-                tail = err.read().decode(errors="replace").strip().replace(s.key, "<the session's key>")
-                return _Outcome(False, f"the agent of sample {s.index} exited with {rc}: {tail}")
+        except BaseException:
+            pipe.close()
+            raise
+        finally:
+            os.close(write_fd)
+        tail = bytearray()
+
+        async def keep_tail() -> None:
+            while chunk := await stream.read(1 << 16):
+                tail.extend(chunk)
+                del tail[:-_STDERR_TAIL]
+
+        reader = asyncio.ensure_future(keep_tail())
+        try:
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                proc.stdin.write(json.dumps(payload).encode())
+                await proc.stdin.drain()
+                proc.stdin.close()
+            rc = await proc.wait()
+        finally:
+            # however the agent ended (exit, crash, deadline, cancellation), what it started (tool
+            # servers, sandboxes) ends with it: they ran on for the replica's life otherwise
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.returncode is None:
+                await proc.wait()
+            # a process that left the group may still hold the pipe: the tail read so far will do
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reader, 1.0)
+            pipe.close()
+        if rc != 0:
+            # it reaches the coordinator's failure messages and logs: never the session's key
+            text = tail.decode(errors="replace").strip().replace(s.key, "<the session's key>")
+            return _Outcome(False, f"the agent of sample {s.index} exited with {rc}: {text}")
         if s.state == "open":  # exited 0 without /finish: its last answer is scored
             await self.registry.finish(s, None)
         return _Outcome(True)

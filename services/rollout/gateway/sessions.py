@@ -163,6 +163,10 @@ def _canon_args(args: str) -> str:
         return args
 
 
+_RENDERERS_KEPT = 256
+_RENDERER_BYTES_KEPT = 16 << 20
+
+
 class SessionRegistry:
     """Every open session of one replica, by id. Used from one asyncio loop."""
 
@@ -173,6 +177,7 @@ class SessionRegistry:
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
         """Ended sessions: id -> (key, why), without their tokens."""
         self._renderers: dict[str, ChatRenderer] = {}
+        self._renderer_key_bytes = 0
         self.counters = {"calls": 0, "stitched_calls": 0, "stitch_mismatches": 0, "rejected_stale": 0,
                          "rejected_auth": 0, "segments_dropped": 0}
 
@@ -276,9 +281,12 @@ class SessionRegistry:
                 made = ChatRenderer(self.tok, tools)
             except Exception as exc:  # the schemas are the caller's: its fault, said so (no renderer kept)
                 raise bad("tools", f"the chat template cannot use them ({type(exc).__name__}: {exc})") from exc
-            if len(self._renderers) > 256:
+            # bounded in count and in the tool schemas' bytes (each may be up to max_request_bytes)
+            if len(self._renderers) >= _RENDERERS_KEPT or self._renderer_key_bytes + len(key) > _RENDERER_BYTES_KEPT:
                 self._renderers.clear()
+                self._renderer_key_bytes = 0
             r = self._renderers[key] = made
+            self._renderer_key_bytes += len(key)
         return r, key
 
     def _check_staleness(self, s: SampleSession) -> None:
@@ -334,7 +342,8 @@ class SessionRegistry:
                         env_ids = full_ids[len(so_far):]
                         new_msgs = []
                         prompt_ids, traj_len = seg.prompt_ids, len(seg.traj) + len(env_ids)
-            # After the body's validation (tools, messages: a 400 first) since staleness changes state
+            # After the body's validation (tools, messages, the context: a 400 first) since staleness changes state
+            self._check_context(len(ctx))
             self._check_open(s)
             self._check_calls(s)
             self._check_staleness(s)
@@ -388,9 +397,6 @@ class SessionRegistry:
 
     async def complete(self, s: SampleSession, req: CompletionRequest, on_token: OnToken | None = None) -> Completion:
         async with s.lock:
-            self._check_open(s)
-            self._check_calls(s)
-            self._check_staleness(s)
             seg = s.segments[-1] if s.segments else None
             stitched = seg is not None and seg.kind == "completion" and req.prompt.startswith(seg.text) \
                 and len(req.prompt) > len(seg.text)
@@ -402,6 +408,11 @@ class SessionRegistry:
                 env_ids = []
                 prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
                 ctx, traj_len = prompt_ids, 0
+            # the body's validation (the context: a 400) before the state's checks (staleness changes state)
+            self._check_context(len(ctx), param="prompt")
+            self._check_open(s)
+            self._check_calls(s)
+            self._check_staleness(s)
             max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens, param="prompt")
             stop = self.stop_strings(s, req.stop)
             ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, stop, on_token)
@@ -432,12 +443,15 @@ class SessionRegistry:
             raise ApiError(429, f"this sample made agent.max_calls_per_sample={self.limits.max_calls_per_sample} calls; "
                            "finish the session", code="too_many_calls")
 
-    def _max_tokens(self, ctx_len: int, traj_len: int, requested: int | None, param: str = "messages") -> int:
-        budget = self.limits.max_model_len - ctx_len
-        left = self.limits.response_budget - traj_len
-        if budget < 1:
+    def _check_context(self, ctx_len: int, param: str = "messages") -> None:
+        if self.limits.max_model_len - ctx_len < 1:
             raise ApiError(400, f"this call's prompt is {ctx_len} tokens; the model's context is "
                            f"{self.limits.max_model_len} tokens", param=param, code="context_length_exceeded")
+
+    def _max_tokens(self, ctx_len: int, traj_len: int, requested: int | None, param: str = "messages") -> int:
+        self._check_context(ctx_len, param)
+        budget = self.limits.max_model_len - ctx_len
+        left = self.limits.response_budget - traj_len
         if left < 1:
             raise ApiError(400, f"the sample's response budget (data.max_response_length="
                            f"{self.limits.response_budget} tokens after the first prompt: completions and everything "
