@@ -78,6 +78,8 @@ class CalculatorEpisode:
             a, b = (int(args[k]) for k in ("a", "b"))
             if any(isinstance(args[k], (bool, float)) for k in ("a", "b")):
                 raise ValueError("a and b must be integers")
+        except RecursionError:  # nested deeper than json.loads reads
+            return "Error: invalid arguments for add: nested too deeply", True
         except (ValueError, TypeError) as exc:
             return f"Error: invalid arguments for add: {exc}", True
         return str(a + b), False

@@ -59,7 +59,10 @@ class ToolCall:
 
     def arguments(self) -> dict[str, Any]:
         """The arguments as a dict; ValueError when they are not a JSON object."""
-        value = json.loads(self.arguments_json) if self.arguments_json else {}
+        try:
+            value = json.loads(self.arguments_json) if self.arguments_json else {}
+        except RecursionError:  # a sampled call can nest deeper than the parser reads
+            raise ValueError("arguments nest deeper than the JSON parser reads") from None
         if not isinstance(value, dict):
             raise ValueError(f"arguments must be a JSON object, got {type(value).__name__}")
         return value

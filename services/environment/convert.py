@@ -11,6 +11,7 @@ from typing import Any
 
 from meshrl.v1 import common_pb2, environment_pb2
 from services.common.errors import BadReply, InvalidArgument
+from services.common.jsonutil import DEFAULT_MAX_DEPTH, loads_object
 
 from .base import ROLES, CloseResult, EnvPrompt, Message, StartResult, StepResult, ToolCall
 
@@ -26,17 +27,8 @@ def require_session_id(value: str, field: str = "session_id") -> str:
 
 
 def _extra_info(text: str, field: str) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(field, f"is not valid JSON ({exc.msg} at {exc.pos})") from exc
-    except RecursionError:
-        raise InvalidArgument(field, "is nested too deeply") from None
-    if not isinstance(value, dict):
-        raise InvalidArgument(field, f"must be a JSON object, got {type(value).__name__}")
-    return value
+    # nesting bounded like the reward service's extra_info (security.limits.max_json_depth's default)
+    return loads_object(text, field, max_depth=DEFAULT_MAX_DEPTH)
 
 
 def prompt_from_proto(p: common_pb2.Prompt, field: str = "prompt") -> EnvPrompt:

@@ -90,6 +90,7 @@ class SessionTable:
         self.clock = clock
         self._open: dict[str, _Session] = {}
         self._closed: OrderedDict[str, CloseResult | MeshError] = OrderedDict()
+        self._expired: set[str] = set()  # those of _closed that expire() closed (NotFound to a Step)
         self.counters = SessionCounters()
         self._late_closes: set[asyncio.Future[Any]] = set()  # closes of starts that landed after their Close
 
@@ -125,7 +126,7 @@ class SessionTable:
     def _session(self, session_id: str) -> _Session:
         s = self._open.get(session_id)
         if s is None:
-            if session_id in self._closed:
+            if session_id in self._closed and session_id not in self._expired:
                 raise FailedPrecondition(f"session {session_id!r} is closed")
             raise NotFound(f"no session {session_id!r} (never started, or expired after {self.session_ttl_s:g}s idle)")
         if s.closing is not None:
@@ -142,6 +143,10 @@ class SessionTable:
         if fut is None:
             if turn != s.next_turn:
                 raise FailedPrecondition(f"session {session_id!r}: turn {turn} out of order; the next turn is {s.next_turn}")
+            prev = s.steps.get(turn - 1)
+            if prev is not None and not prev.done():
+                # turn k+1 only follows turn k's answer (which may end the episode)
+                raise FailedPrecondition(f"session {session_id!r}: turn {turn} before turn {turn - 1} was answered")
             if s.done:
                 raise FailedPrecondition(f"session {session_id!r} is done (turn {turn - 1} ended the episode)")
         s.last_seen = self.clock()  # only a call the session takes keeps it alive
@@ -226,7 +231,9 @@ class SessionTable:
             if answer is not None:
                 self._closed[session_id] = answer
                 while len(self._closed) > self.closed_keep:
-                    self._closed.popitem(last=False)
+                    self._expired.discard(self._closed.popitem(last=False)[0])
+            else:
+                self._expired.discard(session_id)
         self.counters.closed += 1
         return answer
 
@@ -260,6 +267,7 @@ class SessionTable:
         """Close sessions idle for more than session_ttl_s. Returns how many."""
         now = self.clock()
         stale = [sid for sid, s in self._open.items() if s.closing is None and now - s.last_seen > self.session_ttl_s]
+        self._expired.update(stale)
         outcomes = await asyncio.gather(*(self.close(sid) for sid in stale), return_exceptions=True)  # all at once
         for sid, outcome in zip(stale, outcomes, strict=True):
             if isinstance(outcome, Exception):  # one bad session must not stop the sweep
@@ -268,6 +276,15 @@ class SessionTable:
         if stale:
             log.info("environment_sessions_expired", sessions=len(stale))
         return len(stale)
+
+    async def close_all(self) -> int:
+        """Close every open session (a server that stops: what they hold is released). Returns how many."""
+        sids = list(self._open)
+        outcomes = await asyncio.gather(*(self.close(sid) for sid in sids), return_exceptions=True)
+        for sid, outcome in zip(sids, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                log.warning("environment_session_close_failed", session_id=sid, error=repr(outcome))
+        return len(sids)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -78,4 +78,5 @@ class EnvironmentServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await self.server.stop(grace_s)
+        await self.table.close_all()  # the sessions still open release their tool instances
         await self.table.env.aclose()

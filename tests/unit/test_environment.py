@@ -368,7 +368,7 @@ def test_extra_info_nested_past_the_parser_is_invalid_argument() -> None:
     from meshrl.v1 import common_pb2
 
     deep = "[" * 100_000 + "]" * 100_000
-    with pytest.raises(InvalidArgument, match="nested too deeply"):
+    with pytest.raises(InvalidArgument, match="nest"):
         convert.prompt_from_proto(common_pb2.Prompt(extra_info_json='{"a": ' + deep + "}"))
 
 
