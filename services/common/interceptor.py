@@ -137,13 +137,42 @@ class MeshInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         method = details.method
-        if handler is None or self.auth.allowed(method) is None:
-            return handler  # unknown method (UNIMPLEMENTED), or not meshrl's (health, reflection)
+        if handler is None:
+            return handler  # unknown method (UNIMPLEMENTED)
+        if self.auth.allowed(method) is None:
+            # not meshrl's (health, reflection): open to anyone, but within the per-client bounds,
+            # or an anonymous client holding Watch streams takes every slot of the server
+            return self._limit_only(handler) if self.limiter is not None else handler
         try:
             identity = self.auth.check(method, details.invocation_metadata)
         except MeshError as exc:
             return _abort_handler(handler, exc.code, str(exc))
         return self._wrap(handler, method, identity)
+
+    def _limit_only(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """HANDLER (of an open, non-meshrl service) counted against its caller's per-client bounds."""
+        anonymous = Identity(roles=frozenset())
+        streaming = handler.unary_unary is None
+
+        def wrap(behavior: Any, streams_out: bool) -> Any:
+            async def limited(request: Any, context: Any) -> Any:
+                _, release = await self._enter(context, anonymous, streaming=streaming)
+                try:
+                    result = behavior(request, context)
+                    if streams_out:
+                        await self._drive(result, context)
+                        return None
+                    return await result if inspect.isawaitable(result) else result
+                finally:
+                    release()
+
+            return limited
+
+        for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return handler._replace(**{kind: wrap(behavior, kind.endswith("_stream"))})
+        return handler
 
     # ---- the wrapped handler -----------------------------------------------------------------------
 

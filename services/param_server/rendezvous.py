@@ -238,6 +238,11 @@ class RendezvousBoard:
             )
         if world_size and world_size != state.world_size:
             raise FailedPrecondition(f"group {group!r} has world_size {state.world_size}, this member expects {world_size}")
+        if state.sender_version > policy_version:  # checked before anything changes (a retire keeps sender_version)
+            raise FailedPrecondition(
+                f"group {group!r} is broadcasting version {state.sender_version}; version {policy_version} is gone "
+                "from this group (fetch the newer version)"
+            )
         changed = False
         if failed_generation and failed_generation == state.generation:
             self._retire(group, failed_generation)
@@ -246,11 +251,6 @@ class RendezvousBoard:
         now = self.clock()
         rank = state.ranks.get(member_id)
         if rank is None:
-            if state.sender_version > policy_version:
-                raise FailedPrecondition(
-                    f"group {group!r} is broadcasting version {state.sender_version}; version {policy_version} is "
-                    "gone from this group (fetch the newer version)"
-                )
             taken = set(state.ranks.values())
             free = [r for r in range(1, state.world_size) if r not in taken]
             if not free:
@@ -260,11 +260,6 @@ class RendezvousBoard:
             rank = free[0]
             state.ranks[member_id] = rank
         self._seen[(group, member_id)] = now
-        if state.sender_version > policy_version:
-            raise FailedPrecondition(
-                f"group {group!r} is broadcasting version {state.sender_version}; version {policy_version} is gone "
-                "from this group (fetch the newer version)"
-            )
         members = state.checked_in.setdefault(policy_version, set())
         if member_id not in members:
             members.add(member_id)

@@ -15,7 +15,7 @@ from services.common.config import MeshConfig
 from services.common.config.param_server import ParamServerConfig
 from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
 from services.common.logging import get_logger
-from services.common.net import WILDCARD_HOSTS, local_ip
+from services.common.net import WILDCARD_HOSTS, host_port, local_ip
 from services.common.security import ServerSecurity
 from services.weights import wire
 from services.weights.hostmem import tune_malloc
@@ -60,7 +60,7 @@ def advertised(cfg: ParamServerConfig, port: int) -> str:
     if cfg.advertise_address:
         return cfg.advertise_address
     host = local_ip() if cfg.host in WILDCARD_HOSTS else cfg.host
-    return f"{host}:{port}"
+    return host_port(host, port)
 
 
 class ParamServerServer:
@@ -77,7 +77,7 @@ class ParamServerServer:
                                     limits=self.security.limits)
         add_to_server(self.servicer, self.server)
         self._health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = bind_port(self.server, f"{self.cfg.host}:{self.cfg.port}", "param_server.port",
+        self.port = bind_port(self.server, host_port(self.cfg.host, self.cfg.port), "param_server.port",
                               self.security.credentials)
         self.security.warn_if_exposed("param_server", self.cfg.host)
         self.servicer.address = advertised(self.cfg, self.port)
