@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,7 +47,8 @@ def prompt_to_proto(seq: int, record: PromptRecord, out: common_pb2.Prompt) -> N
     out.ability = record.ability
     out.ground_truth = record.ground_truth
     if record.extra_info:
-        out.extra_info_json = json.dumps(record.extra_info, separators=(",", ":"))
+        # default=str as stream_digest: parquet binary/date/decimal values are not JSON types
+        out.extra_info_json = json.dumps(record.extra_info, separators=(",", ":"), default=str)
 
 
 class Dataset(Protocol):
@@ -90,7 +91,8 @@ class PromptStream:
         return self.dataset[self.index_of(seq)]
 
 
-def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: str = "") -> PromptRecord:
+def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: str = "",
+                     source_key: str = "data_source") -> PromptRecord:
     """Row `index` of the split (its prompt_id) as a record; `where` names it in errors (file:line)."""
     where = where or f"{split} row {index}"
     if not isinstance(row, dict):
@@ -107,8 +109,14 @@ def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: s
             messages = tuple((str(m["role"]), str(m["content"])) for m in prompt)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"{where}: {prompt_key} must be a string or a list of {{role, content}}") from exc
+        for i, m in enumerate(prompt):
+            for key in ("role", "content"):
+                if m[key] is None:  # (a parquet struct's missing field) not the text "None"
+                    raise ConfigError(f"{where}: {prompt_key}[{i}].{key} is null")
     else:
         raise ConfigError(f"{where}: {prompt_key} must be a string or a list of chat messages")
+    if not text and not messages:  # the rollout refuses it (InvalidArgument), stopping each replica it reaches
+        raise ConfigError(f"{where}: {prompt_key} is empty")
     reward_model = row.get("reward_model") or {}
     ground_truth = reward_model.get("ground_truth", row.get("ground_truth", "")) if isinstance(reward_model, dict) else ""
     extra = row.get("extra_info") or {}
@@ -123,7 +131,7 @@ def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: s
         prompt_id=f"{split}:{index}",
         messages=messages,
         text=text,
-        data_source=str(row.get("data_source", "")),
+        data_source=str(row.get(source_key, "")),
         ability=str(row.get("ability", "")),
         ground_truth="" if ground_truth is None else str(ground_truth),
         extra_info=dict(extra),
@@ -175,11 +183,13 @@ class RecordList:
         return self.records[index]
 
 
-def load_files(files: Sequence[str], *, split: str, prompt_key: str = "prompt") -> RecordList:
+def load_files(files: Sequence[str], *, split: str, prompt_key: str = "prompt",
+               reward_fn_key: str = "data_source") -> RecordList:
+    """REWARD_FN_KEY (data.reward_fn_key): the column read as the record's data_source."""
     records: list[PromptRecord] = []
     for f in files:
         for where, row in _numbered_rows(f):
-            records.append(_record_from_row(row, len(records), split, prompt_key, where))
+            records.append(_record_from_row(row, len(records), split, prompt_key, where, reward_fn_key))
     return RecordList(records)
 
 
@@ -211,20 +221,30 @@ def tail_length(rng: random.Random, digits: int, alpha: float, max_digits: int) 
 
 def synthetic_records(
     name: str, num: int, *, digits: int, seed: int, split: str, length_tail_alpha: float | None = None,
-    max_digits: int | None = None,
+    max_digits: int | None = None, exclude: Collection[tuple[str, tuple[tuple[str, str], ...]]] = (),
 ) -> RecordList:
     """Prompts with verifiable answers. `addition`: "23+45=" -> "68". `copy`: "copy 3141:" -> "3141";
     with `length_tail_alpha` the copy strings have heavy-tailed lengths (`tail_length`, capped at
     `max_digits`, default 8 * digits), so the responses do too. `tool_add`: the chat message
     "123+456=" -> "579", for a policy with the calculator tool `add(a, b)` (multi-turn).
-    Train and val use disjoint seeds (split is folded into the seed)."""
+    Train and val use disjoint seeds (split is folded into the seed); prompts whose (text, messages)
+    are in `exclude` (the train split's, for val) are skipped, so val is held out."""
     if length_tail_alpha is not None and name != "copy":
         raise ConfigError(f"length_tail_alpha applies to the copy task only, not {name!r}")
     cap = max_digits if max_digits is not None else 8 * digits
     rng = random.Random(f"{name}:{split}:{seed}")
     lo, hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
-    records = []
-    for i in range(num):
+    records: list[PromptRecord] = []
+    exclude = set(exclude)
+    draws, max_draws = 0, (num if not exclude else 100 * num + 10_000)
+    while len(records) < num:
+        if draws >= max_draws:
+            raise ConfigError(
+                f"data.synthetic: only {len(records)} of num_val={num} {split} prompts of {name!r} with digits={digits} "
+                "differ from the training prompts; raise data.synthetic.digits or lower num_train / num_val"
+            )
+        draws += 1
+        i = len(records)
         if name == "addition":
             a, b = rng.randint(lo, hi), rng.randint(lo, hi)
             records.append(
@@ -252,6 +272,8 @@ def synthetic_records(
             )
         else:
             raise ConfigError(f"unknown synthetic task {name!r}; use addition, copy or tool_add")
+        if exclude and (records[-1].text, records[-1].messages) in exclude:
+            records.pop()
     return RecordList(records)
 
 
@@ -260,7 +282,8 @@ def train_dataset(data_cfg: Any, model_cfg: Any = None) -> RecordList:
     with data.filter_overlong_prompts, those that fit data.max_prompt_length under the model's
     tokenizer (`model_cfg`: actor_rollout_ref.model)."""
     if data_cfg.train_files:
-        records = load_files(data_cfg.train_files, split="train", prompt_key=data_cfg.prompt_key)
+        records = load_files(data_cfg.train_files, split="train", prompt_key=data_cfg.prompt_key,
+                             reward_fn_key=data_cfg.reward_fn_key)
     else:
         syn = data_cfg.synthetic
         if syn is None:
@@ -274,13 +297,17 @@ def val_dataset(data_cfg: Any, model_cfg: Any = None) -> RecordList | None:
     """The validation prompts (files, else the synthetic task's held-out split, else None),
     filtered as the training prompts are."""
     if data_cfg.val_files:
-        return _filtered(load_files(data_cfg.val_files, split="val", prompt_key=data_cfg.prompt_key),
+        return _filtered(load_files(data_cfg.val_files, split="val", prompt_key=data_cfg.prompt_key,
+                                    reward_fn_key=data_cfg.reward_fn_key),
                          data_cfg, model_cfg, "val")
     syn = data_cfg.synthetic
     if data_cfg.train_files or syn is None or syn.num_val <= 0:
         return None
+    train = synthetic_records(syn.name, syn.num_train, digits=syn.digits, seed=syn.seed, split="train",
+                              length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits)
     return _filtered(synthetic_records(syn.name, syn.num_val, digits=syn.digits, seed=syn.seed, split="val",
-                                       length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits),
+                                       length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits,
+                                       exclude={(r.text, r.messages) for r in train.records}),
                      data_cfg, model_cfg, "val")
 
 

@@ -17,7 +17,8 @@ run in the ProcessPool when one is given (a call past its deadline is killed, pr
 in the BlockingPool (threads; abandoned, pool.py), with `item_timeout_s` each; async custom functions are awaited with the
 same deadline; remote routes get their samples in one call (the endpoint client batches, retries
 and waits). A scorer result is normalised like verl does: a number, a dict with `score` (its other
-numeric entries become metrics), or a sequence whose first element is the score. Metric `score`
+numeric entries become metrics), or a sequence whose first element is the score; a per-item
+result that is not a dict is also metric `acc`, as in verl's naive/dapo managers. Metric `score`
 always holds the scorer's own score, before shaping. A non-finite score, a missing `score` key or
 an exception raised by a scorer (a TimeoutError of its own included) is an error (ScorerError),
 never a made-up reward; a call past the deadline (ScoreDeadline) scores the scorer's "wrong" with
@@ -100,8 +101,10 @@ def _to_float(value: Any) -> float | None:
         return None
 
 
-def normalize(raw: Any, scorer: str, sample: Sample) -> Score:
-    """A scorer's return value as a Score (verl's conventions; see module docstring)."""
+def normalize(raw: Any, scorer: str, sample: Sample, *, acc_from_number: bool = False) -> Score:
+    """A scorer's return value as a Score (verl's conventions; see module docstring). With
+    `acc_from_number` (a per-item call, as verl's naive/dapo reward managers make) a result that is
+    not a dict also gives metric `acc` = the score; verl's batch manager adds no `acc`."""
     where = f"reward function {scorer} on item {sample.item_id!r} (data_source {sample.data_source!r})"
     metrics: dict[str, float] = {}
     if isinstance(raw, Mapping):
@@ -121,6 +124,8 @@ def normalize(raw: Any, scorer: str, sample: Sample) -> Score:
     if not math.isfinite(value):
         raise ScorerError(f"{where} returned a non-finite score {value}")
     metrics["score"] = value
+    if acc_from_number and not isinstance(raw, Mapping):
+        metrics["acc"] = value
     return Score(sample.item_id, value, metrics)
 
 
@@ -287,7 +292,7 @@ class RewardPipeline:
                 data_source=sample.data_source, solution_str=sample.response,
                 ground_truth=sample.ground_truth, extra_info=dict(sample.extra_info),
             )
-            return normalize(raw, route.name, sample)
+            return normalize(raw, route.name, sample, acc_from_number=True)
         except MeshError as exc:
             return exc
         except Exception as exc:  # noqa: BLE001 -- a scorer's bug becomes this item's error, with context
@@ -306,7 +311,7 @@ class RewardPipeline:
                 raw = await _within(route.fn(**kwargs), self.item_timeout_s)
             else:
                 raw = await self._run_blocking(route, kwargs, self.item_timeout_s)
-            outcomes[i] = normalize(raw, route.name, sample)
+            outcomes[i] = normalize(raw, route.name, sample, acc_from_number=True)
         except ScoreDeadline:
             self._totals.timeouts += 1
             log.warning(

@@ -27,7 +27,7 @@ GSM8K_SOLUTION = (
         ("The answer is 72", "72", 0.0, 0.0),  # right number, missing the #### format
         ("####72", "72", 0.0, 0.0),  # malformed: no space
         ("", "72", 0.0, 0.0),
-        ("#### 5 then #### 72", "72", 0.0, 1.0),  # the first #### counts (verl: re.search)
+        ("#### 5 then #### 72", "72", 1.0, 1.0),  # the last #### counts (verl: re.findall(...)[-1])
         ("#### 72.0", "72", 0.0, 1.0),  # string comparison, as verl
     ],
 )

@@ -10,7 +10,7 @@ reward thread pool with a per-item deadline; the others are fast regex checks ru
 |---|---|---|
 | openai/gsm8k | gsm8k (verl strict `####`) | 1 / 0 |
 | lighteval/MATH, DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, numina_*, meshrl/math | math_verify | 1 / 0 |
-| math_dapo, aime* | math_dapo (Math-Verify, DAPO's +1 / -1) | 1 / -1 |
+| math_dapo, math, math_dapo_reasoning, aime* | math_dapo (Math-Verify, DAPO's +1 / -1) | 1 / -1 |
 | meshrl/addition, meshrl/copy, meshrl/tool_add | synthetic (leading digits; tool_add: of the final answer) | 1 / 0 |
 """
 
@@ -53,8 +53,8 @@ BUILTINS: tuple[BuiltinScorer, ...] = (
         frozenset({"lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "meshrl/math"}),
         prefixes=("numina_",),
     ),
-    BuiltinScorer("math_dapo", f"{__name__}.math", "compute_score_dapo", True, frozenset({"math_dapo"}), prefixes=("aime",),
-                  timeout_score=-1.0),
+    BuiltinScorer("math_dapo", f"{__name__}.math", "compute_score_dapo", True,
+                  frozenset({"math_dapo", "math", "math_dapo_reasoning"}), prefixes=("aime",), timeout_score=-1.0),
     BuiltinScorer("synthetic", f"{__name__}.synthetic", "compute_score", False, frozenset({ADDITION_SOURCE, COPY_SOURCE, TOOL_ADD_SOURCE})),
 )
 

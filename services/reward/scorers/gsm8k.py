@@ -1,6 +1,7 @@
 """GSM8K: the answer follows `#### ` (verl's `gsm8k.compute_score`, strict method).
 
-Behaviour matches verl: the first `#### <number>` is the answer; commas and `$` are removed; it is
+Behaviour matches verl: only the last 300 characters of the response are read, and the last
+`#### <number>` there is the answer; commas and `$` are removed; it is
 compared to the ground truth as a string; a correct answer scores 1, anything else 0 (verl's
 `format_score` defaults to 0, so a well-formed wrong answer also scores 0). One deliberate
 deviation: a trailing sentence period (`#### 72.`) is not part of the number, where verl's regex
@@ -16,6 +17,8 @@ from typing import Any
 
 _STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _FLEXIBLE = re.compile(r"(\-?[0-9\.\,]+)")
+_SOLUTION_CLIP_CHARS = 300
+"""verl reads only the response's tail (`_SOLUTION_CLIP_CHARS`): an answer before it is not seen."""
 
 
 def _clean(number: str) -> str:
@@ -23,11 +26,12 @@ def _clean(number: str) -> str:
 
 
 def extract_solution(solution_str: str, method: str = "strict") -> str | None:
-    """The answer in `solution_str`: after the first `#### ` (strict) or the last number
-    (flexible); None when there is none."""
+    """The answer in the last 300 characters of `solution_str`: after the last `#### ` (strict)
+    or the last number (flexible); None when there is none."""
+    solution_str = solution_str[-_SOLUTION_CLIP_CHARS:]
     if method == "strict":
-        m = _STRICT.search(solution_str)
-        return (_clean(m.group(1)) or None) if m is not None else None
+        found = _STRICT.findall(solution_str)
+        return (_clean(found[-1]) or None) if found else None
     if method == "flexible":
         for candidate in reversed(_FLEXIBLE.findall(solution_str)):
             cleaned = _clean(candidate)
