@@ -74,7 +74,11 @@ def resolve_config(
     else:
         base = config or EXAMPLE_CONFIG
     mode_overrides = MODE_OVERRIDES[mode] if mode else []
-    return load_config(base, [*mode_overrides, *overrides])
+    # A dump's trainer.total_epochs is already in its rollout.total_epochs (resolve._total_epochs).
+    # Dumps written before that rule hold `trainer.total_epochs: 1`, a field nothing read then,
+    # which would now be refused as disagreeing with the rollout.total_epochs the run used.
+    carried = ["trainer.total_epochs=null"] if resume is not None else []
+    return load_config(base, [*carried, *mode_overrides, *overrides])
 
 
 def ensure_model(cfg: MeshConfig) -> MeshConfig:

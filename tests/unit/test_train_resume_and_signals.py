@@ -149,3 +149,20 @@ def test_resume_with_another_run_dir_is_not_silently_ignored(monkeypatch: pytest
     # the same directory twice (as the chaos and e2e tests pass it) is a plain resume
     train_mod.train(None, [], run_dir=first, resume=first, report=False)
     assert seen and seen[0]["run_dir"] == first.resolve()
+
+
+def test_resume_of_a_dump_written_before_trainer_total_epochs_was_read(tmp_path: Path) -> None:
+    # Earlier releases dumped `trainer.total_epochs: 1`, a field nothing read, beside the
+    # `rollout.total_epochs` the run used: --resume must not refuse them as disagreeing.
+    import yaml
+
+    from services.common.config import dump_config, load_config
+
+    tree = yaml.safe_load(dump_config(load_config(None, ["rollout.total_epochs=4"])))
+    assert tree["trainer"]["total_epochs"] is None  # a dump now writes null unless it was set
+    tree["trainer"]["total_epochs"] = 1
+    (tmp_path / "config.resolved.yaml").write_text(yaml.safe_dump(tree))
+    cfg = resolve_config(None, [], resume=tmp_path)
+    assert cfg.rollout.total_epochs == 4
+    # an override on resume still goes through the rule
+    assert resolve_config(None, ["rollout.total_epochs=6"], resume=tmp_path).rollout.total_epochs == 6
