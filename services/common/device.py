@@ -83,15 +83,6 @@ def import_torch_npu() -> object:
 
 # Where CANN is looked for (set by Ascend's set_env.sh); torch_npu's import fails without it.
 _CANN_ENV = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH", "ASCEND_OPP_PATH")
-# Ray sets ASCEND_RT_VISIBLE_DEVICES per worker unless told not to; engines that manage devices
-# themselves (vLLM-Ascend, MindSpeed with local ranks) opt out, as verl and vLLM-Ascend do.
-RAY_NOSET_VISIBLE_ENV: dict[str, str | None] = {
-    "cuda": "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES",
-    "npu": "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES",
-    "cpu": None,
-}
-
-
 def has_ascend_devices() -> bool:
     """True when the host exposes Ascend device nodes (/dev/davinci<N>); imports nothing."""
     return any(name.startswith("davinci") and name[7:].isdigit() for name in _safe_listdir("/dev"))
@@ -118,15 +109,6 @@ def require_npu(what: str = "this NPU path") -> object:
     return import_torch_npu()
 
 
-def visible_devices_env(kind: str, device_ids: list[int]) -> dict[str, str]:
-    """Environment that restricts a process to `device_ids` (CUDA_VISIBLE_DEVICES or
-    ASCEND_RT_VISIBLE_DEVICES); empty for CPU."""
-    if kind not in _VISIBLE_ENV:
-        raise ValueError(f"unknown device kind {kind!r}; use cuda, npu or cpu")
-    var = _VISIBLE_ENV[kind]
-    return {var: ",".join(str(i) for i in device_ids)} if var else {}
-
-
 def ray_actor_resources(kind: str, count: float) -> dict[str, object]:
     """Ray actor / Serve `ray_actor_options` for `count` devices: num_gpus for CUDA, the custom
     `NPU` resource for Ascend (Ray's NPUAcceleratorManager), nothing for CPU."""
@@ -139,36 +121,18 @@ def ray_actor_resources(kind: str, count: float) -> dict[str, object]:
     raise ValueError(f"unknown device kind {kind!r}; use cuda, npu or cpu")
 
 
-@dataclass(frozen=True)
-class CollectiveTransport:
-    """What a weight-broadcast transport (param_server's nccl/hccl) needs to set up a group."""
-
-    backend: str
-    """torch.distributed backend: nccl, hccl or gloo."""
-    device_type: str
-    """Torch device type the broadcast tensors live on."""
-    env: dict[str, str]
-    """Extra environment for the participating processes."""
-
-    def device(self, local_rank: int = 0) -> str:
-        return "cpu" if self.device_type == "cpu" else f"{self.device_type}:{local_rank}"
+_COLLECTIVE_ENV: dict[str, dict[str, str]] = {
+    # HCCL's connect timeout (s) defaults to 120: ranks of a large job that reach their first
+    # collective minutes apart (model loading, a checkpoint read) would fail it.
+    "hccl": {"HCCL_CONNECT_TIMEOUT": "600"},
+}
 
 
-def collective_transport(transport: str) -> CollectiveTransport:
-    """The process-group recipe for a param_server collective transport name (`nccl`, `hccl`,
-    `gloo`). `hccl` needs torch_npu and CANN at group creation (checked by `require_npu`)."""
-    kind = backend_device_kind(transport)
-    # HCCL's own connect timeout (s) defaults to 120; large broadcasts across nodes need more.
-    env = {"HCCL_CONNECT_TIMEOUT": "600"} if kind == "npu" else {}
-    return CollectiveTransport(transport, kind, env)
-
-
-def vllm_platform_env(kind: str) -> dict[str, str]:
-    """Environment for a vLLM rollout replica on `kind`: vLLM-Ascend (the vLLM NPU plugin) picks
-    its devices from ASCEND_RT_VISIBLE_DEVICES, which Ray must then leave alone."""
-    if kind == "npu":
-        return {"VLLM_USE_V1": "1", "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}
-    return {}
+def apply_collective_env(backend: str) -> None:
+    """Set the environment `backend`'s communicators read when they are created (a value the
+    operator set stays); call it before creating a process group."""
+    for key, value in _COLLECTIVE_ENV.get(backend, {}).items():
+        os.environ.setdefault(key, value)
 
 
 def _npu_count() -> int:

@@ -3,6 +3,9 @@ inheritance of the megatron engine's config checks, fail-fast errors, THD prepro
 
 from __future__ import annotations
 
+import datetime
+import os
+
 import pytest
 import torch
 
@@ -102,12 +105,31 @@ def test_device_npu_plumbing() -> None:
     assert device.collective_backend("npu") == "hccl" and device.ray_resource("npu") == "NPU"
     assert device.ray_actor_resources("npu", 16) == {"resources": {"NPU": 16}}
     assert device.ray_actor_resources("cuda", 1) == {"num_gpus": 1} and device.ray_actor_resources("cpu", 1) == {}
-    assert device.visible_devices_env("npu", [0, 3]) == {"ASCEND_RT_VISIBLE_DEVICES": "0,3"}
-    t = device.collective_transport("hccl")
-    assert (t.backend, t.device(2)) == ("hccl", "npu:2")
-    assert device.vllm_platform_env("npu")["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] == "1"
     with pytest.raises(ValueError, match="hccl"):
-        device.collective_transport("rdma")
+        device.backend_device_kind("rdma")
+
+
+def test_hccl_groups_are_created_with_a_connect_timeout_the_operator_may_override(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # HCCL reads HCCL_CONNECT_TIMEOUT (default 120 s) when a communicator is created: the weight
+    # broadcast's group and the trainer's default group set it first; a value already set stays.
+    import torch.distributed as dist
+
+    from services.weights.transports.collective import group
+
+    seen: list[str | None] = []
+    monkeypatch.setattr(group, "import_torch_npu", lambda: None)
+    monkeypatch.setattr(dist, "ProcessGroupHCCL", lambda *a: seen.append(os.environ.get("HCCL_CONNECT_TIMEOUT")),
+                        raising=False)
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT", raising=False)
+    group._make_backend("hccl", None, 0, 1, datetime.timedelta(seconds=5))
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "1800")
+    group._make_backend("hccl", None, 0, 1, datetime.timedelta(seconds=5))
+    assert seen == ["600", "1800"]
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT")
+    device.apply_collective_env("nccl")
+    assert "HCCL_CONNECT_TIMEOUT" not in os.environ
 
 
 def test_thd_layout_for_mindspeed() -> None:

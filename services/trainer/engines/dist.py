@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from services.common.device import collective_backend
+from services.common.device import apply_collective_env, collective_backend
 from services.common.errors import ConfigError
 
 
@@ -29,6 +29,7 @@ def init_process_group(device: str, timeout_s: float) -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     backend = collective_backend(device)
+    apply_collective_env(backend)
     if device != "cpu":
         backend = f"cpu:gloo,{device}:{backend}"
     timeout = timedelta(seconds=timeout_s)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.config.actor_rollout_ref import MegatronConfig
-from services.common.device import collective_backend
+from services.common.device import apply_collective_env, collective_backend
 from services.common.errors import ConfigError, MissingDependency
 
 from .convert import ParallelCoords, ParallelGroups
@@ -109,6 +109,7 @@ def init_distributed(device: str, timeout_s: int = 600) -> tuple[int, int]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         elif device == "npu":
             torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[attr-defined]
+        apply_collective_env(backend)
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 

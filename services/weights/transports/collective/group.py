@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.device import import_torch_npu
+from services.common.device import apply_collective_env, import_torch_npu
 from services.common.errors import FailedPrecondition, MeshError, Unavailable
 from services.common.logging import get_logger
 from services.common.net import gloo_address
@@ -67,6 +67,7 @@ def _make_backend(backend: str, store: Any, rank: int, size: int, timeout: datet
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, opts)
     import_torch_npu()
+    apply_collective_env(backend)
     return dist.ProcessGroupHCCL(store, rank, size, timeout)  # type: ignore[attr-defined]
 
 
