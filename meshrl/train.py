@@ -329,7 +329,9 @@ class MeshRun:
             trainer = {"state": reply.state, "step": int(reply.step), "error": reply.error, "replica": reply.replica,
                        "metrics": dict(reply.metrics)}
             self._last_trainer = trainer
-            if self._first_step is None:
+            # the baseline is the step the trainer resumed at: while it still loads its checkpoint
+            # ("created", "starting") it answers step 0
+            if self._first_step is None and reply.state not in ("created", "starting"):
                 self._first_step = (trainer["step"], time.time() - self.started)
         state = self.watchdog.trainer_state(now, trainer) if trainer.get("state") != "restarting" else "restarting"
         m = trainer.get("metrics", {})

@@ -32,9 +32,10 @@ class _StatusClient:
                                failures=[], halted_reason="")
 
 
-def _trainer_handle(step: dict[str, int]) -> Any:
+def _trainer_handle(step: dict[str, Any]) -> Any:
     async def status() -> Any:
-        return SimpleNamespace(state="training", step=step["n"], error="", replica="r1", metrics={})
+        return SimpleNamespace(state=step.get("state", "training"), step=step["n"], error="", replica="r1",
+                               metrics={})
 
     return SimpleNamespace(status=SimpleNamespace(remote=status))
 
@@ -54,7 +55,8 @@ def test_eta_of_a_resumed_run_counts_only_the_steps_trained_in_this_session(
     run = MeshRun(cfg, tmp_path, "fully_async")
     total = run.derived.total_local_steps
     assert total == 500
-    step = {"n": 250}
+    # the first poll comes while the trainer still loads its checkpoint: "starting" at step 0
+    step: dict[str, Any] = {"n": 0, "state": "starting"}
     monkeypatch.setattr(serve, "get_app_handle", lambda name: _trainer_handle(step))
 
     async def nothing(*_a: Any, **_k: Any) -> None:
@@ -64,7 +66,10 @@ def test_eta_of_a_resumed_run_counts_only_the_steps_trained_in_this_session(
     monkeypatch.setattr(run, "_sample_rollout", nothing)
     client = _StatusClient()
 
+    clock.now = 1055.0
+    asyncio.run(run.poll(client))
     clock.now = 1060.0  # start-up (Ray, Serve, deploy) took a minute; the trainer resumed at 250
+    step.update(n=250, state="training")
     p = asyncio.run(run.poll(client))
     for _ in range(10):  # ten steps, one a second
         clock.now += 1.0
