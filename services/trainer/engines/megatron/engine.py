@@ -308,11 +308,15 @@ class MegatronEngine(TrainEngine):
         self._run_schedule(model, micro, loss_func, forward_only=True)
         for chunk in model:
             chunk.train()
-        result = self._broadcast_from_last_stage(outputs, micro[0] if batch.num_seqs == 0 else batch, with_entropy)
-        self._offload_model(model, reference)
         if batch.num_seqs == 0:
+            # Every stage of this pipeline holds the same empty share, so all of them skip the
+            # broadcast (under VPP the last stage has one output per dummy, the others would
+            # expect one: mismatched sizes).
             empty = torch.zeros(tuple(batch.input_ids.shape), dtype=torch.float32)
-            return ForwardOutput(logprobs=empty, entropy=empty.clone() if with_entropy else None)
+            result = ForwardOutput(logprobs=empty, entropy=empty.clone() if with_entropy else None)
+        else:
+            result = self._broadcast_from_last_stage(outputs, batch, with_entropy)
+        self._offload_model(model, reference)
         return result
 
     def train_step(self, micro_batches: list[SequenceBatch], loss_fn: LossFn, *, temperature: float = 1.0) -> StepResult:
