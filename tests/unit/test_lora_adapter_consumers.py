@@ -73,7 +73,8 @@ def test_an_adapter_path_with_regex_targets_reaches_the_rollout_and_the_peft_dir
         torch.testing.assert_close(loaded(input_ids=IDS).logits, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("change", [{"use_rslora": True}, {"alpha_pattern": {"v_proj": 64}}])
+@pytest.mark.parametrize("change", [{"use_rslora": True}, {"alpha_pattern": {"v_proj": 64}},
+                                    {"layers_to_transform": 0}])  # layer 0 only (0 == False)
 def test_a_version_whose_layer_config_changed_is_refused(change: dict[str, Any]) -> None:
     """The injected layers fix the scaling (use_rslora, alpha_pattern, ...): a later version with
     the same rank, alpha and targets but another such field would be copied into layers that scale
@@ -82,11 +83,15 @@ def test_a_version_whose_layer_config_changed_is_refused(change: dict[str, Any])
 
     base = tiny_init().eval()
     bid = base_identity_of_module(base, "builtin")
-    a, b = _peft(base, seed=1), _peft(base, seed=2, **change)
+    # peft takes layers_to_transform only with a list of target modules
+    common = {"target_modules": ["q_proj", "v_proj"]} if "layers_to_transform" in change else {}
+    a, b = _peft(base, seed=1, **common), _peft(base, seed=2, **common, **change)
     rollout = InPlaceLoRA(copy.deepcopy(base))
     rollout.load(spec_of(a, bid, None), _tensors(a), first=True, last=True)
+    before = {k: v.clone() for k, v in rollout._params.items()}
     with pytest.raises(FailedPrecondition):
         rollout.load(spec_of(b, bid, None), _tensors(b), first=True, last=True)
+    assert all(torch.equal(before[k], rollout._params[k]) for k in before)  # refused before any copy
 
 
 def test_after_full_weights_an_adapter_for_the_checkpoint_base_is_refused(tmp_path: Path) -> None:

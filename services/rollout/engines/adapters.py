@@ -37,8 +37,16 @@ _LAYER_FIELDS = (
 
 
 def _layer_config(spec: AdapterSpec) -> dict[str, Any]:
-    """The fields besides rank, alpha and targets that shape (and scale) the injected layers."""
-    return {k: v for k in _LAYER_FIELDS if (v := spec.peft_config.get(k)) not in (None, False, {}, [])}
+    """The fields besides rank, alpha and targets that shape (and scale) the injected layers,
+    left out where they are unset (None, False, empty). By identity: `layers_to_transform: 0`
+    (layer 0 only) equals False but is a layer set."""
+    out: dict[str, Any] = {}
+    for k in _LAYER_FIELDS:
+        v = spec.peft_config.get(k)
+        if v is None or v is False or (isinstance(v, dict | list | tuple | str) and not v):
+            continue
+        out[k] = v
+    return out
 
 
 class InPlaceLoRA:
