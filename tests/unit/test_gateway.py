@@ -7,6 +7,7 @@ exceptions, streaming, text completions, agent programs (a real subprocess) and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -1220,3 +1221,39 @@ def test_what_an_agent_program_started_ends_with_it(tmp_path: Path, ending: str)
         for p in alive:
             os.kill(p, signal.SIGKILL)
     assert pids and not alive, f"the agent's children outlived it: {alive}"
+
+
+@pytest.mark.parametrize("rc", [0, 5])
+def test_an_agent_whose_detached_child_holds_its_stderr_ends_when_it_exits(tmp_path: Path, rc: int) -> None:
+    """A process the agent started in a session of its own (a tool server under setsid) keeps the
+    stderr pipe open after the agent exits and is out of reach of the group kill. An agent that
+    exits 0 is done then (it used to wait a second more for the pipe, and an agent exiting within
+    a second of its deadline was failed as late); a failed one still reports its stderr's tail."""
+    pid_file = tmp_path / "child.pid"
+    script = f"setsid sh -c 'echo $$ > {pid_file}; exec sleep 30' & sleep 0.2; echo the last words >&2; exit {rc}"
+
+    async def main() -> Any:
+        tok = build_tokenizer(tools=True)
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
+
+        async def generate(*_a: Any, **_k: Any) -> Any:
+            raise AssertionError("the agent calls no model")
+
+        g = registry.open_group("r/l", SamplingSpec(n=1, max_tokens=10), generate, lambda: 0)
+        (s,) = g.samples
+        agent = GatewayAgent(tok, registry, GatewaySettings(
+            command=("bash", "-c", script), endpoint=None, sample_timeout_s=1.0, max_concurrent=1, launch=None,
+            secret_env=frozenset()))
+        agent.base_url = lambda sid: "http://127.0.0.1:9/v1"
+        return await agent._run_sample(s, PROMPT), agent.counters
+
+    try:
+        out, counters = asyncio.run(main())
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert counters["deadlines"] == 0, out
+    if rc == 0:
+        assert out.ok, out
+    else:
+        assert not out.ok and f"exited with {rc}" in out.error and "the last words" in out.error, out

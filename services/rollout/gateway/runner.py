@@ -43,6 +43,7 @@ import grpc
 
 from meshrl.v1 import common_pb2, reward_pb2
 from services.common.errors import MeshError
+from services.common.jsonutil import DEFAULT_MAX_DEPTH
 from services.common.logging import get_logger
 from services.environment import convert as env_convert
 
@@ -82,6 +83,8 @@ class GatewaySettings:
     reward_source: str = "environment"
     """What the worker applies: every response's env_reward is its final reward (play sets it:
     the agent's /finish reward, else the reward service's score)."""
+    max_json_depth: int = DEFAULT_MAX_DEPTH
+    """security.limits.max_json_depth: a prompt's extra_info nests at most this deep."""
 
 
 _STDERR_TAIL = 800  # bytes of a failed agent's stderr its sample's error carries
@@ -256,11 +259,12 @@ class GatewayAgent:
             if s.state != "open":
                 return _Outcome(True)
             url = self.base_url(s.id)
-            payload = _prompt_json(prompt, s)
+            payload = _prompt_json(prompt, s, self.s.max_json_depth)
             self.counters["agents_started"] += 1
             try:
                 if self.s.command is not None:
-                    out = await asyncio.wait_for(self._run_command(s, url, payload), self.s.sample_timeout_s)
+                    deadline = asyncio.get_running_loop().time() + self.s.sample_timeout_s
+                    out = await asyncio.wait_for(self._run_command(s, url, payload, deadline), self.s.sample_timeout_s)
                 elif self.s.endpoint is not None:
                     out = await asyncio.wait_for(self._call_endpoint(s, url, payload), self.s.sample_timeout_s)
                 else:
@@ -273,7 +277,7 @@ class GatewayAgent:
                 self.counters["agents_failed"] += 1
             return out
 
-    async def _run_command(self, s: SampleSession, url: str, payload: dict[str, Any]) -> _Outcome:
+    async def _run_command(self, s: SampleSession, url: str, payload: dict[str, Any], deadline: float) -> _Outcome:
         assert self.s.command is not None
         env = {k: v for k, v in os.environ.items() if not _secret(k, self.s.secret_env)}
         env.update(OPENAI_BASE_URL=url, OPENAI_API_KEY=s.key, MESHRL_SESSION_ID=s.id)
@@ -309,6 +313,7 @@ class GatewayAgent:
                 del tail[:-_STDERR_TAIL]
 
         reader = asyncio.ensure_future(keep_tail())
+        rc: int | None = None
         try:
             assert proc.stdin is not None
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -323,9 +328,15 @@ class GatewayAgent:
                 os.killpg(proc.pid, signal.SIGKILL)
             if proc.returncode is None:
                 await proc.wait()
-            # a process that left the group may still hold the pipe: the tail read so far will do
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(reader, 1.0)
+            if rc is not None and rc != 0:
+                # the failure's message is the tail: read what is left. A process that left the
+                # group may still hold the pipe, so the tail read within a second will do, and
+                # well before the deadline (the exit, not a deadline, is what failed). Only here:
+                # an agent that succeeded, or a deadline, waits for no one.
+                left = deadline - asyncio.get_running_loop().time()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(reader, max(0.0, min(1.0, left / 2)))
+            reader.cancel()
             pipe.close()
         if rc != 0:
             # it reaches the coordinator's failure messages and logs: never the session's key
@@ -383,8 +394,8 @@ def _append(t: Trajectory, src: Trajectory) -> None:
             t.add_environment(src.token_ids[a:b])
 
 
-def _prompt_json(prompt: common_pb2.Prompt, s: SampleSession) -> dict[str, Any]:
-    p = env_convert.prompt_from_proto(prompt)
+def _prompt_json(prompt: common_pb2.Prompt, s: SampleSession, max_json_depth: int) -> dict[str, Any]:
+    p = env_convert.prompt_from_proto(prompt, max_depth=max_json_depth)
     messages: Sequence[Any] = [m.as_dict() for m in p.messages] or [{"role": "user", "content": p.text}]
     return {"prompt_id": p.prompt_id, "data_source": p.data_source, "messages": list(messages), "text": p.text,
             "extra_info": dict(p.extra_info), "sample_index": s.index, "session_id": s.id}
