@@ -482,7 +482,8 @@ def _environment(args: argparse.Namespace) -> int:
     async def main() -> None:
         import signal
 
-        server = EnvironmentServer(tool_environment(cfg), cfg.environment, host=args.host, port=args.port)
+        server = EnvironmentServer(tool_environment(cfg), cfg.environment, host=args.host, port=args.port,
+                                   max_json_depth=cfg.security.limits.max_json_depth)
         await server.start()
         print(f"environment service listening on {server.address}", flush=True)
         stop = asyncio.Event()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from meshrl.v1 import common_pb2, environment_pb2
 from services.common.errors import BadReply, InvalidArgument
@@ -26,16 +25,13 @@ def require_session_id(value: str, field: str = "session_id") -> str:
     return value
 
 
-def _extra_info(text: str, field: str) -> dict[str, Any]:
-    # nesting bounded like the reward service's extra_info (security.limits.max_json_depth's default)
-    return loads_object(text, field, max_depth=DEFAULT_MAX_DEPTH)
-
-
-def prompt_from_proto(p: common_pb2.Prompt, field: str = "prompt") -> EnvPrompt:
+def prompt_from_proto(p: common_pb2.Prompt, field: str = "prompt", *, max_depth: int = DEFAULT_MAX_DEPTH) -> EnvPrompt:
+    """MAX_DEPTH bounds extra_info's nesting: the mesh's `security.limits.max_json_depth`, as the
+    reward service bounds the same field."""
     return EnvPrompt(
         prompt_id=p.prompt_id, data_source=p.data_source,
         messages=tuple(Message(m.role, m.content) for m in p.messages), text=p.text, ground_truth=p.ground_truth,
-        extra_info=_extra_info(p.extra_info_json, f"{field}.extra_info_json"),
+        extra_info=loads_object(p.extra_info_json, f"{field}.extra_info_json", max_depth=max_depth),
     )
 
 

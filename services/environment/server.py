@@ -14,6 +14,7 @@ import grpc
 from meshrl.v1 import environment_pb2, environment_pb2_grpc
 from services.common.auth import Authorizer, Tokens
 from services.common.grpc_util import add_health_and_reflection, bind_port, create_server, set_serving
+from services.common.jsonutil import DEFAULT_MAX_DEPTH
 from services.common.logging import get_logger
 from services.common.security import warn_if_exposed
 
@@ -33,13 +34,14 @@ class EnvironmentServer:
     """Owns a grpc.aio server and the session table over `env`. Build and start it inside the
     event loop that will serve it; `port` 0 binds any free port (see `address`)."""
 
-    def __init__(self, env: Environment, cfg: EnvironmentConfig, *, host: str | None = None, port: int | None = None) -> None:
+    def __init__(self, env: Environment, cfg: EnvironmentConfig, *, host: str | None = None, port: int | None = None,
+                 max_json_depth: int = DEFAULT_MAX_DEPTH) -> None:
         self.cfg = cfg
         self.host = host if host is not None else cfg.host
         self.table = SessionTable(env, max_sessions=cfg.max_sessions, session_ttl_s=cfg.session_ttl_s,
                                   close_wait_s=cfg.close_wait_s, max_tool_calls=cfg.max_tool_calls,
                                   max_message_chars=cfg.max_message_chars)
-        self.servicer = EnvironmentServicer(self.table)
+        self.servicer = EnvironmentServicer(self.table, max_json_depth=max_json_depth)
         # The caller is a rollout replica (the role table's EnvironmentService entry), checked before
         # any request is decoded or a session touched: the environment's own token proves that
         # role, else the mesh's role tokens (MESHRL_<ROLE>_TOKEN) as on every meshrl server.

@@ -9,6 +9,7 @@ from typing import Any
 from meshrl.v1 import environment_pb2, environment_pb2_grpc
 from services.common.errors import InvalidArgument
 from services.common.grpc_util import rpc_method
+from services.common.jsonutil import DEFAULT_MAX_DEPTH
 
 from . import convert
 from .core import SessionTable
@@ -19,15 +20,16 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
     request leaves no trace. What a sampled turn may overrun (too many calls, a long text) is no
     reason to reject: the table bounds it (core.py)."""
 
-    def __init__(self, table: SessionTable) -> None:
+    def __init__(self, table: SessionTable, *, max_json_depth: int = DEFAULT_MAX_DEPTH) -> None:
         self.table = table
+        self.max_json_depth = max_json_depth
 
     @rpc_method()
     async def Start(self, request: environment_pb2.StartRequest, context: Any) -> environment_pb2.StartResponse:
         sid = convert.require_session_id(request.session_id)
         if not request.HasField("prompt"):
             raise InvalidArgument("prompt", "missing (the leased prompt)")
-        prompt = convert.prompt_from_proto(request.prompt)
+        prompt = convert.prompt_from_proto(request.prompt, max_depth=self.max_json_depth)
         result = await self.table.start(sid, prompt, sample_index=request.sample_index, policy_version=request.policy_version)
         return convert.start_response(sid, result)
 

@@ -129,3 +129,25 @@ def test_a_step_of_an_expired_session_is_not_found() -> None:
         assert (await table.close("s")) == CloseResult()  # a repeated Close still gets the stored answer
 
     asyncio.run(go())
+
+
+def test_extra_info_nesting_follows_security_limits_max_json_depth() -> None:
+    """A prompt's extra_info nests as deep as `security.limits.max_json_depth` allows (the reward
+    service's bound on the same field), on the environment server and on the rollout's side."""
+    from meshrl.v1 import common_pb2
+    from services.common.config import load_config
+    from services.common.errors import InvalidArgument
+    from services.common.tiny import build_tokenizer
+    from services.environment import convert
+    from services.rollout.factory import build_agent, worker_settings
+
+    deep = common_pb2.Prompt(prompt_id="p", extra_info_json='{"a": ' + "[" * 70 + "]" * 70 + "}")
+    with pytest.raises(InvalidArgument, match="max_json_depth"):
+        convert.prompt_from_proto(deep)  # the default, 64
+    assert convert.prompt_from_proto(deep, max_depth=128).extra_info["a"]
+    cfg = load_config(None, ["security.limits.max_json_depth=128", "actor_rollout_ref.rollout.multi_turn.enable=true"])
+    agent = build_agent(cfg, build_tokenizer(tools=True), worker_settings(cfg, None))
+    assert agent.s.max_json_depth == 128
+    gateway = build_agent(load_config(None, ["security.limits.max_json_depth=128", "agent.command=[python, a.py]"]),
+                          build_tokenizer(tools=True), worker_settings(cfg, None))
+    assert gateway.s.max_json_depth == 128

@@ -41,6 +41,7 @@ from typing import Any, Literal, TypeVar
 
 from meshrl.v1 import common_pb2
 from services.common.errors import BadReply, FailedPrecondition, InvalidArgument
+from services.common.jsonutil import DEFAULT_MAX_DEPTH
 from services.common.logging import get_logger
 from services.environment import convert as env_convert
 from services.environment.base import CloseResult, Environment, Message, StartResult
@@ -74,6 +75,8 @@ class AgentSettings:
     truncation: Literal["error", "left", "right", "middle"] = "error"
     reward_source: Literal["reward_service", "environment", "sum"] = "reward_service"
     """environment.reward_source: reward_service, environment or sum."""
+    max_json_depth: int = DEFAULT_MAX_DEPTH
+    """security.limits.max_json_depth: a prompt's extra_info nests at most this deep."""
 
 
 @dataclass
@@ -161,7 +164,7 @@ class AgentLoop:
         turns cut by an abort (the caller then drops the group). Raises what an environment raised
         (every session closed)."""
         env = self.router.route(prompt.data_source)
-        env_prompt = env_convert.prompt_from_proto(prompt)
+        env_prompt = env_convert.prompt_from_proto(prompt, max_depth=self.s.max_json_depth)
         messages = [m.as_dict() for m in env_prompt.messages] or [{"role": "user", "content": prompt.text}]
         sids = [f"{rid}/{i}" for i in range(spec.n)]
         try:
@@ -392,12 +395,13 @@ class AgentLoop:
 def settings_from_config(
     multi_turn: Any, *, max_prompt_length: int | None, truncation: Literal["error", "left", "right", "middle"],
     max_resubmits: int, reward_source: Literal["reward_service", "environment", "sum"],
+    max_json_depth: int = DEFAULT_MAX_DEPTH,
 ) -> AgentSettings:
     mt = multi_turn
     return AgentSettings(
         max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
         max_tool_response_length=mt.max_tool_response_length, tool_response_truncate_side=mt.tool_response_truncate_side,
         sanity_mode=mt.tokenization_sanity_check_mode, max_resubmits=max_resubmits, max_prompt_length=max_prompt_length,
-        truncation=truncation, reward_source=reward_source,
+        truncation=truncation, reward_source=reward_source, max_json_depth=max_json_depth,
     )
 

@@ -30,6 +30,7 @@ def build_gateway_agent(cfg: MeshConfig, tokenizer: Any, *, scorer: Scorer | Non
     agent = GatewayAgent(tokenizer, registry, GatewaySettings(
         command=tuple(a.command) if a.command else None, endpoint=a.endpoint, sample_timeout_s=a.sample_timeout_s,
         max_concurrent=a.max_concurrent, secret_env=secret_env_names(cfg),
+        max_json_depth=cfg.security.limits.max_json_depth,
     ), scorer=scorer)
     server = GatewayServer(build_app(registry, max_request_bytes=a.max_request_bytes), a.host, a.port)
 
