@@ -119,3 +119,26 @@ def test_after_full_weights_an_adapter_for_the_checkpoint_base_is_refused(tmp_pa
                 p.add_(0.05)
     with pytest.raises(FailedPrecondition, match="for base model"):
         rollout.load(spec, _tensors(adapter), first=True, last=True)
+
+
+def test_a_refused_first_adapter_leaves_the_model_without_lora_layers() -> None:
+    """The first adapter's layers are injected to check its bucket against them: a bucket refused
+    there takes them out again, so the model is as it was and an adapter of another shape (the
+    corrected one) still loads, exactly as peft computes it."""
+    from services.common.errors import InvalidArgument
+    from services.trainer.engines.fsdp_lora import spec_of
+
+    base = tiny_init().eval()
+    bid = base_identity_of_module(base, "builtin")
+    wrong, right = _peft(base, seed=1), _peft(base, seed=2, r=4, lora_alpha=8)
+    rollout = InPlaceLoRA(copy.deepcopy(base))
+    modules_before = [type(m).__name__ for m in rollout.model.modules()]
+    bad = [(name.replace("self_attn", "cross_attn"), t) for name, t in _tensors(wrong)]  # no such layers
+    with pytest.raises(InvalidArgument, match="no LoRA layer"):
+        rollout.load(spec_of(wrong, bid, None), bad, first=True, last=True)
+    assert [type(m).__name__ for m in rollout.model.modules()] == modules_before
+    assert not any(".lora_" in n for n, _ in rollout.model.named_parameters()) and rollout.spec is None
+    rollout.load(spec_of(right, bid, None), _tensors(right), first=True, last=True)
+    with torch.no_grad():
+        torch.testing.assert_close(rollout.model(input_ids=IDS).logits, right(input_ids=IDS).logits,
+                                   atol=1e-5, rtol=1e-5)

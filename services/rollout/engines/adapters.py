@@ -74,10 +74,12 @@ class InPlaceLoRA:
         """Copy one bucket of adapter `spec` into the model. `first`: the version's first bucket
         (checks, injects on first use); `last`: the version is complete (checks every adapter
         weight arrived)."""
+        injected = False
         if first:
             check_base(spec, self.base_model)
             if self.spec is None:
                 self._inject(spec)
+                injected = True
             elif not self.spec.same_shape(spec) or _layer_config(self.spec) != _layer_config(spec):
                 raise FailedPrecondition(
                     f"adapter of rank {spec.rank}, alpha {spec.alpha} on {sorted(spec.target_modules)} "
@@ -86,7 +88,23 @@ class InPlaceLoRA:
                     "restart the rollout to change the LoRA shape"
                 )
             self._seen = set()
-        # Every tensor of the bucket checked before any is copied: a refused bucket changes nothing.
+        # Every tensor of the bucket checked before any is copied: a refused bucket changes nothing
+        # (a first adapter's layers, injected for the check, are taken out again).
+        try:
+            targets = self._targets(bucket)
+        except InvalidArgument:
+            if injected:
+                self._uninject()
+            raise
+        for (key, target), (_, tensor) in zip(targets, bucket, strict=True):
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            self._seen.add(key)
+        if last and len(self._seen) != len(self._params):
+            missing = sorted(set(self._params) - self._seen)
+            raise InvalidArgument("weights", f"adapter version lacks {len(missing)} LoRA tensors, e.g. {missing[:3]}")
+        return len(bucket)
+
+    def _targets(self, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
         targets = []
         for name, tensor in bucket:
             key = module_param_name(name)
@@ -98,13 +116,7 @@ class InPlaceLoRA:
                     "weights", f"{name}: shape {tuple(tensor.shape)} does not match the layer's {tuple(target.shape)}"
                 )
             targets.append((key, target))
-        for (key, target), (_, tensor) in zip(targets, bucket, strict=True):
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            self._seen.add(key)
-        if last and len(self._seen) != len(self._params):
-            missing = sorted(set(self._params) - self._seen)
-            raise InvalidArgument("weights", f"adapter version lacks {len(missing)} LoRA tensors, e.g. {missing[:3]}")
-        return len(bucket)
+        return targets
 
     def base_replaced(self) -> None:
         """Full weights are being loaded: the adapter stops acting (lora_B = 0 makes it the
@@ -131,3 +143,16 @@ class InPlaceLoRA:
         for k in self._params:
             named[k].requires_grad_(False)
         self.spec = spec
+
+    def _uninject(self) -> None:
+        """Put every injected LoRA layer's base layer back (peft's unload without a merge)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for name, module in list(self.model.named_modules()):
+            if isinstance(module, BaseTunerLayer):
+                parent_name, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent_name), child, module.get_base_layer())
+        if "peft_config" in vars(self.model):  # what inject_adapter_in_model recorded
+            del self.model.peft_config
+        self._params = {}
+        self.spec = None
