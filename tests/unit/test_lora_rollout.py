@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.common.errors import FailedPrecondition
-from services.common.tiny import build_tiny_model, build_tokenizer
+from services.common.tiny import build_tiny_model
 from services.rollout.engines import GenerationRequest, SamplingSpec, engine_names
 from services.weights import iterate_buckets
 from services.weights.adapter import base_identity_of_module, split_descriptor
@@ -27,23 +27,6 @@ from tests.rollout_helpers import LoopThread, build_engine, reference_logprobs
 ENGINES = [pytest.param(name, marks=[pytest.mark.vllm] if name == "vllm" else []) for name in engine_names()]
 # vLLM on CPU computes in its own kernels (and LoRA through its punica ops): a looser bound.
 TOL = {"transformers": 1e-4, "vllm": 2e-2}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    return build_tiny_model("qwen3", tok, seed=0)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module", params=ENGINES)

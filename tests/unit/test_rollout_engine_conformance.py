@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.tiny import build_tiny_model, build_tokenizer
+from services.common.tiny import build_tiny_model
 from services.rollout.engines import Finish, GenerationRequest, SamplingSpec, engine_names
 from services.weights import iterate_buckets
 from services.weights.in_process import model_named_tensors
@@ -24,23 +24,6 @@ from tests.rollout_helpers import LoopThread, build_engine, reference_logprobs
 ENGINES = [pytest.param(name, marks=[pytest.mark.vllm] if name == "vllm" else []) for name in engine_names()]
 # vLLM on CPU computes in its own kernels (and may reorder reductions): a looser bound.
 TOL = {"transformers": 1e-4, "vllm": 2e-2}
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    return build_tiny_model("qwen3", tok, seed=0)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module", params=ENGINES)

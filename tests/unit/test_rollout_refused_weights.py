@@ -3,30 +3,17 @@ in place (the worker resumes generation on the old version after a refusal)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from services.common.errors import InvalidArgument
-from services.common.tiny import build_tiny_model, build_tokenizer
+from services.common.tiny import build_tiny_model
 from services.rollout.engines import GenerationRequest, SamplingSpec
 from services.weights import iterate_buckets
 from tests.lora_helpers import random_adapter
 from tests.rollout_helpers import LoopThread, build_engine
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def _engine(tok: Any, loop: LoopThread, tmp_path: Any) -> Any:

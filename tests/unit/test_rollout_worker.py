@@ -13,18 +13,13 @@ import pytest
 import torch
 
 from meshrl.v1 import common_pb2
-from services.common.tiny import build_tiny_model, build_tokenizer
+from services.common.tiny import build_tiny_model
 from services.rollout.engines import Finish
 from services.rollout.engines.transformers_engine import TransformersEngine
 from services.rollout.worker import RolloutWorker, WorkerSettings
 from services.weights.in_process import InMemoryWeightStore, model_named_tensors
 from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
 from tests.rollout_helpers import chat_prompts as _prompts
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
 
 
 def _worker(tok: Any, coord: FakeCoordinator, store: InMemoryWeightStore, **kw: Any) -> tuple[RolloutWorker, TransformersEngine]:

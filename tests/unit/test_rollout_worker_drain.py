@@ -11,20 +11,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import pytest
 
 from meshrl.v1 import common_pb2, coordinator_pb2
-from services.common.tiny import build_tokenizer
 from services.rollout.engines import Finish, SampleOutput
 from services.rollout.engines.base import EngineHealth
 from services.rollout.worker import RolloutWorker, WorkerSettings
 from tests.rollout_helpers import FakeCoordinator, length_scorer, wait_for
 from tests.rollout_helpers import chat_prompts as _prompts
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
 
 
 class _Engine:

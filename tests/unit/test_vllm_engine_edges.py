@@ -10,28 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.tiny import build_tiny_model, build_tokenizer
 from services.rollout.engines import Finish, GenerationRequest, SamplingSpec
 from tests.rollout_helpers import LoopThread, build_engine, reference_logprobs
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    return build_tiny_model("qwen3", tok, seed=0)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module")

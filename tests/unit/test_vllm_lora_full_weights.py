@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.tiny import build_tiny_model, build_tokenizer
+from services.common.tiny import build_tiny_model
 from services.rollout.engines import GenerationRequest, SamplingSpec
 from services.weights import iterate_buckets
 from services.weights.in_process import model_named_tensors
@@ -18,23 +18,6 @@ from tests.lora_helpers import random_adapter
 from tests.rollout_helpers import LoopThread, build_engine, reference_logprobs
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok: Any) -> Any:
-    return build_tiny_model("qwen3", tok, seed=0)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module")
