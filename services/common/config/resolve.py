@@ -143,32 +143,27 @@ def _move_legacy(tree: dict[str, Any]) -> None:
         _set(tree, new, value)
 
 
-def _rollout_n(tree: dict[str, Any]) -> None:
-    """verl fully async scripts set the top-level `rollout.n`: it stands for
-    actor_rollout_ref.rollout.n when that is not given, and must equal it when it is."""
-    n = _get(tree, "rollout.n")
-    if n is _MISSING or n is None:
+def _stands_for(tree: dict[str, Any], key: str, target: str) -> None:
+    """KEY (verl's spelling) stands for TARGET (what meshrl reads) when TARGET is not given, and
+    must equal it when it is; a null KEY says nothing."""
+    value = _get(tree, key)
+    if value is _MISSING or value is None:
         return
-    inner = _get(tree, "actor_rollout_ref.rollout.n")
+    inner = _get(tree, target)
     if inner is _MISSING:
-        _set(tree, "actor_rollout_ref.rollout.n", n)
-    elif inner != n:
-        raise ValueError(f"rollout.n={n} disagrees with actor_rollout_ref.rollout.n={inner}; set one of them")
+        _set(tree, target, value)
+    elif inner != value:
+        raise ValueError(f"{key}={value} disagrees with {target}={inner}; set one of them")
+
+
+def _rollout_n(tree: dict[str, Any]) -> None:
+    """verl fully async scripts set the top-level `rollout.n`."""
+    _stands_for(tree, "rollout.n", "actor_rollout_ref.rollout.n")
 
 
 def _total_epochs(tree: dict[str, Any]) -> None:
-    """verl fully async caps the run with `trainer.total_epochs`; meshrl reads `rollout.total_epochs`:
-    the first stands for the second when that is not given, and must equal it when it is."""
-    epochs = _get(tree, "trainer.total_epochs")
-    if epochs is _MISSING or epochs is None:
-        return
-    inner = _get(tree, "rollout.total_epochs")
-    if inner is _MISSING:
-        _set(tree, "rollout.total_epochs", epochs)
-    elif inner != epochs:
-        raise ValueError(
-            f"trainer.total_epochs={epochs} disagrees with rollout.total_epochs={inner}; set one of them"
-        )
+    """verl fully async caps the run with `trainer.total_epochs`; meshrl reads `rollout.total_epochs`."""
+    _stands_for(tree, "trainer.total_epochs", "rollout.total_epochs")
 
 
 def _sync_mode(tree: dict[str, Any]) -> None:
