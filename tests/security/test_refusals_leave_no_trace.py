@@ -82,10 +82,10 @@ def test_environment_extra_info_nesting_is_bounded_like_the_reward_services() ->
             return StartResult()
 
         async def step(self, *a, **kw):  # type: ignore[no-untyped-def,override]
-            raise NotImplementedError
+            raise AssertionError("this test never steps a session")
 
         async def close(self, session_id):  # type: ignore[no-untyped-def,override]
-            raise NotImplementedError
+            raise AssertionError("a refused Start opens no session to close")
 
     async def main() -> None:
         table = SessionTable(Env())

@@ -25,7 +25,7 @@ class _Client:
         self.released.append(policy_version)
 
     async def close(self):
-        pass
+        """Nothing to close: no channel behind this client."""
 
 
 def test_a_fetch_between_the_swaps_two_renames_waits_for_the_swap(tmp_path: Path) -> None:

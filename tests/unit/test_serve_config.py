@@ -279,7 +279,7 @@ def test_meshrl_train_starts_serve_with_the_configured_proxy_location(
     seen: dict[str, Any] = {}
 
     class Started(Exception):
-        pass
+        """Raised by the stand-in start_serve once it has seen its arguments: stops the run there."""
 
     def start_serve(grpc_port: int, **kwargs: Any) -> Any:
         seen.update(kwargs)
