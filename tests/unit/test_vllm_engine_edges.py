@@ -52,6 +52,23 @@ def test_abort_right_after_submit_aborts(engine: Any, tok: Any, loop: LoopThread
     assert two[0].finish_reason == Finish.ABORT and len(two[0].token_ids) < 200
 
 
+def test_abort_right_after_submit_ends_every_sample(engine: Any, tok: Any, loop: LoopThread) -> None:
+    """With n > 1 vLLM fans one request out into n child requests; an abort right after submit
+    must end every child, not only those vLLM had registered when the abort came."""
+    spec = SamplingSpec(n=4, temperature=1.0, max_tokens=200, seed=3)
+
+    async def scenario() -> Any:
+        task = asyncio.create_task(engine.generate(GenerationRequest("early-n", _prompt(tok), spec)))
+        await asyncio.sleep(0)
+        assert await engine.abort("early-n")
+        return await asyncio.wait_for(task, 120)
+
+    outs = loop.run(scenario())
+    assert sorted(o.index for o in outs) == [0, 1, 2, 3]
+    for o in outs:
+        assert o.finish_reason != Finish.LENGTH and len(o.token_ids) < 200, f"sample {o.index} ran on"
+
+
 def test_greedy_n_copies_stream_every_sample(engine: Any, tok: Any, loop: LoopThread) -> None:
     """on_token is called for every token of every sample (contract), greedy n > 1 included."""
     seen: list[tuple[int, int]] = []
