@@ -313,6 +313,12 @@ class WeightStore:
                 self.pool.give(b)
             existing.buffers = None
             del self._versions[v]
+            # What the orphan held through a transport its successor does not use (a `disk`
+            # directory a grpc publish leaves in place) goes now, as an eviction's would: no later
+            # eviction of this number names that transport again.
+            gone = tuple(sorted(set(existing.manifest.transports) - set(manifest.transports)))
+            if gone and self._on_evict is not None:
+                self._on_evict(replace(existing, manifest=replace(existing.manifest, transports=gone)))
             existing = None
         if existing is not None:
             if existing.manifest.checksum != manifest.checksum:

@@ -1,5 +1,6 @@
 """The `disk` transport on a real directory (no param server): safetensors files any reader
-loads, atomic versions, corruption detected, cold start from the newest version."""
+loads, atomic versions, corruption detected, cold start from the newest version, and an orphan
+version's directory removed when its successor replaces it over another transport."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from safetensors.torch import load_file
 
 from meshrl.v1 import common_pb2
 from services.common.errors import DataLoss, NotFound
-from services.weights.transports.disk import DiskFetcher, DiskPublisher, bucket_file, version_dir
+from services.param_server.factory import evict_disk_versions
+from services.param_server.store import StoreSettings, WeightStore
+from services.weights.transports.disk import DiskFetcher, DiskPublisher, bucket_file, read_manifest, version_dir
+from tests.unit.test_param_server_store import make_version, upload
 
 
 def buckets(seed: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -101,3 +105,26 @@ def test_packed_buckets_are_written_with_their_packers_fingerprints(tmp_path: Pa
         await fetcher.close()
 
     asyncio.run(main())
+
+
+def test_an_orphan_disk_version_replaced_over_grpc_leaves_no_directory_behind(tmp_path: Path) -> None:
+    """A disk version no consumer saw (the orphan of a trainer that died before its commit) is
+    replaced by its successor's publish of the same number over grpc. The store dropped the orphan
+    without its eviction hook, and the new version does not name `disk`: the directory stayed
+    forever, and a cold DiskFetcher could read the orphan's weights under that number."""
+    store = WeightStore(StoreSettings(retain_versions=1), on_evict=evict_disk_versions(tmp_path))
+
+    async def publish() -> None:
+        pub = DiskPublisher(tmp_path)  # the files; the registration below is what the server receives
+        await pub.publish(1, buckets(1))
+        await pub.close()
+
+    asyncio.run(publish())
+    store.register(read_manifest(version_dir(tmp_path, 1)), 0.0)
+    successor, its_buffers = make_version(1, seed=9)  # resumed from a checkpoint: other weights
+    upload(store, successor, its_buffers, 1.0, manifest_first=True)
+    assert store.manifest(1).checksum == successor.checksum
+    assert not version_dir(tmp_path, 1).exists(), "the orphan's directory outlives its version"
+    for v in (2, 3):  # and nothing is left to evict once version 1 falls out of retention
+        upload(store, *make_version(v), float(v), manifest_first=True)
+    assert [s.policy_version for s in store.versions()] == [3]
