@@ -171,6 +171,8 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
                     item = RawChunk.from_proto(req.chunk) if kind == "chunk" else getattr(req, kind or "manifest")
                 if kind == "manifest":
                     m = convert.manifest_from_proto(item)
+                    if manifest_only is not None:  # as a grpc upload refuses its second manifest
+                        raise InvalidArgument("manifest", "sent twice in one stream; send one version per stream")
                     if upload is None and not early_buckets and m.transports and "grpc" not in m.transports:
                         manifest_only = m
                         continue

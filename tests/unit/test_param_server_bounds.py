@@ -1,19 +1,22 @@
 """What a client can make the param server hold: bucket metadata before an upload opens is
-checked as it comes (a stream of it alone is refused at the quota), and a receiver's check-in
-that gives up leaves no entry on the rendezvous board."""
+checked as it comes (a stream of it alone is refused at the quota), a registration stream holds
+one manifest, and a receiver's check-in that gives up leaves no entry on the rendezvous board."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
 from meshrl.v1 import param_server_pb2 as pb
-from services.common.errors import DeadlineExceeded, MeshError, ResourceExhausted
+from services.common.errors import DeadlineExceeded, InvalidArgument, MeshError, ResourceExhausted
 from services.common.grpc_util import LocalContext
 from services.param_server.servicer import ParamServerServicer
 from services.param_server.store import StoreSettings, WeightStore
+from services.weights import convert
+from tests.unit.test_param_server_store import make_version
 
 
 def test_publish_bucket_metas_before_any_manifest_are_bounded_by_the_upload_quota() -> None:
@@ -39,6 +42,29 @@ def test_publish_bucket_metas_before_any_manifest_are_bounded_by_the_upload_quot
     # 600 + 600 bytes pass the 1000-byte quota at the second bucket.
     assert sent <= 3, f"the servicer read and buffered {sent} bucket messages ({info.value!r})"
     assert isinstance(info.value, ResourceExhausted), info.value
+
+
+def test_a_registration_stream_with_a_second_manifest_is_refused_and_registers_nothing() -> None:
+    """A stream of manifests only (the bytes travel by disk, object store, collective) with a
+    second manifest is refused, as a grpc upload's is; the second used to replace the first
+    silently, and a grpc manifest after it registered the first and dropped the rest."""
+    store = WeightStore(StoreSettings())
+    servicer = ParamServerServicer(store, clock=lambda: 1.0)
+    disk5, disk6 = (replace(make_version(v)[0], transports=("disk",)) for v in (5, 6))
+
+    async def stream() -> AsyncIterator[pb.PublishWeightsRequest]:
+        yield pb.PublishWeightsRequest(manifest=convert.manifest_to_proto(disk5))
+        yield pb.PublishWeightsRequest(manifest=convert.manifest_to_proto(disk6))
+
+    async def publish() -> None:
+        try:
+            await servicer.PublishWeights(stream(), LocalContext())
+        finally:
+            await servicer.close()
+
+    with pytest.raises(InvalidArgument, match="manifest"):
+        asyncio.run(publish())
+    assert [s.policy_version for s in store.versions()] == [], "a refused stream registers nothing"
 
 
 def test_receiver_check_ins_that_time_out_leave_nothing_on_the_rendezvous_board() -> None:
