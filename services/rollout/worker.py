@@ -650,9 +650,12 @@ class RolloutWorker:
             self._weights_failed = True
             log.error("weight_update_failed", version=ref.policy_version, error=repr(exc),
                       hint="this replica leases no prompts until the weights load; retrying")
-            if self._weights_retry is None or self._weights_retry.done():
-                self._weights_retry = asyncio.get_running_loop().create_task(self._retry_weights(), name="rollout-weights")
+            self._start_weights_retry()
         self._notify()
+
+    def _start_weights_retry(self) -> None:
+        if self._weights_retry is None or self._weights_retry.done():
+            self._weights_retry = asyncio.get_running_loop().create_task(self._retry_weights(), name="rollout-weights")
 
     async def _retry_weights(self) -> None:
         delay = self.s.idle_poll_s
@@ -663,6 +666,8 @@ class RolloutWorker:
             delay = min(delay * 2, 30.0)
             ref = self._latest_ref
             if ref is None or ref.policy_version <= self.engine.version:
+                if ref is not None and self.engine.paused:
+                    await self.update_weights(ref)  # the version landed after its load gave up: resume
                 self._weights_failed = False
                 break
             await self._load_latest()
@@ -674,6 +679,8 @@ class RolloutWorker:
             raise RuntimeError("this replica has no weight fetcher configured")
         async with self._update_lock:
             if ref.policy_version <= self.engine.version:
+                if self.engine.paused:  # a load whose SetVersion landed after its caller gave up
+                    await self.engine.resume()
                 return 0.0
             mode: PauseMode = self.s.partial_rollout_mode if self.s.partial_rollout else "wait"
             t0 = time.monotonic()
@@ -700,6 +707,11 @@ class RolloutWorker:
                     # another base, a version that is gone) changes nothing (RolloutEngine.load_weights).
                     log.error("weights_half_loaded", policy_version=ref.policy_version, buckets=buckets,
                               hint="generation stays paused until a whole version loads")
+                    # Whoever called (WatchVersions, or the UpdateWeights RPC): the retry resumes it.
+                    if self._latest_ref is None or ref.policy_version > self._latest_ref.policy_version:
+                        self._latest_ref = ref
+                    self._weights_failed = True
+                    self._start_weights_retry()
                     raise
                 await self.engine.resume()
                 raise

@@ -5,6 +5,7 @@ real scorer: the loop, updates without partial rollout, lost leases, drain. Part
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -495,6 +496,78 @@ def test_a_version_loaded_in_part_keeps_generation_paused_until_a_whole_one_load
     asyncio.run(scenario())
     assert seen == {"paused_after_failure": True, "paused_after_retry": False}
     assert broken.calls == 2
+
+
+def test_an_update_weights_rpc_that_loads_in_part_is_retried_until_generation_resumes(tok: Any) -> None:
+    """RolloutService.UpdateWeights calls worker.update_weights itself. A transfer that broke
+    after a bucket went in left the engine paused "until the retry resumes it", but only the
+    WatchVersions path started a retry: nothing resumed, the replica kept leasing, and each group
+    it leased waited in the paused engine until its lease expired."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
+    coord = FakeCoordinator(_prompts(40), sampling)
+    store = InMemoryWeightStore(bucket_bytes=4096)
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    broken = _BreaksMidStream(store, failures=1)
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=0.05, renew_interval_s=0.2, concurrent_groups=1)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, broken, settings)  # type: ignore[arg-type]
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.submitted) >= 2, what="generation under way")
+        with pytest.raises(ConnectionError):
+            await worker.update_weights(ref)  # what the UpdateWeights RPC does
+        seen["failed"] = worker.status().weights_failed and engine.paused
+        await wait_for(lambda: engine.version == 1 and not engine.paused, what="the retried update")
+        at = len(coord.submitted)
+        await wait_for(lambda: len(coord.submitted) >= at + 2, what="generation after the retry")
+        await worker.stop(finish_in_flight=False)
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert seen == {"failed": True} and broken.calls == 2
+
+
+def test_a_load_that_timed_out_as_its_version_landed_resumes_generation(tok: Any, monkeypatch: Any) -> None:
+    """weight_load_timeout_s fired while the engine's SetVersion was on its way to the scheduler
+    thread, which applies it all the same: the engine held the whole new version, but the worker
+    took the load as failed in part and kept the engine paused. The retry then found the version
+    loaded and stopped without resuming: every group waited forever."""
+    from services.rollout.engines import transformers_scheduler as ts
+
+    apply = ts.Scheduler._apply
+
+    def late_set_version(self: Any, command: Any, fut: Any) -> Any:
+        if isinstance(command, ts.SetVersion):
+            time.sleep(0.6)  # the scheduler thread answers after the load's deadline
+        return apply(self, command, fut)
+
+    monkeypatch.setattr(ts.Scheduler, "_apply", late_set_version)
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
+    coord = FakeCoordinator(_prompts(40), sampling)
+    store = InMemoryWeightStore()
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+
+    async def scenario() -> None:
+        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=0.05, renew_interval_s=0.2, concurrent_groups=1,
+                                  weight_load_timeout_s=0.4)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, store, settings)
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.submitted) >= 2, what="generation under way")
+        coord.push_version(ref)
+        await wait_for(lambda: worker.counters.weight_update_failures >= 1, what="the timed-out update")
+        await wait_for(lambda: engine.version == 1 and not engine.paused, what="generation resumed")
+        at = len(coord.submitted)
+        await wait_for(lambda: len(coord.submitted) >= at + 2, what="generation after the update")
+        assert not worker.status().weights_failed
+        await worker.stop(finish_in_flight=False)
+        await engine.close()
+
+    asyncio.run(scenario())
 
 
 def test_an_engine_refusal_after_weights_went_in_keeps_generation_paused(tok: Any) -> None:
