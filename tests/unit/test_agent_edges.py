@@ -1,6 +1,7 @@
 """Multi-turn edges: a sample's own first prompt that would fill its response budget, a tool
-instance created while its sample is cancelled, and the template-delta probe that must not change
-how the history renders (Qwen3 reads a user message's content)."""
+instance created while its sample is cancelled, the template-delta probe that must not change
+how the history renders (Qwen3 reads a user message's content), and environment tokens that
+would pass the engine's context length."""
 
 from __future__ import annotations
 
@@ -104,3 +105,28 @@ def test_the_fallback_probe_does_not_change_how_the_history_renders() -> None:
     full = r.render([*hist, a, *new], add_generation_prompt=True)
     assert text == "\n<|im_start|>user\n<tool_response>x</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert full.endswith(text[1:])
+
+
+def test_environment_tokens_past_the_context_length_end_the_trajectory_with_length(tok: Any, model: Any) -> None:
+    """rollout.max_model_len below prompt + response length (allowed). A single-turn sample ends
+    with `length` at the context limit; a multi-turn one appended environment tokens without
+    checking the context, and the next turn's generate() raised InvalidArgument, which the worker
+    takes for bad input: it stopped the replica."""
+    from services.rollout.engines.transformers_engine import TransformersEngine
+
+    text = tok.apply_chat_template([{"role": "user", "content": "123+456="}], add_generation_prompt=True, tokenize=False)
+    limit = len(tok.encode(text, add_special_tokens=False)) + 12
+    loop = AgentLoop(tok, EnvironmentRouter(ScriptedEnv(done_at=50), []), AgentSettings(max_model_len=limit))
+    # every printable character is a stop string: each assistant turn ends after a token or two
+    spec = SamplingSpec(n=1, max_tokens=200, temperature=1.0, seed=0, stop=tuple(chr(c) for c in range(33, 127)))
+
+    async def go() -> Any:
+        engine = TransformersEngine(model, tok, max_model_len=limit)
+        await engine.start()
+        try:
+            return await loop.run_group(_prompt(), spec, "r/L1", engine.generate, lambda: False, lambda: engine.version)
+        finally:
+            await engine.close()
+
+    _, (t,) = asyncio.run(go())
+    assert t.finish_reason.value == "length" and t.num_turns >= 1

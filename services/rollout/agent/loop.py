@@ -77,6 +77,9 @@ class AgentSettings:
     """environment.reward_source: reward_service, environment or sum."""
     max_json_depth: int = DEFAULT_MAX_DEPTH
     """security.limits.max_json_depth: a prompt's extra_info nests at most this deep."""
+    max_model_len: int | None = None
+    """The engine's context length: environment tokens that would leave no room for the next turn
+    are not appended (the trajectory ends with `length`, as at the response budget)."""
 
 
 @dataclass
@@ -290,7 +293,8 @@ class AgentLoop:
                     break
                 new = self._truncated(step.messages, t)
                 env_ids = s.renderer.env_ids(history[:-1], history[-1], new, generated_end)
-                if len(t) + len(env_ids) >= spec.max_tokens:
+                if len(t) + len(env_ids) >= spec.max_tokens or (
+                        self.s.max_model_len is not None and len(ctx) + len(env_ids) >= self.s.max_model_len):
                     t.finish_reason = Finish.LENGTH  # verl: what does not fit is not appended
                     break
                 t.add_environment(env_ids)
@@ -395,13 +399,13 @@ class AgentLoop:
 def settings_from_config(
     multi_turn: Any, *, max_prompt_length: int | None, truncation: Literal["error", "left", "right", "middle"],
     max_resubmits: int, reward_source: Literal["reward_service", "environment", "sum"],
-    max_json_depth: int = DEFAULT_MAX_DEPTH,
+    max_json_depth: int = DEFAULT_MAX_DEPTH, max_model_len: int | None = None,
 ) -> AgentSettings:
     mt = multi_turn
     return AgentSettings(
         max_assistant_turns=mt.max_assistant_turns, max_user_turns=mt.max_user_turns,
         max_tool_response_length=mt.max_tool_response_length, tool_response_truncate_side=mt.tool_response_truncate_side,
         sanity_mode=mt.tokenization_sanity_check_mode, max_resubmits=max_resubmits, max_prompt_length=max_prompt_length,
-        truncation=truncation, reward_source=reward_source, max_json_depth=max_json_depth,
+        truncation=truncation, reward_source=reward_source, max_json_depth=max_json_depth, max_model_len=max_model_len,
     )
 
