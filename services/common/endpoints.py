@@ -261,6 +261,12 @@ class ResilientEndpoint:
                         raw = await call(request, timeout=self.cfg.timeout_s, metadata=self._metadata)
                 except grpc.aio.AioRpcError as exc:
                     code, details = exc.code(), exc.details() or ""
+                    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "Received message larger than max" in details:
+                        # Over the gRPC message limit: the endpoint answers a retry with the same
+                        # (stored) reply, so retrying would only trip the breaker all its calls share.
+                        self.breaker.on_success()  # it answered
+                        raise BadReply(self.source, f"{method}: a message over the gRPC size limit, which no retry "
+                                                    f"changes ({details})") from None
                     if code not in RETRYABLE:
                         self.breaker.on_success()  # it answered: reachable, but the answer is an error
                         raise self._fatal(method, code, details) from None

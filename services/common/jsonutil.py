@@ -48,6 +48,8 @@ def loads(text: str, field: str, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(field, f"is not valid JSON ({exc.msg} at {exc.pos})") from exc
+    except ValueError as exc:  # an integer past Python's digit limit (sys.set_int_max_str_digits)
+        raise InvalidArgument(field, f"is not valid JSON here ({exc})") from None
     except RecursionError:  # defensive: the scan above should have caught it
         raise InvalidArgument(field, f"nests deeper than {max_depth} levels") from None
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from meshrl.v1 import common_pb2, environment_pb2
 from services.common.errors import BadReply, InvalidArgument
-from services.common.jsonutil import DEFAULT_MAX_DEPTH, loads_object
+from services.common.jsonutil import DEFAULT_MAX_DEPTH, loads, loads_object
 
 from .base import ROLES, CloseResult, EnvPrompt, Message, StartResult, StepResult, ToolCall
 
@@ -115,10 +115,10 @@ def start_from_reply(resp: environment_pb2.StartResponse, session_id: str, sourc
         raise BadReply(source, f"StartResponse.session_id is {resp.session_id!r}, expected {session_id!r}")
     tools = []
     for i, text in enumerate(resp.tools_json):
-        try:
-            tool = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise BadReply(source, f"StartResponse.tools_json[{i}] is not valid JSON ({exc.msg})") from None
+        try:  # bounded as every other JSON field (a deep document raised a bare RecursionError)
+            tool = loads(text, f"StartResponse.tools_json[{i}]")
+        except InvalidArgument as exc:
+            raise BadReply(source, str(exc)) from None
         if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict) or not tool["function"].get("name"):
             raise BadReply(source, f"StartResponse.tools_json[{i}] is not an OpenAI function tool "
                                           '({"type": "function", "function": {"name": ...}})')

@@ -1,17 +1,28 @@
 """What the environment side does with a turn the policy overran or a reward user code got wrong:
 the session table bounds a Step (calls past max_tool_calls answered with errors, long texts cut so
 an answer always fits a gRPC message) instead of refusing it, and the tool environment reads every
-reward a tool or an interaction gives by one finiteness rule."""
+reward a tool or an interaction gives by one finiteness rule. On the client side, an environment
+written in another language that answers past those bounds (a reply over the message limit, tool
+schemas nested past the JSON limits) fails that call at once, naming the endpoint."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
+import pytest
+
+from meshrl.v1 import environment_pb2 as pb
+from meshrl.v1 import environment_pb2_grpc
+from services.common import endpoints, grpc_util
+from services.common.errors import BadReply
 from services.environment import convert
 from services.environment.base import EnvPrompt, Message, StepResult, ToolCall
-from services.environment.config import EnvironmentConfig
+from services.environment.client import RemoteEnvironment
+from services.environment.config import EnvironmentConfig, EnvironmentEndpointConfig
 from services.environment.core import SessionTable
 from services.environment.tool_env import ToolEnvironment
 from services.environment.tools import load_tools
@@ -117,3 +128,57 @@ def test_non_finite_interaction_scores_and_calc_rewards_count_as_zero_like_step_
         assert env.status()["bad_rewards"] == 3
 
     asyncio.run(go())
+
+
+class _HugeStep(environment_pb2_grpc.EnvironmentServiceServicer):
+    """An environment in any language whose tool printed a huge file: its Step answer is 2 MiB."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    async def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        self.steps += 1
+        return pb.StepResponse(session_id=request.session_id, turn=request.turn,
+                               messages=[{"role": "tool", "content": "x" * (2 << 20)}])
+
+
+def test_a_reply_over_the_message_limit_fails_its_call_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply over the client's receive limit is RESOURCE_EXHAUSTED on the client side. It was
+    retried: the endpoint answered each retry with the same reply, the breaker every session of the
+    endpoint shares tripped, and the trajectory failed only after max_wait_s, as Unavailable."""
+    monkeypatch.setattr(endpoints, "message_options", lambda: grpc_util.message_options(1 << 20))
+
+    async def go() -> None:
+        server = grpc.aio.server()
+        env_server = _HugeStep()
+        environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(env_server, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        env = RemoteEnvironment(EnvironmentEndpointConfig(address=f"127.0.0.1:{port}", max_retries=2,
+                                                          backoff_initial_s=0.01, backoff_max_s=0.01, max_wait_s=1.0,
+                                                          breaker_open_s=0.05, breaker_max_open_s=0.05))
+        try:
+            with pytest.raises(BadReply, match="larger than max"):
+                await env.step("s", 0, "text", [])
+            assert env_server.steps == 1, f"the Step was sent {env_server.steps} times"
+            assert env.endpoint.breaker.state is endpoints.BreakerState.CLOSED
+        finally:
+            await env.aclose()
+            await server.stop(0)
+
+    asyncio.run(go())
+
+
+_DEEP = sys.getrecursionlimit() + 100
+
+
+@pytest.mark.parametrize("text", [
+    "[" * _DEEP + "]" * _DEEP,
+    '{"type": "function", "function": {"name": "f", "x": ' + "[" * _DEEP + "]" * _DEEP + "}}",
+    '{"type": "function", "function": {"name": "f", "x": ' + "1" * 5000 + "}}",
+], ids=["deep", "deep-inside", "long-integer"])
+def test_tools_json_past_the_json_limits_is_a_bad_reply(text: str) -> None:
+    """tools_json was parsed with plain json.loads: a deep document raised a bare RecursionError and
+    an integer past Python's digit limit a ValueError, neither naming the endpoint."""
+    with pytest.raises(BadReply, match=r"environment endpoint 'ep'.*tools_json\[0\]"):
+        convert.start_from_reply(pb.StartResponse(session_id="s", tools_json=[text]), "s", "environment endpoint 'ep'")
