@@ -532,6 +532,38 @@ AGENT_PROGRAM = textwrap.dedent("""
 """)
 
 
+def test_an_agent_that_lingers_after_finish_does_not_fail_its_group() -> None:
+    """Sample 0's agent calls /finish (its trajectory and reward are recorded), then takes past
+    agent.sample_timeout_s to exit (tearing down its sandbox) while it holds the only agent slot.
+    The deadline failed the group and returned its lease, discarding every finished sample."""
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        await tool_loop(url, key, prompt, reward=1.0)
+        if prompt["sample_index"] == 0:
+            await asyncio.sleep(30)
+
+    async def main() -> tuple[common_pb2.TrajectoryGroup | Exception, GatewayAgent]:
+        tok = build_tokenizer(tools=True)
+        policy = ScriptedPolicy(tok, [ANSWER])
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
+        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=None, sample_timeout_s=1.5,
+                                                         max_concurrent=1, launch=agent), scorer=score_by_text)
+        server = GatewayServer(build_app(registry), "127.0.0.1", 0)
+        port = await server.start()
+        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+        try:
+            return await ga.play(PROMPT, SamplingSpec(n=2, max_tokens=256), "rep/lease-1", "lease-1", "rep",
+                                 policy.generate, cancelled=lambda: False, version=lambda: policy.version), ga
+        except GatewayGroupFailed as exc:
+            return exc, ga
+        finally:
+            await server.stop()
+
+    group, ga = asyncio.run(main())
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert [r.env_reward for r in group.responses] == [1.0, 1.0] and ga.counters["deadlines"] == 1
+
+
 @pytest.mark.parametrize("mode", ["finish", "exit0", "fail", "hang", "loud"])
 def test_agent_programs(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHRL_ROLLOUT_TOKEN", "secret")
@@ -970,6 +1002,16 @@ async def _raw_call(path: str, body: bytes, *, eta: int | None = None, template_
 def test_a_number_too_large_for_a_float_is_a_400_naming_its_field(path: str, body: bytes, param: str) -> None:
     r, registry, s = asyncio.run(_raw_call(path, body))
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert s.state == "open" and registry.counters["calls"] == 0
+
+
+@pytest.mark.parametrize("role", [["user"], {"r": "user"}], ids=["list", "object"])
+def test_a_role_that_is_not_a_string_is_a_400_naming_it(role: object) -> None:
+    """A list or object role is unhashable: the set lookup raised TypeError, answered as a 500 that
+    the OpenAI SDKs retry, where it is a 400 naming messages[0].role."""
+    body = json.dumps({"model": "m", "messages": [{"role": role, "content": "123+456="}]}).encode()
+    r, registry, s = asyncio.run(_raw_call("/v1/chat/completions", body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role", r.text
     assert s.state == "open" and registry.counters["calls"] == 0
 
 

@@ -123,7 +123,7 @@ def normalize_messages(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(m, Mapping):
             raise bad(field, "must be an object")
         role = m.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # a list or object is unhashable: a 500 otherwise
             raise bad(f"{field}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _text(m.get("content"), f"{field}.content")}

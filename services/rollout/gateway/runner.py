@@ -271,6 +271,8 @@ class GatewayAgent:
                     out = await asyncio.wait_for(self._run_launch(s, url, payload), self.s.sample_timeout_s)
             except TimeoutError:
                 self.counters["deadlines"] += 1
+                if s.state == "finished":  # it called /finish in time (then lingered): its sample stands
+                    return _Outcome(True)
                 out = _Outcome(False, f"sample {s.index} passed agent.sample_timeout_s={self.s.sample_timeout_s}; "
                                       "its lease is returned")
             if not out.ok:
