@@ -684,7 +684,6 @@ class RolloutWorker:
                 return 0.0
             mode: PauseMode = self.s.partial_rollout_mode if self.s.partial_rollout else "wait"
             t0 = time.monotonic()
-            await self.engine.pause(mode)
             buckets = 0
 
             async def counted(fetched: AsyncIterator[Bucket]) -> AsyncIterator[Bucket]:
@@ -694,6 +693,9 @@ class RolloutWorker:
                     yield bucket
 
             try:
+                # In the try: a pause that fails or is cancelled (a `wait` pause drains first) may
+                # hold the engine paused all the same; the except resumes it.
+                await self.engine.pause(mode)
                 n = await asyncio.wait_for(
                     self.engine.load_weights(ref.policy_version, counted(self.fetcher.fetch(ref))),
                     self.s.weight_load_timeout_s,

@@ -1,5 +1,6 @@
 """free_cache_engine with vLLM: the factory turns sleep mode on where vLLM has it (an accelerator), and
-a weight update sleeps only when that is safe for the requests the pause kept.
+a weight update sleeps only when that is safe for the requests the pause kept, and an update that
+fails or is cancelled part way leaves vLLM paused exactly when the engine says so.
 
 Runs without vLLM: `services.rollout.engines.vllm_engine` is imported against a stub `vllm` module
 (it imports vllm only to fail early with the install hint), and the engine drives `_FakeAsyncLLM`,
@@ -28,6 +29,7 @@ import torch
 from services.common import device as device_module
 from services.common.config import load_config
 from services.common.device import DeviceInfo
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.rollout import factory
 from services.rollout.engines import base as engines_base
 
@@ -216,3 +218,98 @@ def test_the_factory_turns_sleep_mode_on_for_accelerators(
     assert isinstance(engine, vllm_engine.VLLMEngine)
     assert engine.free_cache_engine is free_cache_engine
     assert engine.engine_args["enable_sleep_mode"] is sleep_mode
+
+
+# A weight update that fails or is cancelled part way leaves vLLM as engine.paused says.
+
+
+def _plain_engine(vllm_engine: Any, *, sleep: bool) -> tuple[Any, _FakeAsyncLLM]:
+    args = {"model": "/m", "enable_prefix_caching": True, "enable_sleep_mode": sleep}
+    engine = vllm_engine.VLLMEngine(args, tokenizer=None, free_cache_engine=sleep)
+    llm = _FakeAsyncLLM(running=["a", "b"])
+    engine._llm = llm
+    return engine, llm
+
+
+async def _refused_after_first() -> AsyncIterator[list[tuple[str, torch.Tensor]]]:
+    yield [("model.embed_tokens.weight", torch.ones(4, 2))]
+    # e.g. the fetcher's layout check on the next bucket ("tensor appears twice")
+    raise InvalidArgument("buckets", "tensor 'lm_head.weight' appears twice")
+
+
+@pytest.mark.parametrize("sleep", [False, True])
+def test_a_refusal_after_weights_went_in_is_not_raised_as_a_refusal(vllm_engine: Any, sleep: bool) -> None:
+    """RolloutEngine.load_weights: a refusal found after weights were written must be raised as
+    another error (as the transformers engine does), or the worker resumes generation on half-new
+    weights under the old label (and, with sleep on, with the KV cache still asleep)."""
+    engine, llm = _plain_engine(vllm_engine, sleep=sleep)
+
+    async def main() -> BaseException:
+        await engine.pause("abort")
+        try:
+            await engine.load_weights(1, _refused_after_first())
+        except BaseException as exc:
+            return exc
+        raise AssertionError("load_weights did not fail")
+
+    exc = asyncio.run(main())
+    assert "meshrl_load_weights" in llm.calls  # a bucket went into the model
+    assert engine.version == 0
+    assert not isinstance(exc, (InvalidArgument, FailedPrecondition)), (
+        f"half-loaded weights reported as a refusal: {exc!r}; calls={llm.calls}"
+    )
+
+
+def test_a_cancelled_pause_leaves_paused_consistent_with_vllm(vllm_engine: Any) -> None:
+    """pause('wait') waits in vLLM for running requests; a caller cancelled meanwhile (the
+    UpdateWeights RPC's deadline) leaves vLLM's scheduler paused. The engine must say so, or no
+    one resumes it (worker.update_weights resumes only `if self.engine.paused`)."""
+    engine, llm = _plain_engine(vllm_engine, sleep=False)
+    never = asyncio.Event()
+
+    async def pause_generation(*, mode: str = "abort", clear_cache: bool = True) -> None:
+        llm._pause(mode, clear_cache)  # vLLM's core pauses the scheduler at once ...
+        await never.wait()  # ... and the call returns only once the running requests drain
+
+    llm.pause_generation = pause_generation  # type: ignore[method-assign]
+
+    async def main() -> None:
+        task = asyncio.create_task(engine.pause("wait"))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert not llm.scheduling  # vLLM stays paused
+    assert engine.paused, "engine.paused is False while vLLM's scheduler is paused: nothing resumes it"
+
+
+def test_an_update_cancelled_during_its_pause_resumes_vllm(vllm_engine: Any) -> None:
+    """worker.update_weights awaited engine.pause() outside its try: an UpdateWeights RPC cancelled
+    (client deadline) while a `wait` pause drained left vLLM's scheduler paused with no version
+    to load, so nothing resumed it (queued and new requests waited until some later version)."""
+    from services.rollout.worker import RolloutWorker, WorkerSettings
+    from services.weights.in_process import InMemoryWeightStore
+
+    engine, llm = _plain_engine(vllm_engine, sleep=False)
+    drained = asyncio.Event()
+
+    async def pause_generation(*, mode: str = "abort", clear_cache: bool = True) -> None:
+        llm._pause(mode, clear_cache)
+        await drained.wait()
+
+    llm.pause_generation = pause_generation  # type: ignore[method-assign]
+    store = InMemoryWeightStore()
+    ref = store.publish(1, [("model.embed_tokens.weight", torch.ones(4, 2))])
+    worker = RolloutWorker(engine, None, None, None, store, WorkerSettings(replica_id="r0", partial_rollout=False))
+
+    async def main() -> None:
+        task = asyncio.create_task(worker.update_weights(ref))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert llm.scheduling, f"vLLM left paused after a cancelled update; engine.paused={engine.paused} calls={llm.calls}"

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from services.common.errors import FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
 from services.common.logging import get_logger
 from services.weights import Bucket
 from services.weights.adapter import AdapterSpec, base_identity_of_dir, check_base, split_descriptor, write_peft_dir
@@ -271,7 +271,14 @@ class VLLMEngine(RolloutEngine):
         # keep + prefix caching: clear (preempt, re-prefill after resume) so that no stale prefix
         # block survives the update; see the module docstring.
         clear = prefix or mode != "keep"
-        await llm.pause_generation(mode=mode, clear_cache=clear)
+        try:
+            await llm.pause_generation(mode=mode, clear_cache=clear)
+        except BaseException:
+            # vLLM's core pauses the scheduler as soon as the call reaches it, and a `wait` pause
+            # returns only once running requests drain: a pause that failed or was cancelled may
+            # hold vLLM paused all the same, so report it paused and let resume() undo it.
+            self._paused = True
+            raise
         self._kv_kept = not clear
         self._paused = True
 
@@ -308,19 +315,25 @@ class VLLMEngine(RolloutEngine):
 
         buckets = chained()
         sleeping = self._frees_kv_cache_for_update()
-        if sleeping:
-            # vLLM pauses its scheduler again before it sleeps, by default with mode "abort", which
-            # would end every request this pause kept or that was queued since; "keep" leaves them
-            # waiting for resume(). None holds KV here (see _frees_kv_cache_for_update).
-            await llm.sleep(level=1, mode="keep")
-            await llm.wake_up(["weights"])
         loaded = 0
-        await llm.collective_rpc("meshrl_begin_update")
-        async for bucket in buckets:
-            payload = save_safetensors({n: t.detach().cpu().contiguous() for n, t in bucket})
-            counts = await llm.collective_rpc("meshrl_load_weights", args=(payload,))
-            loaded += int(counts[0])
-        await llm.collective_rpc("meshrl_finish_update")
+        try:
+            if sleeping:
+                # vLLM pauses its scheduler again before it sleeps, by default with mode "abort", which
+                # would end every request this pause kept or that was queued since; "keep" leaves them
+                # waiting for resume(). None holds KV here (see _frees_kv_cache_for_update).
+                await llm.sleep(level=1, mode="keep")
+                await llm.wake_up(["weights"])
+            await llm.collective_rpc("meshrl_begin_update")
+            async for bucket in buckets:
+                payload = save_safetensors({n: t.detach().cpu().contiguous() for n, t in bucket})
+                counts = await llm.collective_rpc("meshrl_load_weights", args=(payload,))
+                loaded += int(counts[0])
+            await llm.collective_rpc("meshrl_finish_update")
+        except (InvalidArgument, FailedPrecondition) as exc:
+            # A refusal must change nothing (the worker resumes after one), but the KV cache may be
+            # asleep and buckets may be in the model: raised as another error, generation stays
+            # paused until a whole version loads (RolloutEngine.load_weights).
+            raise DataLoss(f"version {version} refused after the update began ({loaded} tensors loaded): {exc}") from exc
         if self._lora is not None:  # full weights replace the base: the adapter no longer applies
             # Requests that hold it (kept across this update, queued while paused) make vLLM load
             # it again from its directory, onto the new base: leave a zero adapter (an exact no-op)
