@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
 
 from meshrl.v1 import common_pb2, reward_pb2
 from services.common.config import MeshConfig
@@ -530,6 +531,64 @@ AGENT_PROGRAM = textwrap.dedent("""
         httpx.post(os.environ["OPENAI_BASE_URL"].rsplit("/v1", 1)[0] + "/finish", json={"reward": 0.25},
                    headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}).raise_for_status()
 """)
+
+
+async def _failed_group_message(settings: GatewaySettings, keys: list[str]) -> str:
+    """Play one sample whose agent fails; the group's failure message."""
+    tok = build_tokenizer(tools=True)
+    policy = ScriptedPolicy(tok, [CALL, ANSWER])
+    registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
+    ga = GatewayAgent(tok, registry, settings)
+    gw = GatewayServer(build_app(registry), "127.0.0.1", 0)
+    port = await gw.start()
+    ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
+    try:
+        await ga.play(PROMPT, SamplingSpec(n=1, max_tokens=256), "r/l", "l", "r", policy.generate,
+                      cancelled=lambda: False, version=lambda: 0)
+    except GatewayGroupFailed as exc:
+        return str(exc)
+    finally:
+        await gw.stop()
+    raise AssertionError("the group should have failed")
+
+
+def test_a_launched_agents_failure_message_never_holds_the_session_key() -> None:
+    """A failed agent's error becomes the group's failure, which the worker logs and sends to the
+    coordinator. The command path cut the session's key out of it; the launch and endpoint paths
+    did not."""
+    keys: list[str] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        keys.append(key)
+        raise RuntimeError(f"the model server refused api key {key}")
+
+    msg = asyncio.run(_failed_group_message(GatewaySettings(command=None, endpoint=None, sample_timeout_s=30, max_concurrent=2,
+                                            launch=agent), keys))
+    assert keys and keys[0] not in msg, msg
+
+
+def test_an_agent_endpoints_failure_message_never_holds_the_session_key() -> None:
+    """An agent.endpoint that echoes the body it received (api_key included) in its error."""
+    keys: list[str] = []
+    service = FastAPI()
+
+    @service.post("/run")
+    async def run(request: Request) -> PlainTextResponse:
+        body = await request.json()
+        keys.append(body["api_key"])
+        return PlainTextResponse(f"refused: api_key={body['api_key']}", status_code=400)
+
+    async def main() -> str:
+        svc = GatewayServer(service, "127.0.0.1", 0)
+        p = await svc.start()
+        try:
+            return await _failed_group_message(GatewaySettings(command=None, endpoint=f"http://127.0.0.1:{p}/run",
+                                               sample_timeout_s=30, max_concurrent=2), keys)
+        finally:
+            await svc.stop()
+
+    msg = asyncio.run(main())
+    assert keys and keys[0] not in msg, msg
 
 
 def test_an_agent_that_lingers_after_finish_does_not_fail_its_group() -> None:

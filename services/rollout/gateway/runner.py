@@ -353,7 +353,8 @@ class GatewayAgent:
         try:
             await self.s.launch(url, s.key, payload)
         except Exception as exc:  # noqa: BLE001 - the agent's failure is the sample's, reported with the group
-            return _Outcome(False, f"the agent of sample {s.index} failed: {exc!r}")
+            # as for a command's stderr: the message reaches the coordinator's failures and logs
+            return _Outcome(False, f"the agent of sample {s.index} failed: {exc!r}".replace(s.key, "<the session's key>"))
         if s.state == "open":
             await self.registry.finish(s, None)
         return _Outcome(True)
@@ -368,7 +369,8 @@ class GatewayAgent:
         async with httpx.AsyncClient(timeout=self.s.sample_timeout_s, verify=self._tls) as client:
             resp = await client.post(self.s.endpoint, json=body)
         if resp.status_code >= 300:
-            return _Outcome(False, f"agent.endpoint answered {resp.status_code} for sample {s.index}: {resp.text[:300]}")
+            text = resp.text.replace(s.key, "<the session's key>")[:300]  # an endpoint may echo the body it got
+            return _Outcome(False, f"agent.endpoint answered {resp.status_code} for sample {s.index}: {text}")
         # The service runs the agent and finishes the session; wait for that.
         while s.state == "open":
             s.group.changed.clear()
