@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--proximal", action="store_true", help="snapshot_proximal before training, compare after")
     ap.add_argument("--uneven-dp", action="store_true",
                     help="DP rank 0 trains on every sequence, the others on an empty share")
+    ap.add_argument("--all-rejected", action="store_true",
+                    help="after the rest, one step whose every response token is masked out (skipped, weights kept)")
     args = ap.parse_args()
 
     from services.trainer.engines.megatron.config import MegatronEngineConfig
@@ -242,6 +244,20 @@ def main() -> None:
         "export_equals_initial": all(torch.equal(exported[k], initial[k]) for k in initial) if engine.rank == 0 else None,
         **shards_report,
     }
+    if args.all_rejected:  # e.g. the rollout correction rejected every token of the step
+        from dataclasses import replace
+
+        rejected = [replace(mb, response_mask=torch.zeros_like(mb.response_mask)) for mb in micro]
+        try:
+            skipped = engine.train_step(rejected, loss_fn)
+            kept = {n: t for bucket in engine.export_weights(bucket_bytes=64 * 1024) for n, t in bucket}
+            report["all_rejected"] = {
+                "step": skipped.step, "num_tokens": skipped.num_tokens,
+                "step_skipped": skipped.metrics.get("actor/step_skipped"),
+                "weights_kept": all(torch.equal(kept[k], exported[k]) for k in exported) if engine.rank == 0 else None,
+            }
+        except Exception as exc:  # report it and keep the equivalence numbers
+            report["all_rejected"] = {"error": f"{type(exc).__name__}: {exc}"}
     if args.save_dir:
         try:
             engine.save_hf(Path(args.save_dir) / "hf")

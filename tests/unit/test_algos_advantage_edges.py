@@ -1,14 +1,17 @@
 """Advantage edge cases: a row with no policy token still counts its reward in its group's
-baseline, and a group of equal rewards gets advantage 0 (its float32 statistics gave +-0.1..0.96)."""
+baseline, a group of equal rewards gets advantage 0 (its float32 statistics gave +-0.1..0.96), and
+a step whose every token the rollout correction rejected gets zero advantages, not an error."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from meshrl.v1 import common_pb2
-from services.common.config.algorithm import AlgorithmConfig
-from services.trainer.algos import compute_advantages
+from services.common.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
+from services.trainer.algos import apply_rollout_correction, compute_advantages
 from services.trainer.convert import groups_to_batch
 from tests.unit.algo_helpers import make_batch, mask_rows
 
@@ -68,3 +71,21 @@ def test_grpo_all_equal_rewards_give_zero_advantage(value: float, n: int) -> Non
     batch = make_batch(mask, rewards=[value] * n, groups=[5] * n)
     adv = compute_advantages(batch, AlgorithmConfig(adv_estimator="grpo"))
     assert adv.abs().max().item() < 1e-3, adv[:, 1]
+
+
+def test_a_step_whose_every_token_was_rejected_gets_zero_advantages() -> None:
+    """core.py `_step_once` runs `algorithm.correct(batch)` (decoupled rejection narrows
+    batch.response_mask) and then `compute_advantages(batch)`. When the rejection drops every
+    token of the step (a large pi_old / pi_rollout mismatch), the engines skip the optimizer step
+    ("train_step_without_response_tokens"), but compute_advantages raised first and the trainer
+    loop died. verl computes (zero) advantages and goes on."""
+    rc = RolloutCorrectionConfig(bypass_mode=False, rollout_rs="seq_max_k2", rollout_rs_threshold=0.01)
+    algo = AlgorithmConfig(rollout_correction=rc)
+    mask = mask_rows([[0, 1, 1], [0, 1, 1]])
+    old = torch.tensor([[0.0, -1.0, -1.0], [0.0, -1.0, -1.0]])
+    rollout = old - torch.tensor([[0.0, math.log(3.0), 0.0], [0.0, math.log(0.5), math.log(2.0)]])
+    batch = make_batch(mask, rewards=[1, 0], groups=[0, 0], old_logprobs=old, rollout_logprobs=rollout)
+    apply_rollout_correction(batch, algo)  # core.py: self.algorithm.correct(batch)
+    assert batch.response_mask.sum() == 0  # every sequence rejected
+    adv = compute_advantages(batch, algo)  # core.py: self.algorithm.compute_advantages(batch)
+    assert torch.equal(adv, torch.zeros_like(adv))

@@ -63,13 +63,17 @@ def test_dense_pp2_vpp2_ragged_micro_batches_match_transformers(ckpts: dict[str,
 def test_a_dp_rank_with_no_sequences_keeps_in_step(ckpts: dict[str, Path], tmp_path: Path) -> None:
     """A batch with fewer sequences than DP ranks leaves a rank an empty share: it runs a dummy
     (training: in the gradient all-reduce) and the step is the one rank 0's sequences give alone.
+    A step with no response token on any rank is skipped by all of them together.
     (MoE on CPU uses the allgather dispatcher, which needs equal token counts on every rank; the
     GPU's alltoall does not, so the MoE case is not run here.)"""
-    r = run_worker(ckpts["qwen3"], tmp_path / "r.json", 2, "--uneven-dp")
+    r = run_worker(ckpts["qwen3"], tmp_path / "r.json", 2, "--uneven-dp", "--all-rejected")
     check_equivalence(r, n_micro=N_MICRO)
     assert r["dp"] == [0, 2]
     full, empty = r["share_logprob_shapes"]
     assert full[0][0] == 8 and empty == [[0, full[0][1]], [0, full[1][1]]], r["share_logprob_shapes"]
+    # Then a step whose every response token is masked out (the rollout correction rejected them
+    # all): skipped on every rank, weights kept. Its loss divided by zero tokens and raised.
+    assert r["all_rejected"] == {"step": 4, "num_tokens": 0, "step_skipped": 1.0, "weights_kept": True}, r["all_rejected"]
 
 
 def test_moe_tp2_ep2_matches_transformers(ckpts: dict[str, Path], tmp_path: Path) -> None:

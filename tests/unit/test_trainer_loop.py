@@ -717,3 +717,22 @@ def test_kl_in_reward_takes_the_reference_logprobs_and_lands_in_the_advantages(t
     assert row["actor/reward_kl_penalty_coeff"] == 0.5
     assert row["actor/reward_kl_penalty"] == pytest.approx(0.0, abs=1e-5)
     assert "timing_s/ref" in row
+
+
+def test_loop_survives_a_step_whose_tokens_are_all_rejected(tmp_path: Path) -> None:
+    """Decoupled mode with a rejection threshold no token passes: the step's response mask is
+    empty. The loop goes on (the engine skips the optimizer step); it died in compute_advantages."""
+    from services.common.config.actor_rollout_ref import ActorConfig
+    from services.common.config.algorithm import AlgorithmConfig, RolloutCorrectionConfig
+    from services.trainer import algos
+    from services.trainer.core import Algorithm
+
+    rc = RolloutCorrectionConfig(bypass_mode=False, rollout_rs="token_k2", rollout_rs_threshold=1e-12)
+    cfg = AlgorithmConfig(rollout_correction=rc)
+    coord = FakeCoordinator()
+    _fill(coord, 2)
+    algo = Algorithm(lambda b: algos.compute_advantages(b, cfg), algos.build_loss_fn(ActorConfig(), cfg),
+                     correct=lambda b: algos.apply_rollout_correction(b, cfg))
+    loop = TrainerLoop(_settings(tmp_path, bypass_mode=False, use_kl_loss=False), _group(), coord, InProcessPublisher(), algo)
+    _run(loop)
+    assert loop.step == 1

@@ -185,7 +185,9 @@ def compute_advantages(batch: SequenceBatch, cfg: AlgorithmConfig) -> torch.Tens
         raise InvalidArgument("batch.seq_tensors['reward']", f"non-finite rewards at rows {bad[:8]}")
     mask = batch.response_mask.to(torch.float32)
     if mask.sum() == 0:
-        raise InvalidArgument("batch.response_mask", "the batch has no response tokens")
+        # every token rejected by the decoupled rollout correction (or no policy token at all):
+        # nothing to learn from; the engine skips the optimizer step (train_step_without_response_tokens)
+        return torch.zeros_like(mask)
 
     token_rewards = token_level_rewards(rewards, mask)
     # the outcome reward counts in its group's baseline even for a row with no policy token to

@@ -331,6 +331,14 @@ class MegatronEngine(TrainEngine):
         dp_group = ps.get_data_parallel_group()
         dist.all_reduce(counts, group=dp_group)
         dp = ps.get_data_parallel_world_size()
+        lr = lr_at(self._schedule_optim, self._step, self.cfg.total_training_steps)
+        if counts[0].item() == 0:
+            # Every rank knows: nothing to learn from (e.g. the rollout correction rejected every
+            # token); skipped together, as the FSDP engine does (its loss would divide by zero).
+            log.warning("train_step_without_response_tokens", step=self._step)
+            self._step += 1
+            self._offload(after_step=True)
+            return StepResult(grad_norm=0.0, lr=lr, metrics={"actor/step_skipped": 1.0}, num_tokens=0, step=self._step)
         scale = LossScale(num_tokens=int(counts[0].item()), num_seqs=int(counts[1].item()), dp_size=dp)
         # An empty DP share (fewer sequences than DP ranks) runs dummies with a zero loss: the
         # gradient all-reduce over DP (and MoE's all-to-all) needs every rank.
@@ -350,7 +358,6 @@ class MegatronEngine(TrainEngine):
                 acc[1] += 1.0
             return loss * n_sched, {}
 
-        lr = lr_at(self._schedule_optim, self._step, self.cfg.total_training_steps)
         self._run_schedule(self.model, micro_batches, loss_func, forward_only=False)
         grad_norm = self._optimizer_step(lr)
         self._step += 1
