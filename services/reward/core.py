@@ -323,6 +323,10 @@ class RewardPipeline:
             outcomes[i] = exc
         except Exception as exc:  # noqa: BLE001 -- a scorer's bug becomes this item's error, with context
             outcomes[i] = self._scorer_failed(route, sample, exc)
+        except (asyncio.CancelledError, SystemExit) as exc:
+            if _cancelled_from_outside(exc):
+                raise
+            outcomes[i] = self._scorer_failed(route, sample, exc)  # the scorer's own: its item's error
 
     async def _score_batched(
         self, route: _LocalRoute, samples: Sequence[Sample], idx: list[int], outcomes: list[Score | MeshError | None]
@@ -348,7 +352,9 @@ class RewardPipeline:
             for i, s in zip(idx, batch, strict=True):
                 outcomes[i] = _timed_out(s, route)
             return
-        except Exception as exc:  # noqa: BLE001 -- a scorer's bug becomes its items' error, with context
+        except (Exception, asyncio.CancelledError, SystemExit) as exc:  # a scorer's bug becomes its items' error
+            if _cancelled_from_outside(exc):
+                raise
             err = exc if isinstance(exc, MeshError) else self._scorer_failed(route, batch[0], exc)
             for i in idx:
                 outcomes[i] = err
@@ -367,7 +373,7 @@ class RewardPipeline:
             return await self.process_pool.run(route.spec, kwargs, timeout_s=timeout_s)
         return await self.pool.run(route.fn, kwargs, timeout_s=timeout_s)
 
-    def _scorer_failed(self, route: _LocalRoute, sample: Sample, exc: Exception) -> ScorerError:
+    def _scorer_failed(self, route: _LocalRoute, sample: Sample, exc: BaseException) -> ScorerError:
         log.error("scorer_failed", scorer=route.name, item_id=sample.item_id, data_source=sample.data_source, exc_info=exc)
         return ScorerError(
             f"reward function {route.name} raised {type(exc).__name__}: {exc} on item {sample.item_id!r} "
@@ -454,6 +460,15 @@ async def _within(aw: Awaitable[T], timeout_s: float) -> T:
         if deadline.expired():
             raise ScoreDeadline(f"ran past {timeout_s:g} s") from None
         raise
+
+
+def _cancelled_from_outside(exc: BaseException) -> bool:
+    """A CancelledError because this task was cancelled (the caller left, a drain): propagate it.
+    One a scorer raised itself (a client library's), or its SystemExit, is only its item's error."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _timed_out(sample: Sample, route: _LocalRoute) -> Score:

@@ -61,7 +61,11 @@ class EndpointClient:
             for t in tasks:  # one chunk failed (or we were cancelled): stop the others waiting
                 t.cancel()
             raise
-        return [s for chunk in results for s in chunk]
+        scores = [s for chunk in results for s in chunk]
+        # counted once the call succeeds: a refused call's items are scored again (one at a time,
+        # core._score_remote), and its chunks already scored must not count twice
+        self.items_scored += len(scores)
+        return scores
 
     async def _score_chunk(self, samples: list[Sample]) -> list[Score]:
         request = reward_pb2.ScoreRequest(items=[convert.item_from_sample(s) for s in samples])
@@ -69,9 +73,7 @@ class EndpointClient:
         def check(reply: reward_pb2.ScoreResponse) -> list[Score]:
             return convert.scores_from_response(reply, samples, self.source)
 
-        scores = await self.endpoint.call("Score", request, reward_pb2.ScoreResponse, check, units=len(samples))
-        self.items_scored += len(scores)
-        return scores
+        return await self.endpoint.call("Score", request, reward_pb2.ScoreResponse, check, units=len(samples))
 
     def status(self) -> dict[str, Any]:
         st = self.endpoint.status()

@@ -1,10 +1,13 @@
 """Reward edges: a scorer's own TimeoutError is its error (not the deadline's made-up score), a
 timed-out DAPO item never outscores a wrong one, one bad result of a batch function fails its item
-only, and DAPO's overlong shaping measures a multi-turn response as verl does."""
+only, DAPO's overlong shaping measures a multi-turn response as verl does, a user function's own
+CancelledError or sys.exit() fails its item only, and an endpoint's refused batch scored again item
+by item is counted once."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from typing import Any
 
@@ -14,7 +17,7 @@ from meshrl.v1 import common_pb2
 from services.reward.core import RewardPipeline, ScorerError
 from services.reward.custom import CustomFunction
 from services.reward.pool import BlockingPool
-from services.reward.samples import Sample
+from services.reward.samples import Sample, Score
 from services.reward.shaping import OverlongShaping
 from services.rollout import convert
 
@@ -138,3 +141,86 @@ def test_one_non_finite_result_of_a_batch_function_fails_only_that_item() -> Non
     assert isinstance(outcomes[1], ScorerError)
     assert not isinstance(outcomes[0], Exception), f"item 0 got {outcomes[0]!r}"
     assert outcomes[0].score == 1.0
+
+
+def test_async_custom_function_raising_its_own_cancelled_error_fails_only_its_item() -> None:
+    """An async judge whose HTTP library leaks a CancelledError (its own, nobody cancelled the
+    pipeline) on one item: that item is an error; the other items (other rollout replicas'
+    requests in the Serve batch) still get their scores, and the failure is counted."""
+
+    async def fn(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+        if solution_str == "bad":
+            raise asyncio.CancelledError("judge client cancelled its own request")
+        return 1.0
+
+    p = RewardPipeline(custom=CustomFunction("m:afn", fn, is_async=True), item_timeout_s=30)
+
+    async def go() -> Any:
+        try:
+            return await p.score_each([sample("a", "d", "bad"), sample("b", "d", "good")])
+        except BaseException as exc:
+            return exc
+
+    outcomes = run(go())
+    assert isinstance(outcomes, list), f"score_each raised {outcomes!r}: the whole batch is lost"
+    assert isinstance(outcomes[0], ScorerError) and isinstance(outcomes[1], Score)
+    assert p.status()["items_failed"] == 1
+
+
+def test_sync_custom_function_calling_sys_exit_on_a_thread_does_not_kill_the_event_loop() -> None:
+    """reward.scorer_processes=false: a user function that calls sys.exit() (or exit()) on a bad
+    input must fail that item, not propagate SystemExit out of the replica's event loop."""
+
+    def fn(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+        if solution_str == "bad":
+            sys.exit(1)
+        return 1.0
+
+    p = RewardPipeline(custom=CustomFunction("m:fn", fn, is_async=False), pool=BlockingPool(1), item_timeout_s=30)
+    try:
+        outcomes = run(p.score_each([sample("a", "d", "bad"), sample("b", "d", "good")]))
+    except SystemExit:
+        raise AssertionError("SystemExit from a user reward function escaped the event loop") from None
+    assert isinstance(outcomes[0], ScorerError) and isinstance(outcomes[1], Score)
+
+
+def test_remote_endpoint_refusal_fallback_does_not_double_count_items_scored() -> None:
+    """A batch refused with INVALID_ARGUMENT is scored again one item at a time to find the bad
+    item. Items whose chunk had already been scored are then counted twice in the endpoint's
+    `items_scored` (status()/metrics), though each was scored for one item."""
+    import grpc
+
+    from examples.reward_server import server as example
+    from services.common.config.reward import RewardEndpointConfig
+    from services.reward.core import RemoteRoute
+    from services.reward.endpoints import EndpointClient
+
+    class Picky(example.RewardService):
+        async def Score(self, request: Any, context: Any) -> Any:
+            if any(it.response_text == "bad" for it in request.items):
+                await asyncio.sleep(0.2)  # the good chunk's reply comes first
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "items[0].response_text: bad")
+            return await super().Score(request, context)
+
+    async def go() -> tuple[list[Any], dict[str, Any]]:
+        import grpc.aio
+
+        from meshrl.v1 import reward_pb2_grpc
+
+        srv = grpc.aio.server()
+        reward_pb2_grpc.add_RewardServiceServicer_to_server(Picky(), srv)
+        port = srv.add_insecure_port("127.0.0.1:0")
+        await srv.start()
+        try:
+            client = EndpointClient(RewardEndpointConfig(address=f"127.0.0.1:{port}", batch_size=1, data_sources=["d"]))
+            p = RewardPipeline(remotes=[RemoteRoute(client, frozenset({"d"}))])
+            out = await p.score_each([sample("g", "d", "#### 1", "1"), sample("b", "d", "bad")])
+            st = p.status()["endpoints"][0]
+            await p.close()
+            return out, st
+        finally:
+            await srv.stop(0)
+
+    outcomes, st = run(go())
+    assert isinstance(outcomes[0], Score) and outcomes[0].score == 1.0
+    assert st["items_scored"] == 1, f"endpoint items_scored={st['items_scored']} for 1 item scored"
