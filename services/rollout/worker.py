@@ -161,7 +161,11 @@ class RolloutWorker:
             self._submit_many, max_items=settings.max_submit_batch, max_wait_s=settings.batch_window_s
         )
         self._score_batcher: Coalescer[reward_pb2.ScoreItem, reward_pb2.ScoreResult] | None = (
-            Coalescer(scorer, max_items=settings.max_score_batch, max_wait_s=settings.batch_window_s)
+            # The reward service fails a request as a whole for one bad item: a failure that is not
+            # the service's (transient) runs each group's items again alone, so one group's bad
+            # item does not fail the others coalesced with it.
+            Coalescer(scorer, max_items=settings.max_score_batch, max_wait_s=settings.batch_window_s,
+                      retry_alone=lambda exc: not transient(exc))
             if scorer is not None else None
         )
         self._busy_since = time.monotonic()

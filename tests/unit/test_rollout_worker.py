@@ -696,3 +696,43 @@ def test_a_group_leased_at_a_version_not_yet_loaded_waits_for_those_weights(tok:
     assert seen["late"] == [1, 1, 1, 1]
     assert seen["drain"] == (2, 0) and seen["drain_returned"] == ["L0", "L1"]
     assert seen["failed_submitted"] == 0
+
+
+def test_one_groups_failing_item_does_not_fail_another_group_coalesced_into_the_same_score_call() -> None:
+    """The rollout worker coalesces the score items of groups finishing together into one Score
+    request (worker._score_batcher). The reward service fails a request when any of its items
+    failed (a user function raising on one response), so group B, whose items all score fine,
+    fails with group A's error: its lease is given back with A's error and its rollouts thrown away."""
+    from meshrl.v1 import reward_pb2
+    from services.common.errors import MeshError
+    from services.reward.servicer import RewardServicer
+
+    def fn(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+        if solution_str == "bad":
+            raise ValueError("cannot parse")
+        return 1.0
+
+    from services.reward.core import RewardPipeline
+    from services.reward.custom import CustomFunction
+    from services.reward.pool import BlockingPool
+
+    pipeline = RewardPipeline(custom=CustomFunction("m:fn", fn, is_async=False), pool=BlockingPool(1), item_timeout_s=30)
+    servicer = RewardServicer(pipeline)
+
+    async def scorer(items: list[reward_pb2.ScoreItem]) -> list[reward_pb2.ScoreResult]:
+        return list((await servicer.score_request(reward_pb2.ScoreRequest(items=items))).results)
+
+    worker = RolloutWorker(None, None, None, scorer, None,  # type: ignore[arg-type]
+                           WorkerSettings(replica_id="r0", batch_window_s=0.05))
+
+    def items(lease: str, texts: list[str]) -> list[reward_pb2.ScoreItem]:
+        return [reward_pb2.ScoreItem(item_id=f"{lease}/{i}", data_source="d", response_text=t) for i, t in enumerate(texts)]
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(worker._score(items("A", ["bad", "ok"])), worker._score(items("B", ["ok", "ok"])),
+                                    return_exceptions=True)
+
+    a, b = asyncio.run(go())
+    assert isinstance(a, MeshError), f"group A: {a!r}"
+    assert not isinstance(b, BaseException), f"group B (all items fine) failed with group A's error: {b!r}"
+    assert [r.item_id for r in b] == ["B/0", "B/1"] and [r.score for r in b] == [1.0, 1.0]
