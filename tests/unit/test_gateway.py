@@ -76,13 +76,14 @@ AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[None]]
 async def play(agent: AgentFn | None, turns: Sequence[str], *, n: int = 2, command: Sequence[str] | None = None,
                eta: int | None = None, timeout_s: float = 60.0, max_model_len: int = 512, budget: int = 256,
                policy: ScriptedPolicy | None = None, secret_env: frozenset[str] = frozenset(), tok: Any = None,
+               max_concurrent: int = 4, endpoint: str | None = None,
                ) -> tuple[common_pb2.TrajectoryGroup | Exception, GatewayAgent, ScriptedPolicy]:
     tok = tok if tok is not None else build_tokenizer(tools=True)
     policy = policy or ScriptedPolicy(tok, turns)
     registry = SessionRegistry(tok, GatewayLimits(max_model_len=max_model_len, response_budget=budget,
                                                   max_staleness_versions=eta))
-    ga = GatewayAgent(tok, registry, GatewaySettings(command=tuple(command) if command else None, endpoint=None,
-                                                     sample_timeout_s=timeout_s, max_concurrent=4, launch=agent,
+    ga = GatewayAgent(tok, registry, GatewaySettings(command=tuple(command) if command else None, endpoint=endpoint,
+                                                     sample_timeout_s=timeout_s, max_concurrent=max_concurrent, launch=agent,
                                                      secret_env=secret_env),
                       scorer=score_by_text)
     server = GatewayServer(build_app(registry), "127.0.0.1", 0)
@@ -533,23 +534,11 @@ AGENT_PROGRAM = textwrap.dedent("""
 """)
 
 
-async def _failed_group_message(settings: GatewaySettings, keys: list[str]) -> str:
+async def _failed_group_message(agent: AgentFn | None = None, endpoint: str | None = None) -> str:
     """Play one sample whose agent fails; the group's failure message."""
-    tok = build_tokenizer(tools=True)
-    policy = ScriptedPolicy(tok, [CALL, ANSWER])
-    registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
-    ga = GatewayAgent(tok, registry, settings)
-    gw = GatewayServer(build_app(registry), "127.0.0.1", 0)
-    port = await gw.start()
-    ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
-    try:
-        await ga.play(PROMPT, SamplingSpec(n=1, max_tokens=256), "r/l", "l", "r", policy.generate,
-                      cancelled=lambda: False, version=lambda: 0)
-    except GatewayGroupFailed as exc:
-        return str(exc)
-    finally:
-        await gw.stop()
-    raise AssertionError("the group should have failed")
+    group, _, _ = await play(agent, [CALL, ANSWER], n=1, timeout_s=30, endpoint=endpoint)
+    assert isinstance(group, GatewayGroupFailed), "the group should have failed"
+    return str(group)
 
 
 def test_a_launched_agents_failure_message_never_holds_the_session_key() -> None:
@@ -562,8 +551,7 @@ def test_a_launched_agents_failure_message_never_holds_the_session_key() -> None
         keys.append(key)
         raise RuntimeError(f"the model server refused api key {key}")
 
-    msg = asyncio.run(_failed_group_message(GatewaySettings(command=None, endpoint=None, sample_timeout_s=30, max_concurrent=2,
-                                            launch=agent), keys))
+    msg = asyncio.run(_failed_group_message(agent))
     assert keys and keys[0] not in msg, msg
 
 
@@ -582,8 +570,7 @@ def test_an_agent_endpoints_failure_message_never_holds_the_session_key() -> Non
         svc = GatewayServer(service, "127.0.0.1", 0)
         p = await svc.start()
         try:
-            return await _failed_group_message(GatewaySettings(command=None, endpoint=f"http://127.0.0.1:{p}/run",
-                                               sample_timeout_s=30, max_concurrent=2), keys)
+            return await _failed_group_message(endpoint=f"http://127.0.0.1:{p}/run")
         finally:
             await svc.stop()
 
@@ -601,24 +588,7 @@ def test_an_agent_that_lingers_after_finish_does_not_fail_its_group() -> None:
         if prompt["sample_index"] == 0:
             await asyncio.sleep(30)
 
-    async def main() -> tuple[common_pb2.TrajectoryGroup | Exception, GatewayAgent]:
-        tok = build_tokenizer(tools=True)
-        policy = ScriptedPolicy(tok, [ANSWER])
-        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256))
-        ga = GatewayAgent(tok, registry, GatewaySettings(command=None, endpoint=None, sample_timeout_s=1.5,
-                                                         max_concurrent=1, launch=agent), scorer=score_by_text)
-        server = GatewayServer(build_app(registry), "127.0.0.1", 0)
-        port = await server.start()
-        ga.base_url = lambda sid: f"http://127.0.0.1:{port}/sessions/{sid}/v1"
-        try:
-            return await ga.play(PROMPT, SamplingSpec(n=2, max_tokens=256), "rep/lease-1", "lease-1", "rep",
-                                 policy.generate, cancelled=lambda: False, version=lambda: policy.version), ga
-        except GatewayGroupFailed as exc:
-            return exc, ga
-        finally:
-            await server.stop()
-
-    group, ga = asyncio.run(main())
+    group, ga, _ = asyncio.run(play(agent, [ANSWER], n=2, timeout_s=1.5, max_concurrent=1))
     assert isinstance(group, common_pb2.TrajectoryGroup), group
     assert [r.env_reward for r in group.responses] == [1.0, 1.0] and ga.counters["deadlines"] == 1
 
