@@ -321,12 +321,10 @@ class RewardPipeline:
             outcomes[i] = _timed_out(sample, route)
         except MeshError as exc:
             outcomes[i] = exc
-        except Exception as exc:  # noqa: BLE001 -- a scorer's bug becomes this item's error, with context
-            outcomes[i] = self._scorer_failed(route, sample, exc)
-        except (asyncio.CancelledError, SystemExit) as exc:
+        except (Exception, asyncio.CancelledError, SystemExit) as exc:  # a scorer's bug becomes this item's error
             if _cancelled_from_outside(exc):
                 raise
-            outcomes[i] = self._scorer_failed(route, sample, exc)  # the scorer's own: its item's error
+            outcomes[i] = self._scorer_failed(route, sample, exc)
 
     async def _score_batched(
         self, route: _LocalRoute, samples: Sequence[Sample], idx: list[int], outcomes: list[Score | MeshError | None]
