@@ -1,4 +1,4 @@
-"""A complete external environment: meshrl.v1.EnvironmentService in ~200 lines of Python, serving
+"""A complete external environment: meshrl.v1.EnvironmentService in ~250 lines of Python, serving
 the built-in task `meshrl/tool_add` (three-digit sums with a calculator tool `add(a, b)`).
 
     python examples/environment_server/server.py --port 50081
@@ -12,6 +12,8 @@ Copy this file and replace `CalculatorEpisode` with your environment (a sandbox,
 simulated user, a search engine ...). Keep the contract (see README.md next to this file):
 - one session per trajectory; Start is idempotent by session_id, Step by (session_id, turn): a
   repeated call gets the stored answer and acts once (meshrl retries after a timeout);
+- a session idle for session_ttl_s is forgotten (its client died without a Close), then NOT_FOUND;
+  a Step of a closed or finished session is FAILED_PRECONDITION, never acted on;
 - a malformed, unknown or failing tool call is answered with an error text as the tool's response
   (and counted in tool_errors), never with a status code: the episode goes on;
 - INVALID_ARGUMENT for a malformed request; UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble
@@ -30,7 +32,8 @@ import json
 import os
 import re
 import signal
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -105,14 +108,33 @@ class _Session:
     last: environment_pb2.StepResponse | None = None
     done: bool = False
     closed: environment_pb2.CloseResponse | None = None
+    last_seen: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class EnvironmentService(environment_pb2_grpc.EnvironmentServiceServicer):
-    def __init__(self, token: str | None = None, max_sessions: int = 10_000) -> None:
+    def __init__(self, token: str | None = None, max_sessions: int = 10_000, *, session_ttl_s: float = 900.0,
+                 closed_keep_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.token = token
         self.max_sessions = max_sessions
+        self.session_ttl_s = session_ttl_s
+        self.closed_keep_s = closed_keep_s
+        self.clock = clock
         self.sessions: dict[str, _Session] = {}
+        self._next_sweep = 0.0
+
+    def _expire(self) -> None:
+        """Forget sessions idle past session_ttl_s and closed ones past closed_keep_s. A client that
+        dies mid-episode never sends Close: kept forever, its sessions fill max_sessions and every
+        Start is RESOURCE_EXHAUSTED for the rest of the run. Release what an episode holds (a
+        sandbox, a container) here too."""
+        now = self.clock()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(30.0, self.session_ttl_s / 2)
+        for sid, s in list(self.sessions.items()):
+            if now - s.last_seen > (self.session_ttl_s if s.closed is None else self.closed_keep_s):
+                del self.sessions[sid]
 
     async def _auth(self, context: grpc.aio.ServicerContext) -> None:
         if self.token:
@@ -124,12 +146,14 @@ class EnvironmentService(environment_pb2_grpc.EnvironmentServiceServicer):
         await self._auth(context)
         if not request.session_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id: must be non-empty")
+        self._expire()
         s = self.sessions.get(request.session_id)
         if s is None:  # a repeated Start gets the first answer
             if len(self.sessions) >= self.max_sessions:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many open sessions; retry later")
             start = environment_pb2.StartResponse(session_id=request.session_id, tools_json=[json.dumps(ADD_TOOL)])
             s = self.sessions[request.session_id] = _Session(start_episode(request.prompt), start)
+        s.last_seen = self.clock()
         return s.start
 
     async def Step(self, request: environment_pb2.StepRequest, context: grpc.aio.ServicerContext) -> environment_pb2.StepResponse:
@@ -139,11 +163,17 @@ class EnvironmentService(environment_pb2_grpc.EnvironmentServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
             raise AssertionError("unreachable")
         async with s.lock:
+            if s.closed is not None:  # a late duplicate: the reward is already given, the episode must not act
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"session {request.session_id!r} is closed")
+            s.last_seen = self.clock()
             if request.turn == s.last_turn and s.last is not None:
                 return s.last  # a retry: the stored answer, the episode does not act twice
-            if request.turn != s.last_turn + 1 or s.done:
+            if s.done:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"turn {request.turn} out of order; the next turn is {s.last_turn + 1}")
+                                    f"session {request.session_id!r} is done (turn {s.last_turn} ended the episode)")
+            if request.turn != s.last_turn + 1:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"session {request.session_id!r}: turn "
+                                    f"{request.turn} out of order; the next turn is {s.last_turn + 1}")
             reply = self._step(s.episode, request)
             s.last_turn, s.last, s.done = request.turn, reply, reply.done
             return reply
@@ -171,18 +201,18 @@ class EnvironmentService(environment_pb2_grpc.EnvironmentServiceServicer):
             raise AssertionError("unreachable")
         if s.closed is None:
             s.closed = environment_pb2.CloseResponse(reward=s.episode.reward(), metrics={"calls": float(s.episode.calls)})
-            # Keep the answer for a repeated Close a little while, then forget the session.
-            asyncio.get_running_loop().call_later(60.0, self.sessions.pop, request.session_id, None)
+            # Kept for a repeated Close closed_keep_s, then _expire forgets the session.
+            s.last_seen = self.clock()
         return s.closed
 
 
 async def start_server(
     host: str = "127.0.0.1", port: int = 50081, *, token: str | None = None, tls_cert: str | None = None,
-    tls_key: str | None = None,
+    tls_key: str | None = None, session_ttl_s: float = 900.0,
 ) -> tuple[grpc.aio.Server, int]:
     """Start the service; returns (server, bound port). Port 0 picks a free one."""
     server = grpc.aio.server()
-    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentService(token), server)
+    environment_pb2_grpc.add_EnvironmentServiceServicer_to_server(EnvironmentService(token, session_ttl_s=session_ttl_s), server)
     address = f"{host}:{port}"
     if tls_cert and tls_key:
         with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
@@ -203,8 +233,11 @@ async def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--token", default=os.environ.get("ENVIRONMENT_TOKEN"), help="require this bearer token (or ENVIRONMENT_TOKEN)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (enables TLS with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--session-ttl-s", type=float, default=900.0,
+                   help="forget a session after this many seconds without a call (its client died)")
     args = p.parse_args(argv)
-    server, port = await start_server(args.host, args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key)
+    server, port = await start_server(args.host, args.port, token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                      session_ttl_s=args.session_ttl_s)
     print(f"environment server listening on {args.host}:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
