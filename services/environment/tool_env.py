@@ -17,7 +17,11 @@ into the close reward and the instance released. The environment's reward of a t
 sum of the tools' step rewards, the interaction's turn scores and the close reward. All three are
 read by one rule: a reward that is not a finite number (a judge's NaN) counts as 0.0, and is
 counted in `bad_rewards` and logged, so one bad score neither reaches the trainer nor fails the
-group (a tool's missing reward, None, is 0.0 as in verl).
+group (a tool's missing reward, None, is 0.0 as in verl). Metrics likewise: a numeric value that
+is not a finite float (NaN, an int past a float's range) and a turn's sum of one metric over its
+calls that overflows are dropped, counted in `bad_metrics` and logged (a served environment's
+client refuses a non-finite metric as a bad reply, failing the group); other values (text) are not
+metrics and are left out.
 """
 
 from __future__ import annotations
@@ -45,15 +49,6 @@ class _Session:
     interaction: BaseInteraction | None = None
     interaction_kwargs: dict[str, Any] = field(default_factory=dict)
     instances: dict[str, str] = field(default_factory=dict)
-
-
-def _numeric(metrics: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    if isinstance(metrics, Mapping):
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
-                out[str(k)] = float(v)
-    return out
 
 
 def _finite(value: Any) -> float | None:
@@ -105,6 +100,7 @@ class ToolEnvironment(Environment):
         self.calls = 0
         self.errors = 0
         self.bad_rewards = 0
+        self.bad_metrics = 0
         self._late_releases: set[asyncio.Future[Any]] = set()  # instances created after their sample was cancelled
 
     async def start(self, session_id: str, prompt: EnvPrompt, *, sample_index: int = 0, policy_version: int = 0) -> StartResult:
@@ -145,7 +141,7 @@ class ToolEnvironment(Environment):
                 session_id, [*s.history, assistant], **s.interaction_kwargs)
             reward = None if score is None else self._reward(score, f"interaction {type(s.interaction).__name__} turn score")
             result = StepResult(messages=(Message("user", str(content)),), done=bool(terminate), reward=reward,
-                                metrics=_numeric(metrics))
+                                metrics=self._metrics(metrics, f"interaction {type(s.interaction).__name__}"))
         else:
             result = StepResult(done=True)
         s.history.append(assistant)
@@ -163,10 +159,15 @@ class ToolEnvironment(Environment):
                  f"this call was not run (max_parallel_calls={self.max_parallel_calls})")
         outcomes.extend((limit, 0.0, {}, True) for _ in extra)
         reward = sum(o[1] for o in outcomes)
-        metrics: dict[str, float] = {}
+        sums: dict[str, float] = {}
         for _, _, m, _ in outcomes:
             for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + v
+                sums[k] = sums.get(k, 0.0) + v
+        # each value is finite, their sum may not be (1e308 twice); inf + -inf is NaN, so a key
+        # once overflowed stays dropped
+        metrics = {k: v for k, v in sums.items() if math.isfinite(v)}
+        for k in sums.keys() - metrics.keys():
+            self._bad_metric(f"the sum of metric {k!r} over the turn's tool calls", sums[k])
         errors = sum(1 for o in outcomes if o[3])
         self.calls += len(calls)
         self.errors += errors
@@ -216,7 +217,29 @@ class ToolEnvironment(Environment):
         except Exception as exc:  # noqa: BLE001 - a failing tool is answered with its error (verl), not raised
             return f"Error when executing tool {c.name}: {exc}", 0.0, {}, True
         text = resp if isinstance(resp, str) else (resp.text or "") if isinstance(resp, ToolResponse) else str(resp)
-        return text, self._reward(reward, f"tool {c.name} step reward"), _numeric(metrics), False
+        return text, self._reward(reward, f"tool {c.name} step reward"), self._metrics(metrics, f"tool {c.name}"), False
+
+    def _metrics(self, metrics: Any, what: str) -> dict[str, float]:
+        """The numeric values of a tool's or an interaction's metrics; one that is not a finite
+        float is dropped (counted, logged), as a reward that is not one counts as 0.0."""
+        out: dict[str, float] = {}
+        if not isinstance(metrics, Mapping):
+            return out
+        for k, v in metrics.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue  # not a number: not a metric
+            x = _finite(v)  # float() of an int past a float's range raises OverflowError
+            if x is None:
+                self._bad_metric(f"{what} metric {str(k)!r}", v)
+            else:
+                out[str(k)] = x
+        return out
+
+    def _bad_metric(self, what: str, value: Any) -> None:
+        self.bad_metrics += 1
+        if self.bad_metrics in (1, 10, 100, 1000):
+            log.warning("environment_metric_not_finite", what=what, value=repr(value)[:80], times=self.bad_metrics,
+                        hint="dropped; the tool or interaction should return finite numbers of a float's range")
 
     def _reward(self, value: Any, what: str) -> float:
         """A tool's or an interaction's reward; 0.0 (counted, logged) for one that is not a finite number."""
@@ -263,4 +286,4 @@ class ToolEnvironment(Environment):
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "kind": "tools", "tools": sorted(self.tools), "interactions": sorted(self.interactions),
                 "open_sessions": len(self._sessions), "calls": self.calls, "errors": self.errors,
-                "bad_rewards": self.bad_rewards}
+                "bad_rewards": self.bad_rewards, "bad_metrics": self.bad_metrics}

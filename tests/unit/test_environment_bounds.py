@@ -130,6 +130,31 @@ def test_non_finite_interaction_scores_and_calc_rewards_count_as_zero_like_step_
     asyncio.run(go())
 
 
+def test_tool_metrics_that_are_not_finite_or_overflow_their_sum_are_dropped_and_counted() -> None:
+    """A tool's metrics are read by the rewards' rule: a value that is no finite float (NaN, an int
+    past a float's range) and a per-turn sum that overflows are dropped and counted. The int raised
+    OverflowError out of Step (the group failed on every replica), and 1e308 twice summed to inf,
+    which a served environment's client refuses as BadReply."""
+    async def go() -> None:
+        tools = load_tools(TOOLS)
+
+        async def big_metrics(instance_id: str, parameters: dict[str, Any], **kw: Any) -> tuple[str, float, dict[str, Any]]:
+            return "3", 0.0, {"big": 1e308, "huge_int": 10**400, "nan": float("nan"), "calls": 1}
+
+        tools[0].execute = big_metrics  # type: ignore[method-assign]
+        env = ToolEnvironment(tools, max_parallel_calls=2)
+        await env.start("s", EnvPrompt(messages=(Message("user", "1+2="),)))
+        step = await env.step("s", 0, "call", [ToolCall("c0", "add", '{"a": 1, "b": 2}'),
+                                               ToolCall("c1", "add", '{"a": 1, "b": 2}')])
+        assert dict(step.metrics) == {"calls": 2.0} and step.tool_errors == 0
+        assert env.status()["bad_metrics"] == 5  # huge_int and nan of each call, the overflowing sum of big
+        # a served ToolEnvironment's answer passes its client's check
+        reply = convert.step_response("s", 0, step)
+        assert dict(convert.step_from_reply(reply, "s", 0, "env").metrics) == {"calls": 2.0}
+
+    asyncio.run(go())
+
+
 class _HugeStep(environment_pb2_grpc.EnvironmentServiceServicer):
     """An environment in any language whose tool printed a huge file: its Step answer is 2 MiB."""
 
