@@ -20,7 +20,7 @@ def tool_environment(cfg: MeshConfig) -> ToolEnvironment:
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     tools = load_tools(mt.tool_config_path) if mt.tool_config_path else []
     interactions = load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {}
-    return ToolEnvironment(tools, interactions, max_parallel_calls=mt.max_parallel_calls)
+    return ToolEnvironment(tools, interactions, max_parallel_calls=mt.max_parallel_calls, call_timeout_s=mt.tool_timeout_s)
 
 
 class EnvironmentRouter:

@@ -6,7 +6,8 @@ Per assistant turn (Step):
   `tool` message, in call order. A call that did not parse, names an unknown tool, has arguments
   that are not a JSON object, or whose tool raises is answered with an error text and counted in
   `tool_errors` (verl's behaviour); calls beyond `max_parallel_calls` are answered with an error
-  saying so (verl drops them silently). The episode goes on.
+  saying so (verl drops them silently), and a call that runs past `call_timeout_s`
+  (`multi_turn.tool_timeout_s`) is cancelled and answered with an error. The episode goes on.
 - no tool calls, an interaction configured: the interaction writes the next `user` message and may
   end the episode with a turn score.
 - otherwise the episode is done.
@@ -22,18 +23,24 @@ is not a finite float (NaN, an int past a float's range) and a turn's sum of one
 calls that overflows are dropped, counted in `bad_metrics` and logged (a served environment's
 client refuses a non-finite metric as a bad reply, failing the group); other values (text) are not
 metrics and are left out.
+
+Every other call of user code (a tool's create, calc_reward and release, an interaction's methods)
+is bounded by `call_timeout_s` too: past it, it is cancelled and DeadlineExceeded raised (the
+group fails and its prompt is re-queued), where it would have held the group and its lease,
+renewed while tools run, forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import DeadlineExceeded, InvalidArgument, NotFound
 from services.common.logging import get_logger
 
 from .base import CloseResult, Environment, EnvPrompt, Message, StartResult, StepResult, ToolCall
@@ -89,11 +96,13 @@ class ToolEnvironment(Environment):
         interactions: Mapping[str, BaseInteraction] | None = None,
         *,
         max_parallel_calls: int = 1,
+        call_timeout_s: float | None = None,
         name: str = "tools",
     ) -> None:
         self.tools = {t.name: t for t in tools}
         self.interactions = dict(interactions or {})
         self.max_parallel_calls = max(1, max_parallel_calls)
+        self.call_timeout_s = call_timeout_s  # nothing else bounds an in-process call
         self.name = name
         self.schemas = tuple(t.tool_schema.model_dump(exclude_none=True) for t in tools)
         self._sessions: dict[str, _Session] = {}
@@ -116,7 +125,8 @@ class ToolEnvironment(Environment):
                     f"{name!r} is not a configured interaction ({sorted(self.interactions)}); set it in the data",
                 )
             interaction = self.interactions[name]
-            await interaction.start_interaction(session_id, **ikw)
+            async with self._bounded(f"interaction {name}: start_interaction"):
+                await interaction.start_interaction(session_id, **ikw)
         history = [m.as_dict() for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
         self._sessions[session_id] = _Session(history, tools_kwargs, interaction, ikw)
         return StartResult(tools=self.schemas)
@@ -137,8 +147,9 @@ class ToolEnvironment(Environment):
         if tool_calls:
             result = await self._run_calls(session_id, s, list(tool_calls))
         elif s.interaction is not None:
-            terminate, content, score, metrics = await s.interaction.generate_response(
-                session_id, [*s.history, assistant], **s.interaction_kwargs)
+            async with self._bounded(f"interaction {type(s.interaction).__name__}: generate_response"):
+                terminate, content, score, metrics = await s.interaction.generate_response(
+                    session_id, [*s.history, assistant], **s.interaction_kwargs)
             reward = None if score is None else self._reward(score, f"interaction {type(s.interaction).__name__} turn score")
             result = StepResult(messages=(Message("user", str(content)),), done=bool(terminate), reward=reward,
                                 metrics=self._metrics(metrics, f"interaction {type(s.interaction).__name__}"))
@@ -181,10 +192,12 @@ class ToolEnvironment(Environment):
         tool = self.tools[name]
         creating = asyncio.ensure_future(tool.create(f"{session_id}/{name}", create_kwargs=dict(ck), **ck))
         try:
-            instance_id, _ = await asyncio.shield(creating)
-        except asyncio.CancelledError:
-            # The sample was cancelled mid-create (a sibling failed, a drain): its close cannot
-            # know this instance, so it is released when the create lands (a sandbox, a container).
+            async with self._bounded(f"tool {name}: create"):
+                instance_id, _ = await asyncio.shield(creating)
+        except (asyncio.CancelledError, DeadlineExceeded):
+            # The sample was cancelled mid-create (a sibling failed, a drain) or the create hung:
+            # the session's close cannot know this instance, so it is released when the create
+            # lands (a sandbox, a container).
             creating.add_done_callback(lambda f: self._release_late(tool, f))
             raise
         s.instances[name] = instance_id
@@ -213,11 +226,29 @@ class ToolEnvironment(Environment):
         except ValueError as exc:
             return f"Error: invalid arguments for {c.name}: {exc}", 0.0, {}, True
         try:
-            resp, reward, metrics = await tool.execute(s.instances[c.name], params)
+            async with self._bounded(f"tool {c.name}: execute"):
+                resp, reward, metrics = await tool.execute(s.instances[c.name], params)
+        except DeadlineExceeded:
+            return (f"Error: tool {c.name} did not answer within {self.call_timeout_s:g}s and was cancelled "
+                    "(actor_rollout_ref.rollout.multi_turn.tool_timeout_s)", 0.0, {}, True)
         except Exception as exc:  # noqa: BLE001 - a failing tool is answered with its error (verl), not raised
             return f"Error when executing tool {c.name}: {exc}", 0.0, {}, True
         text = resp if isinstance(resp, str) else (resp.text or "") if isinstance(resp, ToolResponse) else str(resp)
         return text, self._reward(reward, f"tool {c.name} step reward"), self._metrics(metrics, f"tool {c.name}"), False
+
+    @contextlib.asynccontextmanager
+    async def _bounded(self, what: str) -> AsyncIterator[None]:
+        """Its body cancelled past `call_timeout_s`, then DeadlineExceeded naming `what` (a
+        TimeoutError the body raises itself, its own HTTP client's, passes as it is)."""
+        deadline = asyncio.timeout(self.call_timeout_s)
+        try:
+            async with deadline:
+                yield
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise DeadlineExceeded(f"{what} did not finish within {self.call_timeout_s:g}s "
+                                   "(actor_rollout_ref.rollout.multi_turn.tool_timeout_s); raise it or fix it") from None
 
     def _metrics(self, metrics: Any, what: str) -> dict[str, float]:
         """The numeric values of a tool's or an interaction's metrics; one that is not a finite
@@ -265,18 +296,22 @@ class ToolEnvironment(Environment):
         for name, instance_id in s.instances.items():
             tool = self.tools[name]
             try:
-                reward += self._reward(await tool.calc_reward(instance_id), f"tool {name} calc_reward")
+                async with self._bounded(f"tool {name}: calc_reward"):
+                    value = await tool.calc_reward(instance_id)
+                reward += self._reward(value, f"tool {name} calc_reward")
             except Exception as exc:  # noqa: BLE001 - raised below, after the others are released
                 error = error or exc
             try:
-                await tool.release(instance_id)
+                async with self._bounded(f"tool {name}: release"):
+                    await tool.release(instance_id)
             except Exception as exc:  # noqa: BLE001
                 error = error or exc
         if s.interaction is not None:
             fin = s.interaction.finalize_interaction
             params = inspect.signature(fin).parameters
             try:
-                await (fin(session_id) if params else fin())
+                async with self._bounded(f"interaction {type(s.interaction).__name__}: finalize_interaction"):
+                    await (fin(session_id) if params else fin())
             except Exception as exc:  # noqa: BLE001
                 error = error or exc
         if error is not None:

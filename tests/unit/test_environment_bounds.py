@@ -18,7 +18,7 @@ import pytest
 from meshrl.v1 import environment_pb2 as pb
 from meshrl.v1 import environment_pb2_grpc
 from services.common import endpoints, grpc_util
-from services.common.errors import BadReply
+from services.common.errors import BadReply, DeadlineExceeded
 from services.environment import convert
 from services.environment.base import EnvPrompt, Message, StepResult, ToolCall
 from services.environment.client import RemoteEnvironment
@@ -153,6 +153,75 @@ def test_tool_metrics_that_are_not_finite_or_overflow_their_sum_are_dropped_and_
         assert dict(convert.step_from_reply(reply, "s", 0, "env").metrics) == {"calls": 2.0}
 
     asyncio.run(go())
+
+
+def test_a_hung_tool_is_answered_with_an_error_after_tool_timeout_s() -> None:
+    """In process nothing bounded a tool call: a tool that never returns (a sandbox that hangs)
+    held its Step, its group and the lease (renewed while tools run) forever. Now its call is
+    cancelled after multi_turn.tool_timeout_s and answered with an error; the episode goes on."""
+    async def go() -> None:
+        tools = load_tools(TOOLS)
+        cancelled = asyncio.Event()
+
+        async def hang(instance_id: str, parameters: dict[str, Any], **kw: Any) -> tuple[str, float, dict[str, Any]]:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+            raise AssertionError("unreachable")
+
+        tools[0].execute = hang  # type: ignore[method-assign]
+        env = ToolEnvironment(tools, call_timeout_s=0.05)
+        await env.start("s", EnvPrompt(messages=(Message("user", "1+2="),)))
+        step = await asyncio.wait_for(env.step("s", 0, "call", [ToolCall("c0", "add", '{"a": 1, "b": 2}')]), 5.0)
+        assert step.tool_errors == 1 and not step.done and cancelled.is_set()
+        assert "did not answer within 0.05s" in step.messages[0].content
+        assert "tool_timeout_s" in step.messages[0].content
+        assert (await env.close("s")).reward == 0.0
+
+    asyncio.run(go())
+
+
+def test_a_hung_interaction_or_calc_reward_fails_with_deadline_exceeded() -> None:
+    """The other calls of user code are bounded as well; past the limit they fail the group
+    (DeadlineExceeded naming the call and the key), and a close still releases every instance."""
+    async def go() -> None:
+        class HungJudge(NaNJudge):
+            async def generate_response(self, instance_id: str, messages: list[dict[str, Any]],
+                                        **kwargs: Any) -> tuple[bool, str, float, dict[str, Any]]:
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+        tools = load_tools(TOOLS)
+        released: list[str] = []
+
+        async def hang(instance_id: str, **kw: Any) -> float:
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async def release(instance_id: str, **kw: Any) -> None:
+            released.append(instance_id)
+
+        tools[0].calc_reward = hang  # type: ignore[method-assign]
+        tools[0].release = release  # type: ignore[method-assign]
+        env = ToolEnvironment(tools, {"judge": HungJudge({})}, call_timeout_s=0.05)  # type: ignore[dict-item]
+        await env.start("s", EnvPrompt(messages=(Message("user", "1+2="),)))
+        await env.step("s", 0, "call", [ToolCall("c0", "add", '{"a": 1, "b": 2}')])
+        with pytest.raises(DeadlineExceeded, match=r"generate_response did not finish within 0.05s.*tool_timeout_s"):
+            await asyncio.wait_for(env.step("s", 1, "3", []), 5.0)
+        with pytest.raises(DeadlineExceeded, match="calc_reward did not finish"):
+            await asyncio.wait_for(env.close("s"), 5.0)
+        assert released == ["s/add"]
+
+    asyncio.run(go())
+
+
+def test_tool_timeout_s_reaches_the_tool_environment() -> None:
+    from services.common.config import load_config
+    from services.environment import factory
+
+    cfg = load_config(None, ["actor_rollout_ref.rollout.multi_turn.tool_timeout_s=7.5"])
+    assert factory.tool_environment(cfg).call_timeout_s == 7.5
 
 
 class _HugeStep(environment_pb2_grpc.EnvironmentServiceServicer):

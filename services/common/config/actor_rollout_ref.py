@@ -330,6 +330,12 @@ class MultiTurnConfig(ConfigModel):
     max_parallel_calls: int = Field(default=1, ge=1)
     """Tool calls of one assistant turn run concurrently, at most this many (more are answered
     with an error message)."""
+    tool_timeout_s: float | None = Field(default=600.0, gt=0)
+    """meshrl: an in-process tool's `execute` running longer is cancelled and answered with an
+    error message (counted in tool_errors; the episode goes on); any other call of a tool or an
+    interaction (create, calc_reward, release, generate_response, ...) running longer fails the
+    group (its prompt is re-queued). null: no limit (a hung tool then holds its group and lease
+    forever). External environments have their endpoint's `timeout_s` instead."""
     max_tool_response_length: int = Field(default=256, ge=1)
     """Characters of one environment message kept; longer ones are truncated."""
     tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
