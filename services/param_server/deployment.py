@@ -16,6 +16,7 @@ One replica serves three doors onto one store:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +104,12 @@ class ParamServerDeployment:
                 except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, TimeoutError) as exc:
                     log.warning("object_refs_lost", error=f"{type(exc).__name__}: {exc}",
                                 hint="its object_store versions are gone; publishers register the next ones anew")
+                    # One that is only unreachable or slow lives on for whoever holds its handle (a
+                    # trainer would go on registering there while consumers that ask anew look up
+                    # in the new one, finding nothing): killed, every holder's next call fails and
+                    # its directory asks again (ServeDirectory._call), landing on the new actor.
+                    with contextlib.suppress(Exception):  # already dead: nothing to kill
+                        ray.kill(self._refs)
                     self._refs = None
             if self._refs is None:
                 self._refs = object_refs.start(self._retain)

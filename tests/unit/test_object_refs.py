@@ -201,3 +201,34 @@ def test_a_dead_actor_is_asked_for_again_once_and_its_versions_are_gone(fake_exc
         await d.settle()
 
     asyncio.run(main())
+
+
+def test_an_object_refs_actor_the_replica_gives_up_on_is_killed_so_no_client_keeps_using_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replica replaced an object_refs actor that did not answer its probe (unreachable for a
+    moment, or slower than the bound) but left it alive: a trainer whose directory still held the
+    old handle went on registering there while consumers that asked anew looked up in the new,
+    empty one (NotFound for every version, for good). Killed, every old handle's next call fails
+    and its directory asks the replica again, landing on the new actor."""
+    import types
+
+    import ray
+
+    from services.param_server import object_refs
+    from services.param_server.deployment import ParamServerDeployment
+
+    class Unreachable:
+        def __init__(self) -> None:
+            self.stats = FakeMethod(self._stats)
+
+        def _stats(self) -> None:
+            raise ray.exceptions.ActorUnavailableError("the actor is unreachable for now", None)
+
+    old, new, killed = Unreachable(), FakeActor(), []
+    monkeypatch.setattr(object_refs, "start", lambda retain: new)
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: killed.append(actor))
+    replica = types.SimpleNamespace(_refs=old, _retain=1, _refs_lock=asyncio.Lock())
+    got = asyncio.run(ParamServerDeployment.func_or_class.object_refs(replica))
+    assert got is new and replica._refs is new
+    assert killed == [old]  # its holders' next call fails: they ask again and find the new actor
