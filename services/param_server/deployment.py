@@ -68,6 +68,7 @@ class ParamServerDeployment:
         self._retain = cfg.param_server.retain_versions
         self._refs: Any = None  # the object_store versions' actor, created on first use
         self._refs_lock = asyncio.Lock()
+        self._servicer.store.on_served = self._store_served
         if cfg.actor_rollout_ref.rollout.checkpoint_engine.backend == "object_store":
             from . import object_refs
 
@@ -114,6 +115,21 @@ class ParamServerDeployment:
             if self._refs is None:
                 self._refs = object_refs.start(self._retain)
             return self._refs
+
+    def _store_served(self, stored: Any) -> None:
+        """The store's `on_served`: a consumer saw a version through the store (GetManifest,
+        AcquireVersion). An object_store version's content lives in the object_refs actor, which
+        would still take it for unseen and let a republish swap its refs under that consumer (the
+        store refuses the board post, logged only: its manifest and the objects would disagree for
+        good). Told here, the actor refuses other content too. Not awaited (a store call is synchronous): a republish
+        reaching the actor in the same few ms still gets in, and the store refuses its board post."""
+        if self._refs is None or "object_store" not in stored.manifest.transports:
+            return  # no actor: no refs to protect
+        try:
+            self._refs.seen.remote(stored.policy_version, stored.manifest.checksum)  # a dropped ref: still run
+        except Exception as exc:  # noqa: BLE001 -- never fails the consumer's call; the actor may be gone
+            log.warning("object_refs_seen_not_sent", policy_version=stored.policy_version,
+                        error=f"{type(exc).__name__}: {exc}")
 
     async def register_object_store_version(self, manifest: bytes, refs: list[Any] | None = None) -> bytes:
         """Put a version on the board (the store: ListVersions, GetManifest, metrics), `refs`

@@ -22,7 +22,9 @@ only holder of the refs (the replica's store keeps the manifests alone).
 
 A version is immutable once looked up: the same number with other content is refused then, and
 replaces it before (a trainer that died between publish and commit, resumed from a checkpoint,
-publishes the same number with other weights; the param server's store has the same rule).
+publishes the same number with other weights; the param server's store has the same rule). A
+consumer that saw the version through the replica's store (GetManifest, AcquireVersion) makes it
+immutable here too: the replica tells this table (`seen`) as the store marks it.
 
 Lifetime: the replica creates the actor on first use, on its own node, and owns it: it dies with
 the replica, and the versions with it, as with the store. `ParamServerDeployment.object_refs()`
@@ -109,6 +111,16 @@ class RefTable:
         entry.served = True
         return entry.manifest, entry.refs
 
+    def seen(self, policy_version: int, checksum: str) -> bool:
+        """A consumer saw this version's manifest elsewhere (the replica's store: GetManifest,
+        AcquireVersion): from now on it is immutable here too, as after a lookup. Returns whether
+        this table holds that content (other content: the store refuses its board post itself)."""
+        entry = self.versions.get(policy_version)
+        if entry is None or entry.checksum != checksum:
+            return False
+        entry.served = True
+        return True
+
 
 class ObjectRefsActor:
     """The RefTable as a Ray actor (`start`): plain methods, one call at a time."""
@@ -121,6 +133,9 @@ class ObjectRefsActor:
 
     def lookup(self, policy_version: int) -> tuple[bytes, list[Any]]:
         return self.table.lookup(policy_version)
+
+    def seen(self, policy_version: int, checksum: str) -> bool:
+        return self.table.seen(policy_version, checksum)
 
     def stats(self) -> dict[str, Any]:
         t = self.table

@@ -67,7 +67,7 @@ class StoredVersion:
     """Transport data the store does not interpret (e.g. Ray object refs)."""
     served: bool = False
     """Whether any consumer has seen it (manifest, hold or bytes). Until then it may be replaced:
-    see `WeightStore._commit`."""
+    see `WeightStore._commit`. Set through `WeightStore._seen`."""
 
     @property
     def policy_version(self) -> int:
@@ -262,6 +262,9 @@ class WeightStore:
         self._versions: dict[int, StoredVersion] = {}
         self._uploads: dict[int, Upload] = {}
         self._on_evict = on_evict
+        self.on_served: Callable[[StoredVersion], None] | None = None
+        """Called once when a consumer first sees a version here: where its bytes live elsewhere
+        (the object_store's refs actor) that place must refuse other content for it too."""
         self.evicted_total = 0
 
     # ---- writes ---------------------------------------------------------------------------------
@@ -346,6 +349,12 @@ class WeightStore:
         self.sweep(now)
         return stored.manifest
 
+    def _seen(self, stored: StoredVersion) -> None:
+        if not stored.served:
+            stored.served = True
+            if self.on_served is not None:
+                self.on_served(stored)
+
     @staticmethod
     def _orphan(stored: StoredVersion) -> bool:
         return not stored.served and not stored.holds and not stored.readers
@@ -374,7 +383,7 @@ class WeightStore:
     def manifest(self, policy_version: int) -> Manifest:
         """A consumer's view of the version (GetManifest): from now on it is immutable."""
         stored = self._resolve(policy_version)
-        stored.served = True
+        self._seen(stored)
         return stored.manifest
 
     def newest_version(self) -> int | None:
@@ -392,8 +401,8 @@ class WeightStore:
                 f"version {stored.policy_version} travels over {list(stored.manifest.transports)}; the param "
                 "server does not hold its bytes (fetch it over that transport, or publish it over grpc too)"
             )
+        self._seen(stored)
         stored.readers += 1
-        stored.served = True
         try:
             yield stored
         finally:
@@ -412,7 +421,7 @@ class WeightStore:
                 "(param_server.max_holders_per_version); release holds you no longer need"
             )
         stored.holds[consumer_id] = now + self.settings.hold_ttl_s
-        stored.served = True
+        self._seen(stored)
         return stored.manifest
 
     def release(self, consumer_id: str, policy_version: int, now: float) -> None:

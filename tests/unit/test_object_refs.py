@@ -232,3 +232,52 @@ def test_an_object_refs_actor_the_replica_gives_up_on_is_killed_so_no_client_kee
     got = asyncio.run(ParamServerDeployment.func_or_class.object_refs(replica))
     assert got is new and replica._refs is new
     assert killed == [old]  # its holders' next call fails: they ask again and find the new actor
+
+
+class CallsNow:
+    """An actor handle whose `.method.remote(*args)` runs the call at once (a fire-and-forget call
+    the replica does not await has landed before anything else reaches the actor)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        import types
+
+        return types.SimpleNamespace(remote=getattr(self.inner, name))
+
+
+def test_a_version_a_consumer_saw_through_the_store_is_immutable_in_the_object_refs_actor_too() -> None:
+    """GetManifest (or AcquireVersion) of an object_store version marked it seen in the replica's
+    store only: the object_refs actor, where its content lives, took it for unseen and let a
+    republish with other content swap its refs; the store then refused that board post (logged
+    only), so the manifest the consumer got and the objects every fetch gets disagreed for good."""
+    import dataclasses
+    import types
+
+    from services.param_server.deployment import ParamServerDeployment
+    from services.param_server.store import StoreSettings, WeightStore
+    from services.weights import convert
+    from tests.unit.test_param_server_store import make_version
+
+    def raw(seed: int) -> bytes:
+        m = dataclasses.replace(make_version(5, seed=seed)[0], transports=("object_store",))
+        return convert.manifest_to_proto(m).SerializeToString()  # type: ignore[no-any-return]
+
+    a, b = raw(0), raw(1)
+    store = WeightStore(StoreSettings(retain_versions=2))
+    actor = ObjectRefsActor(2)
+    replica = types.SimpleNamespace(_servicer=types.SimpleNamespace(store=store), _refs=CallsNow(actor))
+    deployment = ParamServerDeployment.func_or_class
+    store.on_served = lambda stored: deployment._store_served(replica, stored)  # as the replica's __init__ wires it
+    actor.register(a, [["a0"], ["a1"]])  # the trainer's publish: the actor, then the board behind it
+    asyncio.run(deployment.register_object_store_version(replica, a))
+    seen = store.manifest(5)  # a consumer's GetManifest
+    with pytest.raises(FailedPrecondition, match="consumers have seen it"):
+        actor.register(b, [["b0"], ["b1"]])  # a republish with other content
+    assert actor.table.lookup(5) == (a, [["a0"], ["a1"]]) and store.get(5).manifest.checksum == seen.checksum
+    # other content than the actor holds (a republish that got there first): the actor is left as it is
+    t = RefTable(retain=1)
+    t.register(manifest(7), refs(7))
+    assert not t.seen(7, "another checksum") and not t.seen(8, "c0ffee8") and not t.versions[7].served
+    assert t.seen(7, "c0ffee7") and t.versions[7].served
