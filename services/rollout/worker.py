@@ -186,6 +186,9 @@ class RolloutWorker:
         self._latest_ref: common_pb2.WeightsRef | None = None
         self._weights_failed = False
         self._weights_retry: asyncio.Task[None] | None = None
+        # The version a load broke off in after buckets went in (None: the model holds a whole
+        # version): until the engine's version reaches it, the paused engine holds two versions.
+        self._partial_version: int | None = None
         # No lease before the first WatchVersions message is handled: a replica that starts on a
         # live run (a resume, a scale-up, a restart) holds the base model until then, and groups
         # generated with it would be trained at any staleness.
@@ -683,7 +686,12 @@ class RolloutWorker:
             raise RuntimeError("this replica has no weight fetcher configured")
         async with self._update_lock:
             if ref.policy_version <= self.engine.version:
-                if self.engine.paused:  # a load whose SetVersion landed after its caller gave up
+                # A load whose SetVersion landed after its caller gave up: the model is whole, resume.
+                # Not while a broken-off load left part of a newer version in it (the engine's
+                # version is still below it): that resumes only once a whole version loads.
+                partial = self._partial_version
+                if self.engine.paused and (partial is None or self.engine.version >= partial):
+                    self._partial_version = None
                     await self.engine.resume()
                 return 0.0
             mode: PauseMode = self.s.partial_rollout_mode if self.s.partial_rollout else "wait"
@@ -713,6 +721,10 @@ class RolloutWorker:
                     # another base, a version that is gone) changes nothing (RolloutEngine.load_weights).
                     log.error("weights_half_loaded", policy_version=ref.policy_version, buckets=buckets,
                               hint="generation stays paused until a whole version loads")
+                    self._partial_version = ref.policy_version
+                if self._partial_version is not None:
+                    # This load, or an earlier one that this one did not replace (a retry that
+                    # failed before its first bucket changes nothing), left part of a version in.
                     # Whoever called (WatchVersions, or the UpdateWeights RPC): the retry resumes it.
                     if self._latest_ref is None or ref.policy_version > self._latest_ref.policy_version:
                         self._latest_ref = ref
@@ -721,6 +733,7 @@ class RolloutWorker:
                     raise
                 await self.engine.resume()
                 raise
+            self._partial_version = None
             await self.engine.resume()
             dt = time.monotonic() - t0
             self.counters.weight_updates += 1

@@ -736,3 +736,73 @@ def test_one_groups_failing_item_does_not_fail_another_group_coalesced_into_the_
     assert isinstance(a, MeshError), f"group A: {a!r}"
     assert not isinstance(b, BaseException), f"group B (all items fine) failed with group A's error: {b!r}"
     assert [r.item_id for r in b] == ["B/0", "B/1"] and [r.score for r in b] == [1.0, 1.0]
+
+
+def test_an_update_to_the_loaded_version_does_not_resume_a_half_loaded_model(tok: Any) -> None:
+    """After a version loaded in part, the engine holds two versions' weights under the old one's
+    label: an UpdateWeights for a version it already has (an operator re-sending the version
+    GetRolloutStatus shows, a retried RPC) must not resume generation on them."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
+    coord = FakeCoordinator(_prompts(40), sampling)
+    store = InMemoryWeightStore(bucket_bytes=4096)
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    never = _BreaksMidStream(store, failures=10**6)
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=30.0, renew_interval_s=0.2, concurrent_groups=1)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, never, settings)  # type: ignore[arg-type]
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.submitted) >= 1, what="generation under way")
+        coord.push_version(ref)
+        await wait_for(lambda: worker.status().weights_failed and engine.paused, what="the half-loaded update")
+        seen["load_s"] = await worker.update_weights(common_pb2.WeightsRef(policy_version=engine.version))
+        seen["paused"] = engine.paused
+        seen["version"] = engine.version
+        await asyncio.wait_for(worker.stop(), timeout=60)
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert seen == {"load_s": 0.0, "paused": True, "version": 0}
+
+
+class _BreaksThenUnreachable(_FlakyStore):
+    """The first fetch yields one bucket, then fails; every later one fails before any bucket."""
+
+    async def fetch(self, ref: common_pb2.WeightsRef) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            raise ConnectionError("param server unreachable")
+        async for bucket in self.store.fetch(ref):
+            yield bucket
+            raise ConnectionError("the stream broke after the first bucket")
+
+
+def test_a_retry_that_fails_before_any_bucket_keeps_a_half_loaded_model_paused(tok: Any) -> None:
+    """A retry of a version loaded in part that fails before its first bucket changes nothing in
+    the model, which still holds two versions: generation stays paused."""
+    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
+    coord = FakeCoordinator(_prompts(40), sampling)
+    store = InMemoryWeightStore(bucket_bytes=4096)
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    broken = _BreaksThenUnreachable(store, failures=0)
+    seen: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
+        settings = WorkerSettings(replica_id="r0", idle_poll_s=0.05, renew_interval_s=0.2, concurrent_groups=1)
+        worker = RolloutWorker(engine, tok, coord, length_scorer, broken, settings)  # type: ignore[arg-type]
+        await engine.start()
+        worker.start()
+        await wait_for(lambda: len(coord.submitted) >= 1, what="generation under way")
+        coord.push_version(ref)
+        await wait_for(lambda: broken.calls >= 3, what="two retries that failed before any bucket")
+        seen["paused"] = engine.paused
+        seen["version"] = engine.version
+        await asyncio.wait_for(worker.stop(), timeout=60)
+        await engine.close()
+
+    asyncio.run(scenario())
+    assert seen == {"paused": True, "version": 0}
