@@ -15,14 +15,21 @@ Checks. Every bucket carries a fingerprint: 128 bits over its bytes read as litt
 words w_i (zero padded to whole words), from the K column sums S[c] = sum of w_i with i = c mod K
 (mod 2^64), mixed with fixed odd constants and the byte length. It is not cryptographic; it
 catches a flipped bit, lost or stale regions, truncation and shifted blocks (K = 509 is prime, so
-swapping power-of-two sized blocks moves words to other columns). Its known blind spot: a change
-of 2^63 vanishes in pairs (2^63 x an even sum = 0 mod 2^64), so flips of bit 63 of an even number
-of words (the sign bit of every 4th bf16 / 2nd fp32 element) pass unseen; the collective
-transports compare the column sums themselves, which leaves only pairs within one column. Random
-damage (torn reads, lost chunks, a flipped bit) does not take that shape; where any corruption
-must be caught, turn on `param_server.bucket_sha256`. It runs at memory speed and,
-being sums, is the same whether computed in one pass on a device (`fingerprint_tensor`, torch) or
-incrementally over chunks in any order (`Fingerprinter`, numpy). A sha256 per bucket is optional
+swapping power-of-two sized blocks moves words to other columns). Its blind spots come from the
+mix being linear mod 2^64: a change of d x 2^(64-j) in a column sum (d odd) reaches the digest
+only through the low j bits of that column's constants. So flips of bit 63 of an even number of
+words (the sign bit of every 4th bf16 / 2nd fp32 element) always pass unseen, and the same high
+bit flipped in two words of different columns passes for a share of the column pairs: bit 62 (the
+top exponent bit of those elements) for about 1 in 4, bit 61 for 1 in 16, each lower bit 4x
+fewer (tests/unit/test_param_server_layout.py measures it). The collective transports compare the
+column sums themselves, which leaves only changes that cancel within one column (two bit-63 flips
+there, two words K apart swapped). Random damage (torn reads, lost chunks, a flipped bit) does
+not take that shape; a fault that flips one bit position in many words (a bad data line) can:
+where any corruption must be caught, turn on `param_server.bucket_sha256`. (A versioned
+fingerprint that mixes each column sum non-linearly before the sum would close all but the
+within-column ones; it changes `digest_columns` only, not the column sums or their device
+kernels.) It runs at memory speed and, being sums, is the same whether computed in one pass on a
+device (`fingerprint_tensor`, torch) or incrementally over chunks in any order (`Fingerprinter`, numpy). A sha256 per bucket is optional
 (`param_server.bucket_sha256`); it costs ~1.5 GB/s of one core. The manifest checksum (sha256 over
 all metadata and bucket checks) names a version's content exactly.
 """

@@ -100,6 +100,38 @@ def test_fingerprint_catches_flips_block_swaps_and_truncation() -> None:
     assert fingerprint_bytes(zero_tail.numpy()) != base  # same words, other length
 
 
+def test_the_fingerprint_blind_spots_are_the_documented_ones() -> None:
+    """layout.py's docstring: the digest mixes the column sums linearly mod 2^64, so the same high
+    bit flipped in two words of different columns passes for a share of the column pairs (bit 63:
+    all of them; bit 62: about 1 in 4; bit 61: about 1 in 16), which comparing the column sums
+    (the collective transports) catches. When a versioned fingerprint closes these, flip this test."""
+    import numpy as np
+
+    from services.weights.layout import FINGERPRINT_COLUMNS as K
+    from services.weights.layout import fingerprint_columns_async
+
+    words = np.random.default_rng(11).integers(0, 2**62, 2 * K, dtype=np.uint64)  # bits 62, 63 clear
+    base = fingerprint_bytes(words.tobytes())
+    base_columns = fingerprint_columns_async(torch.from_numpy(words.view(np.uint8).copy()), words.nbytes)
+    for bit, share in ((63, 1.0), (62, 1 / 4), (61, 1 / 16)):
+        pairs = [(i, j) for i in range(40) for j in range(i + 1, K)]
+        missed = []
+        for i, j in pairs:
+            bad = words.copy()
+            bad[[i, j]] ^= np.uint64(1 << bit)
+            if fingerprint_bytes(bad.tobytes()) == base:
+                missed.append((i, j))
+        assert abs(len(missed) / len(pairs) - share) < share / 4, (bit, len(missed), len(pairs))
+        i, j = missed[0]
+        bad = words.copy()
+        bad[[i, j]] ^= np.uint64(1 << bit)
+        columns = fingerprint_columns_async(torch.from_numpy(bad.view(np.uint8).copy()), bad.nbytes)
+        assert not torch.equal(columns, base_columns)  # the column sums see it
+    single = words.copy()
+    single[7] ^= np.uint64(1 << 63)
+    assert fingerprint_bytes(single.tobytes()) != base  # one flipped bit, any bit: always caught
+
+
 def test_manifest_checksum_and_validation() -> None:
     bucket = mixed_bucket()
     metas, n = plan_bucket(0, bucket)
