@@ -1328,3 +1328,38 @@ def test_an_agent_whose_detached_child_holds_its_stderr_ends_when_it_exits(tmp_p
         assert out.ok, out
     else:
         assert not out.ok and f"exited with {rc}" in out.error and "the last words" in out.error, out
+
+
+def test_a_history_that_starts_a_new_segment_does_not_reset_the_response_budget() -> None:
+    """An agent that keeps its own copy of the turns (here: the answers elided) starts a new segment
+    at every call, and that segment's prompt holds the whole history so far. The budget counts after
+    the sample's first prompt (GatewayLimits.response_budget), so those turns spend it: the call is
+    clipped to what is left, the next one is refused, and the response is no longer than the
+    budget, as in the in-process loop."""
+    budget = 120  # each call adds 53 tokens to the history (the tiny tokenizer): the third is clipped
+    refused: list[str | None] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        messages = list(prompt["messages"])
+        for _ in range(8):
+            try:
+                await c.chat.completions.create(model="m", messages=messages)
+            except openai.BadRequestError as exc:
+                refused.append(exc.code)
+                break
+            # the agent's own record of the turn, not the reply: no stitch, a new segment each call
+            messages += [{"role": "assistant", "content": f"(answer of sample {prompt['sample_index']} elided)"},
+                         {"role": "user", "content": "again"}]
+        await c.close()
+        await finish(url, key, {"reward": 0.0})
+
+    long_answer = "5" * 30 + "<|im_end|>"
+    group, ga, policy = asyncio.run(play(agent, [long_answer], n=2, budget=budget))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert ga.registry.counters["stitch_mismatches"] > 0
+    for r in group.responses:
+        assert len(r.token_ids) <= budget, (len(r.token_ids), budget)
+        policy_ids = [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m]
+        assert 0 < len(policy_ids) < len(policy.turns[0]) and r.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert refused == ["context_length_exceeded"] * 2

@@ -69,6 +69,9 @@ class Segment:
     text: str = ""
     """Completion: the last prompt plus its completion (what a continuing prompt starts with)."""
     last_text: str = ""
+    spent: int = 0
+    """Response budget spent before its trajectory: its prompt's tokens past the sample's first
+    prompt (a new segment's prompt holds the turns so far when the agent keeps its own copy)."""
     calls: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -325,14 +328,14 @@ class SessionRegistry:
                 except Exception as exc:  # as for a full render: the new messages are the request's
                     raise bad("messages", f"the chat template cannot render them ({type(exc).__name__}: {exc})") from exc
                 prompt_ids, ctx = seg.prompt_ids, seg.prompt_ids + seg.traj.token_ids + env_ids
-                traj_len = len(seg.traj) + len(env_ids)
+                traj_len = seg.spent + len(seg.traj) + len(env_ids)
             else:
                 env_ids = []
                 try:
                     full_ids = renderer.prompt_ids([_template_message(m) for m in req.messages])
                 except Exception as exc:  # a template error is the request's fault
                     raise bad("messages", f"the chat template cannot render them ({exc})") from exc
-                prompt_ids, ctx, traj_len = full_ids, full_ids, 0
+                prompt_ids, ctx, traj_len = full_ids, full_ids, _spent_before(s, full_ids)
                 # Second chance, on token ids: the messages differ from what we returned (an agent
                 # that rewrites its copy) yet render to the exact ids so far plus more.
                 if seg is not None and seg.kind == "chat" and seg.tools_key == tools_key:
@@ -341,7 +344,7 @@ class SessionRegistry:
                         stitched = True
                         env_ids = full_ids[len(so_far):]
                         new_msgs = []
-                        prompt_ids, traj_len = seg.prompt_ids, len(seg.traj) + len(env_ids)
+                        prompt_ids, traj_len = seg.prompt_ids, seg.spent + len(seg.traj) + len(env_ids)
             # After the body's validation (tools, messages, the context: a 400 first) since staleness changes state
             self._check_context(len(ctx))
             self._check_open(s)
@@ -363,7 +366,7 @@ class SessionRegistry:
                     self.counters["stitch_mismatches"] += 1
                     self.counters["segments_dropped"] += 1
                 seg = Segment("chat", prompt_ids, Trajectory(index=s.index), tools_key=tools_key,
-                              messages=[_template_message(m) for m in req.messages])
+                              messages=[_template_message(m) for m in req.messages], spent=traj_len)
                 s.segments.append(seg)
             else:
                 seg.traj.add_environment(env_ids)
@@ -403,11 +406,11 @@ class SessionRegistry:
             if stitched and seg is not None:
                 env_ids = list(self.tok.encode(req.prompt[len(seg.text):], add_special_tokens=False))
                 prompt_ids, ctx = seg.prompt_ids, seg.prompt_ids + seg.traj.token_ids + env_ids
-                traj_len = len(seg.traj) + len(env_ids)
+                traj_len = seg.spent + len(seg.traj) + len(env_ids)
             else:
                 env_ids = []
                 prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
-                ctx, traj_len = prompt_ids, 0
+                ctx, traj_len = prompt_ids, _spent_before(s, prompt_ids)
             # the body's validation (the context: a 400) before the state's checks (staleness changes state)
             self._check_context(len(ctx), param="prompt")
             self._check_open(s)
@@ -421,7 +424,7 @@ class SessionRegistry:
                     s.stitch_mismatches += 1
                     self.counters["stitch_mismatches"] += 1
                     self.counters["segments_dropped"] += 1
-                seg = Segment("completion", prompt_ids, Trajectory(index=s.index))
+                seg = Segment("completion", prompt_ids, Trajectory(index=s.index), spent=traj_len)
                 s.segments.append(seg)
             else:
                 seg.traj.add_environment(env_ids)
@@ -513,6 +516,14 @@ class SessionRegistry:
             finish_reason=reason, token_texts=[str(self.tok.decode([t], skip_special_tokens=False)) for t in ids],
             logprobs=list(lps), prompt_tokens=prompt_tokens, completion_tokens=len(ids), created=now(),
         )
+
+
+def _spent_before(s: SampleSession, prompt_ids: Sequence[int]) -> int:
+    """The budget a new segment starts with spent: the budget counts after the sample's first
+    prompt (GatewayLimits.response_budget), and a segment whose prompt is longer holds turns the
+    agent kept (their tokens open its response). Counted from 0 again, every call of an agent that
+    keeps its own copy of the turns had the whole budget, and its response passed it by them all."""
+    return max(0, len(prompt_ids) - len(s.segments[0].prompt_ids)) if s.segments else 0
 
 
 def _cancelling() -> bool:
