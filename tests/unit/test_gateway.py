@@ -1330,13 +1330,15 @@ def test_an_agent_whose_detached_child_holds_its_stderr_ends_when_it_exits(tmp_p
         assert not out.ok and f"exited with {rc}" in out.error and "the last words" in out.error, out
 
 
-def test_a_history_that_starts_a_new_segment_does_not_reset_the_response_budget() -> None:
+@pytest.mark.parametrize(("budget", "clipped"), [(120, True), (100, False)])
+def test_a_history_that_starts_a_new_segment_does_not_reset_the_response_budget(budget: int, clipped: bool) -> None:
     """An agent that keeps its own copy of the turns (here: the answers elided) starts a new segment
     at every call, and that segment's prompt holds the whole history so far. The budget counts after
     the sample's first prompt (GatewayLimits.response_budget), so those turns spend it: the call is
     clipped to what is left, the next one is refused, and the response is no longer than the
     budget, as in the in-process loop."""
-    budget = 120  # each call adds 53 tokens to the history (the tiny tokenizer): the third is clipped
+    # each call adds 53 tokens to the history (the tiny tokenizer): with 120 the third call is clipped
+    # to what is left, with 100 it is refused
     refused: list[str | None] = []
 
     async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
@@ -1361,5 +1363,36 @@ def test_a_history_that_starts_a_new_segment_does_not_reset_the_response_budget(
     for r in group.responses:
         assert len(r.token_ids) <= budget, (len(r.token_ids), budget)
         policy_ids = [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m]
-        assert 0 < len(policy_ids) < len(policy.turns[0]) and r.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert (0 < len(policy_ids) < len(policy.turns[0])) is clipped
+        assert r.finish_reason == common_pb2.FINISH_REASON_LENGTH  # cut by the budget either way
     assert refused == ["context_length_exceeded"] * 2
+
+
+@pytest.mark.parametrize("limit", ["budget", "context"])
+def test_a_sample_refused_for_its_budget_or_context_ends_with_length(limit: str) -> None:
+    """A tool result that does not fit the response budget (or the model's context) refuses the
+    call that would append it (400 context_length_exceeded, nothing recorded); the trajectory ends
+    there, truncated, so it finishes with `length` as in the in-process loop (verl: what does not
+    fit is not appended) and the reward service is told it was truncated, not `stop` of the turn
+    before."""
+    refused: list[str | None] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        messages = list(prompt["messages"])
+        resp = await c.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        msg = resp.choices[0].message.model_dump(exclude_none=True)
+        messages += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "9" * 300}]
+        try:
+            await c.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+        except openai.BadRequestError as exc:
+            refused.append(exc.code)
+        await c.close()
+        await finish(url, key, {"reward": 0.0})
+
+    kw = {"budget": 128, "max_model_len": 1024} if limit == "budget" else {"budget": 1024, "max_model_len": 256}
+    group, _, _ = asyncio.run(play(agent, [CALL, ANSWER], n=1, **kw))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert refused == ["context_length_exceeded"]
+    (r,) = group.responses
+    assert r.num_turns == 1 and r.finish_reason == common_pb2.FINISH_REASON_LENGTH

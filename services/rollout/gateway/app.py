@@ -7,7 +7,8 @@
 
 Every route takes `Authorization: Bearer <the session's key>` (the OpenAI SDKs send OPENAI_API_KEY
 so). Order per request: the key (401), the body (413 / 400 naming the field), then the session's
-state (409); a refused request changes nothing.
+state (409); a refused request changes nothing (but one refused for the response budget or the
+context ends its open sample's trajectory with `length`, its tokens as they were).
 
 Why a server per replica rather than Serve's HTTP proxy: a session's calls must reach the replica
 that holds its lease and its tokens, and Serve's proxy balances requests over replicas with no

@@ -346,11 +346,15 @@ class SessionRegistry:
                         new_msgs = []
                         prompt_ids, traj_len = seg.prompt_ids, seg.spent + len(seg.traj) + len(env_ids)
             # After the body's validation (tools, messages, the context: a 400 first) since staleness changes state
-            self._check_context(len(ctx))
-            self._check_open(s)
-            self._check_calls(s)
-            self._check_staleness(s)
-            max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
+            try:
+                self._check_context(len(ctx))
+                self._check_open(s)
+                self._check_calls(s)
+                self._check_staleness(s)
+                max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens)
+            except ApiError as exc:
+                _ends_truncated(s, exc)
+                raise
             stop = self.stop_strings(s, req.stop)
             ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, stop, on_token)
             raw = str(self.tok.decode(ids, skip_special_tokens=True))
@@ -412,11 +416,15 @@ class SessionRegistry:
                 prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
                 ctx, traj_len = prompt_ids, _spent_before(s, prompt_ids)
             # the body's validation (the context: a 400) before the state's checks (staleness changes state)
-            self._check_context(len(ctx), param="prompt")
-            self._check_open(s)
-            self._check_calls(s)
-            self._check_staleness(s)
-            max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens, param="prompt")
+            try:
+                self._check_context(len(ctx), param="prompt")
+                self._check_open(s)
+                self._check_calls(s)
+                self._check_staleness(s)
+                max_tokens = self._max_tokens(len(ctx), traj_len, req.max_tokens, param="prompt")
+            except ApiError as exc:
+                _ends_truncated(s, exc)
+                raise
             stop = self.stop_strings(s, req.stop)
             ids, lps, vers, finish = await self._generate(s, ctx, max_tokens, stop, on_token)
             if not stitched or seg is None:
@@ -516,6 +524,16 @@ class SessionRegistry:
             finish_reason=reason, token_texts=[str(self.tok.decode([t], skip_special_tokens=False)) for t in ids],
             logprobs=list(lps), prompt_tokens=prompt_tokens, completion_tokens=len(ids), created=now(),
         )
+
+
+def _ends_truncated(s: SampleSession, exc: ApiError) -> None:
+    """A call of an open sample refused because it leaves no room (the response budget or the
+    model's context): nothing is recorded, and the sample's trajectory (its last segment) ends
+    there truncated, with `length` as the in-process loop ends it (verl: what does not fit is not
+    appended), not with the last turn's `stop` (the reward service is told `truncated`). A later
+    call that fits replaces it."""
+    if exc.code == "context_length_exceeded" and s.segments and s.state == "open":
+        s.segments[-1].traj.finish_reason = Finish.LENGTH
 
 
 def _spent_before(s: SampleSession, prompt_ids: Sequence[int]) -> int:
