@@ -17,8 +17,14 @@ Tables
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
+import socket
 import sqlite3
+import time
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +32,16 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
+from services.common.errors import FailedPrecondition
+from services.common.logging import get_logger
+
+log = get_logger(__name__)
+
 SCHEMA_VERSION = 1
+OWNER_WAIT_S = 60.0
+"""How long a coordinator waits for the process that holds its ledger to let go of it before it
+refuses to start: Serve starts a replacement replica while the old one shuts down (its graceful
+shutdown, 20 s by default, then a kill)."""
 
 
 class LeaseState(IntEnum):
@@ -109,22 +124,90 @@ CREATE TABLE IF NOT EXISTS set_aside (seq INTEGER PRIMARY KEY, failures INTEGER 
 """
 
 
+# lock file (real path) -> [its fd, Ledgers of this process open on it]: a process opens it once,
+# as closing any descriptor of a file drops the process's POSIX locks on it
+_owned: dict[str, list[int]] = {}
+
+
+def _own(path: str) -> str | None:
+    """Take the ledger for this process: an exclusive lock on PATH.lock, held until close() or the
+    process's end (a crash, kill -9, lets go at once). Two coordinators on one ledger each rebuild
+    their state from it once and then write their own over the other's: both lease the same
+    prompt positions, and each save of the run state rolls the other's cursor and counts back.
+    Waits OWNER_WAIT_S for a holder to let go, then refuses, naming it. Returns the lock's key."""
+    lock = os.path.realpath(path) + ".lock"
+    if lock in _owned:
+        _owned[lock][1] += 1
+        return lock
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + OWNER_WAIT_S
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                # a filesystem without locks (some NFS mounts): run as before, unguarded, and say so
+                os.close(fd)
+                log.warning("ledger_lock_unavailable", path=lock, error=f"{type(exc).__name__}: {exc}",
+                            hint="nothing stops a second coordinator on this ledger: run one only")
+                return None
+            if time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "pid unknown"
+            os.close(fd)
+            raise FailedPrecondition(
+                f"ledger {path} is in use by another coordinator ({holder}), still after {OWNER_WAIT_S:g} s: "
+                "two coordinators on one ledger lease the same prompts and undo each other's counts; stop "
+                "the other one (the run it serves), or give this run its own coordinator.ledger_path"
+            ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _owned[lock] = [fd, 1]
+    return lock
+
+
+def _disown(lock: str | None) -> None:
+    entry = _owned.get(lock) if lock is not None else None
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] == 0:
+        del _owned[lock]  # type: ignore[arg-type]
+        os.close(entry[0])  # the lock goes with it
+
+
 class Ledger:
-    """Write-through persistence for CoordinatorCore. Not thread-safe: one owner (the core)."""
+    """Write-through persistence for CoordinatorCore. Not thread-safe: one owner (the core), one
+    coordinator process per ledger file (see _own)."""
 
     def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
         self.path = str(path)
+        lock = None
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous}")
-        self._db.execute("PRAGMA foreign_keys=OFF")
-        self._db.executescript(_SCHEMA)
+            lock = _own(self.path)
+        # let go at close(), or when a Ledger nobody closed is collected
+        self._disown = weakref.finalize(self, _disown, lock)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute(f"PRAGMA synchronous={synchronous}")
+                self._db.execute("PRAGMA foreign_keys=OFF")
+                self._db.executescript(_SCHEMA)
+            except BaseException:
+                self._db.close()
+                raise
+        except BaseException:
+            self._disown()  # a ledger that did not open is no one's
+            raise
         self._in_tx = False
 
     def close(self) -> None:
         self._db.close()
+        self._disown()
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
