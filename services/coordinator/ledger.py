@@ -193,17 +193,41 @@ class Ledger:
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             try:
-                self._db.execute("PRAGMA journal_mode=WAL")
-                self._db.execute(f"PRAGMA synchronous={synchronous}")
-                self._db.execute("PRAGMA foreign_keys=OFF")
-                self._db.executescript(_SCHEMA)
+                self._open(synchronous)
             except BaseException:
                 self._db.close()
                 raise
+        except sqlite3.DatabaseError as exc:
+            self._disown()
+            raise FailedPrecondition(
+                f"ledger {self.path} cannot be opened as a SQLite database ({exc}); point "
+                "coordinator.ledger_path at a run's ledger (ledger.sqlite in its run directory) or at a new file"
+            ) from exc
         except BaseException:
             self._disown()  # a ledger that did not open is no one's
             raise
         self._in_tx = False
+
+    def _open(self, synchronous: str) -> None:
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous}")
+        self._db.execute("PRAGMA foreign_keys=OFF")
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise FailedPrecondition(
+                f"ledger {self.path} was written by a newer meshrl (ledger schema {version}, this one reads "
+                f"{SCHEMA_VERSION}): continue the run with that meshrl, or start a new one on a new coordinator.ledger_path"
+            )
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if tables - {"sqlite_sequence"} and "run_state" not in tables:
+            # another program's database: the ledger's tables would be written into it, a fresh run on it
+            raise FailedPrecondition(
+                f"ledger {self.path} is not a meshrl ledger (it holds tables {sorted(tables)}); point "
+                "coordinator.ledger_path at a run's ledger (ledger.sqlite in its run directory) or at a new file"
+            )
+        self._db.executescript(_SCHEMA)
+        if version < SCHEMA_VERSION:  # new, or written before the version was kept (the same schema)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         self._db.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +68,46 @@ def test_a_coordinator_waits_for_the_one_it_replaces_to_let_go(tmp_path: Path, m
     a, b = make_core(db), make_core(db)
     a.ledger.close()
     b.ledger.close()
+
+
+# ---- what the file holds --------------------------------------------------------------------
+
+
+def test_a_file_that_is_not_a_ledger_is_refused_naming_it(tmp_path: Path) -> None:
+    """coordinator.ledger_path set to the wrong file: a file that is no SQLite database failed with
+    sqlite3's 'file is not a database' (no path, no fix); another program's SQLite database got
+    the ledger's tables written into it and a fresh run started on it."""
+    garbage = tmp_path / "model.safetensors"
+    garbage.write_bytes(b"\x00not a database" * 512)
+    with pytest.raises(FailedPrecondition, match=rf"ledger {re.escape(str(garbage))} .*coordinator\.ledger_path"):
+        make_core(garbage)
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE runs (name TEXT)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(FailedPrecondition, match=rf"ledger {re.escape(str(other))} is not a meshrl ledger"):
+        make_core(other)
+    conn = sqlite3.connect(other)
+    assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["runs"], "tables written into it"
+    conn.close()
+
+
+def test_a_ledger_of_a_newer_schema_is_refused_and_one_from_before_versions_opens(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.sqlite"
+    core = make_core(db)
+    core.lease("r", 2, 0.0)
+    core.ledger.close()
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == ledger_mod.SCHEMA_VERSION
+    conn.execute(f"PRAGMA user_version = {ledger_mod.SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(FailedPrecondition, match=rf"ledger {re.escape(str(db))} was written by a newer meshrl"):
+        make_core(db)
+    # a ledger from before the schema version was kept (user_version 0) is this schema: it continues
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA user_version = 0")
+    conn.close()
+    again = make_core(db)
+    assert again.in_flight == 2 and [lease.seq for lease in again.lease("r", 1, 1.0).leases] == [2]
+    again.ledger.close()
