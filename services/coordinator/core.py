@@ -226,6 +226,9 @@ class _State:
     cursor: int = 0
     budget_used: int = 0
     staleness_threshold: float = 0.0
+    config_staleness_threshold: float | None = None
+    """The config's staleness_threshold when this run last opened the ledger (None: a ledger from
+    before it was kept): a config that says otherwise at a restart was changed on purpose."""
     paused: bool = False
     stopping: bool = False
     stop_session: str = ""
@@ -347,6 +350,7 @@ class CoordinatorCore:
                 run_id=settings.run_id or uuid.uuid4().hex[:12],
                 fingerprint=settings.fingerprint(),
                 staleness_threshold=settings.staleness_threshold,
+                config_staleness_threshold=settings.staleness_threshold,
             )
             with ledger.transaction():
                 ledger.save_state(self._state.to_json())
@@ -376,6 +380,16 @@ class CoordinatorCore:
             state.stopping = False
             state.stop_session = ""
             state.stop_version, state.stop_weights = 0, b""
+            repaired = True
+        if state.config_staleness_threshold != settings.staleness_threshold:
+            # The ledger's threshold wins over the same config (one set live by SetStaleness survives
+            # a restart), not over a changed one: `meshrl train --resume RUN_DIR
+            # async_training.staleness_threshold=...` or `--mode sync` went on at the first run's.
+            if state.config_staleness_threshold is not None:
+                log.info("staleness_threshold_from_config", staleness_threshold=settings.staleness_threshold,
+                         was=state.staleness_threshold, note="the config's value changed since the ledger's run")
+                state.staleness_threshold = settings.staleness_threshold
+            state.config_staleness_threshold = settings.staleness_threshold
             repaired = True
         if not (math.isfinite(state.staleness_threshold) and 0 <= state.staleness_threshold <= MAX_STALENESS_THRESHOLD):
             # Written by a coordinator that did not range-check SetStaleness: it would fail every

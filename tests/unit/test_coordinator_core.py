@@ -682,3 +682,23 @@ def test_delivered_groups_keep_their_payload_in_the_ledger_only_and_a_resume_que
     again = restarted.fetch("t", 1, 4, 0.0, [], None)
     assert [(g.lease_id, g.payload) for g in again.groups] == [(g.lease_id, g.payload) for g in sent]
     assert restarted.audit()["balanced"]
+
+
+def test_a_staleness_threshold_changed_in_the_config_applies_on_resume(tmp_path: Path) -> None:
+    """`meshrl train --resume RUN_DIR async_training.staleness_threshold=...` (or `--mode sync`,
+    which sets it to 0): the ledger's value stayed, so the budget went on at the first run's
+    threshold while the config, the report and trigger_parameter_sync_step (read from the config)
+    said otherwise. A value set live (SetStaleness) survives a restart on the same config."""
+    db = tmp_path / "l.db"
+    core = make_core(db, staleness=0.5)
+    core.set_staleness(0.25)
+    core.ledger.close()
+    again = make_core(db, staleness=0.5)  # Serve restarted the coordinator: same config
+    assert again.status(0.0).staleness_threshold == 0.25
+    again.ledger.close()
+    resumed = make_core(db, staleness=0.0)  # resumed with another threshold
+    assert resumed.status(0.0).staleness_threshold == 0.0
+    assert resumed.max_required_samples == 4
+    resumed.set_staleness(2.0)
+    resumed.ledger.close()
+    assert make_core(db, staleness=0.0).status(0.0).staleness_threshold == 2.0
