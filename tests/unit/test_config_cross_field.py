@@ -89,3 +89,23 @@ def test_the_fsdp_master_dtype_survives_a_dumped_config(tmp_path: Path, override
     p.write_text(dump_config(cfg))
     for c in (cfg, load_config(p)):
         assert str(master_dtype(c.actor_rollout_ref.model, c.actor_rollout_ref.actor)) == f"torch.{want}"
+
+
+@pytest.mark.parametrize("override", [
+    # 0 passes: every step publishes the weights it started from; the run "succeeds", untrained.
+    "actor_rollout_ref.actor.ppo_epochs=0",
+    # range(0, n, -1) is empty: no micro-batch, nothing trained; 0 silently took the whole mini-batch.
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=-1",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=0",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=-1",
+    # `meshrl plan` divided by the devices of an engine (ZeroDivisionError), the rollout by its TP
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=0",
+    "actor_rollout_ref.rollout.data_parallel_size=0",
+    # the run's prompts are capped at dataset_size x total_epochs: 0 rolls out nothing
+    "rollout.total_epochs=0",
+])
+def test_batch_and_parallel_knobs_that_would_train_nothing_are_refused(override: str) -> None:
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}: Input should be greater than or equal to 1"):
+        load_config(None, [override])

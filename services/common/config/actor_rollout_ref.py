@@ -214,14 +214,15 @@ class ActorConfig(ConfigModel):
     """Training engine backend; `fsdp` is an alias of `fsdp2`."""
     ppo_mini_batch_size: int = Field(default=256, ge=1)
     """Prompts per optimizer step (each with `rollout.n` responses)."""
-    ppo_micro_batch_size_per_gpu: int | None = None
-    """Sequences per forward/backward on one rank; null: the whole mini-batch."""
+    ppo_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
+    """Sequences per forward/backward on one rank; null: the whole mini-batch (0 was taken as
+    null and a negative size gave no micro-batch at all: both refused)."""
     use_dynamic_bsz: bool = False
     """Form micro-batches by token budget instead of a fixed count."""
-    ppo_max_token_len_per_gpu: int = 16384
+    ppo_max_token_len_per_gpu: int = Field(default=16384, ge=1)
     """Token budget of a micro-batch when `use_dynamic_bsz`."""
-    ppo_epochs: int = 1
-    """Passes over each mini-batch."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each mini-batch (0 would run no optimizer step: a run that trains nothing)."""
     shuffle: bool = False
     """Shuffle sequences across micro-batches."""
     clip_ratio: float = 0.2
@@ -391,11 +392,11 @@ class RolloutEngineConfig(ConfigModel):
     """Inference dtype."""
     gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
     """vLLM: fraction of device memory for weights + KV."""
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = Field(default=1, ge=1)
     """Rollout TP degree."""
-    data_parallel_size: int = 1
+    data_parallel_size: int = Field(default=1, ge=1)
     """Rollout DP degree inside one engine."""
-    expert_parallel_size: int = 1
+    expert_parallel_size: int = Field(default=1, ge=1)
     """Rollout EP degree (MoE)."""
     max_num_seqs: int = 256
     """Concurrent sequences per engine."""
@@ -419,7 +420,7 @@ class RolloutEngineConfig(ConfigModel):
     """Validation sampling."""
     checkpoint_engine: CheckpointEngineConfig = CheckpointEngineConfig()
     """Weight transport."""
-    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
     """Micro-batch for recomputing logprobs (decoupled mode)."""
     multi_turn: MultiTurnConfig = MultiTurnConfig()
     """Multi-turn trajectories with tools and environments."""
@@ -434,9 +435,9 @@ class RefConfig(ConfigModel):
     megatron: MegatronConfig = MegatronConfig()
     """Reference megatron options (same parallel layout as the actor; `param_offload` keeps it
     on CPU between uses)."""
-    log_prob_micro_batch_size_per_gpu: int | None = None
+    log_prob_micro_batch_size_per_gpu: int | None = Field(default=None, ge=1)
     """Micro-batch for reference logprobs."""
-    ulysses_sequence_parallel_size: int = 1
+    ulysses_sequence_parallel_size: int = Field(default=1, ge=1)
     """Ulysses degree for the reference."""
 
 

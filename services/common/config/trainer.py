@@ -74,8 +74,9 @@ class RolloutResourcesConfig(ConfigModel):
     """Rollout devices per node."""
     total_rollout_steps: int = Field(default=100, ge=1)
     """Prompts to roll out over the run (verl counts prompts, not batches)."""
-    total_epochs: int = 10
-    """Upper bound on passes over the data (total = min(total_rollout_steps, len(data) * epochs))."""
+    total_epochs: int = Field(default=10, ge=1)
+    """Upper bound on passes over the data (total = min(total_rollout_steps, len(data) * epochs);
+    0 would roll out nothing)."""
     n: int | None = None
     """verl scripts set `rollout.n`; if given it must equal `actor_rollout_ref.rollout.n` or
     replaces it when that is left at its default."""
