@@ -22,9 +22,15 @@ from .plan_layout import megatron_layout, memory_estimate, rollout_checks, train
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "recipes"
 
 
-def resolve_config_path(config: str | None) -> str | None:
-    """A path, or a recipe name from configs/recipes (with or without .yaml)."""
-    if config is None or Path(config).exists():
+def resolve_config_path(config: str | None) -> str:
+    """A path, or a recipe name from configs/recipes (with or without .yaml); none: the built-in
+    example, which `meshrl train` runs without a CONFIG (the bare defaults are no runnable plan:
+    100 prompts against 1024 a version, so 0 versions)."""
+    if config is None:
+        from .train import EXAMPLE_CONFIG
+
+        return str(EXAMPLE_CONFIG)
+    if Path(config).exists():
         return config
     for candidate in (RECIPES_DIR / config, RECIPES_DIR / f"{config}.yaml"):
         if candidate.is_file():

@@ -10,6 +10,7 @@ import pytest
 
 from meshrl.cli import main
 from meshrl.plan import RECIPES_DIR, make_plan
+from services.common.config import derive
 from services.common.errors import ConfigError
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -99,3 +100,16 @@ def test_local_model_path_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert plan["model"]["params"] == sum(p.numel() for p in model.parameters())
     assert main(["plan", "qwen3_235b_a22b_grpo_megatron_npu", "trainer.n_gpus_per_node=10"]) == 2
     assert "does not divide the 80 training devices" in capsys.readouterr().err
+
+
+def test_plan_without_config_plans_the_built_in_example(capsys: pytest.CaptureFixture[str]) -> None:
+    """`meshrl plan` with no CONFIG (or only overrides) plans what `meshrl train` with no CONFIG runs:
+    the built-in example, as its help says. It planned the bare defaults: 0 weight versions (100
+    prompts, 256 x 4 per version) where the example trains 500."""
+    from meshrl.train import resolve_config
+
+    example = derive(resolve_config(None, []), dataset_size=4096).as_dict()
+    assert main(["plan", "--json"]) == 0
+    assert {k: v for k, v in json.loads(capsys.readouterr().out)["derived"].items() if k in example} == example
+    plan = make_plan(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=16"])
+    assert plan["derived"]["required_samples"] == 16 and plan["derived"]["total_rollout_steps"] == 16000
