@@ -109,3 +109,15 @@ def test_batch_and_parallel_knobs_that_would_train_nothing_are_refused(override:
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"{key}: Input should be greater than or equal to 1"):
         load_config(None, [override])
+
+
+def test_max_model_len_that_leaves_no_room_after_a_prompt_is_refused() -> None:
+    # A prompt within data.max_prompt_length but at or past max_model_len is rejected by the
+    # engine as InvalidArgument, which stops the replica (bad input fails on every replica): each
+    # replica that leases such a prompt stops, hours into a run. Below prompt + response stays
+    # allowed (a sample then ends with `length` at the context limit).
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.max_model_len=512 .*data\.max_prompt_length=512"):
+        load_config(None, ["data.max_prompt_length=512", "actor_rollout_ref.rollout.max_model_len=512"])
+    cfg = load_config(None, ["data.max_prompt_length=512", "data.max_response_length=512",
+                             "actor_rollout_ref.rollout.max_model_len=600"])
+    assert cfg.actor_rollout_ref.rollout.max_model_len == 600

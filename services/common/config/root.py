@@ -94,6 +94,16 @@ class MeshConfig(ConfigModel):
                 "agent.command / agent.endpoint play each prompt through the gateway; the in-process agent loop "
                 "(actor_rollout_ref.rollout.multi_turn.enable) is the other way: set one of them"
             )
+        mml, max_prompt = arr.rollout.max_model_len, self.data.max_prompt_length
+        if mml is not None and mml <= max_prompt:
+            # The engine refuses a prompt that leaves no room under max_model_len as bad input,
+            # which stops the replica; prompts up to max_prompt_length reach it. Below prompt +
+            # response stays allowed: a sample then ends with `length` at the context limit.
+            raise ValueError(
+                f"actor_rollout_ref.rollout.max_model_len={mml} leaves no room to generate after a prompt of "
+                f"data.max_prompt_length={max_prompt} tokens; raise it (null: {max_prompt} + "
+                f"data.max_response_length={self.data.max_response_length}) or lower data.max_prompt_length"
+            )
         if self.data.train_files == [] and self.data.synthetic is None:
             raise ValueError("no prompt data: set data.train_files or data.synthetic")
         concurrent, per_call = self.async_training.concurrent_samples_per_replica, self.coordinator.max_groups_per_call
