@@ -121,3 +121,18 @@ def test_max_model_len_that_leaves_no_room_after_a_prompt_is_refused() -> None:
     cfg = load_config(None, ["data.max_prompt_length=512", "data.max_response_length=512",
                              "actor_rollout_ref.rollout.max_model_len=600"])
     assert cfg.actor_rollout_ref.rollout.max_model_len == 600
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    # the trainer divides the logits by it: NaN log-probs, every step skipped (grad not finite)
+    (["actor_rollout_ref.rollout.temperature=0"], r"actor_rollout_ref\.rollout\.temperature=0\.0: .*val_kwargs"),
+    # the sampling check refuses it as bad input, which stops every replica that leases a prompt
+    (["actor_rollout_ref.rollout.temperature=-1"], r"actor_rollout_ref\.rollout\.temperature=-1\.0"),
+    # vLLM refuses (0, 0.01) as bad input: the replica stops
+    (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.temperature=0.005"],
+     r"actor_rollout_ref\.rollout\.temperature=0\.005: .*>= 0\.01"),
+])
+def test_training_temperature_that_cannot_train_is_refused(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+    assert load_config(None, ["actor_rollout_ref.rollout.temperature=0.005"])  # transformers samples it as given

@@ -302,6 +302,10 @@ class ValKwargs(ConfigModel):
     """Sample (true) or decode greedily (false)."""
 
 
+VLLM_MIN_TEMPERATURE = 1e-2
+"""vLLM's SamplingParams raises a temperature in (0, 1e-2) to 1e-2 (sampling and logprobs), so
+the vllm engine refuses one (services/rollout/engines/vllm_engine.py)."""
+
 COLLECTIVE_BACKENDS = ("nccl", "hccl", "gloo")
 """`checkpoint_engine.backend` values that broadcast every version to every rollout rank."""
 
@@ -424,6 +428,22 @@ class RolloutEngineConfig(ConfigModel):
     """Micro-batch for recomputing logprobs (decoupled mode)."""
     multi_turn: MultiTurnConfig = MultiTurnConfig()
     """Multi-turn trajectories with tools and environments."""
+
+    @model_validator(mode="after")
+    def _training_temperature(self) -> RolloutEngineConfig:
+        # The training samples' temperature: the trainer recomputes log-probs at it (logits / t),
+        # so 0 gives NaN and every step is skipped; a negative one, or one vLLM would raise, is
+        # refused by the engine as bad input, which stops each replica that leases a prompt.
+        key, t = "actor_rollout_ref.rollout.temperature", self.temperature
+        if not t > 0:
+            raise ValueError(
+                f"{key}={t}: training samples need a temperature > 0 (the trainer divides the logits by it); "
+                "greedy decoding is for validation: actor_rollout_ref.rollout.val_kwargs.do_sample=false"
+            )
+        if self.name == "vllm" and t < VLLM_MIN_TEMPERATURE:
+            raise ValueError(f"{key}={t}: vLLM samples below {VLLM_MIN_TEMPERATURE} at {VLLM_MIN_TEMPERATURE}, "
+                             f"so the logprobs would not be those of {t}; set it >= {VLLM_MIN_TEMPERATURE}")
+        return self
 
 
 

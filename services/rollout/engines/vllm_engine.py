@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from services.common.config.actor_rollout_ref import VLLM_MIN_TEMPERATURE
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, MissingDependency, Unavailable
 from services.common.logging import get_logger
 from services.weights import Bucket
@@ -68,7 +69,7 @@ _FINISH = {"stop": Finish.STOP, "length": Finish.LENGTH, "abort": Finish.ABORT}
 LORA_ID = 1
 """The one LoRA id the engine serves (every version replaces the adapter under it)."""
 LORA_NAME = "meshrl-policy"
-_MIN_TEMPERATURE = 1e-2
+_MIN_TEMPERATURE = VLLM_MIN_TEMPERATURE
 """vLLM's SamplingParams raises a temperature in (0, 1e-2) to 1e-2 (sampling and logprobs)."""
 
 
