@@ -136,3 +136,18 @@ def test_training_temperature_that_cannot_train_is_refused(overrides: list[str],
     with pytest.raises(ConfigError, match=needle):
         load_config(None, overrides)
     assert load_config(None, ["actor_rollout_ref.rollout.temperature=0.005"])  # transformers samples it as given
+
+
+def test_collective_receivers_default_to_the_rollout_replicas() -> None:
+    # One weight fetcher per rollout replica joins the broadcast group (services/rollout/factory
+    # default_fetcher). The default was rollout.nnodes x rollout.n_gpus_per_node: with an engine
+    # of TP 4 on 8 devices (2 replicas, as in configs/recipes/qwen3_5_27b_grpo_fsdp) the sender
+    # waited for 8 receivers where 2 check in, and no version ever went out.
+    from services.weights.transports import collective_receivers
+
+    cfg = load_config(None, ["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "rollout.n_gpus_per_node=8",
+                             "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "serve.rollout.num_replicas=2",
+                             "serve.rollout.num_gpus=4"])
+    assert collective_receivers(cfg) == 2
+    assert collective_receivers(cfg.model_copy(update={"param_server": cfg.param_server.model_copy(
+        update={"collective_receivers": 3})})) == 3

@@ -15,6 +15,7 @@ def cfg(backend: str, **ps: object) -> MeshConfig:
     return MeshConfig.model_validate({
         "actor_rollout_ref": {"rollout": {"checkpoint_engine": {"backend": backend}}},
         "rollout": {"nnodes": 2, "n_gpus_per_node": 4},
+        "serve": {"rollout": {"num_replicas": 8}},  # one broadcast receiver per rollout replica
         "param_server": {"disk_dir": "/tmp/meshrl-weights-test", **ps},
     })
 
