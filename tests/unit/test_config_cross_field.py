@@ -74,6 +74,18 @@ def test_numeric_override_of_a_string_field() -> None:
     assert cfg.agent.command is not None and cfg.agent.command[-1] == "4"
 
 
+@pytest.mark.parametrize("text", ["0123", "1.10", "2024_01", "12:30", "0x1f", "2024-01-02"])
+def test_a_string_field_override_keeps_the_text_as_written(text: str) -> None:
+    # YAML 1.1 reads these as 83, 1.1, 202401, 750 (sexagesimal), 31, a date: the run's name (its
+    # directory, its tracker run) silently became another, or the date was refused.
+    cfg = load_config(None, [f"trainer.experiment_name={text}", f"actor_rollout_ref.model.tokenizer_path={text}"])
+    assert cfg.trainer.experiment_name == text and cfg.actor_rollout_ref.model.tokenizer_path == text
+    # a non-string field still reads YAML: numbers and bools
+    cfg = load_config(None, ["trainer.save_freq=1_000", "data.shuffle=off"])
+    assert cfg.trainer.save_freq == 1000 and cfg.data.shuffle is False
+    assert load_config(None, ["serve.bytecode_cache=off"]).serve.bytecode_cache == "off"  # its own on / off
+
+
 @pytest.mark.parametrize(("overrides", "want"), [
     (["actor_rollout_ref.model.dtype=bfloat16"], "bfloat16"),
     ([], "float32"),

@@ -53,6 +53,20 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _wants_text(model: type[BaseModel], path: list[str]) -> bool:
+    """Whether the field at `path` inside `model` is a string (`str` or `str | None`)."""
+    current: type[BaseModel] | None = model
+    for part in path[:-1]:
+        if current is None or part not in current.model_fields:
+            return False
+        current = _model_of(current.model_fields[part].annotation)
+    if current is None or path[-1] not in current.model_fields:
+        return False
+    annotation = current.model_fields[path[-1]].annotation
+    kinds = set(getattr(annotation, "__args__", None) or ()) if annotation is not str else {str}
+    return str in kinds and kinds <= {str, type(None)}
+
+
 def apply_override(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node = tree
     for part in path[:-1]:
@@ -114,6 +128,11 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         tree = loaded
     for text in overrides or []:
         keys, value = parse_override(text)
+        if value is not None and not isinstance(value, (str, bool, list, dict)) and _wants_text(MeshConfig, keys):
+            # A string key keeps the text as written: YAML 1.1 reads 0123 as 83, 1.10 as 1.1,
+            # 2024_01 as 202401, 12:30 as 750, 2024-01-02 as a date. (Bools stay: a key such as
+            # serve.bytecode_cache reads an unquoted on / off itself.)
+            value = text.partition("=")[2].strip()
         apply_override(tree, keys, value)
     try:
         return MeshConfig.model_validate(tree)
