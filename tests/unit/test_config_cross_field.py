@@ -163,3 +163,18 @@ def test_collective_receivers_default_to_the_rollout_replicas() -> None:
     assert collective_receivers(cfg) == 2
     assert collective_receivers(cfg.model_copy(update={"param_server": cfg.param_server.model_copy(
         update={"collective_receivers": 3})})) == 3
+
+
+def test_one_step_off_mode_in_the_config_means_what_train_mode_one_step_off_means() -> None:
+    # `meshrl train --mode one_step_off` sets staleness 1, trigger 1, no partial rollout, eta 1;
+    # the same mode written in the config (or as async_training.mode=one_step_off) kept the
+    # fully async defaults (staleness 0.1, trigger 4): a fully async run labelled one_step_off.
+    from meshrl.train import resolve_config
+
+    at = load_config(None, ["async_training.mode=one_step_off"]).async_training
+    want = resolve_config(None, [], mode="one_step_off").async_training
+    fields = ("staleness_threshold", "trigger_parameter_sync_step", "partial_rollout", "max_staleness_versions")
+    assert {f: getattr(at, f) for f in fields} == {f: getattr(want, f) for f in fields}
+    assert at.staleness_threshold == 1.0 and at.trigger_parameter_sync_step == 1
+    with pytest.raises(ConfigError, match=r"async_training\.mode=one_step_off .*trigger_parameter_sync_step=1"):
+        load_config(None, ["async_training.mode=one_step_off", "async_training.trigger_parameter_sync_step=4"])

@@ -24,7 +24,9 @@ class AsyncTrainingConfig(ConfigModel):
 
     mode: Literal["fully_async", "one_step_off", "sync"] = "fully_async"
     """`fully_async`: the staleness budget above. `one_step_off`: a whole batch generated with
-    the previous weights. `sync`: lock-step (staleness 0, trigger 1), for A/B comparisons."""
+    the previous weights (staleness 1, trigger 1, no partial rollout, max_staleness_versions 1).
+    `sync`: lock-step (staleness 0, trigger 1), for A/B comparisons. A mode's keys are filled in
+    when unset; a given one that contradicts the mode is an error (resolve.py)."""
     staleness_threshold: float = Field(default=0.1, ge=0, le=MAX_STALENESS_THRESHOLD, allow_inf_nan=False)
     """Extra fraction of a sync window that may be generated ahead (s); 0 with trigger 1 is on-policy."""
     trigger_parameter_sync_step: int = Field(default=4, ge=1)

@@ -166,22 +166,38 @@ def _total_epochs(tree: dict[str, Any]) -> None:
     _stands_for(tree, "trainer.total_epochs", "rollout.total_epochs")
 
 
+_MODE_IMPLIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "sync": ("is on-policy lock-step", {"staleness_threshold": 0.0, "trigger_parameter_sync_step": 1}, {}),
+    "one_step_off": (
+        "generates each batch with the previous version's weights",
+        {"staleness_threshold": 1.0, "trigger_parameter_sync_step": 1},
+        {"partial_rollout": False, "max_staleness_versions": 1},
+    ),
+}
+"""async_training.mode -> (what it means, keys it needs, keys it fills when unset), as `meshrl train
+--mode` sets them (meshrl/train.py MODE_OVERRIDES)."""
+
+
 def _sync_mode(tree: dict[str, Any]) -> None:
-    """`sync` is on-policy lock-step: staleness_threshold 0 and trigger_parameter_sync_step 1,
-    filled in when neither is given."""
-    if _value(tree, "async_training.mode", AsyncTrainingConfig) != "sync":
+    """`sync` (staleness_threshold 0, trigger_parameter_sync_step 1) and `one_step_off` (1 and 1,
+    no partial rollout, max_staleness_versions 1): unset keys are filled in, a given key that
+    contradicts the mode is an error. Without this a mode written in the config ran with the fully
+    async defaults under the mode's name."""
+    mode = _value(tree, "async_training.mode", AsyncTrainingConfig)
+    if mode not in _MODE_IMPLIES:
         return
-    keys = ("async_training.staleness_threshold", "async_training.trigger_parameter_sync_step")
-    staleness, trigger = (_value(tree, k, AsyncTrainingConfig) for k in keys)
-    if staleness == 0 and trigger == 1:
-        return
-    if any(_given(tree, k) for k in keys):
+    meaning, needs, fills = _MODE_IMPLIES[mode]
+    keys = {f"async_training.{k}": v for k, v in needs.items()}
+    wrong = [k for k, v in keys.items() if _given(tree, k) and _get(tree, k) != v]
+    if wrong:
+        want = " and ".join(f"{k}={v}" for k, v in needs.items())
         raise ValueError(
-            "async_training.mode=sync is on-policy lock-step: it needs staleness_threshold=0 and "
-            "trigger_parameter_sync_step=1 (or leave them unset)"
+            f"async_training.mode={mode} {meaning}: it needs {want} (or leave them unset); "
+            f"got {', '.join(f'{k}={_get(tree, k)}' for k in wrong)}"
         )
-    _set(tree, keys[0], 0.0)
-    _set(tree, keys[1], 1)
+    for k, v in {**keys, **{f"async_training.{k}": v for k, v in fills.items()}}.items():
+        if not _given(tree, k):
+            _set(tree, k, v)
 
 
 def _loss_scale_factor(tree: dict[str, Any]) -> None:
