@@ -23,6 +23,7 @@ def build_gateway_agent(cfg: MeshConfig, tokenizer: Any, *, scorer: Scorer | Non
     a = cfg.agent
     limits = GatewayLimits(
         max_model_len=max_model_len, response_budget=cfg.data.max_response_length,
+        max_prompt_length=cfg.data.max_prompt_length, truncation=cfg.data.truncation,
         max_staleness_versions=cfg.async_training.max_staleness_versions, max_calls_per_sample=a.max_calls_per_sample,
         model_name=Path(cfg.actor_rollout_ref.model.path).name if cfg.actor_rollout_ref.model.path else "meshrl-policy",
     )

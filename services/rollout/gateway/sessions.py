@@ -40,6 +40,7 @@ from services.common.logging import get_logger
 from services.environment.base import ToolCall
 
 from ..agent.chat import ChatRenderer
+from ..agent.loop import _truncate_prompt
 from ..agent.parser import parse_tool_calls
 from ..agent.trajectory import Trajectory
 from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec, stop_across
@@ -143,6 +144,11 @@ class GatewayLimits:
     response_budget: int
     """Tokens of a sample after its first prompt (completions and everything the agent added):
     data.max_response_length, as for the in-process agent loop."""
+    max_prompt_length: int | None = None
+    """data.max_prompt_length: a sample's first prompt (chat template and tools applied) is held to
+    it as the in-process agent loop holds its prompt, per `truncation`; None: not checked."""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """data.truncation: error answers a first prompt over max_prompt_length with a 400 naming it."""
     max_staleness_versions: int | None = None
     max_calls_per_sample: int = 64
     max_resubmits: int = 64
@@ -335,6 +341,7 @@ class SessionRegistry:
                     full_ids = renderer.prompt_ids([_template_message(m) for m in req.messages])
                 except Exception as exc:  # a template error is the request's fault
                     raise bad("messages", f"the chat template cannot render them ({exc})") from exc
+                full_ids = self._first_prompt(s, full_ids)
                 prompt_ids, ctx, traj_len = full_ids, full_ids, _spent_before(s, full_ids)
                 # Second chance, on token ids: the messages differ from what we returned (an agent
                 # that rewrites its copy) yet render to the exact ids so far plus more.
@@ -413,7 +420,8 @@ class SessionRegistry:
                 traj_len = seg.spent + len(seg.traj) + len(env_ids)
             else:
                 env_ids = []
-                prompt_ids = list(self.tok.encode(req.prompt, add_special_tokens=False))
+                prompt_ids = self._first_prompt(s, list(self.tok.encode(req.prompt, add_special_tokens=False)),
+                                                param="prompt")
                 ctx, traj_len = prompt_ids, _spent_before(s, prompt_ids)
             # the body's validation (the context: a 400) before the state's checks (staleness changes state)
             try:
@@ -448,6 +456,20 @@ class SessionRegistry:
             self.counters["calls"] += 1
             shown = _cut_stop(text, stop) if finish is Finish.STOP else text
             return self._completion(s, "cmpl", req.model, shown, [], finish, ids, lps, len(ctx))
+
+    def _first_prompt(self, s: SampleSession, ids: list[int], param: str = "messages") -> list[int]:
+        """A sample's first prompt held to data.max_prompt_length as the in-process agent loop holds
+        its prompt (truncated per data.truncation, or refused): unchecked, an agent's prompt of any
+        length up to the engine's context became the group's prompt, past the sequence length the
+        run was sized for. Later segments' prompts hold the turns so far; the response budget counts them."""
+        limit = self.limits.max_prompt_length
+        if s.segments or limit is None or len(ids) <= limit:
+            return ids
+        if self.limits.truncation == "error":
+            raise ApiError(400, f"this sample's first prompt is {len(ids)} tokens (chat template and tools applied), "
+                           f"over data.max_prompt_length={limit}; shorten it, or raise data.max_prompt_length or set "
+                           "data.truncation=left|right|middle", param=param, code="context_length_exceeded")
+        return _truncate_prompt(ids, limit, self.limits.truncation, "")
 
     def _check_calls(self, s: SampleSession) -> None:
         if s.calls >= self.limits.max_calls_per_sample:
