@@ -55,3 +55,23 @@ def test_a_first_prompt_over_max_prompt_length_is_truncated_as_data_truncation_s
     (seg,) = s.segments
     assert len(seg.prompt_ids) == 16 and list(policy.requests[0].prompt_token_ids) == seg.prompt_ids
     assert r.json()["usage"]["prompt_tokens"] == 16
+
+
+def test_a_group_whose_agent_was_refused_every_call_says_why() -> None:
+    """An agent that catches the 400 on its only call and exits 0 leaves its sample without a
+    recorded call: the group fails, and its error carries the refusal (the limit to raise), not
+    only "finished without calling the model", which it did."""
+    import openai
+
+    from services.rollout.gateway import GatewayGroupFailed
+    from tests.unit.test_gateway import play
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        with pytest.raises(openai.BadRequestError):
+            await c.chat.completions.create(model="m", messages=LONG)
+        await c.close()
+
+    group, _, _ = asyncio.run(play(agent, [ANSWER], n=1, max_model_len=64))
+    assert isinstance(group, GatewayGroupFailed), group
+    assert "without calling the model" not in str(group) and "the model's context is 64 tokens" in str(group), group

@@ -193,9 +193,13 @@ class GatewayAgent:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(g.changed.wait(), 0.5)
             if g.failure is None:
-                empty = [s.index for s in g.samples if not s.segments]
+                empty = [s for s in g.samples if not s.segments]
                 if empty:
-                    g.fail(f"the agent of sample(s) {empty} finished without calling the model")
+                    # an agent that caught a refusal and exited 0 did call: the refusal is the reason
+                    refused = next((s for s in empty if s.refused), None)
+                    g.fail(f"the agent of sample(s) {[s.index for s in empty]} finished without calling the model"
+                           if refused is None else f"the agent of sample(s) {[s.index for s in empty]} finished "
+                           f"with no call the model answered; sample {refused.index}'s was refused: {refused.refused}")
         finally:
             for t in [*tasks.values(), *retired]:
                 t.cancel()

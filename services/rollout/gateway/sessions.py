@@ -95,6 +95,9 @@ class SampleSession:
     then replaces it with a fresh session of the same index."""
     responses: int = 0
     """Response ids handed out (response_id)."""
+    refused: str = ""
+    """Why its last refused call was refused (a 4xx's message): the group's error says it when the
+    sample ends with no call recorded, where an agent that caught the error left no other trace."""
 
     def response_id(self, prefix: str) -> str:
         """An id no other response of this session carries: taken with no await before it is
@@ -311,6 +314,21 @@ class SessionRegistry:
         """One chat call; `on_token(token_id, logprob)` sees each completion token as it is sampled
         (streaming; all of them before this returns, including those of a continuation after an
         abort), where the engine streams."""
+        try:
+            return await self._chat(s, req, on_token)
+        except ApiError as exc:
+            s.refused = exc.message
+            raise
+
+    async def complete(self, s: SampleSession, req: CompletionRequest, on_token: OnToken | None = None) -> Completion:
+        """One text completion call (as chat)."""
+        try:
+            return await self._complete(s, req, on_token)
+        except ApiError as exc:
+            s.refused = exc.message
+            raise
+
+    async def _chat(self, s: SampleSession, req: ChatRequest, on_token: OnToken | None) -> Completion:
         async with s.lock:
             # tool_choice=none keeps the tools in the context (OpenAI; vLLM's server renders them
             # too) and only forbids calls: rendered without them, an "answer now" call after tool
@@ -409,7 +427,7 @@ class SessionRegistry:
             seg.request_messages = [*req.messages, reply]
             return self._completion(s, "chatcmpl", req.model, content, calls, finish, ids, lps, len(ctx))
 
-    async def complete(self, s: SampleSession, req: CompletionRequest, on_token: OnToken | None = None) -> Completion:
+    async def _complete(self, s: SampleSession, req: CompletionRequest, on_token: OnToken | None) -> Completion:
         async with s.lock:
             seg = s.segments[-1] if s.segments else None
             stitched = seg is not None and seg.kind == "completion" and req.prompt.startswith(seg.text) \
