@@ -69,6 +69,9 @@ class Segment:
     generated_end: str = ""
     text: str = ""
     """Completion: the last prompt plus its completion (what a continuing prompt starts with)."""
+    shown: str = ""
+    """Completion: the last prompt plus its completion as returned, cut at a stop string (what a
+    client continues that does not add the stop string back)."""
     last_text: str = ""
     spent: int = 0
     """Response budget spent before its trajectory: its prompt's tokens past the sample's first
@@ -430,10 +433,13 @@ class SessionRegistry:
     async def _complete(self, s: SampleSession, req: CompletionRequest, on_token: OnToken | None) -> Completion:
         async with s.lock:
             seg = s.segments[-1] if s.segments else None
-            stitched = seg is not None and seg.kind == "completion" and req.prompt.startswith(seg.text) \
-                and len(req.prompt) > len(seg.text)
-            if stitched and seg is not None:
-                env_ids = list(self.tok.encode(req.prompt[len(seg.text):], add_special_tokens=False))
+            # The prompt continues the completion as sampled, or as returned (a stop string cut off: the
+            # policy's tokens keep it, as a chat call's echo of cut content continues the raw turn).
+            known = next((k for k in ((seg.text, seg.shown) if seg is not None and seg.kind == "completion" else ())
+                          if k and len(req.prompt) > len(k) and req.prompt.startswith(k)), None)
+            stitched = known is not None
+            if known is not None and seg is not None:
+                env_ids = list(self.tok.encode(req.prompt[len(known):], add_special_tokens=False))
                 prompt_ids, ctx = seg.prompt_ids, seg.prompt_ids + seg.traj.token_ids + env_ids
                 traj_len = seg.spent + len(seg.traj) + len(env_ids)
             else:
@@ -473,6 +479,7 @@ class SessionRegistry:
             s.calls += 1
             self.counters["calls"] += 1
             shown = _cut_stop(text, stop) if finish is Finish.STOP else text
+            seg.shown = req.prompt + shown
             return self._completion(s, "cmpl", req.model, shown, [], finish, ids, lps, len(ctx))
 
     def _first_prompt(self, s: SampleSession, ids: list[int], param: str = "messages") -> list[int]:
