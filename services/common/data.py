@@ -111,14 +111,23 @@ def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: s
             raise ConfigError(f"{where}: {prompt_key} must be a string or a list of {{role, content}}") from exc
         for i, m in enumerate(prompt):
             for key in ("role", "content"):
-                if m[key] is None:  # (a parquet struct's missing field) not the text "None"
+                # str() above would send the text "None" (a parquet struct's missing field) or a
+                # list of content parts' Python repr to the model
+                if m[key] is None:
                     raise ConfigError(f"{where}: {prompt_key}[{i}].{key} is null")
+                if not isinstance(m[key], str):
+                    raise ConfigError(f"{where}: {prompt_key}[{i}].{key} must be a string, got {type(m[key]).__name__} "
+                                      "(a list of content parts: join its text into one string)")
     else:
         raise ConfigError(f"{where}: {prompt_key} must be a string or a list of chat messages")
     if not text and not messages:  # the rollout refuses it (InvalidArgument), stopping each replica it reaches
         raise ConfigError(f"{where}: {prompt_key} is empty")
     reward_model = row.get("reward_model") or {}
     ground_truth = reward_model.get("ground_truth", row.get("ground_truth", "")) if isinstance(reward_model, dict) else ""
+    source = row.get(source_key, "")
+    if source is None:  # str() would route it as the source "None": no scorer, a refusal at every lease
+        raise ConfigError(f"{where}: {source_key} is null; set it in every row (it routes the reward function: "
+                          "data.reward_fn_key names the column)")
     extra = row.get("extra_info") or {}
     try:
         if isinstance(extra, str):
@@ -131,8 +140,8 @@ def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: s
         prompt_id=f"{split}:{index}",
         messages=messages,
         text=text,
-        data_source=str(row.get(source_key, "")),
-        ability=str(row.get("ability", "")),
+        data_source=str(source),
+        ability="" if row.get("ability") is None else str(row["ability"]),
         ground_truth="" if ground_truth is None else str(ground_truth),
         extra_info=dict(extra),
     )

@@ -71,12 +71,18 @@ def test_parquet_extra_info_with_binary_and_date_values_goes_on_the_wire(tmp_pat
         ('{"prompt": []}', "prompt"),
         ('{"prompt": [{"role": "user", "content": null}]}', "prompt[0].content"),
         ('{"prompt": [{"role": null, "content": "hi"}]}', "prompt[0].role"),
+        ('{"prompt": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}', "prompt[0].content"),
+        ('{"prompt": [{"role": {"name": "user"}, "content": "hi"}]}', "prompt[0].role"),
+        ('{"prompt": "hi", "data_source": null}', "data_source"),
     ],
 )
 def test_empty_prompt_row_is_a_config_error_naming_file_row_and_field(tmp_path: Path, line: str, field: str) -> None:
     """An empty prompt (or a message whose role/content is null) loaded: the rollout then refused it
     with InvalidArgument("prompt: empty") -- which stops a replica, on every replica it reached --
-    or sent the literal text "None" to the model."""
+    or sent the literal text "None" to the model. A message content given as a list of parts
+    (OpenAI's [{"type": "text", ...}]) went to the model as its Python repr, and a null
+    data_source (a parquet column null in some rows) became the source "None": no scorer takes
+    it, and the reward's refusal stopped each replica that leased the row, hours into the run."""
     f = tmp_path / "bad.jsonl"
     f.write_text('{"prompt": "ok"}\n' + line + "\n")
     with pytest.raises(ConfigError) as info:
