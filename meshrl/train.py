@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.config import MeshConfig, derive, load_config, write_resolved_config
+from services.common.config.trainer_loop import run_length
 from services.common.errors import ConfigError, first_cause
 from services.common.logging import get_logger
 from services.common.serve_util import APP_LOGGING, free_port, port_is_free
@@ -337,7 +338,7 @@ class MeshRun:
         m = trainer.get("metrics", {})
         totals = status.totals if status is not None else None
         p = Progress(
-            step=int(trainer.get("step", 0)), total_steps=self.derived.total_local_steps,
+            step=int(trainer.get("step", 0)), total_steps=self._total_steps(status),
             policy_version=int(status.policy_version) if status is not None else 0,
             reward_mean=m.get("critic/rewards/mean"), staleness_mean=m.get("staleness/mean"),
             tokens_per_s=m.get("perf/throughput_tokens_per_s"), trainer_state=state,
@@ -353,6 +354,21 @@ class MeshRun:
         except Exception as exc:  # noqa: BLE001 -- metrics only: a replica being replaced is sampled next time
             log.debug("rollout_sample_failed", error=first_cause(exc))
         return p
+
+    def _total_steps(self, status: Any) -> int:
+        """Trainer steps of the run. The config alone caps it at rollout.total_rollout_steps
+        prompts; the coordinator's prompts_total is also capped at len(data) * rollout.total_epochs
+        (as the trainer's total_steps is), and the driver does not read the data to know it."""
+        prompts = int(status.totals.prompts_total) if status is not None else 0
+        if prompts <= 0:  # not heard from the coordinator yet
+            return self.derived.total_local_steps
+        at = self.cfg.async_training
+        _, versions = run_length(
+            required=self.derived.required_samples, trigger=at.trigger_parameter_sync_step, total_rollout_steps=prompts,
+            total_epochs=self.cfg.rollout.total_epochs, total_training_steps=self.cfg.trainer.total_training_steps,
+            dataset_size=None,
+        )
+        return versions * at.trigger_parameter_sync_step
 
     async def _check_serve(self, now: float) -> None:
         """Every 10 s: Serve's view of each application (a replica crash-looping shows here)."""

@@ -27,8 +27,12 @@ class _Clock:
 
 
 class _StatusClient:
+    def __init__(self, prompts_total: int = 0) -> None:
+        self.prompts_total = prompts_total  # 0: as a status that does not know it (proto default)
+
     async def status(self) -> Any:
-        return SimpleNamespace(policy_version=0, totals=SimpleNamespace(queued=0, in_flight=0),
+        return SimpleNamespace(policy_version=0, totals=SimpleNamespace(queued=0, in_flight=0,
+                                                                        prompts_total=self.prompts_total),
                                failures=[], halted_reason="")
 
 
@@ -79,6 +83,34 @@ def test_eta_of_a_resumed_run_counts_only_the_steps_trained_in_this_session(
     true_eta = (total - p.step) * 1.0
     assert p.eta_s is not None
     assert abs(p.eta_s - true_eta) <= 0.2 * true_eta, f"ETA {p.eta_s:.0f} s, about {true_eta:.0f} s to go"
+
+
+def test_progress_total_is_the_run_the_data_caps_at_total_epochs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The run ends at len(data) * rollout.total_epochs prompts when that is fewer than
+    rollout.total_rollout_steps (the coordinator's prompts_total, the trainer's total_steps), but
+    the driver's progress total and ETA came from the config alone: 8 rows x 2 epochs = 16 prompts
+    = 8 trainer steps, shown as x/48 with an ETA six times too long, and the run ended at "17%"."""
+    from ray import serve
+
+    from services.common.config import derive
+
+    f = tmp_path / "train.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"{i}+{i}="}) + "\n" for i in range(8)))
+    cfg = resolve_config(None, [f"data.train_files=[{f}]", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                                "async_training.trigger_parameter_sync_step=4", "rollout.total_epochs=2",
+                                "rollout.total_rollout_steps=100"])
+    capped = derive(cfg, dataset_size=8)
+    assert capped.total_rollout_steps == 16 and capped.total_local_steps == 8 < derive(cfg).total_local_steps == 48
+    run = MeshRun(cfg, tmp_path, "fully_async")
+    monkeypatch.setattr(serve, "get_app_handle", lambda name: _trainer_handle({"n": 3}))
+
+    async def nothing(*_a: Any, **_k: Any) -> None:
+        return None
+
+    monkeypatch.setattr(run, "_check_serve", nothing)
+    monkeypatch.setattr(run, "_sample_rollout", nothing)
+    p = asyncio.run(run.poll(_StatusClient(prompts_total=capped.total_rollout_steps)))
+    assert p.total_steps == capped.total_local_steps, f"progress shows {p.step}/{p.total_steps}"
 
 
 def test_startup_timeline_of_a_resumed_run_holds_only_its_own_processes(tmp_path: Path) -> None:
