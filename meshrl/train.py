@@ -182,6 +182,11 @@ class MeshRun:
         self.started = time.time()
         self.grpc_port = cfg.serve.grpc_port
         self.derived = derive(cfg)
+        from services.common.data import val_dataset
+
+        # Read (and its rows checked) before anything starts, once: read at each validation, a bad
+        # row stopped the run at the first one, test_freq versions in with val_before_train=false.
+        self.val = val_dataset(cfg.data, cfg.actor_rollout_ref.model) if cfg.trainer.test_freq > 0 else None
         self._val_versions: set[int] = set()
         self._stop_requested = False
         self._stop_sent_at: float | None = None
@@ -417,14 +422,11 @@ class MeshRun:
 
     async def validate(self, version: int) -> dict[str, Any] | None:
         """Score the held-out split with the current rollout weights (rollout.val_kwargs)."""
-        from services.common.data import val_dataset
-
         from .validation import run_validation
 
-        val = val_dataset(self.cfg.data, self.cfg.actor_rollout_ref.model)
-        if val is None:
+        if self.val is None:
             return None
-        return await run_validation(self.cfg, val, version, self.run_dir, self.started)
+        return await run_validation(self.cfg, self.val, version, self.run_dir, self.started)
 
     async def watch(self, on_progress: Callable[[Progress], None]) -> Progress:
         """Poll until the trainer finishes; a failure the watchdog cannot wait out stops the run
@@ -724,7 +726,11 @@ def train(
     # and the applications' Serve config hold no secret.
     cfg, secret_env, restore_env = prepare_run_secrets(cfg, run_dir)
     write_resolved_config(cfg, run_dir)
-    run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s, secret_env=secret_env)
+    try:
+        run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s, secret_env=secret_env)
+    except BaseException:
+        restore_env()  # it reads the val data: a bad row fails here, before anything started
+        raise
     follower = start_tracking(cfg, run.run_dir, resumed=resume is not None)
     user_progress = on_progress or (lambda p: None)
 

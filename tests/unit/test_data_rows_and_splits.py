@@ -89,3 +89,21 @@ def test_empty_prompt_row_is_a_config_error_naming_file_row_and_field(tmp_path: 
         load_files([str(f)], split="train")
     msg = str(info.value)
     assert f"{f}:2" in msg and field in msg, msg
+
+
+def test_a_bad_val_row_fails_the_run_before_it_starts(tmp_path: Path) -> None:
+    """The driver read data.val_files at its first validation only: with val_before_train=false a
+    bad row stopped the run test_freq versions in ("the driver failed"), after hours of training."""
+    from meshrl.train import MeshRun, resolve_config
+
+    good = tmp_path / "train.jsonl"
+    good.write_text('{"prompt": "1+1="}\n')
+    bad = tmp_path / "val.jsonl"
+    bad.write_text('{"prompt": "2+2="}\n{"prompt": [{"role": "user", "content": null}]}\n')
+    cfg = resolve_config(None, [f"data.train_files=[{good}]", f"data.val_files=[{bad}]", "trainer.test_freq=5",
+                                "trainer.val_before_train=false"])
+    with pytest.raises(ConfigError, match=f"{bad}:2"):
+        MeshRun(cfg, tmp_path / "run", "fully_async")
+    # without validation the val files are not read
+    cfg = resolve_config(None, [f"data.train_files=[{good}]", f"data.val_files=[{bad}]", "trainer.test_freq=-1"])
+    MeshRun(cfg, tmp_path / "run", "fully_async")
