@@ -122,20 +122,13 @@ def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: s
         raise ConfigError(f"{where}: {prompt_key} must be a string or a list of chat messages")
     if not text and not messages:  # the rollout refuses it (InvalidArgument), stopping each replica it reaches
         raise ConfigError(f"{where}: {prompt_key} is empty")
-    reward_model = row.get("reward_model") or {}
-    ground_truth = reward_model.get("ground_truth", row.get("ground_truth", "")) if isinstance(reward_model, dict) else ""
+    reward_model = _object_column(row, "reward_model", where)
+    ground_truth = reward_model.get("ground_truth", row.get("ground_truth", ""))
     source = row.get(source_key, "")
     if source is None:  # str() would route it as the source "None": no scorer, a refusal at every lease
         raise ConfigError(f"{where}: {source_key} is null; set it in every row (it routes the reward function: "
                           "data.reward_fn_key names the column)")
-    extra = row.get("extra_info") or {}
-    try:
-        if isinstance(extra, str):
-            extra = json.loads(extra) if extra.strip() else {}
-        if not isinstance(extra, dict):
-            raise TypeError(type(extra).__name__)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{where}: extra_info must be an object (or a string holding a JSON object): {exc}") from None
+    extra = _object_column(row, "extra_info", where)
     return PromptRecord(
         prompt_id=f"{split}:{index}",
         messages=messages,
@@ -145,6 +138,21 @@ def _record_from_row(row: Any, index: int, split: str, prompt_key: str, where: s
         ground_truth="" if ground_truth is None else str(ground_truth),
         extra_info=dict(extra),
     )
+
+
+def _object_column(row: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """Column KEY of a row as an object: absent or null -> {}, a string holds its JSON (a CSV or
+    pandas export stringifies nested columns); anything else fails, not taken as {} (reward_model's
+    ground truth would be dropped, every response scored 0)."""
+    value = row.get(key) or {}
+    try:
+        if isinstance(value, str):
+            value = json.loads(value) if value.strip() else {}
+        if not isinstance(value, dict):
+            raise TypeError(type(value).__name__)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: {key} must be an object (or a string holding a JSON object): {exc}") from None
+    return value
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:

@@ -107,3 +107,17 @@ def test_a_bad_val_row_fails_the_run_before_it_starts(tmp_path: Path) -> None:
     # without validation the val files are not read
     cfg = resolve_config(None, [f"data.train_files=[{good}]", f"data.val_files=[{bad}]", "trainer.test_freq=-1"])
     MeshRun(cfg, tmp_path / "run", "fully_async")
+
+
+def test_reward_model_given_as_a_json_string_keeps_its_ground_truth(tmp_path: Path) -> None:
+    """extra_info may be a string holding a JSON object (a CSV or pandas export stringifies the
+    nested columns), but reward_model such a string was taken as no reward_model: every row's
+    ground truth read as "", so every response scored 0 with nothing said. Any other non-object
+    value was dropped the same way."""
+    f = tmp_path / "train.jsonl"
+    f.write_text(json.dumps({"prompt": "1+1=", "reward_model": json.dumps({"ground_truth": "2", "style": "rule"}),
+                             "extra_info": json.dumps({"index": 0})}) + "\n")
+    assert load_files([str(f)], split="train")[0].ground_truth == "2"
+    f.write_text('{"prompt": "ok", "reward_model": {"ground_truth": "1"}}\n{"prompt": "1+1=", "reward_model": 2}\n')
+    with pytest.raises(ConfigError, match=f"{f}:2: reward_model must be an object"):
+        load_files([str(f)], split="train")
