@@ -815,6 +815,7 @@ class TrainerLoop:
             "critic/advantages/mean": float((batch.tensors["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
             "response_length/mean": float(resp_len.mean()),
             "response_length/max": float(resp_len.max()),
+            "response_length/min": float(resp_len.min()),
             "staleness/min": float(min(st)) if st else 0.0,
             "staleness/mean": float(sum(st) / len(st)) if st else 0.0,
             "staleness/max": float(max(st)) if st else 0.0,
@@ -826,6 +827,11 @@ class TrainerLoop:
             **timing,
             **agent_metrics(batch),
         })
+        if "finish_length" in batch.seq_tensors:
+            # verl's share of responses cut at max_response_length (it compares the length with the
+            # limit; a cut response says so in its finish_reason, which also covers a multi-turn
+            # trajectory that ran out of its budget)
+            m["response_length/clip_ratio"] = float(batch.seq_tensors["finish_length"].mean())
         if not self.s.bypass_mode:
             diff = (batch.tensors["rollout_logprobs"] - batch.tensors["old_logprobs"]) * mask
             k3 = (torch.exp(-diff) - 1 + diff) * mask

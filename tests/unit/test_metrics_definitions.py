@@ -109,3 +109,24 @@ def test_report_wall_time_of_a_resumed_run_is_one_clock(tmp_path: Path) -> None:
     rollout = [r["time_s"] for r in run.rollout]
     assert min(trainer + rollout) >= 0
     assert trainer == sorted(trainer) and rollout[0] < trainer[0] < trainer[1] < rollout[1] < trainer[2]
+
+
+def test_response_length_has_verl_min_and_clip_ratio(tmp_path: Path) -> None:
+    """verl's compute_data_metrics reports response_length/{mean,max,min,clip_ratio}; clip_ratio is
+    the share of responses cut at the length limit (here: finish_reason LENGTH), the number that
+    says max_response_length is too short."""
+    import torch
+
+    from meshrl.v1 import common_pb2
+    from services.trainer.convert import groups_to_batch
+
+    length, stop = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP
+    group = common_pb2.TrajectoryGroup(lease_id="l0", prompt_token_ids=[1, 2], responses=[
+        common_pb2.Response(token_ids=[3] * n, logprobs=[-0.5] * n, versions=[0] * n, finish_reason=f, reward=1.0)
+        for n, f in ((4, length), (2, stop), (4, length), (1, stop))
+    ])
+    batch = groups_to_batch([group], pad_token_id=0)
+    batch.tensors["advantages"] = torch.zeros_like(batch.response_mask)
+    m = _record_row(batch, tmp_path)
+    assert m["response_length/min"] == 1.0 and m["response_length/max"] == 4.0
+    assert m["response_length/clip_ratio"] == 0.5
