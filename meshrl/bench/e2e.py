@@ -64,7 +64,8 @@ def mesh_phases(steps: list[dict[str, Any]], rollout: list[dict[str, Any]], star
     """Per-phase seconds of one mesh run: the trainer's step timings, and the rollout samples that
     end inside the training loop [start, end] (unix seconds)."""
     step_s = _sum(steps, "timing_s/step")
-    training = _sum(steps, "timing_s/update_actor", "timing_s/old_logprob", "timing_s/ref")
+    # timing_s/old_logprob: the name before it became verl's (runs recorded then)
+    training = _sum(steps, "timing_s/update_actor", "timing_s/old_log_prob", "timing_s/old_logprob", "timing_s/ref")
     sync = _sum(steps, "timing_s/publish")
     idle = _sum(steps, "timing_s/wait_data")
     inside = [r for r in rollout if start <= r["time"] <= end and "rollout/interval_s" in r]

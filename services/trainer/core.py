@@ -408,7 +408,7 @@ class TrainerLoop:
                 batch, temperature=self.s.temperature, proximal=self._since_publish > 0
             )
             batch.tensors["old_logprobs"] = old
-            timing["timing_s/old_logprob"] = self.clock() - t
+            timing["timing_s/old_log_prob"] = self.clock() - t  # verl's name
             timing.update(split_metrics(old, batch.tensors["rollout_logprobs"], batch.response_mask, at_version))
         if self.s.use_kl_loss or self.algorithm.reward_kl is not None:
             t = self.clock()

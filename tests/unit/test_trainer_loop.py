@@ -600,7 +600,8 @@ def test_decoupled_mode_uses_window_start_parameters_and_reference(tmp_path: Pat
     current = group.engine.compute_logprobs(_batch_of(loop, second)).logprobs
     assert not torch.allclose(current, second["old_logprobs"], atol=1e-4)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert "rollout_corr/mismatch_kl_k3" in lines[0] and "timing_s/old_logprob" in lines[0]
+    # verl times the old logprobs as timing_s/old_log_prob
+    assert "rollout_corr/mismatch_kl_k3" in lines[0] and "timing_s/old_log_prob" in lines[0]
     # every token of step 1 was generated at version 0, the trainer's: all of it is engine mismatch
     assert lines[0]["rollout_corr/engine_token_fraction"] == 1.0
     assert lines[0]["rollout_corr/engine_mismatch_k3_kl"] == pytest.approx(lines[0]["rollout_corr/mismatch_kl_k3"], rel=1e-5)
