@@ -827,6 +827,12 @@ class TrainerLoop:
             **timing,
             **agent_metrics(batch),
         })
+        # verl's fully async trainer logs these two under its own names; the same numbers there
+        # too, so its dashboards and scripts find them (perf/idle_ratio and timing_s/publish stay:
+        # the report, the progress line and the Prometheus gauges read them)
+        m["trainer/idle_ratio"] = m["perf/idle_ratio"]
+        if "timing_s/publish" in m:
+            m["timing_s/param_sync"] = m["timing_s/publish"]
         if "finish_length" in batch.seq_tensors:
             # verl's share of responses cut at max_response_length (it compares the length with the
             # limit; a cut response says so in its finish_reason, which also covers a multi-turn

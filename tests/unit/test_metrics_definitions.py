@@ -130,3 +130,32 @@ def test_response_length_has_verl_min_and_clip_ratio(tmp_path: Path) -> None:
     m = _record_row(batch, tmp_path)
     assert m["response_length/min"] == 1.0 and m["response_length/max"] == 4.0
     assert m["response_length/clip_ratio"] == 0.5
+
+
+def test_fully_async_metrics_carry_verl_fully_async_names(tmp_path: Path) -> None:
+    """verl's fully async trainer logs the share of a step spent waiting for samples as
+    trainer/idle_ratio and the weight sync as timing_s/param_sync: the same numbers are there
+    under those names (beside perf/idle_ratio and timing_s/publish, which the report reads)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from services.trainer.core import TrainerLoop, _Collected
+    from services.trainer.engines.base import SequenceBatch, StepResult
+
+    batch = SequenceBatch(
+        input_ids=torch.zeros(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3, dtype=torch.long),
+        response_mask=torch.tensor([[0.0, 1.0, 1.0]]), tensors={"advantages": torch.zeros(1, 3)},
+        seq_tensors={"reward": torch.tensor([1.0]), "response_length": torch.tensor([2.0]),
+                     "group_index": torch.tensor([0])},
+    )
+    fake = SimpleNamespace(
+        s=SimpleNamespace(ppo_epochs=1, bypass_mode=True, metrics_path=None), tokens_trained=0, step=1,
+        weights_version=1, group=SimpleNamespace(step=1), failed_broadcasts=0, last_metrics={},
+    )
+    result = StepResult(grad_norm=1.0, lr=1e-3, metrics={}, num_tokens=3, step=1)
+    TrainerLoop._record(fake, batch, _Collected(groups=[object()], staleness=[1], fetches=1), [result],  # type: ignore[arg-type]
+                        {"timing_s/publish": 0.75}, wait_s=0.5, train_s=1.5, step_s=2.0)
+    m = fake.last_metrics
+    assert m["trainer/idle_ratio"] == m["perf/idle_ratio"] == 0.25
+    assert m["timing_s/param_sync"] == m["timing_s/publish"] == 0.75
