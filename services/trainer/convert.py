@@ -11,8 +11,8 @@ mask, so environment tokens carry no gradient and change no metric; lengths are 
 (verl's `response_mask`).
 
     seq_tensors: group_index (group of the sequence in this batch), reward, response_length
-                 (policy tokens), finish_length (1 where the response was cut at its length limit:
-                 finish_reason LENGTH), min_version (of the policy tokens), plus every reward metric
+                 (policy tokens), prompt_length, finish_length (1 where the response was cut at its
+                 length limit: finish_reason LENGTH), min_version (of the policy tokens), plus every reward metric
                  the rollout reported (e.g. "acc"); for multi-turn trajectories also num_turns,
                  tool_calls, tool_errors, trajectory_length (all response tokens), env_latency_s
     tensors:     rollout_logprobs (zeros outside the mask)
@@ -52,6 +52,7 @@ def sequence_tensors(groups: Sequence[common_pb2.TrajectoryGroup]) -> dict[str, 
     min_versions: list[int] = []
     resp_len: list[int] = []
     finish_length: list[float] = []
+    prompt_len: list[int] = []
     metric_names = sorted({k for g in groups for r in g.responses for k in r.reward_metrics})
     metrics: dict[str, list[float]] = {k: [] for k in metric_names}
     agentic = any(r.loss_mask or r.num_turns for g in groups for r in g.responses)
@@ -68,6 +69,7 @@ def sequence_tensors(groups: Sequence[common_pb2.TrajectoryGroup]) -> dict[str, 
                 versions = list(r.versions)
                 resp_len.append(len(r.token_ids))
             group_index.append(gi)
+            prompt_len.append(len(g.prompt_token_ids))
             finish_length.append(1.0 if r.finish_reason == common_pb2.FINISH_REASON_LENGTH else 0.0)
             rewards.append(float(r.reward))
             min_versions.append(min(versions) if versions else g.min_policy_version)
@@ -83,6 +85,7 @@ def sequence_tensors(groups: Sequence[common_pb2.TrajectoryGroup]) -> dict[str, 
         "group_index": torch.tensor(group_index, dtype=torch.long),
         "reward": torch.tensor(rewards, dtype=torch.float32),
         "response_length": torch.tensor(resp_len, dtype=torch.float32),
+        "prompt_length": torch.tensor(prompt_len, dtype=torch.float32),
         "finish_length": torch.tensor(finish_length, dtype=torch.float32),
         "min_version": torch.tensor(min_versions, dtype=torch.long),
     }

@@ -799,6 +799,9 @@ class TrainerLoop:
         tokens = int(batch.attention_mask.sum().item()) * self.s.ppo_epochs
         self.tokens_trained += tokens
         resp_len = batch.seq_tensors["response_length"]
+        scores, rewards = batch.seq_tensors["reward"].float(), sequence_rewards(batch)
+        # max/min over the response tokens only: the prompt and padding hold 0, not an advantage
+        adv = batch.tensors["advantages"][mask.bool()]
         st = got.staleness
         m.update({
             "training/step": float(self.step),
@@ -810,9 +813,15 @@ class TrainerLoop:
             "training/fetches": float(got.fetches),
             "training/failed_broadcasts": float(self.failed_broadcasts),
             # verl: score = the reward as scored, rewards = it minus the KL penalty (use_kl_in_reward)
-            "critic/score/mean": float(batch.seq_tensors["reward"].mean()),
-            "critic/rewards/mean": float(sequence_rewards(batch).mean()),
+            "critic/score/mean": float(scores.mean()),
+            "critic/score/max": float(scores.max()),
+            "critic/score/min": float(scores.min()),
+            "critic/rewards/mean": float(rewards.mean()),
+            "critic/rewards/max": float(rewards.max()),
+            "critic/rewards/min": float(rewards.min()),
             "critic/advantages/mean": float((batch.tensors["advantages"] * mask).sum() / mask.sum().clamp(min=1)),
+            "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
+            "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
             "response_length/mean": float(resp_len.mean()),
             "response_length/max": float(resp_len.max()),
             "response_length/min": float(resp_len.min()),
@@ -833,6 +842,10 @@ class TrainerLoop:
         m["trainer/idle_ratio"] = m["perf/idle_ratio"]
         if "timing_s/publish" in m:
             m["timing_s/param_sync"] = m["timing_s/publish"]
+        if "prompt_length" in batch.seq_tensors:
+            plen = batch.seq_tensors["prompt_length"]
+            m.update({"prompt_length/mean": float(plen.mean()), "prompt_length/max": float(plen.max()),
+                      "prompt_length/min": float(plen.min())})
         if "finish_length" in batch.seq_tensors:
             # verl's share of responses cut at max_response_length (it compares the length with the
             # limit; a cut response says so in its finish_reason, which also covers a multi-turn

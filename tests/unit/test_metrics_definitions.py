@@ -159,3 +159,30 @@ def test_fully_async_metrics_carry_verl_fully_async_names(tmp_path: Path) -> Non
     m = fake.last_metrics
     assert m["trainer/idle_ratio"] == m["perf/idle_ratio"] == 0.25
     assert m["timing_s/param_sync"] == m["timing_s/publish"] == 0.75
+
+
+def test_score_reward_advantage_and_prompt_length_carry_verl_max_min(tmp_path: Path) -> None:
+    """verl's compute_data_metrics: critic/{score,rewards,advantages}/{mean,max,min} (advantages over
+    the response tokens only) and prompt_length/{mean,max,min}."""
+    import torch
+
+    from meshrl.v1 import common_pb2
+    from services.trainer.convert import groups_to_batch
+
+    groups = [
+        common_pb2.TrajectoryGroup(lease_id=f"l{i}", prompt_token_ids=[1] * p, responses=[
+            common_pb2.Response(token_ids=[3] * n, logprobs=[-0.5] * n, versions=[0] * n, reward=r)
+            for n, r in ((2, 1.0), (3, -1.0))
+        ])
+        for i, p in enumerate((2, 5))
+    ]
+    batch = groups_to_batch(groups, pad_token_id=0)
+    # padding and prompt positions hold out-of-range advantages: they must not count
+    batch.tensors["advantages"] = torch.where(batch.response_mask.bool(), 0.5, 9.0)
+    batch.tensors["advantages"][1, 2] = -0.25
+    batch.tensors["advantages"][1, 3] = -0.25
+    m = _record_row(batch, tmp_path)
+    assert (m["critic/score/max"], m["critic/score/min"]) == (1.0, -1.0)
+    assert (m["critic/rewards/max"], m["critic/rewards/min"]) == (1.0, -1.0)
+    assert (m["critic/advantages/max"], m["critic/advantages/min"]) == (0.5, -0.25)
+    assert (m["prompt_length/mean"], m["prompt_length/max"], m["prompt_length/min"]) == (3.5, 5.0, 2.0)
