@@ -53,7 +53,7 @@ class TransformersEngine(RolloutEngine):
     """Continuous-batching engine over a transformers causal LM (CPU, CUDA, NPU).
 
     max_num_seqs: slots (rows of the running batch); max_num_batched_tokens: prompt tokens one
-    prefill may take (at least one prompt is always admitted)."""
+    prefill may take, its left padding counted (at least one prompt is always admitted)."""
 
     def __init__(
         self,

@@ -408,18 +408,21 @@ class Scheduler:
             return
         batch: list[Seq] = []
         uniques: dict[tuple[int, int], int] = {}
-        budget = self.max_num_batched_tokens
+        width = 0
         while self._waiting and len(batch) < free:
             s = self._waiting[0]
             key = self._prefill_key(s)
-            cost = 0 if key in uniques else len(s.prompt)
-            if batch and cost > budget:
+            # The prefill runs its unique prompts left-padded to the longest: it costs rows x
+            # width, not the sum of the prompt lengths (a long prompt beside short ones multiplies).
+            # A sample whose prompt is already in costs nothing more.
+            cost = (len(uniques) + 1) * max(width, len(s.prompt))
+            if batch and key not in uniques and cost > self.max_num_batched_tokens:
                 break
             self._waiting.popleft()
             s.queued = False
             if key not in uniques:
                 uniques[key] = len(uniques)
-                budget -= cost
+                width = max(width, len(s.prompt))
             batch.append(s)
         prompts: list[list[int]] = [[] for _ in uniques]
         for s in batch:

@@ -1,0 +1,53 @@
+"""The transformers engine's admission: what one prefill may take (transformers_scheduler.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from services.common.tiny import build_tiny_model, build_tokenizer
+from services.rollout.engines import GenerationRequest, SamplingSpec
+from services.rollout.engines.transformers_engine import TransformersEngine
+
+
+def test_a_prefill_stays_within_max_num_batched_tokens_counting_its_padding() -> None:
+    # The prompts of one prefill are left-padded to the longest: a long prompt followed by short
+    # ones costs rows x longest, not the sum of their lengths. Counted unpadded, a 30-token prompt
+    # and three 3-token ones "fit" 40 tokens and ran as a 4 x 30 prefill (120 tokens: on a GPU,
+    # activations and attention scores many times what the budget was set to bound).
+    tok = build_tokenizer()
+    budget = 40
+    engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=8,
+                                max_num_batched_tokens=budget)
+    shapes: list[tuple[int, int]] = []
+    forward = engine.model.forward
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1:  # a prefill (a decode step feeds one token per row)
+            shapes.append((int(ids.shape[0]), int(ids.shape[1])))
+        return forward(*args, **kwargs)
+
+    engine.model.forward = recording
+    long = list(tok.encode("x" * 30))[:30]
+    assert len(long) == 30
+    short = list(tok.encode("abc"))[:3]
+
+    async def main() -> list[Any]:
+        await engine.start()
+        try:
+            await engine.pause("keep")  # every request queues, then one admission sees them all
+            tasks = [asyncio.create_task(engine.generate(GenerationRequest("long", long, SamplingSpec(max_tokens=2))))]
+            tasks += [asyncio.create_task(engine.generate(GenerationRequest(f"s{i}", short, SamplingSpec(max_tokens=2))))
+                      for i in range(5)]
+            await asyncio.sleep(0.2)
+            await engine.resume()
+            return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        finally:
+            await engine.close()
+
+    outs = asyncio.run(main())
+    assert all(len(o[0].token_ids) >= 1 for o in outs)  # every request ran
+    assert sum(rows for rows, _ in shapes) == 6
+    # One prompt is always admitted, whatever its length; more only while rows x width fits.
+    assert all(rows == 1 or rows * width <= budget for rows, width in shapes), shapes
