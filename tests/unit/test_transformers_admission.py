@@ -51,3 +51,33 @@ def test_a_prefill_stays_within_max_num_batched_tokens_counting_its_padding() ->
     assert sum(rows for rows, _ in shapes) == 6
     # One prompt is always admitted, whatever its length; more only while rows x width fits.
     assert all(rows == 1 or rows * width <= budget for rows, width in shapes), shapes
+
+
+def test_a_prompt_id_outside_the_vocabulary_is_refused_and_the_engine_keeps_serving() -> None:
+    # The embedding lookup of an id past the model's vocabulary raises in the scheduler thread (on
+    # CUDA a device-side assert): it failed every request in flight and left the replica dead. A
+    # tokenizer with tokens the model has no rows for (added special tokens, another tokenizer_path)
+    # sends such ids; the request is refused instead, as vLLM refuses it.
+    import pytest
+
+    from services.common.errors import InvalidArgument
+
+    tok = build_tokenizer()
+    model = build_tiny_model("qwen3", tok, seed=0)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    engine = TransformersEngine(model, tok, max_num_seqs=4)
+    prompt = list(tok.encode("question: 1+1="))
+
+    async def main() -> Any:
+        await engine.start()
+        try:
+            other = asyncio.create_task(engine.generate(GenerationRequest("other", prompt, SamplingSpec(max_tokens=8))))
+            for bad in (vocab, -1):
+                with pytest.raises(InvalidArgument, match="prompt_token_ids"):
+                    await engine.generate(GenerationRequest(f"bad{bad}", [*prompt, bad], SamplingSpec(max_tokens=4)))
+            return await asyncio.wait_for(other, 60), (await engine.health()).healthy
+        finally:
+            await engine.close()
+
+    (out,), healthy = asyncio.run(main())
+    assert healthy and len(out.token_ids) >= 1

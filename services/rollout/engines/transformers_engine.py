@@ -80,6 +80,10 @@ class TransformersEngine(RolloutEngine):
         self.tokenizer = tokenizer
         self.device = self._sched.device
         self.max_model_len = self._sched.max_model_len
+        emb = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        rows = getattr(emb, "num_embeddings", None) or getattr(self.model.config, "vocab_size", None)
+        self.vocab_size: int | None = int(rows) if rows else None
+        """Rows of the input embedding: a prompt id outside them is refused (see generate)."""
         self._thread: threading.Thread | None = None
 
     @property
@@ -108,6 +112,14 @@ class TransformersEngine(RolloutEngine):
         prompt = list(request.prompt_token_ids)
         if not prompt:
             raise InvalidArgument("prompt_token_ids", "empty prompt")
+        if self.vocab_size is not None and not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
+            # Its embedding lookup would raise in the scheduler thread (a device-side assert on
+            # CUDA) and take every request in flight with it.
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise InvalidArgument(
+                "prompt_token_ids", f"token id {bad} is outside the model's vocabulary of {self.vocab_size}; the "
+                "tokenizer has ids the model has no embedding for (actor_rollout_ref.model.tokenizer_path must match the model)"
+            )
         if len(prompt) >= self.max_model_len:
             raise InvalidArgument(
                 "prompt_token_ids", f"{len(prompt)} tokens leave no room under max_model_len={self.max_model_len}"
