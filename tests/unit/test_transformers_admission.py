@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from services.common.tiny import build_tiny_model, build_tokenizer
@@ -81,3 +82,47 @@ def test_a_prompt_id_outside_the_vocabulary_is_refused_and_the_engine_keeps_serv
 
     (out,), healthy = asyncio.run(main())
     assert healthy and len(out.token_ids) >= 1
+
+
+def test_a_generate_cancelled_again_while_its_abort_is_queued_still_ends_its_samples() -> None:
+    # A cancelled generate() queues its abort and awaits it; cancelled a second time there (a
+    # drain after a lost lease, a timeout around a task group) it left, and took its request out
+    # of the map the abort looked it up in, before the scheduler thread applied the abort: its
+    # samples kept their slots to max_tokens, unowned, and held up every `wait` pause.
+    import time
+
+    tok = build_tokenizer()
+    engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4, max_model_len=4096)
+    forward = engine.model.forward
+
+    def slow(*args: Any, **kwargs: Any) -> Any:  # the abort waits for the step in progress
+        time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = slow
+    engine._sched.eos_ids = set()  # the samples would run to max_tokens
+
+    async def main() -> tuple[float, dict[str, Any]]:
+        await engine.start()
+        try:
+            task = asyncio.create_task(engine.generate(
+                GenerationRequest("twice", list(tok.encode("question: 1+1=")), SamplingSpec(n=2, max_tokens=3000))))
+            for _ in range(100):  # until both samples decode
+                await asyncio.sleep(0.02)
+                if engine.stats()["running_seqs"] == 2:
+                    break
+            task.cancel()
+            await asyncio.sleep(0)  # it queues its abort and awaits it
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if engine.stats()["running_seqs"] == 0:
+                    break
+            return engine.stats()["running_seqs"], dict(engine._requests)
+        finally:
+            await engine.close()
+
+    running, requests = asyncio.run(main())
+    assert running == 0 and requests == {}

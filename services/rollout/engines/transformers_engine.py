@@ -139,15 +139,18 @@ class TransformersEngine(RolloutEngine):
             return await asyncio.shield(req.future)
         except asyncio.CancelledError:
             # Also when cancelled while the add was queued: the abort follows it in the queue.
-            await self._command(Abort(request.request_id))
+            # It names the request itself: cancelled again here, the finally below drops the id
+            # before the thread applies the abort.
+            await self._command(Abort(request.request_id, req))
             raise
         finally:
             self._requests.pop(request.request_id, None)
 
     async def abort(self, request_id: str) -> bool:
-        if request_id not in self._requests:
+        req = self._requests.get(request_id)
+        if req is None:
             return False
-        await self._command(Abort(request_id))
+        await self._command(Abort(request_id, req))
         return True
 
     def request_started(self, request_id: str) -> bool:

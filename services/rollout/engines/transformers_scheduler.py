@@ -102,6 +102,9 @@ class Abort:
     """End a request now (its future gets the partial outputs)."""
 
     request_id: str
+    req: Request | None = None
+    """The request as the caller saw it: a generate() that leaves (cancelled again while its abort
+    is queued) takes its id out of the map before this applies, and the id may be reused."""
 
 
 @dataclass(frozen=True)
@@ -288,8 +291,8 @@ class Scheduler:
         match command:
             case Add(req=req):
                 self._waiting.extend(req.seqs)
-            case Abort(request_id=request_id):
-                found = self._requests.get(request_id)
+            case Abort(request_id=request_id, req=req):
+                found = req if req is not None else self._requests.get(request_id)
                 if found is not None:
                     self._abort_request(found)
             case AbortAll():
