@@ -455,25 +455,36 @@ class _BreaksMidStream(_FlakyStore):
                 raise ConnectionError("the stream broke after the first bucket")
 
 
+def _published_v1(tok: Any) -> tuple[FakeCoordinator, InMemoryWeightStore, common_pb2.WeightsRef]:
+    """A run with 40 prompts, and version 1 published in many small buckets (so a stream can break
+    after the first)."""
+    coord = FakeCoordinator(_prompts(40), common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1))
+    store = InMemoryWeightStore(bucket_bytes=4096)
+    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    return coord, store, ref
+
+
+async def _started(tok: Any, coord: FakeCoordinator, fetcher: Any, idle_poll_s: float) -> tuple[TransformersEngine, RolloutWorker]:
+    """A started engine at version 0 and its worker, one group at a time, fetching through FETCHER."""
+    engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
+    settings = WorkerSettings(replica_id="r0", idle_poll_s=idle_poll_s, renew_interval_s=0.2, concurrent_groups=1)
+    worker = RolloutWorker(engine, tok, coord, length_scorer, fetcher, settings)
+    await engine.start()
+    worker.start()
+    return engine, worker
+
+
 def test_a_version_loaded_in_part_keeps_generation_paused_until_a_whole_one_loads(tok: Any) -> None:
     """A fetch that fails after some buckets went into the model: resuming would generate with two
     versions' weights under the old one's label. The engine stays paused until the retry loads a
     whole version, then resumes; a fetch that fails before any bucket resumes at once."""
-    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
-    coord = FakeCoordinator(_prompts(40), sampling)
-    store = InMemoryWeightStore(bucket_bytes=4096)  # many buckets: the stream breaks after the first
-    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    coord, store, ref = _published_v1(tok)
     assert len(store._versions[1]) > 2
     broken = _BreaksMidStream(store, failures=1)
     seen: dict[str, Any] = {}
 
     async def scenario() -> None:
-        model = build_tiny_model("qwen3", tok, seed=0)
-        engine = TransformersEngine(model, tok, max_num_seqs=4)
-        settings = WorkerSettings(replica_id="r0", idle_poll_s=1.0, renew_interval_s=0.2, concurrent_groups=1)
-        worker = RolloutWorker(engine, tok, coord, length_scorer, broken, settings)  # type: ignore[arg-type]
-        await engine.start()
-        worker.start()
+        engine, worker = await _started(tok, coord, broken, idle_poll_s=1.0)
         await wait_for(lambda: len(coord.submitted) >= 1, what="generation under way")
         coord.push_version(ref)
         await wait_for(lambda: worker.status().weights_failed, what="the half-loaded update")
@@ -484,10 +495,7 @@ def test_a_version_loaded_in_part_keeps_generation_paused_until_a_whole_one_load
         await engine.close()
         # A replica stopped while a half-loaded version keeps it paused stops all the same.
         never = _BreaksMidStream(store, failures=10**6)
-        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
-        worker = RolloutWorker(engine, tok, coord, length_scorer, never, settings)  # type: ignore[arg-type]
-        await engine.start()
-        worker.start()
+        engine, worker = await _started(tok, coord, never, idle_poll_s=1.0)
         coord.push_version(ref)
         await wait_for(lambda: worker.status().weights_failed and engine.paused, what="the paused replica")
         await asyncio.wait_for(worker.stop(), timeout=60)
@@ -503,19 +511,12 @@ def test_an_update_weights_rpc_that_loads_in_part_is_retried_until_generation_re
     after a bucket went in left the engine paused "until the retry resumes it", but only the
     WatchVersions path started a retry: nothing resumed, the replica kept leasing, and each group
     it leased waited in the paused engine until its lease expired."""
-    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
-    coord = FakeCoordinator(_prompts(40), sampling)
-    store = InMemoryWeightStore(bucket_bytes=4096)
-    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    coord, store, ref = _published_v1(tok)
     broken = _BreaksMidStream(store, failures=1)
     seen: dict[str, Any] = {}
 
     async def scenario() -> None:
-        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
-        settings = WorkerSettings(replica_id="r0", idle_poll_s=0.05, renew_interval_s=0.2, concurrent_groups=1)
-        worker = RolloutWorker(engine, tok, coord, length_scorer, broken, settings)  # type: ignore[arg-type]
-        await engine.start()
-        worker.start()
+        engine, worker = await _started(tok, coord, broken, idle_poll_s=0.05)
         await wait_for(lambda: len(coord.submitted) >= 2, what="generation under way")
         with pytest.raises(ConnectionError):
             await worker.update_weights(ref)  # what the UpdateWeights RPC does
@@ -742,19 +743,12 @@ def test_an_update_to_the_loaded_version_does_not_resume_a_half_loaded_model(tok
     """After a version loaded in part, the engine holds two versions' weights under the old one's
     label: an UpdateWeights for a version it already has (an operator re-sending the version
     GetRolloutStatus shows, a retried RPC) must not resume generation on them."""
-    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
-    coord = FakeCoordinator(_prompts(40), sampling)
-    store = InMemoryWeightStore(bucket_bytes=4096)
-    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    coord, store, ref = _published_v1(tok)
     never = _BreaksMidStream(store, failures=10**6)
     seen: dict[str, Any] = {}
 
     async def scenario() -> None:
-        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
-        settings = WorkerSettings(replica_id="r0", idle_poll_s=30.0, renew_interval_s=0.2, concurrent_groups=1)
-        worker = RolloutWorker(engine, tok, coord, length_scorer, never, settings)  # type: ignore[arg-type]
-        await engine.start()
-        worker.start()
+        engine, worker = await _started(tok, coord, never, idle_poll_s=30.0)
         await wait_for(lambda: len(coord.submitted) >= 1, what="generation under way")
         coord.push_version(ref)
         await wait_for(lambda: worker.status().weights_failed and engine.paused, what="the half-loaded update")
@@ -783,19 +777,12 @@ class _BreaksThenUnreachable(_FlakyStore):
 def test_a_retry_that_fails_before_any_bucket_keeps_a_half_loaded_model_paused(tok: Any) -> None:
     """A retry of a version loaded in part that fails before its first bucket changes nothing in
     the model, which still holds two versions: generation stays paused."""
-    sampling = common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=1)
-    coord = FakeCoordinator(_prompts(40), sampling)
-    store = InMemoryWeightStore(bucket_bytes=4096)
-    ref = store.publish(1, model_named_tensors(build_tiny_model("qwen3", tok, seed=4)))
+    coord, store, ref = _published_v1(tok)
     broken = _BreaksThenUnreachable(store, failures=0)
     seen: dict[str, Any] = {}
 
     async def scenario() -> None:
-        engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
-        settings = WorkerSettings(replica_id="r0", idle_poll_s=0.05, renew_interval_s=0.2, concurrent_groups=1)
-        worker = RolloutWorker(engine, tok, coord, length_scorer, broken, settings)  # type: ignore[arg-type]
-        await engine.start()
-        worker.start()
+        engine, worker = await _started(tok, coord, broken, idle_poll_s=0.05)
         await wait_for(lambda: len(coord.submitted) >= 1, what="generation under way")
         coord.push_version(ref)
         await wait_for(lambda: broken.calls >= 3, what="two retries that failed before any bucket")

@@ -129,9 +129,9 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     for text in overrides or []:
         keys, value = parse_override(text)
         if value is not None and not isinstance(value, (str, bool, list, dict)) and _wants_text(MeshConfig, keys):
-            # A string key keeps the text as written: YAML 1.1 reads 0123 as 83, 1.10 as 1.1,
-            # 2024_01 as 202401, 12:30 as 750, 2024-01-02 as a date. (Bools stay: a key such as
-            # serve.bytecode_cache reads an unquoted on / off itself.)
+            # A string key keeps the text as written: YAML 1.1 would turn it into a number (octal,
+            # sexagesimal, underscores dropped) or a date. Bools stay: a key such as
+            # serve.bytecode_cache reads an unquoted on / off itself.
             value = text.partition("=")[2].strip()
         apply_override(tree, keys, value)
     try:
