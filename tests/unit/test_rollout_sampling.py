@@ -4,6 +4,7 @@ kept) and take the nucleus of what it left, renormalised."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
@@ -57,3 +58,19 @@ def test_a_row_without_truncation_keeps_its_whole_vocabulary_beside_one_with_top
     kept = _kept(scaled, [-1, 5], [1.0, 0.5])
     assert len(kept[0]) == 50_000
     assert kept[1] == _hf_kept(scaled[1], 5, 0.5)
+
+
+def test_a_tiny_temperature_samples_the_argmax_beside_a_normal_row() -> None:
+    # logits / 1e-39 overflows float32 to +-inf, and log_softmax / softmax of such a row are NaN:
+    # torch.multinomial raised in the scheduler thread, which failed every request in flight and
+    # left the engine dead. A temperature this small is greedy in all but name.
+    from services.rollout.engines.sampling import sample
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 3
+    temperature = torch.tensor([1e-39, 1e-45, 1.0])
+    tokens, logprobs = sample(logits, temperature, torch.tensor([-1, 5, -1]), torch.tensor([1.0, 0.9, 1.0]),
+                              [None, torch.Generator().manual_seed(1), None], g)
+    assert tokens[:2].tolist() == [int(logits[0].argmax()), int(logits[1].argmax())]
+    assert logprobs[:2].tolist() == [0.0, 0.0]
+    assert logprobs[2] == pytest.approx(float(torch.log_softmax(logits[2], -1)[tokens[2]]), abs=1e-5)

@@ -126,3 +126,28 @@ def test_a_generate_cancelled_again_while_its_abort_is_queued_still_ends_its_sam
 
     running, requests = asyncio.run(main())
     assert running == 0 and requests == {}
+
+
+def test_a_tiny_temperature_is_served_as_greedy_and_the_engine_keeps_serving() -> None:
+    # A temperature of 1e-45 divides every logit to +-inf; the NaN distribution made
+    # torch.multinomial raise in the scheduler thread, failing the other request in flight and
+    # every later one (the replica was dead). SamplingSpec accepts any temperature >= 0.
+    tok = build_tokenizer()
+    engine = TransformersEngine(build_tiny_model("qwen3", tok, seed=0), tok, max_num_seqs=4)
+    prompt = list(tok.encode("question: 1+1="))
+
+    async def main() -> Any:
+        await engine.start()
+        try:
+            other = asyncio.create_task(engine.generate(GenerationRequest("other", prompt, SamplingSpec(max_tokens=8))))
+            tiny = await asyncio.wait_for(engine.generate(
+                GenerationRequest("tiny", prompt, SamplingSpec(n=2, temperature=1e-45, max_tokens=8))), 60)
+            greedy = await asyncio.wait_for(engine.generate(
+                GenerationRequest("greedy", prompt, SamplingSpec(temperature=0.0, max_tokens=8))), 60)
+            return tiny, greedy, await asyncio.wait_for(other, 60), (await engine.health()).healthy
+        finally:
+            await engine.close()
+
+    tiny, greedy, (out,), healthy = asyncio.run(main())
+    assert healthy and len(out.token_ids) >= 1
+    assert [s.token_ids for s in tiny] == [greedy[0].token_ids] * 2

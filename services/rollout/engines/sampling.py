@@ -50,7 +50,11 @@ def sample(
     logits = logits.float()
     greedy = temperature <= 0
     safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-    scaled = logits / safe_t
+    # Shifted by the row's max first (log_softmax and softmax do not change): a tiny temperature
+    # (1e-39) divided raw logits to +-inf, a NaN distribution that made torch.multinomial raise in
+    # the scheduler thread and fail every request in flight. Shifted, the top logit stays 0 and
+    # the rest fall to -inf at worst: such a row samples its argmax.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / safe_t
     logprobs_all = torch.log_softmax(scaled, dim=-1)
     probs = torch.softmax(truncate_top_k_top_p(scaled, top_k, top_p), dim=-1)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
