@@ -63,7 +63,7 @@ from services.weights import WeightPublisher
 from . import checkpoints
 from .algos.advantages import KL_REWARD_KEY
 from .algos.dapo import dynamic_sampling_values
-from .algos.mismatch import VERSION_MASK_KEY, finish_loss_sums, split_metrics, version_mask
+from .algos.mismatch import VERSION_MASK_KEY, finish_loss_sums, mismatch_k3, split_metrics, version_mask
 from .convert import agent_metrics, check_batch, groups_to_batch, sequence_tensors, token_versions
 from .engines.base import LossFn, SequenceBatch, StepResult
 from .group import TrainGroup
@@ -852,9 +852,8 @@ class TrainerLoop:
             # trajectory that ran out of its budget)
             m["response_length/clip_ratio"] = float(batch.seq_tensors["finish_length"].mean())
         if not self.s.bypass_mode:
-            diff = (batch.tensors["rollout_logprobs"] - batch.tensors["old_logprobs"]) * mask
-            k3 = (torch.exp(-diff) - 1 + diff) * mask
-            m["rollout_corr/mismatch_kl_k3"] = float(k3.sum() / mask.sum().clamp(min=1))
+            m["rollout_corr/mismatch_kl_k3"] = mismatch_k3(
+                batch.tensors["old_logprobs"], batch.tensors["rollout_logprobs"], mask)
         self.last_metrics = m
         if self.s.metrics_path is not None:
             self.s.metrics_path.parent.mkdir(parents=True, exist_ok=True)

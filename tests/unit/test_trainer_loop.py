@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import pickle
 from pathlib import Path
 from typing import Any
@@ -737,3 +738,20 @@ def test_loop_survives_a_step_whose_tokens_are_all_rejected(tmp_path: Path) -> N
     loop = TrainerLoop(_settings(tmp_path, bypass_mode=False, use_kl_loss=False), _group(), coord, InProcessPublisher(), algo)
     _run(loop)
     assert loop.step == 1
+
+
+def test_mismatch_kl_k3_stays_finite_for_a_token_the_rollout_found_very_unlikely(tmp_path: Path) -> None:
+    # k3 = exp(-d) - 1 + d with d = rollout - old logprob: one token the engine sampled at
+    # logprob -100 (the trainer's is near -5) gave exp(95) = inf in float32, so the step's
+    # rollout_corr/mismatch_kl_k3 was inf (null in metrics.jsonl). verl clamps d to [-20, 20]
+    # (SAFETY_BOUND) before the exp, as the split metrics beside it do.
+    coord = FakeCoordinator()
+    _fill(coord, 2)
+    coord.queue[0].responses[0].logprobs[0] = -100.0
+    loop = TrainerLoop(_settings(tmp_path, bypass_mode=False, total_steps=1), _group(), coord,
+                       InProcessPublisher(), fake_algorithm()[0])
+    _run(loop)
+    line = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    k3 = line["rollout_corr/mismatch_kl_k3"]
+    assert k3 is not None and math.isfinite(k3)
+    assert k3 == pytest.approx(line["rollout_corr/engine_mismatch_k3_kl"], rel=1e-5)

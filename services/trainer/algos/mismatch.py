@@ -56,6 +56,14 @@ def _token_stats(train_lp: torch.Tensor, rollout_lp: torch.Tensor, mask: torch.T
     return mask.sum(), d.sum(), k3.sum()
 
 
+def mismatch_k3(train_lp: torch.Tensor, rollout_lp: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """`rollout_corr/mismatch_kl_k3`: the k3 mean over every response token (both splits). The
+    log-ratio is clamped to [-20, 20] before the exp (verl's SAFETY_BOUND), as in the splits: one
+    token the engine sampled at logprob -100 made an unclamped exp overflow to inf."""
+    tokens, _, k3 = _token_stats(train_lp, rollout_lp, response_mask.float())
+    return float(k3 / tokens.clamp(min=1))
+
+
 def loss_sums(
     train_lp: torch.Tensor, rollout_lp: torch.Tensor, response_mask: torch.Tensor, at_version: torch.Tensor
 ) -> dict[str, torch.Tensor]:
