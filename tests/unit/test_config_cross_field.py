@@ -150,6 +150,32 @@ def test_training_temperature_that_cannot_train_is_refused(overrides: list[str],
     assert load_config(None, ["actor_rollout_ref.rollout.temperature=0.005"])  # transformers samples it as given
 
 
+@pytest.mark.parametrize(("overrides", "needle"), [
+    # the sampling check refuses it as bad input: every validation Generate fails, at the first
+    # test_freq step, hours into the run
+    (["actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=-1"],
+     r"actor_rollout_ref\.rollout\.val_kwargs\.temperature"),
+    # vLLM refuses (0, 0.01) as bad input, as for the training temperature
+    (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+      "actor_rollout_ref.rollout.val_kwargs.temperature=0.005"],
+     r"actor_rollout_ref\.rollout\.val_kwargs\.temperature=0\.005: .*>= 0\.01"),
+    (["actor_rollout_ref.rollout.val_kwargs.top_p=0"], r"actor_rollout_ref\.rollout\.val_kwargs\.top_p"),
+    (["actor_rollout_ref.rollout.val_kwargs.top_k=-2"], r"actor_rollout_ref\.rollout\.val_kwargs\.top_k"),
+    (["actor_rollout_ref.rollout.val_kwargs.n=0"], r"actor_rollout_ref\.rollout\.val_kwargs\.n"),
+    # the training samples' own: refused by every replica that leases a prompt
+    (["actor_rollout_ref.rollout.top_p=0"], r"actor_rollout_ref\.rollout\.top_p"),
+    (["actor_rollout_ref.rollout.top_k=-2"], r"actor_rollout_ref\.rollout\.top_k"),
+])
+def test_sampling_the_engines_would_refuse_is_refused_at_load(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, overrides)
+    # greedy (0) is validation's default, on either engine; do_sample=false ignores the temperature
+    for name in ("transformers", "vllm"):
+        assert load_config(None, [f"actor_rollout_ref.rollout.name={name}", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                                  "actor_rollout_ref.rollout.val_kwargs.temperature=0"])
+    assert load_config(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.val_kwargs.temperature=0.005"])
+
+
 def test_collective_receivers_default_to_the_rollout_replicas() -> None:
     # One weight fetcher per rollout replica joins the broadcast group (services/rollout/factory
     # default_fetcher). The default was rollout.nnodes x rollout.n_gpus_per_node: with an engine

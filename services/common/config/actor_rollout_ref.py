@@ -290,13 +290,15 @@ class ActorConfig(ConfigModel):
 class ValKwargs(ConfigModel):
     """Sampling for validation (verl `rollout.val_kwargs`)."""
 
-    temperature: float = 0.0
-    """0 = greedy."""
-    top_p: float = 1.0
+    # Bounded as the engines' sampling check (SamplingSpec.validate) bounds them: a value it
+    # refuses failed every validation Generate, first at a test_freq step hours into the run.
+    temperature: float = Field(default=0.0, ge=0)
+    """0 = greedy (with do_sample=true too); vllm: 0 or >= 0.01."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus threshold."""
-    top_k: int = -1
+    top_k: int = Field(default=-1, ge=-1)
     """-1 disables top-k."""
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     """Samples per validation prompt."""
     do_sample: bool = False
     """Sample (true) or decode greedily (false)."""
@@ -384,9 +386,9 @@ class RolloutEngineConfig(ConfigModel):
     """Responses per prompt."""
     temperature: float = 1.0
     """Sampling temperature."""
-    top_p: float = 1.0
+    top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus threshold."""
-    top_k: int = -1
+    top_k: int = Field(default=-1, ge=-1)
     """-1 disables top-k."""
     seed: int | None = None
     """Base sampling seed (per-group seeds derive from it); null: random."""
@@ -443,6 +445,12 @@ class RolloutEngineConfig(ConfigModel):
         if self.name == "vllm" and t < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"{key}={t}: vLLM samples below {VLLM_MIN_TEMPERATURE} at {VLLM_MIN_TEMPERATURE}, "
                              f"so the logprobs would not be those of {t}; set it >= {VLLM_MIN_TEMPERATURE}")
+        # Validation sends its temperature only with do_sample (else 0, greedy); the vllm engine
+        # refuses one in (0, 0.01), which failed every validation Generate.
+        v = self.val_kwargs
+        if self.name == "vllm" and v.do_sample and 0 < v.temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature={v.temperature}: vLLM samples below "
+                             f"{VLLM_MIN_TEMPERATURE} at {VLLM_MIN_TEMPERATURE}; set it to 0 (greedy) or >= {VLLM_MIN_TEMPERATURE}")
         return self
 
 
