@@ -235,6 +235,11 @@ class _State:
     stop_version: int = 0
     """policy_version at the Stop: the last version rollouts are told of (WatchVersions)."""
     stop_weights: bytes = b""
+    halted_reason: str = ""
+    """The halt on failures in a row (failures.py), kept like a Stop: a restarted replica of the
+    session that halted stays halted (else it leased again into the unfixed cause, and the
+    watchdog never read the reason); a later session, or Resume, lifts it."""
+    halt_session: str = ""
     checkpoint_requested: bool = False
     trainer_step: int = 0
     last_checkpoint_step: int = -1
@@ -381,6 +386,11 @@ class CoordinatorCore:
             state.stop_session = ""
             state.stop_version, state.stop_weights = 0, b""
             repaired = True
+        if state.halted_reason and state.halt_session != settings.session:
+            # `meshrl train --resume`: the cause may have been fixed (failures.py); if not, the run
+            # halts again after the same number of failures.
+            state.halted_reason, state.halt_session = "", ""
+            repaired = True
         if state.config_staleness_threshold != settings.staleness_threshold:
             # The ledger's threshold wins over the same config (one set live by SetStaleness survives
             # a restart), not over a changed one: `meshrl train --resume RUN_DIR
@@ -416,6 +426,8 @@ class CoordinatorCore:
         self._next_group_id = snap.max_group_id + 1
         self._prompt_failures = dict(snap.prompt_failures)
         self._set_aside = set(snap.set_aside)
+        if state.halted_reason:
+            self.failures.restore(state.halted_reason)
 
     # ---- derived numbers -------------------------------------------------------------------
 
@@ -692,6 +704,13 @@ class CoordinatorCore:
         self._replica_seen[replica_id] = now
         halted = self.failures.failed(replica_id, error, max(1, groups), now)
         if halted:
+            s = self._state.copy()
+            s.halted_reason, s.halt_session = self.failures.halted_reason, self.settings.session
+            try:
+                self._save(s)
+            except Exception as exc:  # noqa: BLE001 -- the leases are returned already; halted in memory still
+                log.warning("halt_not_persisted", error=f"{type(exc).__name__}: {exc}",
+                            note="a restart of this coordinator would lease again")
             log.error("leasing_halted", reason=self.failures.halted_reason,
                       hint="fix the cause, then `meshrl resume` (or `meshrl train --resume RUN_DIR`)")
         return halted
@@ -1049,6 +1068,8 @@ class CoordinatorCore:
         """Pause or resume leasing; resuming also lifts a halt on failures (after the ledger took it)."""
         s = self._state.copy()
         s.paused = paused
+        if not paused:
+            s.halted_reason, s.halt_session = "", ""
         self._save(s)
         if not paused:
             self.failures.clear()

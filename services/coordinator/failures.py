@@ -8,8 +8,10 @@ granted (LeasePrompts answers PAUSED) and GetStatus carries `halted_reason` — 
 repeats everywhere stops costing replicas and prompts, and the reason is on the operator's
 terminal. `meshrl resume` (Resume) lifts the halt; `meshrl train` stops the run with the reason.
 
-Not persisted: a restarted coordinator, or `meshrl train --resume`, starts unhalted (the cause
-may have been fixed; if not, the run halts again after the same number of failures).
+The halt and its reason are kept in the ledger's run state, like a Stop: a replica restarted in
+the session that halted (Serve replacing it) stays halted; a later session (`meshrl train
+--resume`) starts unhalted (the cause may have been fixed; if not, the run halts again after the
+same number of failures). The error reports and the count in a row are not kept.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class FailureLog:
             f"{self.max_consecutive}); last from {source}: {error}"
         )
         return True
+
+    def restore(self, reason: str) -> None:
+        """Halted with `reason` (kept in the ledger) by this session before a restart."""
+        self.halted_reason = reason
 
     def succeeded(self) -> None:
         """A group was accepted: the failures are no longer in a row."""

@@ -193,6 +193,42 @@ def test_failures_in_a_row_halt_leasing_with_the_reason_until_resumed(tmp_path: 
     assert core.audit()["balanced"]
 
 
+def test_a_halt_survives_a_restart_of_its_session_and_a_new_session_starts_unhalted(tmp_path: Path) -> None:
+    """A coordinator replica that Serve restarts (same session) while the run is halted stays
+    halted with the reason: it granted leases again and burned another max_consecutive_failures
+    groups on the unfixed cause, and the watchdog never saw the reason. `meshrl train --resume`
+    (a new session) starts unhalted, as failures.py says."""
+    db = tmp_path / "l.db"
+
+    def core(session: str) -> CoordinatorCore:
+        settings = CoordinatorSettings(
+            required_samples=4, staleness_threshold=1.0, trigger_parameter_sync_step=1, prompts_total=40,
+            lease_timeout_s=600.0, session=session, max_consecutive_failures=2,
+        )
+        stream = PromptStream(synthetic_records("addition", 16, digits=2, seed=0, split="train"), shuffle=True, seed=3)
+        return CoordinatorCore(settings, stream, Ledger(db))
+
+    first = core("a")
+    leases = first.lease("r1", 2, 0.0).leases
+    assert first.return_leases("r1", [x.lease_id for x in leases], 1.0, "boom") == 2
+    assert first.report_failure("r1", "boom", 2, 1.0) is True
+    first.ledger.close()
+    again = core("a")
+    assert "2 prompt groups failed in a row" in again.status(2.0).halted_reason
+    assert again.lease("r1", 1, 2.0).limit is LeaseLimit.PAUSED
+    # Resume lifts it for good: a later restart of the same session is not halted again.
+    again.set_paused(False)
+    again.ledger.close()
+    lifted = core("a")
+    assert lifted.status(3.0).halted_reason == "" and lifted.lease("r1", 1, 3.0).leases
+    lifted.report_failure("r1", "boom", 2, 3.0)
+    lifted.ledger.close()
+    resumed = core("b")
+    assert resumed.status(4.0).halted_reason == "" and resumed.lease("r1", 1, 4.0).leases
+    resumed.ledger.close()
+    assert core("b").status(5.0).halted_reason == ""
+
+
 def test_failure_log_keeps_the_newest_distinct_errors_and_never_halts_without_a_limit() -> None:
     log = FailureLog(max_consecutive=None, keep=2)
     for i in range(100):
