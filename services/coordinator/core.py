@@ -1147,22 +1147,32 @@ class CoordinatorCore:
 
     def audit(self) -> dict[str, Any]:
         """Check from the ledger that every issued prompt is in exactly one place. Returns a report
-        with `lost` and `duplicated` sequence numbers (both empty when the books balance)."""
-        where = self.ledger.live_seqs()
-        counts: dict[int, int] = {}
-        for seqs in where.values():
-            for s in seqs:
-                counts[s] = counts.get(s, 0) + 1
-        issued = range(self._state.cursor)
-        lost = [s for s in issued if s not in counts]
-        duplicated = sorted(s for s, n in counts.items() if n > 1)
-        return {
-            "issued": self._state.cursor,
-            "in_flight": len(where["in_flight"]),
-            "retry": len(where["retry"]),
-            "groups": len(where["groups"]),
-            "set_aside": len(where["set_aside"]),
-            "lost": lost,
-            "duplicated": duplicated,
-            "balanced": not lost and not duplicated,
-        }
+        with `lost` and `duplicated` sequence numbers (both empty when the books balance). On the
+        owner's thread; audit_ledger reads the same off it."""
+        return _audit_report(self._state.cursor, self.ledger.live_seqs())
+
+
+def audit_ledger(ledger: Ledger) -> dict[str, Any]:
+    """CoordinatorCore.audit from one snapshot of the ledger's file, on a connection of its own:
+    safe in a thread beside the core (asyncio.to_thread) while it goes on writing."""
+    return _audit_report(*ledger.audit_view())
+
+
+def _audit_report(cursor: int, where: dict[str, list[int]]) -> dict[str, Any]:
+    counts: dict[int, int] = {}
+    for seqs in where.values():
+        for s in seqs:
+            counts[s] = counts.get(s, 0) + 1
+    issued = range(cursor)
+    lost = [s for s in issued if s not in counts]
+    duplicated = sorted(s for s, n in counts.items() if n > 1)
+    return {
+        "issued": cursor,
+        "in_flight": len(where["in_flight"]),
+        "retry": len(where["retry"]),
+        "groups": len(where["groups"]),
+        "set_aside": len(where["set_aside"]),
+        "lost": lost,
+        "duplicated": duplicated,
+        "balanced": not lost and not duplicated,
+    }

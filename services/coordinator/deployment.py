@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from ray import serve
@@ -50,14 +51,20 @@ class CoordinatorDeployment:
         self._audit: dict[str, Any] | None = None
         self._metrics_task = export_periodically("coordinator", self._export_metrics)
 
-    def _export_metrics(self) -> None:
-        core = self._servicer.core
-        # The audit scans the ledger: every 6th export (30 s), and the first. Its numbers are set
-        # again at every export (a gauge recorded once, early in a replica's life, may be exported
-        # before Ray's metrics agent is up and then never seen).
-        if self._exports % 6 == 0:
-            self._audit = core.audit()
+    def _export_metrics(self) -> Awaitable[None] | None:
+        # The audit scans the ledger: every 6th export (30 s), and the first, off the event loop
+        # (servicer.audit). Its numbers are set again at every export (a gauge recorded once,
+        # early in a replica's life, may be exported before Ray's metrics agent is up and then
+        # never seen).
+        audit = self._exports % 6 == 0
         self._exports += 1
+        if audit:
+            return self._export_audited()
+        metrics.export(self._metrics, self._servicer.status(), self._audit)
+        return None
+
+    async def _export_audited(self) -> None:
+        self._audit = await self._servicer.audit()
         metrics.export(self._metrics, self._servicer.status(), self._audit)
 
     def check_health(self) -> None:
@@ -67,7 +74,7 @@ class CoordinatorDeployment:
 
     async def audit(self) -> dict[str, Any]:
         """Ledger audit (handle call, for tests and `meshrl train`'s end-of-run report)."""
-        return self._servicer.core.audit()
+        return await self._servicer.audit()
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

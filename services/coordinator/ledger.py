@@ -424,16 +424,41 @@ class Ledger:
             for s, n in self._db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall()
         }
 
-    def live_seqs(self) -> dict[str, list[int]]:
-        """Where every prompt sequence number is now (for audits)."""
-        active = [r[0] for r in self._db.execute("SELECT seq FROM leases WHERE state = ?", (int(LeaseState.ACTIVE),))]
-        retry = [r[0] for r in self._db.execute("SELECT seq FROM retry")]
+    def audit_view(self) -> tuple[int, dict[str, list[int]]]:
+        """(the run state's cursor, live_seqs()) as one snapshot, read on a connection of its own
+        (WAL: the owner writes on meanwhile), so another thread may call it: the audit scans the
+        whole ledger, seconds on a long run, which the owner's event loop would spend blocked. A
+        ":memory:" ledger has no second connection: read on the owner's, call it on its thread."""
+        if self.path == ":memory:":
+            return self._cursor(self._db), self.live_seqs()
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            db.execute("PRAGMA query_only = 1")
+            db.execute("BEGIN")  # the snapshot starts at its first read and holds to COMMIT
+            try:
+                return self._cursor(db), self.live_seqs(db)
+            finally:
+                db.execute("COMMIT")
+        finally:
+            db.close()
+
+    @staticmethod
+    def _cursor(db: sqlite3.Connection) -> int:
+        row = db.execute("SELECT json FROM run_state WHERE id = 1").fetchone()
+        return int(json.loads(row[0])["cursor"]) if row else 0
+
+    def live_seqs(self, db: sqlite3.Connection | None = None) -> dict[str, list[int]]:
+        """Where every prompt sequence number is now (for audits), read on DB (the owner's
+        connection if None)."""
+        db = db or self._db
+        active = [r[0] for r in db.execute("SELECT seq FROM leases WHERE state = ?", (int(LeaseState.ACTIVE),))]
+        retry = [r[0] for r in db.execute("SELECT seq FROM retry")]
         live_states = (int(GroupState.QUEUED), int(GroupState.DELIVERED), int(GroupState.CONSUMED), int(GroupState.FILTERED))
         groups = [
             r[0]
-            for r in self._db.execute(
+            for r in db.execute(
                 f"SELECT seq FROM groups WHERE state IN ({','.join('?' * len(live_states))})", live_states
             )
         ]
-        aside = [r[0] for r in self._db.execute("SELECT seq FROM set_aside")]
+        aside = [r[0] for r in db.execute("SELECT seq FROM set_aside")]
         return {"in_flight": active, "retry": retry, "groups": groups, "set_aside": aside}

@@ -20,7 +20,7 @@ from services.common.limits import Limits, check_lengths, process_limits
 from services.common.logging import get_logger
 
 from . import convert, wire
-from .core import Batch, CoordinatorCore, Status, check_int64
+from .core import Batch, CoordinatorCore, Status, audit_ledger, check_int64
 
 log = get_logger(__name__)
 
@@ -256,6 +256,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if self.core.expire(now):
             self._notify()
         return self.core.status(now)
+
+    async def audit(self) -> dict[str, Any]:
+        """The ledger audit (CoordinatorCore.audit), read in a thread on a connection of its own:
+        it scans every lease and group of the run, seconds on a long one, and on the loop every
+        RPC (renewals, leases, FetchBatch) waited for it. A ":memory:" ledger is read here."""
+        ledger = self.core.ledger
+        if ledger.path == ":memory:":
+            return self.core.audit()
+        return await asyncio.to_thread(audit_ledger, ledger)
 
     @rpc_method()
     async def Pause(self, request: coordinator_pb2.PauseRequest, context: Any) -> coordinator_pb2.PauseResponse:

@@ -1,0 +1,91 @@
+"""The coordinator replica's periodic ledger audit (deployment.py, every 30 s): it reads the
+whole ledger, so it runs in a thread on a connection of its own, and the event loop that serves
+every RPC keeps answering meanwhile; it reads one snapshot, so writes made while it reads do not
+unbalance it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshrl.v1 import common_pb2
+from services.coordinator import deployment
+from services.coordinator.ledger import Ledger
+from services.coordinator.servicer import CoordinatorServicer
+
+from .coord_helpers import group_for, make_core
+
+SLOW_S = 1.0
+
+
+def _replica(core: Any) -> Any:
+    """A CoordinatorDeployment around `core`, without Serve (its __init__ builds from a config)."""
+    replica = object.__new__(deployment.CoordinatorDeployment.func_or_class)
+    replica._servicer = CoordinatorServicer(core, sampling=common_pb2.SamplingParams(n=2))
+    replica._metrics = None
+    replica._exports = 0
+    replica._audit = None
+    return replica
+
+
+def test_the_periodic_audit_leaves_the_event_loop_free_and_reads_one_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    core = make_core(tmp_path / "l.db", staleness=10.0)
+    leases = core.lease("r", 4, 0.0).leases
+    core.submit("r", [group_for(leases[0].lease_id, leases[0].seq, 0)], 1.0)
+    exported: list[dict[str, Any] | None] = []
+    monkeypatch.setattr(deployment.metrics, "export", lambda m, status, audit: exported.append(audit))
+    loop_thread: list[int] = []
+    audit_threads: list[int] = []
+    real = Ledger.live_seqs
+
+    def slow_live_seqs(self: Ledger, *args: Any, **kwargs: Any) -> dict[str, list[int]]:
+        # a large ledger's scan, stood in for by a sleep
+        audit_threads.append(threading.get_ident())
+        time.sleep(SLOW_S)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Ledger, "live_seqs", slow_live_seqs)
+    replica = _replica(core)
+
+    async def run() -> float:
+        loop_thread.append(threading.get_ident())
+        gaps: list[float] = []
+        stop = False
+
+        async def ticker() -> None:
+            last = time.monotonic()
+            while not stop:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        result = replica._export_metrics()  # the first export audits
+        # as export_periodically awaits it, at once
+        pending = asyncio.ensure_future(result) if asyncio.iscoroutine(result) else None
+        await asyncio.sleep(SLOW_S / 3)
+        # RPCs served while the audit reads: prompts leased, one group submitted
+        more = core.lease("r", 3, 2.0).leases
+        core.submit("r", [group_for(more[0].lease_id, more[0].seq, 0)], 2.0)
+        if pending is not None:
+            await pending
+        stop = True
+        await tick
+        return max(gaps)
+
+    worst = asyncio.run(run())
+    assert audit_threads and audit_threads[0] != loop_thread[0], "the audit read the ledger on the event loop"
+    assert worst < SLOW_S / 2, f"the event loop stalled {worst:.2f} s while the ledger was audited"
+    assert exported and exported[-1] is not None and exported[-1]["balanced"], exported
+    assert exported[-1]["issued"] == 4  # the snapshot taken when the audit began, not the writes made meanwhile
+    monkeypatch.setattr(Ledger, "live_seqs", real)
+    assert core.audit()["balanced"] and core.audit()["issued"] == 7
