@@ -204,3 +204,21 @@ def test_one_step_off_mode_in_the_config_means_what_train_mode_one_step_off_mean
     assert at.staleness_threshold == 1.0 and at.trigger_parameter_sync_step == 1
     with pytest.raises(ConfigError, match=r"async_training\.mode=one_step_off .*trigger_parameter_sync_step=1"):
         load_config(None, ["async_training.mode=one_step_off", "async_training.trigger_parameter_sync_step=4"])
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_collective_transport_with_a_changing_rollout_replica_count_is_refused(backend: str) -> None:
+    # The broadcast group's size is fixed when it forms (services/param_server/rendezvous.py): with
+    # fewer replicas than receivers every broadcast waits for ranks that never check in; a replica
+    # added above it finds the group full.
+    with pytest.raises(ConfigError, match=r"serve\.rollout\.autoscaling\.min_replicas=1.*max_replicas=4.*grpc"):
+        load_config(None, [f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}",
+                           "serve.rollout.autoscaling={min_replicas: 1, max_replicas: 4}"])
+    # a fixed count under autoscaling is one group size: the default receivers are that count
+    from services.weights.transports import collective_receivers
+
+    cfg = load_config(None, [f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend}", "rollout.n_gpus_per_node=8",
+                             "serve.rollout.autoscaling={min_replicas: 2, max_replicas: 2}"])
+    assert collective_receivers(cfg) == 2
+    load_config(None, ["actor_rollout_ref.rollout.checkpoint_engine.backend=grpc",
+                       "serve.rollout.autoscaling={min_replicas: 1, max_replicas: 4}"])

@@ -78,8 +78,9 @@ class ParamServerConfig(ConfigModel):
     """Name of the nccl/hccl/gloo broadcast group (one per consumer group)."""
     collective_receivers: int | None = Field(default=None, ge=1)
     """Ranks that receive the broadcast: one per rollout replica (its fetcher, whatever the engine's
-    TP x DP); null: serve.rollout.num_replicas (with serve.rollout.autoscaling: rollout.nnodes *
-    rollout.n_gpus_per_node; set it). A count the replicas do not match stalls every broadcast."""
+    TP x DP); null: serve.rollout.num_replicas (with serve.rollout.autoscaling: its max_replicas, which
+    must equal min_replicas with these transports). A count the replicas do not match stalls every
+    broadcast."""
     collective_master_address: str | None = None
     """Address the trainer's rank 0 listens on for the broadcast group; null: this host's IP."""
     collective_sharded: bool = False

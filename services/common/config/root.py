@@ -168,6 +168,19 @@ class MeshConfig(ConfigModel):
                     "param_server.collective_sharded sends each rank's part of the full weights; a LoRA run's versions are the "
                     "adapter alone (small): set param_server.collective_sharded=false with actor_rollout_ref.model.lora_rank>0"
                 )
+        scaling = self.serve.rollout.autoscaling
+        backend = arr.rollout.checkpoint_engine.backend
+        if backend in COLLECTIVE_BACKENDS and scaling is not None and scaling.min_replicas != scaling.max_replicas:
+            # The broadcast group's size is fixed when it forms (services/param_server/rendezvous.py):
+            # below it every broadcast waits for ranks that never check in, and a replica added above
+            # it finds the group full and never gets weights.
+            raise ValueError(
+                f"actor_rollout_ref.rollout.checkpoint_engine.backend={backend} broadcasts to a fixed number of "
+                f"rollout replicas, but serve.rollout.autoscaling.min_replicas={scaling.min_replicas} != "
+                f"serve.rollout.autoscaling.max_replicas={scaling.max_replicas} lets the count change; set "
+                "min_replicas == max_replicas (or use serve.rollout.num_replicas), or use the grpc or object_store "
+                "transport with autoscaling"
+            )
         if self.reward_model.overlong_buffer.enable:
             ob = self.reward_model.overlong_buffer
             if ob.len <= 0 or ob.len > self.data.max_response_length:

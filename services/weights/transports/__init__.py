@@ -56,11 +56,12 @@ def _backend(cfg: MeshConfig, backend: str | None) -> str:
 def collective_receivers(cfg: MeshConfig) -> int:
     """Ranks of the broadcast group besides the sender: `param_server.collective_receivers`, else
     one per rollout replica (each holds one fetcher, whatever its engine's TP x DP), i.e.
-    serve.rollout.num_replicas; with serve.rollout.autoscaling, rollout.nnodes x n_gpus_per_node."""
+    serve.rollout.num_replicas, or with serve.rollout.autoscaling its replica count (min_replicas ==
+    max_replicas: the config refuses a collective transport with a count that changes)."""
     ps, app = cfg.param_server, cfg.serve.rollout
     if ps.collective_receivers:
         return ps.collective_receivers
-    return app.num_replicas if app.autoscaling is None else cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    return app.num_replicas if app.autoscaling is None else app.autoscaling.max_replicas
 
 
 def make_publisher(
