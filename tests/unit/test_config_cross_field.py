@@ -222,3 +222,12 @@ def test_collective_transport_with_a_changing_rollout_replica_count_is_refused(b
     assert collective_receivers(cfg) == 2
     load_config(None, ["actor_rollout_ref.rollout.checkpoint_engine.backend=grpc",
                        "serve.rollout.autoscaling={min_replicas: 1, max_replicas: 4}"])
+
+
+def test_coordinator_response_bound_below_the_response_budget_is_refused() -> None:
+    # coordinator.max_response_tokens refuses a submitted response (it truncates nothing): with it
+    # below data.max_response_length every SubmitGroups call carrying one long response failed
+    # whole, and the groups coalesced with it failed too.
+    with pytest.raises(ConfigError, match=r"coordinator\.max_response_tokens=256.*data\.max_response_length=512"):
+        load_config(None, ["coordinator.max_response_tokens=256", "data.max_response_length=512"])
+    load_config(None, ["coordinator.max_response_tokens=512", "data.max_response_length=512"])

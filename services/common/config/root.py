@@ -104,6 +104,16 @@ class MeshConfig(ConfigModel):
                 f"data.max_prompt_length={max_prompt} tokens; raise it (null: {max_prompt} + "
                 f"data.max_response_length={self.data.max_response_length}) or lower data.max_prompt_length"
             )
+        bound, budget = self.coordinator.max_response_tokens, self.data.max_response_length
+        if bound < budget:
+            # The coordinator refuses a response over its bound (it cuts nothing): every response that
+            # used the budget failed its SubmitGroups call, with the groups coalesced into it.
+            raise ValueError(
+                f"coordinator.max_response_tokens={bound} is below data.max_response_length={budget}: the coordinator "
+                "would refuse every response longer than the bound (failing its group and the groups submitted "
+                f"with it); raise coordinator.max_response_tokens to at least {budget} (or lower "
+                "data.max_response_length)"
+            )
         if self.data.train_files == [] and self.data.synthetic is None:
             raise ValueError("no prompt data: set data.train_files or data.synthetic")
         concurrent, per_call = self.async_training.concurrent_samples_per_replica, self.coordinator.max_groups_per_call
