@@ -231,3 +231,13 @@ def test_coordinator_response_bound_below_the_response_budget_is_refused() -> No
     with pytest.raises(ConfigError, match=r"coordinator\.max_response_tokens=256.*data\.max_response_length=512"):
         load_config(None, ["coordinator.max_response_tokens=256", "data.max_response_length=512"])
     load_config(None, ["coordinator.max_response_tokens=512", "data.max_response_length=512"])
+
+
+def test_rollout_weight_load_deadline_below_the_transfer_deadline_is_refused() -> None:
+    # A replica's weight update (fetch + load) is cut at rollout_worker.weight_load_timeout_s and
+    # retried with the same deadline: a version whose transfer needs the longer
+    # param_server.transfer_timeout_s never loaded, and the replica stayed paused for the run.
+    with pytest.raises(ConfigError, match=r"rollout_worker\.weight_load_timeout_s=600.*param_server\.transfer_timeout_s=1800"):
+        load_config(None, ["param_server.transfer_timeout_s=1800", "param_server.hold_ttl_s=3600"])
+    load_config(None, ["param_server.transfer_timeout_s=1800", "param_server.hold_ttl_s=3600",
+                       "rollout_worker.weight_load_timeout_s=2400"])

@@ -38,7 +38,8 @@ class RolloutWorkerConfig(ConfigModel):
     10 retries span ~30 s, a coordinator restart); after that the lease is given back (once the
     coordinator answers) and its prompt re-issued."""
     weight_load_timeout_s: float = Field(default=600.0, gt=0)
-    """Deadline of one weight update (fetch + load)."""
+    """Deadline of one weight update (fetch + load); at least `param_server.transfer_timeout_s`
+    (checked: a failed update is retried with the same deadline)."""
     reward_application: str | None = "reward"
     """Serve application of the reward service, called through a DeploymentHandle when the
     replica runs under Serve; null: use `reward_address`."""

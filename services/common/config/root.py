@@ -114,6 +114,17 @@ class MeshConfig(ConfigModel):
                 f"with it); raise coordinator.max_response_tokens to at least {budget} (or lower "
                 "data.max_response_length)"
             )
+        load_s, transfer_s = self.rollout_worker.weight_load_timeout_s, self.param_server.transfer_timeout_s
+        if load_s < transfer_s:
+            # A replica's update (fetch + load) is cut at weight_load_timeout_s and retried with the
+            # same deadline: a version whose transfer needs longer never loads, and the replica stays
+            # paused for the rest of the run.
+            raise ValueError(
+                f"rollout_worker.weight_load_timeout_s={load_s} is below param_server.transfer_timeout_s={transfer_s}: "
+                "a rollout replica would give up on a weight transfer the param server still allows, and retry it "
+                f"with the same deadline; raise rollout_worker.weight_load_timeout_s to at least {transfer_s} "
+                "(it also covers loading into the engine)"
+            )
         if self.data.train_files == [] and self.data.synthetic is None:
             raise ValueError("no prompt data: set data.train_files or data.synthetic")
         concurrent, per_call = self.async_training.concurrent_samples_per_replica, self.coordinator.max_groups_per_call
