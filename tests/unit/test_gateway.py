@@ -1138,6 +1138,20 @@ def test_null_is_absent_for_the_optional_fields_openai_marks_nullable() -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "579", r.text
 
 
+def test_a_chat_call_with_tool_choice_null_is_answered_as_without_it() -> None:
+    """OpenAI's schema makes tool_choice (and tools) nullable, and clients that serialize every
+    field send `"tool_choice": null`: it was a 400, so such an agent could make no call at all."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "123+456="}], "tools": TOOLS,
+                       "tool_choice": None}).encode()
+    r, _, _ = asyncio.run(_raw_call("/v1/chat/completions", body, turns=(CALL,)))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "tool_calls"  # null is absent: auto, calls parsed
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "123+456="}], "tools": None,
+                       "tool_choice": None}).encode()
+    r, _, _ = asyncio.run(_raw_call("/v1/chat/completions", body))
+    assert r.status_code == 200, r.text
+
+
 def test_echoed_tool_arguments_with_an_integer_past_the_digit_limit_are_compared_as_given() -> None:
     """Stitching compares an echoed call's arguments as parsed JSON where they parse; an integer
     past Python's digit limit does not (a ValueError), so they are compared as given and the call

@@ -197,7 +197,9 @@ def parse_chat(body: Any) -> ChatRequest:
         and isinstance(t["function"].get("name"), str) for t in tools
     ):
         raise bad("tools", 'must be a list of {"type": "function", "function": {"name", "description", "parameters"}}')
-    choice = body.get("tool_choice", "auto")
+    choice = body.get("tool_choice")
+    if choice is None:  # nullable in OpenAI's schema: null is absent
+        choice = "auto"
     if choice not in ("auto", "none"):
         raise bad("tool_choice", f"only 'auto' and 'none' are supported (the policy decides; nothing forces a call), got {choice!r}")
     logprobs = False if body.get("logprobs") is None else body["logprobs"]
