@@ -852,6 +852,38 @@ def test_a_call_cut_by_a_weight_update_is_continued_on_the_new_weights() -> None
     assert group.min_policy_version == 0 and group.max_policy_version == 1
 
 
+def test_a_call_cut_more_often_than_max_resubmits_says_so_and_leaves_the_session_open() -> None:
+    """Every continuation of the call is cut again (weight updates faster than it generates): past
+    max_resubmits the call was answered 409 "session ended while this call was generating", yet the
+    session was open; an agent believed its sample over and stopped, and the group waited for it."""
+    from services.rollout.gateway.openai_api import parse_chat
+
+    async def main() -> tuple[Any, Any, int]:
+        tok = build_tokenizer(tools=True)
+        policy = ScriptedPolicy(tok, [ANSWER])
+
+        async def cutting(req: GenerationRequest) -> list[SampleOutput]:
+            policy.requests.append(req)
+            policy.version += 1
+            return [SampleOutput(0, policy.turns[0][:1], [-0.5], [policy.version], Finish.ABORT)]
+
+        registry = SessionRegistry(tok, GatewayLimits(max_model_len=512, response_budget=256, max_resubmits=2))
+        g = registry.open_group("r/l", SamplingSpec(n=1, max_tokens=256), cutting, lambda: policy.version)
+        (s,) = g.samples
+        try:
+            await registry.chat(s, parse_chat({"messages": [{"role": "user", "content": "123+456="}]}))
+        except ApiError as exc:
+            return exc, s, len(policy.requests)
+        return None, s, len(policy.requests)
+
+    err, s, engine_calls = asyncio.run(main())
+    assert engine_calls == 3  # the call and max_resubmits=2 continuations
+    assert isinstance(err, ApiError) and err.code == "resubmit_limit", err
+    assert err.status == 503 and err.body()["error"]["type"] == "service_unavailable"
+    assert "max_resubmits=2" in err.message and "partial_rollout_mode=keep" in err.message, err.message
+    assert s.state == "open" and s.segments == [] and s.calls == 0
+
+
 def test_a_stop_string_across_the_cut_of_a_continued_call_ends_the_call_there() -> None:
     """The engine that continues a cut call sees only the continuation's text, so a stop string
     (the request's `stop`) that began in the aborted part and completes in the continuation went

@@ -560,8 +560,14 @@ class SessionRegistry:
                 self._check_open(s)  # its group ended while it generated: answered as a call after the end
                 return ids, lps, vers, out.finish_reason
             if s.state != "open":
-                break
-        raise ApiError(409, f"session {s.id} ended while this call was generating", code="session_closed")
+                raise ApiError(409, f"session {s.id} ended while this call was generating", code="session_closed")
+        # The session is open: told it ended (409), an agent stopped a sample its group still waited
+        # for. Weight updates outran the call; a retry starts it afresh, so a retryable 503.
+        raise ApiError(503, f"weight updates cut this call {self.limits.max_resubmits + 1} times (the call and "
+                       f"max_resubmits={self.limits.max_resubmits} continuations) before it finished; the session "
+                       "is open and nothing was recorded: retry the call, or set "
+                       "async_training.partial_rollout_mode=keep so a weight update continues calls in flight",
+                       code="resubmit_limit")
 
     def _completion(self, s: SampleSession, prefix: str, model: str, text: str, calls: Sequence[Any], finish: Finish,
                     ids: Sequence[int], lps: Sequence[float], prompt_tokens: int) -> Completion:
