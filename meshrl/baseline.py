@@ -123,7 +123,9 @@ async def run_baseline(cfg: MeshConfig, model_path: str | Path, scorer: Scorer, 
     opt = torch.optim.AdamW(model.parameters(), lr=actor.optim.lr, betas=actor.optim.betas,
                             weight_decay=actor.optim.weight_decay, eps=actor.optim.eps)
     loss_fn = build_loss_fn(actor, algo)
-    dataset = train_dataset(cfg.data, cfg.actor_rollout_ref.model)
+    from services.environment.factory import prompt_tools
+
+    dataset = train_dataset(cfg.data, cfg.actor_rollout_ref.model, prompt_tools(cfg))
     stream = PromptStream(dataset, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     derived = derive(cfg, dataset_size=len(dataset))
     steps = max_steps if max_steps is not None else derived.total_local_steps

@@ -84,7 +84,9 @@ def make_plan(config: str | None, overrides: list[str], link_gbps: float | None 
     cfg = load_config(resolve_config_path(config), overrides)
     dataset_size: int | None
     try:
-        dataset_size = len(train_dataset(cfg.data, cfg.actor_rollout_ref.model))
+        from services.environment.factory import prompt_tools
+
+        dataset_size = len(train_dataset(cfg.data, cfg.actor_rollout_ref.model, prompt_tools(cfg)))
     except Exception:  # noqa: BLE001 -- plan must work without the data files present
         dataset_size = None
     derived = derive(cfg, dataset_size=dataset_size)

@@ -183,10 +183,12 @@ class MeshRun:
         self.grpc_port = cfg.serve.grpc_port
         self.derived = derive(cfg)
         from services.common.data import val_dataset
+        from services.environment.factory import prompt_tools
 
         # Read (and its rows checked) before anything starts, once: read at each validation, a bad
         # row stopped the run at the first one, test_freq versions in with val_before_train=false.
-        self.val = val_dataset(cfg.data, cfg.actor_rollout_ref.model) if cfg.trainer.test_freq > 0 else None
+        self.val = (val_dataset(cfg.data, cfg.actor_rollout_ref.model, prompt_tools(cfg))
+                    if cfg.trainer.test_freq > 0 else None)
         self._val_versions: set[int] = set()
         self._stop_requested = False
         self._stop_sent_at: float | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -294,10 +294,15 @@ def synthetic_records(
     return RecordList(records)
 
 
-def train_dataset(data_cfg: Any, model_cfg: Any = None) -> RecordList:
+ToolsFor = Callable[[str], Sequence[Mapping[str, Any]]]
+"""data_source -> the tool schemas the chat template renders into that prompt (multi-turn with
+tools; services/environment/factory.prompt_tools builds it from the config)."""
+
+
+def train_dataset(data_cfg: Any, model_cfg: Any = None, tools_for: ToolsFor | None = None) -> RecordList:
     """The training prompts a `data` config section names (files, else the synthetic task);
     with data.filter_overlong_prompts, those that fit data.max_prompt_length under the model's
-    tokenizer (`model_cfg`: actor_rollout_ref.model)."""
+    tokenizer (`model_cfg`: actor_rollout_ref.model), counted with the tools `tools_for` gives."""
     if data_cfg.train_files:
         records = load_files(data_cfg.train_files, split="train", prompt_key=data_cfg.prompt_key,
                              reward_fn_key=data_cfg.reward_fn_key)
@@ -307,16 +312,16 @@ def train_dataset(data_cfg: Any, model_cfg: Any = None) -> RecordList:
             raise ConfigError("no prompt data: set data.train_files or data.synthetic")
         records = synthetic_records(syn.name, syn.num_train, digits=syn.digits, seed=syn.seed, split="train",
                                     length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits)
-    return _filtered(records, data_cfg, model_cfg, "train")
+    return _filtered(records, data_cfg, model_cfg, "train", tools_for)
 
 
-def val_dataset(data_cfg: Any, model_cfg: Any = None) -> RecordList | None:
+def val_dataset(data_cfg: Any, model_cfg: Any = None, tools_for: ToolsFor | None = None) -> RecordList | None:
     """The validation prompts (files, else the synthetic task's held-out split, else None),
     filtered as the training prompts are."""
     if data_cfg.val_files:
         return _filtered(load_files(data_cfg.val_files, split="val", prompt_key=data_cfg.prompt_key,
                                     reward_fn_key=data_cfg.reward_fn_key),
-                         data_cfg, model_cfg, "val")
+                         data_cfg, model_cfg, "val", tools_for)
     syn = data_cfg.synthetic
     if data_cfg.train_files or syn is None or syn.num_val <= 0:
         return None
@@ -325,24 +330,33 @@ def val_dataset(data_cfg: Any, model_cfg: Any = None) -> RecordList | None:
     return _filtered(synthetic_records(syn.name, syn.num_val, digits=syn.digits, seed=syn.seed, split="val",
                                        length_tail_alpha=syn.length_tail_alpha, max_digits=syn.max_digits,
                                        exclude={(r.text, r.messages) for r in train.records}),
-                     data_cfg, model_cfg, "val")
+                     data_cfg, model_cfg, "val", tools_for)
 
 
-def chat_prompt_text(messages: Sequence[dict[str, str]], text: str, tokenizer: Any) -> str:
+def chat_prompt_text(messages: Sequence[dict[str, str]], text: str, tokenizer: Any,
+                     tools: Sequence[Mapping[str, Any]] = ()) -> str:
     """A prompt as the model sees it: the chat template applied (with the generation prompt) to
     `messages`, or `text` verbatim."""
     if messages:
-        return str(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False))
+        return str(tokenizer.apply_chat_template(list(messages), tools=[dict(t) for t in tools] or None,
+                                                 add_generation_prompt=True, tokenize=False))
     return text
 
 
-def prompt_tokens(record: PromptRecord, tokenizer: Any) -> int:
-    """Tokens of the prompt as the single-turn rollout encodes it (rollout/convert.encode_prompt)."""
-    text = chat_prompt_text([{"role": r, "content": c} for r, c in record.messages], record.text, tokenizer)
+def prompt_tokens(record: PromptRecord, tokenizer: Any, tools: Sequence[Mapping[str, Any]] = ()) -> int:
+    """Tokens of the prompt as the rollout encodes it: single-turn as rollout/convert.encode_prompt;
+    with `tools`, as the agent loop does (agent/chat.ChatRenderer: the template renders the tools
+    into the system prompt, and a text prompt is the first user message, as the tool environment
+    starts it)."""
+    messages = [{"role": r, "content": c} for r, c in record.messages]
+    if tools and not messages:
+        messages = [{"role": "user", "content": record.text}]
+    text = chat_prompt_text(messages, record.text, tokenizer, tools)
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _filtered(records: RecordList, data_cfg: Any, model_cfg: Any, split: str) -> RecordList:
+def _filtered(records: RecordList, data_cfg: Any, model_cfg: Any, split: str,
+              tools_for: ToolsFor | None = None) -> RecordList:
     """data.filter_overlong_prompts (verl's): the prompts longer than max_prompt_length dropped,
     before the shuffle (the order of those kept is unchanged; their prompt_ids stay their rows')."""
     if not data_cfg.filter_overlong_prompts:
@@ -355,7 +369,10 @@ def _filtered(records: RecordList, data_cfg: Any, model_cfg: Any, split: str) ->
     tok = AutoTokenizer.from_pretrained(model_cfg.tokenizer_path or model_cfg.path,
                                         trust_remote_code=model_cfg.trust_remote_code)
     limit = data_cfg.max_prompt_length
-    kept = [r for r in records.records if prompt_tokens(r, tok) <= limit]
+    # With tools, the prompt counted is the one the agent loop renders (verl's filter passes tools=
+    # too): counted without them, a prompt that fit here overflowed max_prompt_length at rollout.
+    kept = [r for r in records.records
+            if prompt_tokens(r, tok, tools_for(r.data_source) if tools_for else ()) <= limit]
     if not kept:
         raise ConfigError(f"data.filter_overlong_prompts dropped every {split} prompt: none fits "
                           f"data.max_prompt_length={limit} tokens")

@@ -38,7 +38,9 @@ def build_core(
     cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "", session: str = ""
 ) -> CoordinatorCore:
     """SESSION: see CoordinatorSettings.session; empty means a fresh one (this process)."""
-    dataset = train_dataset(cfg.data, cfg.actor_rollout_ref.model)
+    from services.environment.factory import prompt_tools
+
+    dataset = train_dataset(cfg.data, cfg.actor_rollout_ref.model, prompt_tools(cfg))
     derived = derive(cfg, dataset_size=len(dataset))
     at = cfg.async_training
     settings = CoordinatorSettings(

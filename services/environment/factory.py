@@ -3,6 +3,7 @@ the router that picks one per prompt by data_source (see EnvironmentConfig's doc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from services.common.config import MeshConfig
@@ -21,6 +22,18 @@ def tool_environment(cfg: MeshConfig) -> ToolEnvironment:
     tools = load_tools(mt.tool_config_path) if mt.tool_config_path else []
     interactions = load_interactions(mt.interaction_config_path) if mt.interaction_config_path else {}
     return ToolEnvironment(tools, interactions, max_parallel_calls=mt.max_parallel_calls, call_timeout_s=mt.tool_timeout_s)
+
+
+def prompt_tools(cfg: MeshConfig) -> Callable[[str], tuple[dict[str, Any], ...]] | None:
+    """data_source -> the tool schemas the agent loop renders into that prompt (those the router
+    sends to the in-process tool environment), for data.filter_overlong_prompts; None when no
+    prompt gets tools (no multi-turn, no tool YAML, or the filter is off: nothing is loaded)."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not (cfg.data.filter_overlong_prompts and mt.enable and mt.tool_config_path) or cfg.agent.enabled:
+        return None
+    schemas = tuple(t.tool_schema.model_dump(exclude_none=True) for t in load_tools(mt.tool_config_path))
+    remote = {ds for ep in cfg.environment.endpoints for ds in ep.data_sources}
+    return lambda data_source: () if data_source in remote else schemas
 
 
 class EnvironmentRouter:

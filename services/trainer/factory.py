@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 def dataset_size(cfg: MeshConfig) -> int:
     from services.common.data import train_dataset
+    from services.environment.factory import prompt_tools
 
-    return len(train_dataset(cfg.data, cfg.actor_rollout_ref.model))
+    return len(train_dataset(cfg.data, cfg.actor_rollout_ref.model, prompt_tools(cfg)))
 
 
 def total_local_steps(cfg: MeshConfig, size: int | None) -> int:

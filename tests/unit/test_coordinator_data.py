@@ -178,3 +178,43 @@ def test_filter_overlong_prompts_drops_what_does_not_fit_before_the_shuffle(tmp_
     with pytest.raises(ConfigError, match="dropped every train prompt"):
         build_core(_cfg(tmp_path, [f], "data.max_prompt_length=1", "data.filter_overlong_prompts=true",
                         f"actor_rollout_ref.model.path={tok_dir}"), tmp_path / "run2", session="a")
+
+
+def test_filter_overlong_prompts_counts_the_tools_the_agent_loop_renders(tmp_path: Path) -> None:
+    """Multi-turn with tools: the agent loop renders the tool schemas into the prompt (the chat
+    template's system block; verl's filter passes tools= too). Counted without them, a prompt that
+    fit max_prompt_length here was over it at rollout, refused on every replica (truncation=error)."""
+    from services.common.data import val_dataset
+    from services.common.tiny import build_tokenizer
+    from services.environment.factory import prompt_tools
+    from services.environment.tools import load_tools
+    from services.rollout.agent.chat import ChatRenderer
+
+    tok = build_tokenizer(tools=True)
+    # as Qwen's template does: the tools in a system block (the tiny template leaves them out)
+    tok.chat_template = ("{%- if tools %}<|im_start|>system\n{%- for t in tools %}{{ t | tojson }}{%- endfor %}"
+                         "<|im_end|>\n{%- endif %}" + tok.chat_template)
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(tok_dir)
+    tools_yaml = Path(__file__).resolve().parents[2] / "configs" / "examples" / "tool_add_tools.yaml"
+    f = _jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1="}, {"prompt": [{"role": "user", "content": "2+2="}]}])
+    schemas = [t.tool_schema.model_dump(exclude_none=True) for t in load_tools(str(tools_yaml))]
+    rendered = ChatRenderer(tok, schemas).prompt_ids([{"role": "user", "content": "2+2="}])  # as the agent loop
+    plain = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "2+2="}], add_generation_prompt=True,
+                                                   tokenize=False), add_special_tokens=False))
+    assert plain < len(rendered)
+    limit = len(rendered) - 1  # what the messages alone fit, the rendered prompt does not
+    cfg = _cfg(tmp_path, [f], f"data.max_prompt_length={limit}", "data.filter_overlong_prompts=true",
+               "data.truncation=error", f"actor_rollout_ref.model.path={tok_dir}", f"data.val_files=[{f}]",
+               "actor_rollout_ref.rollout.multi_turn.enable=true",
+               f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools_yaml}")
+    with pytest.raises(ConfigError, match="dropped every train prompt"):
+        build_core(cfg, tmp_path / "run", session="a")
+    with pytest.raises(ConfigError, match="dropped every val prompt"):
+        val_dataset(cfg.data, cfg.actor_rollout_ref.model, prompt_tools(cfg))
+    # one token more and both fit: the text prompt counts as the user message the tool environment starts with
+    core = build_core(_cfg(tmp_path, [f], f"data.max_prompt_length={limit + 1}", "data.filter_overlong_prompts=true",
+                           f"actor_rollout_ref.model.path={tok_dir}", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                           f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools_yaml}"),
+                      tmp_path / "run2", session="a")
+    assert len(core.prompts) == 2
