@@ -126,6 +126,8 @@ def main() -> None:
                     help="DP rank 0 trains on every sequence, the others on an empty share")
     ap.add_argument("--all-rejected", action="store_true",
                     help="after the rest, one step whose every response token is masked out (skipped, weights kept)")
+    ap.add_argument("--nonfinite", action="store_true",
+                    help="after the rest, one step whose loss is NaN (skipped, weights kept), then a normal one")
     args = ap.parse_args()
 
     from services.trainer.engines.megatron.config import MegatronEngineConfig
@@ -258,6 +260,28 @@ def main() -> None:
             }
         except Exception as exc:  # report it and keep the equivalence numbers
             report["all_rejected"] = {"error": f"{type(exc).__name__}: {exc}"}
+    if args.nonfinite:  # e.g. a bf16 overflow: the gradient norm is NaN
+        def nan_loss(fo: ForwardOutput, mb: SequenceBatch, scale: LossScale) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, metrics = loss_fn(fo, mb, scale)
+            return loss * float("nan"), metrics
+
+        try:
+            before = results[-1].metrics
+            bad = engine.train_step(micro, nan_loss)
+            kept = {n: t for bucket in engine.export_weights(bucket_bytes=64 * 1024) for n, t in bucket}
+            good = engine.train_step(micro, loss_fn)
+            report["nonfinite"] = {
+                "normal_step_skipped": before.get("actor/step_skipped"),
+                "normal_grad_norm_nonfinite": before.get("actor/grad_norm_nonfinite"),
+                "step": bad.step, "grad_norm_finite": bool(torch.isfinite(torch.tensor(bad.grad_norm))),
+                "step_skipped": bad.metrics.get("actor/step_skipped"),
+                "grad_norm_nonfinite": bad.metrics.get("actor/grad_norm_nonfinite"),
+                "weights_kept": all(torch.equal(kept[k], exported[k]) for k in exported) if engine.rank == 0 else None,
+                "next_step_skipped": good.metrics.get("actor/step_skipped"),
+                "next_grad_norm_finite": bool(torch.isfinite(torch.tensor(good.grad_norm))),
+            }
+        except Exception as exc:  # report it and keep the equivalence numbers
+            report["nonfinite"] = {"error": f"{type(exc).__name__}: {exc}"}
     if args.save_dir:
         try:
             engine.save_hf(Path(args.save_dir) / "hf")

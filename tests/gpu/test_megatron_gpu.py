@@ -95,11 +95,17 @@ def test_moe_tp2_ep2_bf16(ckpts: dict[str, Path], tmp_path: Path) -> None:
 def test_one_gpu_and_its_own_slices(ckpts: dict[str, Path], tmp_path: Path, arch: str, dtype: str) -> None:
     """The whole model on one rank (nccl, one GPU), with the distributed optimizer: the engine
     still matches transformers, its own slices (param_server.collective_sharded), cut and
-    copied on the device, are its export, byte for byte, and a step with no response token is
-    skipped."""
-    r = _run(f"{arch}_one_gpu_{dtype}", ckpts[arch], tmp_path, 1, "--dist-opt", "--dtype", dtype, "--all-rejected")
+    copied on the device, are its export, byte for byte, and a step with no response token or a
+    NaN gradient norm is skipped (megatron's own optimizer skips only an fp16 overflow)."""
+    r = _run(f"{arch}_one_gpu_{dtype}", ckpts[arch], tmp_path, 1, "--dist-opt", "--dtype", dtype, "--all-rejected",
+             "--nonfinite")
     tol = {} if dtype == "float32" else {"logprob_atol": 0.1, "grad_rtol": 0.05, "post_atol": 0.1}
     check_equivalence(r, n_micro=N_MICRO, **tol)
     assert r["shard_bytes_per_rank"] == [r["export_bytes"]]
     # a step whose every token was rejected: skipped, weights kept (the distributed optimizer too)
     assert r["all_rejected"] == {"step": 4, "num_tokens": 0, "step_skipped": 1.0, "weights_kept": True}, r["all_rejected"]
+    assert r["nonfinite"] == {
+        "normal_step_skipped": 0.0, "normal_grad_norm_nonfinite": 0.0, "step": 5, "grad_norm_finite": False,
+        "step_skipped": 1.0, "grad_norm_nonfinite": 1.0, "weights_kept": True, "next_step_skipped": 0.0,
+        "next_grad_norm_finite": True,
+    }, r["nonfinite"]

@@ -66,7 +66,7 @@ def test_a_dp_rank_with_no_sequences_keeps_in_step(ckpts: dict[str, Path], tmp_p
     A step with no response token on any rank is skipped by all of them together.
     (MoE on CPU uses the allgather dispatcher, which needs equal token counts on every rank; the
     GPU's alltoall does not, so the MoE case is not run here.)"""
-    r = run_worker(ckpts["qwen3"], tmp_path / "r.json", 2, "--uneven-dp", "--all-rejected")
+    r = run_worker(ckpts["qwen3"], tmp_path / "r.json", 2, "--uneven-dp", "--all-rejected", "--nonfinite")
     check_equivalence(r, n_micro=N_MICRO)
     assert r["dp"] == [0, 2]
     full, empty = r["share_logprob_shapes"]
@@ -74,6 +74,16 @@ def test_a_dp_rank_with_no_sequences_keeps_in_step(ckpts: dict[str, Path], tmp_p
     # Then a step whose every response token is masked out (the rollout correction rejected them
     # all): skipped on every rank, weights kept. Its loss divided by zero tokens and raised.
     assert r["all_rejected"] == {"step": 4, "num_tokens": 0, "step_skipped": 1.0, "weights_kept": True}, r["all_rejected"]
+    # Then a step whose gradient norm is NaN (a bf16 overflow): skipped as the FSDP engine skips
+    # it, with the same metrics, the schedule's step counted, and the next step clean. megatron's
+    # optimizer skips only on an fp16 loss-scale overflow; otherwise it stepped every weight to NaN.
+    # actor/step_skipped is reported on every step, so its mean over a step's mini-batches is the
+    # fraction skipped.
+    assert r["nonfinite"] == {
+        "normal_step_skipped": 0.0, "normal_grad_norm_nonfinite": 0.0, "step": 5, "grad_norm_finite": False,
+        "step_skipped": 1.0, "grad_norm_nonfinite": 1.0, "weights_kept": True, "next_step_skipped": 0.0,
+        "next_grad_norm_finite": True,
+    }, r["nonfinite"]
 
 
 def test_moe_tp2_ep2_matches_transformers(ckpts: dict[str, Path], tmp_path: Path) -> None:
@@ -107,3 +117,51 @@ def test_overrides_reach_the_model_and_the_optimizer(ckpts: dict[str, Path], tmp
     assert r["applied_optimizer"] == {"lr": "0.0"}
     assert r["logprob_max_abs_diff"] > 1e-2  # the HF reference keeps rms_norm_eps=1e-6
     assert r["export_equals_initial"] is True and r["lrs"] == [0.0]
+
+
+class _Bf16MegatronOptimizer:
+    """megatron-core 0.16's optimizer as the engine drives it on GPU (FP32Optimizer /
+    Float16OptimizerWithFloat16Params without a grad scaler): `prepare_grads` finds nothing to
+    skip, so `step()` clips by the NaN norm (a no-op) and steps every weight to NaN. CUDA-only in
+    megatron, hence this stand-in with megatron's step logic."""
+
+    def __init__(self, grad_norm: float, clip_grad: float = 1.0) -> None:
+        from types import SimpleNamespace
+
+        self.grad_norm, self.stepped = grad_norm, False
+        self.param_groups = [{"lr": 0.0}]
+        self.config = SimpleNamespace(clip_grad=clip_grad, use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+
+    def prepare_grads(self) -> bool:
+        return False
+
+    def get_grad_norm(self) -> float:
+        return self.grad_norm
+
+    def get_parameters(self) -> list:
+        return []
+
+    def step_with_ready_grads(self) -> bool:
+        self.stepped = True
+        return True
+
+    def step(self) -> tuple[bool, float | None, None]:
+        self.prepare_grads()
+        norm = self.get_grad_norm() if self.config.clip_grad > 0 else None  # FP32Optimizer: no norm without clipping
+        return self.step_with_ready_grads(), norm, None
+
+
+def test_a_non_finite_grad_norm_skips_megatrons_optimizer_step() -> None:
+    """On GPU the engine runs megatron's optimizer, which skips only on an fp16 loss-scale
+    overflow: a NaN gradient norm in bf16 stepped every weight to NaN. The engine skips the step
+    as the FSDP engine does, and reports the norm even with clipping off."""
+    from services.trainer.engines.megatron.engine import MegatronEngine
+
+    engine = MegatronEngine.__new__(MegatronEngine)
+    engine._step = 0
+    engine.optimizer = nan = _Bf16MegatronOptimizer(float("nan"))
+    engine._optimizer_step(1e-3)
+    assert not nan.stepped, "megatron's optimizer stepped on a NaN gradient norm"
+    assert engine._optimizer_step(1e-3)[0] is False
+    engine.optimizer = ok = _Bf16MegatronOptimizer(2.5, clip_grad=0.0)
+    assert engine._optimizer_step(1e-3) == (True, 2.5) and ok.stepped and ok.param_groups[0]["lr"] == 1e-3

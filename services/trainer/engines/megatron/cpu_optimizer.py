@@ -5,6 +5,7 @@ rules. It answers the calls the engine makes of megatron's optimizer (`step`, `z
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ class CpuOptimizer:
         self._adamw.load_state_dict(state)
 
     def step(self) -> tuple[bool, float, None]:
-        """One update; returns (updated, grad norm, None) as megatron's optimizer does. The norm
+        """One update, unless the gradient norm is not finite; returns (updated, grad norm, None). The norm
         counts each parameter once across the model-parallel group (shared and TP-duplicated
         parameters once), dense and expert parameters over their own groups."""
         from megatron.core import parallel_state as ps
@@ -66,11 +67,15 @@ class CpuOptimizer:
         dist.all_reduce(dense_sq, group=ps.get_model_parallel_group())
         dist.all_reduce(expert_sq, group=ps.get_expert_tensor_model_pipeline_parallel_group())
         grad_norm = float((dense_sq + expert_sq).sqrt())
-        clip = self.clip_grad / (grad_norm + 1e-6)
+        # A non-finite norm skips the update (as the engine's megatron path and the FSDP engine
+        # do); clip_grad <= 0 turns clipping off, as in megatron (not a scale of 0).
+        finite = math.isfinite(grad_norm)
+        clip = self.clip_grad / (grad_norm + 1e-6) if finite and self.clip_grad > 0 else 1.0
         if clip < 1.0:
             for p in params:
                 p.grad.mul_(clip)  # type: ignore[union-attr]
-        self._adamw.step()
+        if finite:
+            self._adamw.step()
         for p in params:
             p.grad = None
-        return True, grad_norm, None
+        return finite, grad_norm, None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -338,7 +339,8 @@ class MegatronEngine(TrainEngine):
             log.warning("train_step_without_response_tokens", step=self._step)
             self._step += 1
             self._offload(after_step=True)
-            return StepResult(grad_norm=0.0, lr=lr, metrics={"actor/step_skipped": 1.0}, num_tokens=0, step=self._step)
+            skipped = {"actor/grad_norm_nonfinite": 0.0, "actor/step_skipped": 1.0}
+            return StepResult(grad_norm=0.0, lr=lr, metrics=skipped, num_tokens=0, step=self._step)
         scale = LossScale(num_tokens=int(counts[0].item()), num_seqs=int(counts[1].item()), dp_size=dp)
         # An empty DP share (fewer sequences than DP ranks) runs dummies with a zero loss: the
         # gradient all-reduce over DP (and MoE's all-to-all) needs every rank.
@@ -359,9 +361,13 @@ class MegatronEngine(TrainEngine):
             return loss * n_sched, {}
 
         self._run_schedule(self.model, micro_batches, loss_func, forward_only=False)
-        grad_norm = self._optimizer_step(lr)
-        self._step += 1
+        updated, grad_norm = self._optimizer_step(lr)
+        self._step += 1  # a skipped step counts too (the schedule moves on), as in the FSDP engine
         metrics = self._average_metrics(metric_sums)
+        # On every step, as the FSDP engine reports them: the trainer averages each key over the
+        # mini-batches that have it, so a key only on skipped steps would read 1.0.
+        metrics["actor/grad_norm_nonfinite"] = 0.0 if math.isfinite(grad_norm) else 1.0
+        metrics["actor/step_skipped"] = 0.0 if updated else 1.0
         self._offload(after_step=True)
         return StepResult(grad_norm=grad_norm, lr=lr, metrics=metrics, num_tokens=scale.num_tokens, step=self._step)
 
@@ -430,13 +436,17 @@ class MegatronEngine(TrainEngine):
             forward_only=forward_only,
         )
 
-    def _optimizer_step(self, lr: float) -> float:
+    def _optimizer_step(self, lr: float) -> tuple[bool, float]:
+        """(updated, grad norm); the step is skipped when the norm is not finite."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        ok, grad_norm, _ = self.optimizer.step()
+        if isinstance(self.optimizer, CpuOptimizer):
+            ok, grad_norm, _ = self.optimizer.step()
+        else:
+            ok, grad_norm = _finite_step(self.optimizer)
         if not ok:
-            log.warning("optimizer step skipped (non-finite gradients)", step=self._step)
-        return float(grad_norm or 0.0)
+            log.warning("grad_norm_not_finite", step=self._step, grad_norm=grad_norm)
+        return ok, grad_norm
 
     def _average_metrics(self, sums: dict[str, list[float]]) -> dict[str, float]:
         """Metrics exist on the last pipeline stage: the mean there over every micro-batch the
@@ -701,3 +711,28 @@ def _load_dist_opt_param_state(optimizer: Any, states: Any) -> None:
 
 def _DeviceRef(kind: str) -> DeviceInfo:
     return DeviceInfo(kind, collective_backend(kind), ray_resource(kind), 1)  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def _finite_step(optimizer: Any) -> tuple[bool, float]:
+    """megatron's `optimizer.step()` (ChainedOptimizer's: prepare, norm, clip, step), skipped when
+    the gradient norm is not finite. megatron itself skips only on an fp16 loss-scale overflow; in
+    bf16 / fp32 a NaN norm makes its clipping a no-op and Adam steps every weight to NaN, where the
+    FSDP engine skips the step. The norm is always computed (megatron's FP32 optimizer reports
+    none without clipping): it is reduced over the model-parallel group, so every rank decides
+    alike."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():  # fp16: inf/nan found while unscaling (megatron lowered the loss scale)
+        return False, float("nan")
+    grad_norm = float(optimizer.get_grad_norm() or 0.0)
+    if not math.isfinite(grad_norm):
+        return False, grad_norm
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
+    return bool(optimizer.step_with_ready_grads()), grad_norm
