@@ -108,3 +108,25 @@ def test_optimizer_offload_with_fp32_distributed_optimizer_is_refused() -> None:
         MegatronEngineConfig(model_path="/x", device="cuda", dtype="float32", megatron=m)
     assert MegatronEngineConfig(model_path="/x", device="cuda", dtype="bfloat16", megatron=m).megatron.optimizer_offload
     assert MegatronEngineConfig(model_path="/x", device="cpu", dtype="float32", megatron=m)
+
+
+@pytest.mark.parametrize(("optim", "total"), [
+    (OptimConfig(lr_scheduler_type="cosine"), 0),  # an open-ended run (total_steps 0 never stops)
+    (OptimConfig(lr_scheduler_type="linear", lr_warmup_steps=10), 5),  # warmup over the whole run
+])
+def test_an_lr_schedule_without_room_is_refused_as_the_fsdp_engine_refuses_it(optim: OptimConfig, total: int) -> None:
+    """The FSDP engine refuses these (optim.lr_lambda); the megatron engine clamped the total to
+    1, so a cosine schedule of an open-ended run decayed to min_lr (0 by default) after one step."""
+    from types import SimpleNamespace
+
+    from services.common.config.actor_rollout_ref import ActorConfig, ModelConfig
+    from services.trainer.engines.megatron.config import MegatronEngineConfig
+
+    spec = SimpleNamespace(
+        model=ModelConfig(path="/nonexistent"), actor=ActorConfig(strategy="megatron", optim=optim), ref=None,
+        device="cpu", total_training_steps=total, log_prob_micro_batch_size_per_gpu=None, seed=1,
+    )
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.optim"):
+        MegatronEngineConfig.from_spec(spec)
+    spec.total_training_steps = 100
+    assert MegatronEngineConfig.from_spec(spec).total_training_steps == 100

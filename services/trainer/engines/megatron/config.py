@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from services.common.config.actor_rollout_ref import MegatronConfig, OptimConfig
 from services.common.config.base import ConfigModel
 from services.common.errors import ConfigError
+from services.trainer.engines.optim import lr_lambda
 
 
 class MegatronEngineConfig(ConfigModel):
@@ -99,7 +100,7 @@ class MegatronEngineConfig(ConfigModel):
             ref_megatron=spec.ref.megatron if spec.ref is not None else None,
             optim=spec.actor.optim,
             grad_clip=spec.actor.grad_clip,
-            total_training_steps=max(1, spec.total_training_steps),
+            total_training_steps=_schedule_steps(spec.actor.optim, spec.total_training_steps),
             gradient_checkpointing=spec.model.enable_gradient_checkpointing,
             log_prob_micro_batch_size=spec.log_prob_micro_batch_size_per_gpu,
             seed=spec.seed,
@@ -122,9 +123,17 @@ class MegatronEngineConfig(ConfigModel):
             ref_megatron=arr.ref.megatron if with_ref else None,
             optim=arr.actor.optim,
             grad_clip=arr.actor.grad_clip,
-            total_training_steps=max(1, total_training_steps),
+            total_training_steps=_schedule_steps(arr.actor.optim, total_training_steps),
             gradient_checkpointing=arr.model.enable_gradient_checkpointing,
             log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
             seed=cfg.trainer.seed,
             **extra,
         )
+
+
+def _schedule_steps(optim: OptimConfig, total: int) -> int:
+    """The schedule's step count, checked as the FSDP engine checks it (`lr_lambda` raises when a
+    decaying schedule or a warmup ratio has no known total, or warmup covers the run). Clamped to
+    1 unchecked, an open-ended run's cosine schedule decayed to min_lr (0 by default) after one step."""
+    lr_lambda(optim, total)
+    return max(1, total)
