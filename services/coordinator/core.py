@@ -266,7 +266,19 @@ class _State:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> _State:
+    def from_json(cls, d: dict[str, Any], ledger_path: str = "") -> _State:
+        """LEDGER_PATH names the file in the error. A key missing is a ledger from before its field
+        (the default applies); a key unknown is one from a newer meshrl, refused like a newer
+        schema (Ledger._open): ignored, its meaning (a halt, a count) would be lost at the next
+        save_state, which writes the whole row, and the newer meshrl could not continue the run."""
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        unknown += sorted(f"totals.{k}" for k in set(d.get("totals", {})) - {f.name for f in dataclasses.fields(Totals)})
+        if unknown:
+            raise FailedPrecondition(
+                f"ledger {ledger_path} was written by a newer meshrl (its run state holds {unknown}, which this "
+                "one does not know): continue the run with that meshrl, or start a new one on a new "
+                "coordinator.ledger_path"
+            )
         d = dict(d)
         d["totals"] = Totals(**d["totals"])
         d["histogram"] = {int(k): v for k, v in d["histogram"].items()}
@@ -360,7 +372,7 @@ class CoordinatorCore:
             with ledger.transaction():
                 ledger.save_state(self._state.to_json())
             return
-        state = _State.from_json(snap.state)
+        state = _State.from_json(snap.state, ledger.path)
         want = settings.fingerprint()
         # a ledger written before the data digest was kept takes this config's (unchecked, once)
         upgraded = "data" in want and "data" not in state.fingerprint

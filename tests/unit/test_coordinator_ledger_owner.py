@@ -111,3 +111,22 @@ def test_a_ledger_of_a_newer_schema_is_refused_and_one_from_before_versions_open
     again = make_core(db)
     assert again.in_flight == 2 and [lease.seq for lease in again.lease("r", 1, 1.0).leases] == [2]
     again.ledger.close()
+
+
+@pytest.mark.parametrize("where", ["run_state", "totals"])
+def test_a_ledger_whose_run_state_holds_fields_this_meshrl_lacks_is_refused_by_name(tmp_path: Path, where: str) -> None:
+    # A newer meshrl that keeps one more run-state field (the JSON row, not the tables: the schema
+    # version stays) was a bare TypeError from _State(**d) at a restart: no file, no way out.
+    db = tmp_path / "ledger.sqlite"
+    core = make_core(db)
+    core.lease("r", 2, 0.0)
+    state = core._state.to_json()
+    (state["totals"] if where == "totals" else state)["added_later"] = 1
+    with core.ledger.transaction():
+        core.ledger.save_state(state)
+    core.ledger.close()
+    with pytest.raises(FailedPrecondition, match=rf"ledger {re.escape(str(db))} was written by a newer meshrl.*added_later.*coordinator.ledger_path"):
+        make_core(db)
+    conn = sqlite3.connect(db)  # refused without a write: the newer meshrl continues on it
+    assert "added_later" in conn.execute("SELECT json FROM run_state").fetchone()[0]
+    conn.close()
