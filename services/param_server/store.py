@@ -381,9 +381,15 @@ class WeightStore:
         return self._resolve(policy_version)
 
     def manifest(self, policy_version: int) -> Manifest:
-        """A consumer's view of the version (GetManifest): from now on it is immutable."""
+        """A consumer's view of the version (GetManifest): from now on it is immutable. Not so for
+        a lookup of the newest (a negative version): it answers what was published last, committed
+        or not, so a status probe or a cold start's newest_ref would make a dead trainer's orphan
+        immutable and the resumed trainer's republish of its number fail for good. Its answer names
+        the checksum, which a later fetch checks (check_against_manifest), and loading the bytes
+        (AcquireVersion, FetchWeights) marks the version seen."""
         stored = self._resolve(policy_version)
-        self._seen(stored)
+        if policy_version >= 0:
+            self._seen(stored)
         return stored.manifest
 
     def newest_version(self) -> int | None:

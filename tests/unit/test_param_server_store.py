@@ -135,6 +135,27 @@ def test_a_version_no_consumer_has_seen_is_replaced_by_the_resumed_trainer(seen_
         assert stored.manifest.checksum == orphan.checksum
 
 
+def test_a_manifest_asked_for_as_the_newest_does_not_make_the_orphan_immutable() -> None:
+    """GetManifest(-1) (WeightsClient.newest_ref, a status probe) answers whatever was published
+    last, committed or not: it marked an orphan seen, and the resumed trainer's republish of its
+    number was refused as immutable, a non-transient error, so the trainer restarted into the same
+    refusal for good. A load of the newest (a hold: AcquireVersion(-1)) still makes it immutable."""
+    store = WeightStore(StoreSettings())
+    orphan, orphan_buffers = make_version(18)
+    upload(store, make_version(17)[0], make_version(17)[1], 0.0, manifest_first=True)
+    upload(store, orphan, orphan_buffers, 0.0, manifest_first=True)
+    assert store.manifest(-1).checksum == orphan.checksum
+    resumed, resumed_buffers = make_version(18, seed=9)
+    upload(store, resumed, resumed_buffers, 1.0, manifest_first=True)
+    assert store.manifest(18).checksum == resumed.checksum
+
+    fresh = WeightStore(StoreSettings())
+    upload(fresh, orphan, orphan_buffers, 0.0, manifest_first=True)
+    assert fresh.acquire("rollout-0", -1, 0.5).checksum == orphan.checksum
+    with pytest.raises(FailedPrecondition, match="immutable once seen"):
+        upload(fresh, resumed, resumed_buffers, 1.0, manifest_first=True)
+
+
 @pytest.mark.parametrize("bad", [{"bucket_indices": [7]}, {"names": ["no.such.weight"]}])
 def test_a_refused_fetch_does_not_count_as_seen_and_the_orphan_stays_replaceable(bad: dict) -> None:
     """FetchWeights pinned (and marked seen) the version before checking bucket_indices / names:
