@@ -70,7 +70,7 @@ class CoordinatorDeployment:
     def check_health(self) -> None:
         """Unhealthy when the ledger can no longer be read (Serve restarts the replica, which
         continues from the same ledger file)."""
-        self._servicer.core.ledger.count_groups()
+        self._servicer.core.ledger.check_readable()
 
     async def audit(self) -> dict[str, Any]:
         """Ledger audit (handle call, for tests and `meshrl train`'s end-of-run report)."""
