@@ -295,8 +295,9 @@ def synthetic_records(
 
 
 ToolsFor = Callable[[str], Sequence[Mapping[str, Any]]]
-"""data_source -> the tool schemas the chat template renders into that prompt (multi-turn with
-tools; services/environment/factory.prompt_tools builds it from the config)."""
+"""data_source -> the tool schemas the chat template renders into that prompt, () for none
+(multi-turn: every prompt is rendered as the agent loop does; services/environment/factory.
+prompt_tools builds it from the config)."""
 
 
 def train_dataset(data_cfg: Any, model_cfg: Any = None, tools_for: ToolsFor | None = None) -> RecordList:
@@ -343,15 +344,16 @@ def chat_prompt_text(messages: Sequence[dict[str, str]], text: str, tokenizer: A
     return text
 
 
-def prompt_tokens(record: PromptRecord, tokenizer: Any, tools: Sequence[Mapping[str, Any]] = ()) -> int:
-    """Tokens of the prompt as the rollout encodes it: single-turn as rollout/convert.encode_prompt;
-    with `tools`, as the agent loop does (agent/chat.ChatRenderer: the template renders the tools
-    into the system prompt, and a text prompt is the first user message, as the tool environment
-    starts it)."""
+def prompt_tokens(record: PromptRecord, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> int:
+    """Tokens of the prompt as the rollout encodes it: single-turn (`tools` None) as
+    rollout/convert.encode_prompt; multi-turn (`tools` a sequence, () for none) as the agent loop
+    does (agent/chat.ChatRenderer: the template renders the tools into the system prompt, and a
+    text prompt is the first user message, as loop.run_group and the tool environment start it,
+    with or without tools)."""
     messages = [{"role": r, "content": c} for r, c in record.messages]
-    if tools and not messages:
+    if tools is not None and not messages:
         messages = [{"role": "user", "content": record.text}]
-    text = chat_prompt_text(messages, record.text, tokenizer, tools)
+    text = chat_prompt_text(messages, record.text, tokenizer, tools or ())
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -372,7 +374,7 @@ def _filtered(records: RecordList, data_cfg: Any, model_cfg: Any, split: str,
     # With tools, the prompt counted is the one the agent loop renders (verl's filter passes tools=
     # too): counted without them, a prompt that fit here overflowed max_prompt_length at rollout.
     kept = [r for r in records.records
-            if prompt_tokens(r, tok, tools_for(r.data_source) if tools_for else ()) <= limit]
+            if prompt_tokens(r, tok, tools_for(r.data_source) if tools_for else None) <= limit]
     if not kept:
         raise ConfigError(f"data.filter_overlong_prompts dropped every {split} prompt: none fits "
                           f"data.max_prompt_length={limit} tokens")

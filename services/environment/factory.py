@@ -26,12 +26,15 @@ def tool_environment(cfg: MeshConfig) -> ToolEnvironment:
 
 def prompt_tools(cfg: MeshConfig) -> Callable[[str], tuple[dict[str, Any], ...]] | None:
     """data_source -> the tool schemas the agent loop renders into that prompt (those the router
-    sends to the in-process tool environment), for data.filter_overlong_prompts; None when no
-    prompt gets tools (no multi-turn, no tool YAML, or the filter is off: nothing is loaded)."""
+    sends to the in-process tool environment; () for none), for data.filter_overlong_prompts; None
+    when the agent loop renders no prompt (no multi-turn, the gateway's agent, or the filter is
+    off: nothing is loaded). Multi-turn without tools still gives (): the agent loop renders a
+    text prompt as a user message through the chat template, counted as raw text it was short."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
-    if not (cfg.data.filter_overlong_prompts and mt.enable and mt.tool_config_path) or cfg.agent.enabled:
+    if not (cfg.data.filter_overlong_prompts and mt.enable) or cfg.agent.enabled:
         return None
-    schemas = tuple(t.tool_schema.model_dump(exclude_none=True) for t in load_tools(mt.tool_config_path))
+    schemas = (tuple(t.tool_schema.model_dump(exclude_none=True) for t in load_tools(mt.tool_config_path))
+               if mt.tool_config_path else ())
     remote = {ds for ep in cfg.environment.endpoints for ds in ep.data_sources}
     return lambda data_source: () if data_source in remote else schemas
 

@@ -218,3 +218,31 @@ def test_filter_overlong_prompts_counts_the_tools_the_agent_loop_renders(tmp_pat
                            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools_yaml}"),
                       tmp_path / "run2", session="a")
     assert len(core.prompts) == 2
+
+
+def test_filter_overlong_prompts_counts_a_multi_turn_text_prompt_as_the_user_message_rendered(tmp_path: Path) -> None:
+    """Multi-turn without tools: the agent loop still starts a text prompt as a user message
+    rendered through the chat template (loop.run_group, tool_env.start). Counted as the raw text,
+    the template's tokens were missed, and a prompt that passed the filter was over
+    max_prompt_length at rollout, refused on every replica (truncation=error) or cut."""
+    from services.common.data import val_dataset
+    from services.common.tiny import build_tokenizer
+    from services.environment.factory import prompt_tools
+    from services.rollout.agent.chat import ChatRenderer
+
+    tok = build_tokenizer()
+    tok_dir = tmp_path / "tok"
+    tok.save_pretrained(tok_dir)
+    f = _jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1="}])
+    rendered = ChatRenderer(tok).prompt_ids([{"role": "user", "content": "1+1="}])  # as the agent loop
+    assert len(tok.encode("1+1=", add_special_tokens=False)) < len(rendered)
+    limit = len(rendered) - 1
+    common = ("data.filter_overlong_prompts=true", "data.truncation=error", f"actor_rollout_ref.model.path={tok_dir}",
+              f"data.val_files=[{f}]", "actor_rollout_ref.rollout.multi_turn.enable=true")
+    cfg = _cfg(tmp_path, [f], f"data.max_prompt_length={limit}", *common)
+    with pytest.raises(ConfigError, match="dropped every train prompt"):
+        build_core(cfg, tmp_path / "run", session="a")
+    with pytest.raises(ConfigError, match="dropped every val prompt"):
+        val_dataset(cfg.data, cfg.actor_rollout_ref.model, prompt_tools(cfg))
+    core = build_core(_cfg(tmp_path, [f], f"data.max_prompt_length={limit + 1}", *common), tmp_path / "run2", session="a")
+    assert len(core.prompts) == 1
