@@ -103,6 +103,7 @@ def worker_settings(cfg: MeshConfig, replica_id: str | None = None) -> WorkerSet
         weight_load_timeout_s=w.weight_load_timeout_s,
         max_prompt_length=cfg.data.max_prompt_length,
         truncation=cfg.data.truncation,
+        max_resubmits=at.max_resubmits,
         batch_window_s=w.batch_window_ms / 1000.0,
         max_submit_batch=min(w.max_submit_batch, cfg.coordinator.max_groups_per_call),
         max_score_batch=w.max_score_batch,

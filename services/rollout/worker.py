@@ -92,7 +92,8 @@ class WorkerSettings:
     max_prompt_length: int | None = None
     truncation: convert.Truncation = "error"
     max_resubmits: int = 64
-    """Bound on continuations of one sample (each needs a weight update to happen)."""
+    """async_training.max_resubmits: bound on continuations of one sample (each needs a weight
+    update to happen)."""
     batch_window_s: float = 0.005
     """Groups finishing within this window share one SubmitGroups call and one Score call."""
     max_submit_batch: int = 64
@@ -348,8 +349,9 @@ class RolloutWorker:
                 # A sample cut short is unfinished: trained, its reward would score an answer it
                 # never gave. Its group fails and the prompt goes back to the queue.
                 raise FailedPrecondition(
-                    f"{cut} of the group's samples were still cut by weight updates after {self.s.max_resubmits} "
-                    "continuations; not submitted cut short"
+                    f"{cut} of the group's samples were still cut by weight updates after "
+                    f"async_training.max_resubmits={self.s.max_resubmits} continuations; not submitted cut "
+                    "short (raise it, or set async_training.partial_rollout_mode=keep)"
                 )
             await self._submit(group)
         except Exception as exc:

@@ -880,7 +880,8 @@ def test_a_call_cut_more_often_than_max_resubmits_says_so_and_leaves_the_session
     assert engine_calls == 3  # the call and max_resubmits=2 continuations
     assert isinstance(err, ApiError) and err.code == "resubmit_limit", err
     assert err.status == 503 and err.body()["error"]["type"] == "service_unavailable"
-    assert "max_resubmits=2" in err.message and "partial_rollout_mode=keep" in err.message, err.message
+    # names the key that raises it (async_training.max_resubmits) as well as the mode that avoids it
+    assert "async_training.max_resubmits=2" in err.message and "partial_rollout_mode=keep" in err.message, err.message
     assert s.state == "open" and s.segments == [] and s.calls == 0
 
 

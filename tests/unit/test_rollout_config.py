@@ -55,6 +55,22 @@ def test_worker_settings_follow_async_training() -> None:
                                    "r1").renew_interval_s == 30
 
 
+def test_max_resubmits_is_one_config_key_for_the_worker_the_agent_loop_and_the_gateway() -> None:
+    """How often a generation cut by weight updates is continued was 64, hard-coded in the worker
+    (single-turn and the agent loop) and the gateway: a run whose updates outpaced long generations
+    failed its groups (the gateway: 503 resubmit_limit) with nothing to raise."""
+    from services.common.tiny import build_tokenizer
+    from services.rollout.gateway import build_gateway_agent
+
+    cfg = load_config(None, ["async_training.max_resubmits=7"])
+    assert factory.worker_settings(cfg, "r1").max_resubmits == 7
+    agent = build_gateway_agent(cfg, build_tokenizer(tools=True), scorer=None, max_model_len=512)
+    assert agent.registry.limits.max_resubmits == 7
+    assert factory.worker_settings(load_config(None, []), "r1").max_resubmits == 64
+    with pytest.raises(ConfigError, match="max_resubmits"):
+        load_config(None, ["async_training.max_resubmits=0"])
+
+
 def test_heartbeat_slower_than_half_the_replica_ttl_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"lease_renew_interval_s=15.0 is the replicas. heartbeat and must be at most half of coordinator.replica_ttl_s=20.0"):
         load_config(None, ["rollout_worker.lease_renew_interval_s=15"])

@@ -261,7 +261,7 @@ def test_samples_still_cut_after_every_continuation_are_not_submitted(tok: Any) 
         await wait_for(lambda: "r0/L0" in engine.requests, timeout_s=10, what="the group generating")
         coord.push_version(common_pb2.WeightsRef(policy_version=1))
         await wait_for(lambda: bool(coord.returned) or bool(coord.submitted), timeout_s=30, what="the group's end")
-        assert "still cut by weight updates after 3 continuations" in (worker.last_error or "")
+        assert "still cut by weight updates after async_training.max_resubmits=3 continuations" in (worker.last_error or "")
         await asyncio.wait_for(worker.stop(), 10)
 
     asyncio.run(scenario())

@@ -38,6 +38,11 @@ class AsyncTrainingConfig(ConfigModel):
     partial_rollout_mode: Literal["keep", "abort"] = "abort"
     """`keep`: continue in-flight sequences on the new weights (KV kept). `abort`: resubmit
     prompt + tokens so far with max_tokens reduced (re-prefill with the new weights)."""
+    max_resubmits: int = Field(default=64, ge=1)
+    """With `abort`: how many times one generation cut by weight updates is continued (single-turn
+    sample, agent-loop turn, gateway call) before it fails: its group goes back to the queue, the
+    gateway answers the agent's call 503 `resubmit_limit`. Raise it when updates come faster than
+    long generations finish."""
     concurrent_samples_per_replica: int = Field(default=16, ge=1)
     """Prompt groups in flight per rollout replica."""
     max_staleness_versions: int | None = Field(default=None, ge=0)

@@ -25,6 +25,7 @@ def build_gateway_agent(cfg: MeshConfig, tokenizer: Any, *, scorer: Scorer | Non
         max_model_len=max_model_len, response_budget=cfg.data.max_response_length,
         max_prompt_length=cfg.data.max_prompt_length, truncation=cfg.data.truncation,
         max_staleness_versions=cfg.async_training.max_staleness_versions, max_calls_per_sample=a.max_calls_per_sample,
+        max_resubmits=cfg.async_training.max_resubmits,
         model_name=Path(cfg.actor_rollout_ref.model.path).name if cfg.actor_rollout_ref.model.path else "meshrl-policy",
     )
     registry = SessionRegistry(tokenizer, limits)

@@ -158,6 +158,7 @@ class GatewayLimits:
     max_staleness_versions: int | None = None
     max_calls_per_sample: int = 64
     max_resubmits: int = 64
+    """async_training.max_resubmits: continuations of one call cut by weight updates (503 beyond)."""
     max_sample_restarts: int = 3
     """Times one sample may start over (staleness) within its lease before the group is returned."""
     model_name: str = "meshrl-policy"
@@ -564,9 +565,10 @@ class SessionRegistry:
         # The session is open: told it ended (409), an agent stopped a sample its group still waited
         # for. Weight updates outran the call; a retry starts it afresh, so a retryable 503.
         raise ApiError(503, f"weight updates cut this call {self.limits.max_resubmits + 1} times (the call and "
-                       f"max_resubmits={self.limits.max_resubmits} continuations) before it finished; the session "
-                       "is open and nothing was recorded: retry the call, or set "
-                       "async_training.partial_rollout_mode=keep so a weight update continues calls in flight",
+                       f"async_training.max_resubmits={self.limits.max_resubmits} continuations) before it finished; "
+                       "the session is open and nothing was recorded: retry the call, raise "
+                       "async_training.max_resubmits, or set async_training.partial_rollout_mode=keep so a "
+                       "weight update continues calls in flight",
                        code="resubmit_limit")
 
     def _completion(self, s: SampleSession, prefix: str, model: str, text: str, calls: Sequence[Any], finish: Finish,
