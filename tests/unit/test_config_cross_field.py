@@ -143,11 +143,17 @@ def test_max_model_len_that_leaves_no_room_after_a_prompt_is_refused() -> None:
     # vLLM refuses (0, 0.01) as bad input: the replica stops
     (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.temperature=0.005"],
      r"actor_rollout_ref\.rollout\.temperature=0\.005: .*>= 0\.01"),
+    # whatever the engine: the trainer's logits.float() / 1e-38 overflow (NaN loss every step), and
+    # far above that its log-probs (-1e31 at 1e-30) make every importance ratio 0 or inf
+    (["actor_rollout_ref.rollout.temperature=1e-38"], r"actor_rollout_ref\.rollout\.temperature=1e-38: .*>= 0\.01"),
+    (["actor_rollout_ref.rollout.temperature=0.005"], r"actor_rollout_ref\.rollout\.temperature=0\.005: .*>= 0\.01"),
+    # inf: the transformers engine samples uniformly, the trainer's log-probs are all -log(vocab)
+    (["actor_rollout_ref.rollout.temperature=inf"], r"actor_rollout_ref\.rollout\.temperature=inf: .*finite"),
 ])
 def test_training_temperature_that_cannot_train_is_refused(overrides: list[str], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         load_config(None, overrides)
-    assert load_config(None, ["actor_rollout_ref.rollout.temperature=0.005"])  # transformers samples it as given
+    assert load_config(None, ["actor_rollout_ref.rollout.temperature=0.01"])
 
 
 @pytest.mark.parametrize(("overrides", "needle"), [
@@ -159,6 +165,9 @@ def test_training_temperature_that_cannot_train_is_refused(overrides: list[str],
     (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
       "actor_rollout_ref.rollout.val_kwargs.temperature=0.005"],
      r"actor_rollout_ref\.rollout\.val_kwargs\.temperature=0\.005: .*>= 0\.01"),
+    # inf samples uniformly: validation scores of noise
+    (["actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=inf"],
+     r"actor_rollout_ref\.rollout\.val_kwargs\.temperature=inf: .*finite"),
     (["actor_rollout_ref.rollout.val_kwargs.top_p=0"], r"actor_rollout_ref\.rollout\.val_kwargs\.top_p"),
     (["actor_rollout_ref.rollout.val_kwargs.top_k=-2"], r"actor_rollout_ref\.rollout\.val_kwargs\.top_k"),
     (["actor_rollout_ref.rollout.val_kwargs.n=0"], r"actor_rollout_ref\.rollout\.val_kwargs\.n"),

@@ -3,6 +3,7 @@ policy. Keys and defaults follow verl's `ppo_trainer.yaml` / `fully_async_ppo_tr
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Literal
 
@@ -442,12 +443,27 @@ class RolloutEngineConfig(ConfigModel):
                 f"{key}={t}: training samples need a temperature > 0 (the trainer divides the logits by it); "
                 "greedy decoding is for validation: actor_rollout_ref.rollout.val_kwargs.do_sample=false"
             )
+        # inf loaded (YAML .inf, an override "inf"): the transformers engine then samples uniformly
+        # and the trainer's log-probs are all -log(vocab), a run that learns nothing.
+        if not math.isfinite(t):
+            raise ValueError(f"{key}={t}: must be finite; set it >= {VLLM_MIN_TEMPERATURE} (1.0 samples as the model does)")
         if self.name == "vllm" and t < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"{key}={t}: vLLM samples below {VLLM_MIN_TEMPERATURE} at {VLLM_MIN_TEMPERATURE}, "
                              f"so the logprobs would not be those of {t}; set it >= {VLLM_MIN_TEMPERATURE}")
+        # vLLM's floor for every engine: the trainer divides the float32 logits by it, which
+        # overflows below ~1e-37 (NaN loss on every step), and well above that the log-probs
+        # (-1e31 at 1e-30) make every importance ratio 0 or inf; the transformers engine would
+        # sample such a temperature as greedy, not as logits / t.
+        if t < VLLM_MIN_TEMPERATURE:
+            raise ValueError(f"{key}={t}: the trainer's log-probs (logits / temperature) are not usable below "
+                             f"{VLLM_MIN_TEMPERATURE} (vLLM's floor); set it >= {VLLM_MIN_TEMPERATURE}")
         # Validation sends its temperature only with do_sample (else 0, greedy); the vllm engine
         # refuses one in (0, 0.01), which failed every validation Generate.
         v = self.val_kwargs
+        if not math.isfinite(v.temperature):
+            # inf samples uniformly: every validation score would be that of noise
+            raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature={v.temperature}: must be finite; "
+                             f"set it to 0 (greedy) or >= {VLLM_MIN_TEMPERATURE}")
         if self.name == "vllm" and v.do_sample and 0 < v.temperature < VLLM_MIN_TEMPERATURE:
             raise ValueError(f"actor_rollout_ref.rollout.val_kwargs.temperature={v.temperature}: vLLM samples below "
                              f"{VLLM_MIN_TEMPERATURE} at {VLLM_MIN_TEMPERATURE}; set it to 0 (greedy) or >= {VLLM_MIN_TEMPERATURE}")
