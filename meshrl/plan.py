@@ -97,6 +97,10 @@ def make_plan(config: str | None, overrides: list[str], link_gbps: float | None 
     strategy = cfg.actor_rollout_ref.actor.strategy
     trainer_checks(cfg, arch, errors, warnings)
     rollout_checks(cfg, arch, errors, warnings)
+    from services.weights.transports import serve_receivers_mismatch
+
+    if problem := serve_receivers_mismatch(cfg):  # `meshrl train` and serve-config deploy the rollout under Serve
+        errors.append(problem)
     if strategy in ("megatron", "mindspeed"):
         layout["trainer"]["megatron"] = megatron_layout(cfg, arch, errors)
     if errors:

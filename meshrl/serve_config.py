@@ -142,6 +142,7 @@ def build_serve_config(cfg: MeshConfig, run_dir: Path) -> dict[str, Any]:
     wires it, every application built by its own builder to read off its deployment options.
     The five applications share one `args` object (the YAML writes it once, as an anchor)."""
     from services.common.serve_util import SERVICER_FUNCTIONS
+    from services.weights.transports import serve_receivers_mismatch
 
     from .tokens import externalize_secrets
     from .train import wire
@@ -149,6 +150,8 @@ def build_serve_config(cfg: MeshConfig, run_dir: Path) -> dict[str, Any]:
     if not run_dir.is_absolute():
         raise ConfigError(f"--run-dir {run_dir} is relative; a cluster needs an absolute path on a shared filesystem")
     check_cluster_config(cfg)
+    if problem := serve_receivers_mismatch(cfg):  # as `meshrl train` checks it
+        raise ConfigError(problem)
     proxy_location = _proxy_location(cfg)  # before wiring, which marks every field as set
     cfg = wire(absolute_paths(cfg), cfg.serve.grpc_port)
     cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"proxy_location": proxy_location})})

@@ -113,3 +113,13 @@ def test_plan_without_config_plans_the_built_in_example(capsys: pytest.CaptureFi
     assert {k: v for k, v in json.loads(capsys.readouterr().out)["derived"].items() if k in example} == example
     plan = make_plan(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=16"])
     assert plan["derived"]["required_samples"] == 16 and plan["derived"]["total_rollout_steps"] == 16000
+
+
+def test_collective_receivers_other_than_the_serve_rollout_replicas_make_the_plan_not_runnable() -> None:
+    # `meshrl train` / serve-config deploy the rollout under Serve, one broadcast receiver a
+    # replica: 3 receivers for 2 replicas stalls every broadcast.
+    backend = "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"
+    with pytest.raises(ConfigError, match="not runnable") as info:
+        make_plan(None, [backend, "serve.rollout.num_replicas=2", "param_server.collective_receivers=3"])
+    assert "param_server.collective_receivers=3" in str(info.value) and "serve.rollout.num_replicas=2" in str(info.value)
+    make_plan(None, [backend, "serve.rollout.num_replicas=2", "param_server.collective_receivers=2"])

@@ -292,3 +292,21 @@ def test_meshrl_train_starts_serve_with_the_configured_proxy_location(
     with pytest.raises(Started):
         MeshRun(cfg, tmp_path, "fully_async").deploy()
     assert seen.get("proxy_location", "HeadOnly") == "EveryNode"
+
+
+@pytest.mark.parametrize("overrides", [
+    ["serve.rollout.num_replicas=2", "param_server.collective_receivers=3"],
+    ["serve.rollout.autoscaling={min_replicas: 2, max_replicas: 2}", "param_server.collective_receivers=1"],
+])
+def test_collective_receivers_other_than_the_serve_rollout_replicas_are_refused(
+    tmp_path: Path, overrides: list[str]
+) -> None:
+    # Under Serve each rollout replica is one receiver of the broadcast group
+    # (services/param_server/rendezvous.py): more than the replicas and every broadcast waits for
+    # ranks that never check in; fewer and a replica finds the group full and gets no weights.
+    with pytest.raises(ConfigError, match=r"param_server\.collective_receivers=\d.*serve\.rollout"):
+        _yaml(tmp_path, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", *overrides)
+    _yaml(tmp_path, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "serve.rollout.num_replicas=2",
+          "param_server.collective_receivers=2")
+    # the count is the broadcast group's only: other transports ignore it
+    _yaml(tmp_path, "actor_rollout_ref.rollout.checkpoint_engine.backend=grpc", *overrides)

@@ -203,3 +203,19 @@ def test_resume_of_a_dump_written_before_trainer_total_epochs_was_read(tmp_path:
     assert cfg.rollout.total_epochs == 4
     # an override on resume still goes through the rule
     assert resolve_config(None, ["rollout.total_epochs=6"], resume=tmp_path).rollout.total_epochs == 6
+
+
+def test_collective_receivers_other_than_the_serve_rollout_replicas_stop_train_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Each Serve rollout replica is one receiver of the broadcast group: 2 receivers for 1
+    # replica made the sender wait for a rank that never checks in, on every version.
+    from services.common.errors import ConfigError
+    from tests.unit.test_train_cli_stops import _fake_mesh
+
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    with pytest.raises(ConfigError, match=r"param_server\.collective_receivers=2 .*serve\.rollout\.num_replicas=1"):
+        train_mod.train(None, ["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+                               "param_server.collective_receivers=2"], run_dir=tmp_path / "run", report=False)
+    assert not seen and not (tmp_path / "run").exists()

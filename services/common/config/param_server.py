@@ -80,7 +80,8 @@ class ParamServerConfig(ConfigModel):
     """Ranks that receive the broadcast: one per rollout replica (its fetcher, whatever the engine's
     TP x DP); null: serve.rollout.num_replicas (with serve.rollout.autoscaling: its max_replicas, which
     must equal min_replicas with these transports). A count the replicas do not match stalls every
-    broadcast."""
+    broadcast: `meshrl train`, `serve-config` and `plan` refuse one other than the Serve rollout's
+    replicas; set it for rollouts run outside Serve."""
     collective_master_address: str | None = None
     """Address the trainer's rank 0 listens on for the broadcast group; null: this host's IP."""
     collective_sharded: bool = False

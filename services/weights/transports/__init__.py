@@ -20,6 +20,7 @@ from typing import Any
 
 from meshrl.v1 import common_pb2
 from services.common.config import MeshConfig
+from services.common.config.actor_rollout_ref import COLLECTIVE_BACKENDS
 from services.common.config.param_server import data_address
 from services.common.errors import ConfigError
 from services.common.net import local_ip
@@ -62,6 +63,27 @@ def collective_receivers(cfg: MeshConfig) -> int:
     if ps.collective_receivers:
         return ps.collective_receivers
     return app.num_replicas if app.autoscaling is None else app.autoscaling.max_replicas
+
+
+def serve_receivers_mismatch(cfg: MeshConfig) -> str | None:
+    """Why `param_server.collective_receivers` cannot work with the rollout deployed under Serve
+    (`meshrl train`, `meshrl serve-config`, `meshrl plan`), else None. Each Serve rollout replica
+    is one receiver of the broadcast group, whose size is fixed (services/param_server/rendezvous.py):
+    more receivers than replicas and every broadcast waits for ranks that never check in; fewer and
+    the replicas past the count find the group full and get no weights. Not refused at config load:
+    rollouts run outside Serve (against `meshrl param-server serve`) set the count to theirs."""
+    ps, app = cfg.param_server, cfg.serve.rollout
+    if cfg.actor_rollout_ref.rollout.checkpoint_engine.backend not in COLLECTIVE_BACKENDS or not ps.collective_receivers:
+        return None
+    # autoscaling with a collective transport has min_replicas == max_replicas (refused at load otherwise)
+    key, replicas = (("serve.rollout.num_replicas", app.num_replicas) if app.autoscaling is None
+                     else ("serve.rollout.autoscaling.max_replicas", app.autoscaling.max_replicas))
+    if ps.collective_receivers == replicas:
+        return None
+    return (f"param_server.collective_receivers={ps.collective_receivers} but {key}={replicas}: under Serve each "
+            f"rollout replica is one receiver of the broadcast group, so every broadcast would "
+            f"{'wait for receivers that never join' if ps.collective_receivers > replicas else 'miss the replicas past the count (they find the group full)'}; "
+            f"remove param_server.collective_receivers (it defaults to {key}) or set it to {replicas}")
 
 
 def make_publisher(
