@@ -130,3 +130,26 @@ def test_an_lr_schedule_without_room_is_refused_as_the_fsdp_engine_refuses_it(op
         MegatronEngineConfig.from_spec(spec)
     spec.total_training_steps = 100
     assert MegatronEngineConfig.from_spec(spec).total_training_steps == 100
+
+
+def _megatron_spec(**actor: object) -> object:
+    from types import SimpleNamespace
+
+    from services.common.config.actor_rollout_ref import ActorConfig, ModelConfig
+
+    return SimpleNamespace(
+        model=ModelConfig(path="/nonexistent"), actor=ActorConfig(strategy="megatron", **actor), ref=None,
+        device="cpu", total_training_steps=100, log_prob_micro_batch_size_per_gpu=None, seed=1,
+    )
+
+
+@pytest.mark.parametrize("clip", [0.0, -1.0])
+def test_grad_clip_of_zero_means_no_clipping_as_in_the_fsdp_engine(clip: float) -> None:
+    """actor.grad_clip <= 0 is "no clipping" in the FSDP engine and in megatron's optimizer; the
+    megatron engine config refused it with a pydantic error naming its own `grad_clip` field."""
+    from services.trainer.engines.megatron.config import MegatronEngineConfig
+
+    cfg = MegatronEngineConfig.from_spec(_megatron_spec(grad_clip=clip))
+    kw = optimizer_config_kwargs(cfg.optim, cfg.megatron, dtype="float32", grad_clip=cfg.grad_clip)
+    assert build_dataclass(OptimizerConfig, kw, {}, "override_optimizer_config").clip_grad <= 0.0
+

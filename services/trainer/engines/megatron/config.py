@@ -34,8 +34,9 @@ class MegatronEngineConfig(ConfigModel):
     """Reference-policy options; null: no reference model."""
     optim: OptimConfig = OptimConfig()
     """AdamW and LR schedule."""
-    grad_clip: float = Field(default=1.0, gt=0)
-    """Max global gradient norm."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; <= 0: no clipping, as in the FSDP engine and in megatron's
+    optimizer (`actor_rollout_ref.actor.grad_clip=0` is a valid run config)."""
     total_training_steps: int = Field(default=1, ge=1)
     """Optimizer steps the LR schedule spans."""
     gradient_checkpointing: bool = False
