@@ -153,3 +153,32 @@ def test_grad_clip_of_zero_means_no_clipping_as_in_the_fsdp_engine(clip: float) 
     kw = optimizer_config_kwargs(cfg.optim, cfg.megatron, dtype="float32", grad_clip=cfg.grad_clip)
     assert build_dataclass(OptimizerConfig, kw, {}, "override_optimizer_config").clip_grad <= 0.0
 
+
+@pytest.mark.parametrize("optim", [
+    OptimConfig(lr=1e-3),
+    OptimConfig(lr=1e-3, lr_warmup_steps=3),
+    OptimConfig(lr=1e-3, lr_warmup_steps_ratio=0.1),
+    OptimConfig(lr=1e-3, lr_scheduler_type="cosine", lr_warmup_steps=3, min_lr_ratio=0.1),
+    OptimConfig(lr=1e-3, lr_scheduler_type="cosine", lr_warmup_steps_ratio=0.2, num_cycles=1.5),
+    OptimConfig(lr=1e-3, lr_scheduler_type="cosine"),
+    OptimConfig(lr=1e-3, lr_scheduler_type="linear", lr_warmup_steps=3, min_lr_ratio=0.2),
+    OptimConfig(lr=1e-3, lr_scheduler_type="linear"),
+])
+@pytest.mark.parametrize("total", [1, 7, 40])
+def test_megatron_lr_schedule_equals_the_fsdp_engines_at_every_step(optim: OptimConfig, total: int) -> None:
+    """Both engines step the LR through one schedule (optim.lr_lambda), so a run switched between
+    them, or resumed on the other, sees the same LR at every step, past the end included."""
+    import torch
+
+    from services.common.errors import ConfigError as _CE
+    from services.trainer.engines.megatron.schedule import lr_at
+    from services.trainer.engines.optim import build_optimizer
+
+    try:
+        opt, sched = build_optimizer([torch.nn.Parameter(torch.zeros(1))], optim, total)
+    except _CE:
+        pytest.skip("schedule refused for this total (warmup covers the run)")
+    for step in range(total + 3):
+        assert lr_at(optim, step, total) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=0), step
+        opt.step()
+        sched.step()
