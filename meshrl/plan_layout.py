@@ -194,11 +194,45 @@ def megatron_layout(cfg: MeshConfig, arch: ModelArch, errors: list[str]) -> dict
     }
 
 
+def serve_rollout_devices_mismatch(cfg: MeshConfig) -> str | None:
+    """Why each Serve rollout replica's devices (serve.rollout.num_gpus, or resources NPU) do not fit
+    the vLLM engine it starts, or None. One replica runs one AsyncLLM over TP x PP x DP devices
+    (engine_kwargs.vllm overrides included, as vllm_args.py passes them): given fewer, vLLM sees
+    too few devices, falls back to its Ray executor and places the missing workers in a placement
+    group of its own, on devices outside the replica's allocation (or waits for ever on a full
+    cluster); given more, the rest sit idle. 0 devices is left alone (no device reservation: a CPU
+    run, or devices shared on purpose)."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.name != "vllm":
+        return None
+    app = cfg.serve.rollout
+    key, count = ("serve.rollout.num_gpus", app.num_gpus) if app.num_gpus else (
+        "serve.rollout.resources.NPU", float(app.resources.get("NPU", 0)))
+    if not count:
+        return None
+    vllm = r.engine_kwargs.get("vllm", {})
+    tp = int(vllm.get("tensor_parallel_size", r.tensor_model_parallel_size))
+    dp = int(vllm.get("data_parallel_size", r.data_parallel_size))
+    pp = int(vllm.get("pipeline_parallel_size", 1))
+    engine = tp * dp * pp
+    if count == engine or (engine == 1 and count < 1):  # a fraction of one device: replicas share it
+        return None
+    parts = f"{_ARR}.rollout.tensor_model_parallel_size({tp}) x data_parallel_size({dp})"
+    if pp > 1:
+        parts += f" x engine_kwargs.vllm.pipeline_parallel_size({pp})"
+    effect = ("vLLM places the missing workers on devices outside the replica's allocation, or waits for them"
+              if count < engine else f"{count - engine:g} of them sit idle")
+    return (f"{key}={count:g} but each rollout replica runs one vLLM engine of {parts} = {engine} devices: "
+            f"{effect}; set {key}={engine} (or change the engine's parallel sizes)")
+
+
 def rollout_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings: list[str]) -> None:
     r = cfg.actor_rollout_ref.rollout
     devices = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
     engine = r.tensor_model_parallel_size * r.data_parallel_size
     key = f"{_ARR}.rollout"
+    if problem := serve_rollout_devices_mismatch(cfg):  # `meshrl train` and serve-config deploy the rollout under Serve
+        errors.append(problem)
     if devices % engine:
         errors.append(
             f"{key}: tensor_model_parallel_size({r.tensor_model_parallel_size}) x data_parallel_size({r.data_parallel_size}) "

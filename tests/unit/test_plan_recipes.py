@@ -123,3 +123,29 @@ def test_collective_receivers_other_than_the_serve_rollout_replicas_make_the_pla
         make_plan(None, [backend, "serve.rollout.num_replicas=2", "param_server.collective_receivers=3"])
     assert "param_server.collective_receivers=3" in str(info.value) and "serve.rollout.num_replicas=2" in str(info.value)
     make_plan(None, [backend, "serve.rollout.num_replicas=2", "param_server.collective_receivers=2"])
+
+
+@pytest.mark.parametrize("gpus, tp, dp, extra, fix", [
+    ("1", 2, 1, [], "serve.rollout.num_gpus=2"),  # too few: vLLM's Ray executor grabs GPUs outside the replica
+    ("4", 2, 1, [], "serve.rollout.num_gpus=2"),  # too many: 2 idle GPUs per replica
+    ("2", 2, 2, [], "serve.rollout.num_gpus=4"),  # DP engines each need their TP GPUs
+    ("2", 2, 1, ["actor_rollout_ref.rollout.engine_kwargs={vllm: {pipeline_parallel_size: 2}}"], "serve.rollout.num_gpus=4"),
+])
+def test_serve_rollout_gpus_other_than_the_vllm_engine_make_the_plan_not_runnable(
+    gpus: str, tp: int, dp: int, extra: list[str], fix: str
+) -> None:
+    # One Serve rollout replica runs one vLLM engine over TP x PP x DP GPUs (vllm_args.py).
+    engine = ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+              f"actor_rollout_ref.rollout.data_parallel_size={dp}", "rollout.n_gpus_per_node=8", *extra]
+    with pytest.raises(ConfigError, match="not runnable") as info:
+        make_plan(None, [*engine, f"serve.rollout.num_gpus={gpus}"])
+    assert f"serve.rollout.num_gpus={gpus} " in str(info.value) and fix in str(info.value)
+    assert "tensor_model_parallel_size" in str(info.value)
+
+
+def test_serve_rollout_gpus_that_fit_the_vllm_engine_plan() -> None:
+    vllm = ["actor_rollout_ref.rollout.name=vllm", "rollout.n_gpus_per_node=8"]
+    make_plan(None, [*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "serve.rollout.num_gpus=2"])
+    make_plan(None, [*vllm, "serve.rollout.num_gpus=0.5"])  # replicas sharing one GPU
+    make_plan(None, [*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])  # no GPUs reserved: left alone
+    make_plan(None, ["rollout.n_gpus_per_node=8", "serve.rollout.num_gpus=1"])  # transformers engine

@@ -310,3 +310,13 @@ def test_collective_receivers_other_than_the_serve_rollout_replicas_are_refused(
           "param_server.collective_receivers=2")
     # the count is the broadcast group's only: other transports ignore it
     _yaml(tmp_path, "actor_rollout_ref.rollout.checkpoint_engine.backend=grpc", *overrides)
+
+
+def test_serve_rollout_gpus_other_than_the_vllm_engine_are_refused(tmp_path: Path) -> None:
+    # A replica given 1 GPU for a TP=2 engine made vLLM place its second worker on a GPU outside
+    # the replica's allocation (or wait for one on a full cluster).
+    tp2 = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"serve\.rollout\.num_gpus=1 .*tensor_model_parallel_size\(2\).*"
+                                          r"set serve\.rollout\.num_gpus=2"):
+        _yaml(tmp_path, *tp2, "serve.rollout.num_gpus=1")
+    _yaml(tmp_path, *tp2, "serve.rollout.num_gpus=2")

@@ -219,3 +219,17 @@ def test_collective_receivers_other_than_the_serve_rollout_replicas_stop_train_b
         train_mod.train(None, ["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
                                "param_server.collective_receivers=2"], run_dir=tmp_path / "run", report=False)
     assert not seen and not (tmp_path / "run").exists()
+
+
+def test_serve_rollout_gpus_other_than_the_vllm_engine_stop_train_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from services.common.errors import ConfigError
+    from tests.unit.test_train_cli_stops import _fake_mesh
+
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    with pytest.raises(ConfigError, match=r"serve\.rollout\.num_gpus=4 .*= 2 devices.*set serve\.rollout\.num_gpus=2"):
+        train_mod.train(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                               "serve.rollout.num_gpus=4"], run_dir=tmp_path / "run", report=False)
+    assert not seen and not (tmp_path / "run").exists()
