@@ -17,7 +17,13 @@ from services.common.data import train_dataset
 from services.common.errors import ConfigError
 from services.common.model_arch import ModelArch, load_arch
 
-from .plan_layout import megatron_layout, memory_estimate, rollout_checks, trainer_checks
+from .plan_layout import (
+    megatron_layout,
+    memory_estimate,
+    rollout_checks,
+    serve_trainer_devices_reserved,
+    trainer_checks,
+)
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "configs" / "recipes"
 
@@ -97,6 +103,8 @@ def make_plan(config: str | None, overrides: list[str], link_gbps: float | None 
     strategy = cfg.actor_rollout_ref.actor.strategy
     trainer_checks(cfg, arch, errors, warnings)
     rollout_checks(cfg, arch, errors, warnings)
+    if problem := serve_trainer_devices_reserved(cfg):  # `meshrl train` and serve-config refuse it
+        errors.append(problem)
     from services.weights.transports import serve_receivers_mismatch
 
     if problem := serve_receivers_mismatch(cfg):  # `meshrl train` and serve-config deploy the rollout under Serve

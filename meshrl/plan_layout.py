@@ -226,6 +226,24 @@ def serve_rollout_devices_mismatch(cfg: MeshConfig) -> str | None:
             f"{effect}; set {key}={engine} (or change the engine's parallel sizes)")
 
 
+def serve_trainer_devices_reserved(cfg: MeshConfig) -> str | None:
+    """Why serve.trainer's devices (num_gpus, or resources NPU) are wrong, or None. The trainer's
+    Serve replica only drives its ranks, which take trainer.nnodes x trainer.n_gpus_per_node
+    devices of their own, one a rank, in a placement group (services/trainer/ranks.py spawn): a
+    device reserved for the replica is never trained on, and on a cluster sized for the run it
+    is the one the ranks' placement group lacks, so the trainer waits for it until it times out."""
+    app = cfg.serve.trainer
+    key, count = ("serve.trainer.num_gpus", app.num_gpus) if app.num_gpus else (
+        "serve.trainer.resources.NPU", float(app.resources.get("NPU", 0)))
+    if not count:
+        return None
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    return (f"{key}={count:g} reserves devices for the trainer's driver replica, which trains on none: its "
+            f"trainer.nnodes x trainer.n_gpus_per_node = {world} ranks take one device each in a placement group "
+            f"of their own, so these sit idle and can keep that group from being placed; set {key}=0 (size the "
+            f"trainer with trainer.n_gpus_per_node, place the replica with serve.trainer.resources)")
+
+
 def rollout_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings: list[str]) -> None:
     r = cfg.actor_rollout_ref.rollout
     devices = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node

@@ -144,7 +144,7 @@ def build_serve_config(cfg: MeshConfig, run_dir: Path) -> dict[str, Any]:
     from services.common.serve_util import SERVICER_FUNCTIONS
     from services.weights.transports import serve_receivers_mismatch
 
-    from .plan_layout import serve_rollout_devices_mismatch
+    from .plan_layout import serve_rollout_devices_mismatch, serve_trainer_devices_reserved
     from .tokens import externalize_secrets
     from .train import wire
 
@@ -154,6 +154,8 @@ def build_serve_config(cfg: MeshConfig, run_dir: Path) -> dict[str, Any]:
     if problem := serve_receivers_mismatch(cfg):  # as `meshrl train` checks it
         raise ConfigError(problem)
     if problem := serve_rollout_devices_mismatch(cfg):  # as `meshrl train` checks it
+        raise ConfigError(problem)
+    if problem := serve_trainer_devices_reserved(cfg):  # as `meshrl train` checks it
         raise ConfigError(problem)
     proxy_location = _proxy_location(cfg)  # before wiring, which marks every field as set
     cfg = wire(absolute_paths(cfg), cfg.serve.grpc_port)

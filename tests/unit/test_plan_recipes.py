@@ -149,3 +149,14 @@ def test_serve_rollout_gpus_that_fit_the_vllm_engine_plan() -> None:
     make_plan(None, [*vllm, "serve.rollout.num_gpus=0.5"])  # replicas sharing one GPU
     make_plan(None, [*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])  # no GPUs reserved: left alone
     make_plan(None, ["rollout.n_gpus_per_node=8", "serve.rollout.num_gpus=1"])  # transformers engine
+
+
+@pytest.mark.parametrize("reserve, key", [("serve.trainer.num_gpus=8", "serve.trainer.num_gpus"),
+                                          ("serve.trainer.resources={NPU: 1}", "serve.trainer.resources.NPU")])
+def test_devices_reserved_for_the_trainer_replica_make_the_plan_not_runnable(reserve: str, key: str) -> None:
+    # The trainer replica only drives its ranks, which take their own devices (ranks.py spawn):
+    # 8 GPUs for the replica sat idle and, on a 16-GPU cluster, left the 8 ranks' group unplaced.
+    with pytest.raises(ConfigError, match="not runnable") as info:
+        make_plan(None, ["trainer.n_gpus_per_node=8", reserve])
+    assert f"{key}=" in str(info.value) and "trainer.n_gpus_per_node = 8 ranks" in str(info.value)
+    assert f"set {key}=0" in str(info.value)

@@ -320,3 +320,10 @@ def test_serve_rollout_gpus_other_than_the_vllm_engine_are_refused(tmp_path: Pat
                                           r"set serve\.rollout\.num_gpus=2"):
         _yaml(tmp_path, *tp2, "serve.rollout.num_gpus=1")
     _yaml(tmp_path, *tp2, "serve.rollout.num_gpus=2")
+
+
+def test_gpus_reserved_for_the_trainer_replica_are_refused(tmp_path: Path) -> None:
+    # The replica drives rank actors that take trainer.nnodes x trainer.n_gpus_per_node GPUs of
+    # their own; GPUs given to the replica were never trained on and kept the ranks unplaced.
+    with pytest.raises(ConfigError, match=r"serve\.trainer\.num_gpus=2 .*set serve\.trainer\.num_gpus=0"):
+        _yaml(tmp_path, "trainer.n_gpus_per_node=2", "serve.trainer.num_gpus=2")

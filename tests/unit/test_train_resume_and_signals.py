@@ -233,3 +233,16 @@ def test_serve_rollout_gpus_other_than_the_vllm_engine_stop_train_before_it_star
         train_mod.train(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                                "serve.rollout.num_gpus=4"], run_dir=tmp_path / "run", report=False)
     assert not seen and not (tmp_path / "run").exists()
+
+
+def test_gpus_reserved_for_the_trainer_replica_stop_train_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from services.common.errors import ConfigError
+    from tests.unit.test_train_cli_stops import _fake_mesh
+
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    with pytest.raises(ConfigError, match=r"serve\.trainer\.num_gpus=1 .*set serve\.trainer\.num_gpus=0"):
+        train_mod.train(None, ["serve.trainer.num_gpus=1"], run_dir=tmp_path / "run", report=False)
+    assert not seen and not (tmp_path / "run").exists()
