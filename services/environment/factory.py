@@ -11,7 +11,7 @@ from services.common.config import MeshConfig
 from .base import Environment
 from .client import RemoteEnvironment
 from .tool_env import ToolEnvironment
-from .tools import load_interactions, load_tools
+from .tools import load_interactions, load_tools, tool_schemas
 
 
 def tool_environment(cfg: MeshConfig) -> ToolEnvironment:
@@ -33,7 +33,8 @@ def prompt_tools(cfg: MeshConfig) -> Callable[[str], tuple[dict[str, Any], ...]]
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     if not (cfg.data.filter_overlong_prompts and mt.enable) or cfg.agent.enabled:
         return None
-    schemas = (tuple(t.tool_schema.model_dump(exclude_none=True) for t in load_tools(mt.tool_config_path))
+    # read from the YAML, not by constructing the tools: this runs where no tool does (see tool_schemas)
+    schemas = (tuple(s.model_dump(exclude_none=True) for s in tool_schemas(mt.tool_config_path))
                if mt.tool_config_path else ())
     remote = {ds for ep in cfg.environment.endpoints for ds in ep.data_sources}
     return lambda data_source: () if data_source in remote else schemas

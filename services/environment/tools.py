@@ -163,14 +163,13 @@ def _load_yaml(path: str, key: str) -> dict[str, Any]:
 _TOOL_METHODS = ("create", "execute", "calc_reward", "release")
 
 
-def load_tools(path: str, key: str = "actor_rollout_ref.rollout.multi_turn.tool_config_path") -> list[BaseTool]:
-    """The tools of a verl tool YAML, constructed (see the module docstring)."""
+def _tool_entries(path: str, key: str) -> list[tuple[str, str, type, dict[str, Any], OpenAIFunctionToolSchema | None]]:
+    """(where, class_name, class, config, YAML schema or None) of each entry of a verl tool YAML, checked."""
     data = _load_yaml(path, key)
     entries = data.get("tools")
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{key}: {path} needs a non-empty list under `tools:` (verl's tool YAML)")
-    tools: list[BaseTool] = []
-    names: dict[str, int] = {}
+    out: list[tuple[str, str, type, dict[str, Any], OpenAIFunctionToolSchema | None]] = []
     for i, entry in enumerate(entries):
         where = f"tools[{i}]"
         if not isinstance(entry, dict):
@@ -200,15 +199,49 @@ def load_tools(path: str, key: str = "actor_rollout_ref.rollout.multi_turn.tool_
                     f"{key}: {where}.tool_schema.{loc}: {first['msg']}; write "
                     "{type: function, function: {name, description, parameters: {type: object, properties, required}}}"
                 ) from None
-        try:
-            tool = cls(config=config, tool_schema=schema)
-        except Exception as exc:
-            raise ConfigError(f"{key}: {where} ({entry['class_name']}) failed to construct: {type(exc).__name__}: {exc}") from exc
-        if tool.name in names:
-            raise ConfigError(f"{key}: {where} is called {tool.name!r} like tools[{names[tool.name]}]; tool names must be unique")
-        names[tool.name] = i
+        out.append((where, entry["class_name"], cls, config, schema))
+    return out
+
+
+def _construct(key: str, where: str, class_name: str, cls: type, config: dict[str, Any],
+               schema: OpenAIFunctionToolSchema | None) -> BaseTool:
+    try:
+        return cls(config=config, tool_schema=schema)
+    except Exception as exc:
+        raise ConfigError(f"{key}: {where} ({class_name}) failed to construct: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_unique(key: str, where: str, name: str, names: dict[str, str]) -> None:
+    if name in names:
+        raise ConfigError(f"{key}: {where} is called {name!r} like {names[name]}; tool names must be unique")
+    names[name] = where
+
+
+def load_tools(path: str, key: str = "actor_rollout_ref.rollout.multi_turn.tool_config_path") -> list[BaseTool]:
+    """The tools of a verl tool YAML, constructed (see the module docstring)."""
+    tools: list[BaseTool] = []
+    names: dict[str, str] = {}
+    for where, class_name, cls, config, schema in _tool_entries(path, key):
+        tool = _construct(key, where, class_name, cls, config, schema)
+        _check_unique(key, where, tool.name, names)
         tools.append(tool)
     return tools
+
+
+def tool_schemas(path: str, key: str = "actor_rollout_ref.rollout.multi_turn.tool_config_path") -> list[OpenAIFunctionToolSchema]:
+    """The schemas of a verl tool YAML's tools, as load_tools' tools carry them, for processes that
+    only render prompts (data.filter_overlong_prompts in the coordinator, trainer, driver, plan):
+    the YAML's tool_schema where given, which BaseTool keeps as is, so a tool whose constructor
+    starts a sandbox pool or opens connections is not built where no tool runs. Only an entry
+    without one is constructed, its schema being the class's own (get_openai_tool_schema)."""
+    out: list[OpenAIFunctionToolSchema] = []
+    names: dict[str, str] = {}
+    for where, class_name, cls, config, schema in _tool_entries(path, key):
+        if schema is None:
+            schema = _construct(key, where, class_name, cls, config, None).tool_schema
+        _check_unique(key, where, schema.function.name, names)
+        out.append(schema)
+    return out
 
 
 def load_interactions(path: str, key: str = "actor_rollout_ref.rollout.multi_turn.interaction_config_path") -> dict[str, BaseInteraction]:

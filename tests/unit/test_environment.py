@@ -31,7 +31,7 @@ from services.environment.base import CloseResult, Environment, EnvPrompt, Messa
 from services.environment.config import EnvironmentConfig, EnvironmentEndpointConfig
 from services.environment.core import SessionTable
 from services.environment.tool_env import ToolEnvironment
-from services.environment.tools import load_interactions, load_tools
+from services.environment.tools import BaseTool, OpenAIFunctionToolSchema, load_interactions, load_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = str(ROOT / "configs" / "examples" / "tool_add_tools.yaml")
@@ -547,3 +547,46 @@ def test_close_of_a_session_whose_start_ignores_cancellation() -> None:
         assert error is None or isinstance(error, MeshError), f"Close failed with {error!r}"
 
     asyncio.run(go())
+
+
+class SandboxPoolTool(BaseTool):
+    """A tool whose constructor has a side effect (as verl's SandboxFusion tool starts a pool)."""
+
+    constructed: list[str] = []
+
+    def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None = None) -> None:
+        super().__init__(config, tool_schema)
+        SandboxPoolTool.constructed.append(self.name)
+
+
+class SchemaFromClassTool(BaseTool):
+    """A tool that gives its schema itself (none in the YAML): reading it takes constructing it."""
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return OpenAIFunctionToolSchema.model_validate({"function": {"name": "own", "description": "from the class"}})
+
+
+def test_prompt_tools_reads_the_yaml_schemas_without_constructing_the_tools(tmp_path: Path) -> None:
+    """data.filter_overlong_prompts counts the tool schemas in the coordinator, the trainer, the
+    `meshrl train` driver and `meshrl plan`, none of which runs a tool: a tool whose constructor
+    starts a sandbox pool or opens connections must not be built there just to read a schema the
+    YAML already gives. A tool without one in the YAML is still constructed for it."""
+    from services.common.config import load_config
+    from services.environment.factory import prompt_tools
+
+    path = tmp_path / "tools.yaml"
+    path.write_text(
+        "tools:\n  - class_name: tests.unit.test_environment.SandboxPoolTool\n    config: {type: native}\n"
+        "    tool_schema: {type: function, function: {name: run_code, description: Run code}}\n"
+        "  - class_name: tests.unit.test_environment.SchemaFromClassTool\n"
+    )
+    cfg = load_config(None, ["data.train_files=[x.jsonl]", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                             "data.filter_overlong_prompts=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path}"])
+    SandboxPoolTool.constructed.clear()
+    schemas = prompt_tools(cfg)
+    assert schemas is not None
+    assert SandboxPoolTool.constructed == []
+    expected = tuple(t.tool_schema.model_dump(exclude_none=True) for t in load_tools(str(path)))
+    assert schemas("any") == expected
+    assert [s["function"]["name"] for s in expected] == ["run_code", "own"]
