@@ -209,7 +209,17 @@ class Ledger:
         self._in_tx = False
 
     def _open(self, synchronous: str) -> None:
-        self._db.execute("PRAGMA journal_mode=WAL")
+        # SQLite keeps the rollback journal, silently, where WAL cannot be used (a filesystem without
+        # shared memory, as some network ones; "memory" for ":memory:"). The ledger works the same
+        # there, but a reader blocks the owner's writes: audit_view then reads on the owner's
+        # connection, on its thread, and the audit stalls the event loop as before rather than
+        # failing RPCs with "database is locked" once its scan outlasts the busy timeout.
+        mode = str(self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]).lower()
+        self.wal = mode == "wal"
+        if not self.wal and self.path != ":memory:":
+            log.warning("ledger_not_wal", path=self.path, journal_mode=mode,
+                        hint="the ledger audit will block the coordinator's event loop while it reads; "
+                        "put coordinator.ledger_path on a local filesystem")
         self._db.execute(f"PRAGMA synchronous={synchronous}")
         self._db.execute("PRAGMA foreign_keys=OFF")
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
@@ -428,9 +438,11 @@ class Ledger:
     def audit_view(self) -> tuple[int, dict[str, list[int]]]:
         """(the run state's cursor, live_seqs()) as one snapshot, read on a connection of its own
         (WAL: the owner writes on meanwhile), so another thread may call it: the audit scans the
-        whole ledger, seconds on a long run, which the owner's event loop would spend blocked. A
-        ":memory:" ledger has no second connection: read on the owner's, call it on its thread."""
-        if self.path == ":memory:":
+        whole ledger, seconds on a long run, which the owner's event loop would spend blocked.
+        Without WAL (self.wal False: ":memory:", which has no second connection, or a filesystem
+        that refused it, where a reader blocks the owner's writes) it reads on the owner's
+        connection: call it on the owner's thread then."""
+        if not self.wal:
             return self._cursor(self._db), self.live_seqs()
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:

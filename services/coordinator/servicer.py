@@ -260,9 +260,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     async def audit(self) -> dict[str, Any]:
         """The ledger audit (CoordinatorCore.audit), read in a thread on a connection of its own:
         it scans every lease and group of the run, seconds on a long one, and on the loop every
-        RPC (renewals, leases, FetchBatch) waited for it. A ":memory:" ledger is read here."""
+        RPC (renewals, leases, FetchBatch) waited for it. A ledger without WAL (":memory:", or on a
+        filesystem that refused it) is read here: there a reader in a thread would block the
+        RPCs' writes, which fail with "database is locked" after the busy timeout."""
         ledger = self.core.ledger
-        if ledger.path == ":memory:":
+        if not ledger.wal:
             return self.core.audit()
         return await asyncio.to_thread(audit_ledger, ledger)
 

@@ -124,3 +124,47 @@ def test_the_health_check_reads_the_ledger_without_scanning_it(tmp_path: Path) -
     core.ledger.close()
     with pytest.raises(sqlite3.ProgrammingError):  # a ledger that no longer reads is still unhealthy
         replica.check_health()
+
+
+def test_a_ledger_without_wal_is_audited_on_the_event_loop_so_writes_are_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SQLite's unix-dotfile VFS has no shared memory, so it refuses WAL and stays in rollback-journal
+    # mode, as on a filesystem without it (some network filesystems): a reader there blocks writers.
+    # A 0.2 s busy timeout stands in for an audit scan longer than the default 5 s.
+    from services.coordinator import ledger as ledger_mod
+
+    real_connect = sqlite3.connect
+
+    def connect(path: str, *args: Any, **kwargs: Any) -> sqlite3.Connection:
+        kwargs.update(uri=True, timeout=0.2)
+        return real_connect(f"file:{path}?vfs=unix-dotfile", *args, **kwargs)
+
+    monkeypatch.setattr(ledger_mod.sqlite3, "connect", connect)
+    monkeypatch.setattr(ledger_mod, "_own", lambda path: None)  # that VFS locks with the same l.db.lock
+    ledger = Ledger(tmp_path / "l.db")
+    assert not ledger.wal
+    core = make_core(tmp_path / "l.db", staleness=10.0, ledger=ledger)
+    leases = core.lease("r", 4, 0.0).leases
+    core.submit("r", [group_for(leases[0].lease_id, leases[0].seq, 0)], 1.0)
+    real = Ledger.live_seqs
+
+    def slow_live_seqs(self: Ledger, *args: Any, **kwargs: Any) -> dict[str, list[int]]:
+        time.sleep(0.6)  # a long scan, holding its read lock
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Ledger, "live_seqs", slow_live_seqs)
+    servicer = CoordinatorServicer(core, sampling=common_pb2.SamplingParams(n=2))
+
+    async def run() -> dict[str, Any]:
+        pending = asyncio.ensure_future(servicer.audit())
+        await asyncio.sleep(0.1)
+        # an RPC served meanwhile: its write must not fail with "database is locked"
+        more = core.lease("r", 3, 2.0).leases
+        core.submit("r", [group_for(more[0].lease_id, more[0].seq, 0)], 2.0)
+        return await pending
+
+    report = asyncio.run(run())
+    assert report["balanced"], report
+    monkeypatch.setattr(Ledger, "live_seqs", real)
+    ledger.close()
