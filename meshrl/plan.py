@@ -21,7 +21,7 @@ from .plan_layout import (
     megatron_layout,
     memory_estimate,
     rollout_checks,
-    serve_trainer_devices_reserved,
+    serve_launch_problems,
     trainer_checks,
 )
 
@@ -103,12 +103,7 @@ def make_plan(config: str | None, overrides: list[str], link_gbps: float | None 
     strategy = cfg.actor_rollout_ref.actor.strategy
     trainer_checks(cfg, arch, errors, warnings)
     rollout_checks(cfg, arch, errors, warnings)
-    if problem := serve_trainer_devices_reserved(cfg):  # `meshrl train` and serve-config refuse it
-        errors.append(problem)
-    from services.weights.transports import serve_receivers_mismatch
-
-    if problem := serve_receivers_mismatch(cfg):  # `meshrl train` and serve-config deploy the rollout under Serve
-        errors.append(problem)
+    errors.extend(serve_launch_problems(cfg))
     if strategy in ("megatron", "mindspeed"):
         layout["trainer"]["megatron"] = megatron_layout(cfg, arch, errors)
     if errors:

@@ -244,13 +244,21 @@ def serve_trainer_devices_reserved(cfg: MeshConfig) -> str | None:
             f"trainer with trainer.n_gpus_per_node, place the replica with serve.trainer.resources)")
 
 
+def serve_launch_problems(cfg: MeshConfig) -> list[str]:
+    """What keeps this config's Serve deployment from working, though the config itself loads
+    (rollouts run outside Serve set their own devices and receivers): `meshrl train` and
+    serve-config refuse it, `meshrl plan` lists it among its errors."""
+    from services.weights.transports import serve_receivers_mismatch
+
+    checks = (serve_receivers_mismatch, serve_rollout_devices_mismatch, serve_trainer_devices_reserved)
+    return [problem for check in checks if (problem := check(cfg))]
+
+
 def rollout_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings: list[str]) -> None:
     r = cfg.actor_rollout_ref.rollout
     devices = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
     engine = r.tensor_model_parallel_size * r.data_parallel_size
     key = f"{_ARR}.rollout"
-    if problem := serve_rollout_devices_mismatch(cfg):  # `meshrl train` and serve-config deploy the rollout under Serve
-        errors.append(problem)
     if devices % engine:
         errors.append(
             f"{key}: tensor_model_parallel_size({r.tensor_model_parallel_size}) x data_parallel_size({r.data_parallel_size}) "

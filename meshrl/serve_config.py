@@ -142,21 +142,16 @@ def build_serve_config(cfg: MeshConfig, run_dir: Path) -> dict[str, Any]:
     wires it, every application built by its own builder to read off its deployment options.
     The five applications share one `args` object (the YAML writes it once, as an anchor)."""
     from services.common.serve_util import SERVICER_FUNCTIONS
-    from services.weights.transports import serve_receivers_mismatch
 
-    from .plan_layout import serve_rollout_devices_mismatch, serve_trainer_devices_reserved
+    from .plan_layout import serve_launch_problems
     from .tokens import externalize_secrets
     from .train import wire
 
     if not run_dir.is_absolute():
         raise ConfigError(f"--run-dir {run_dir} is relative; a cluster needs an absolute path on a shared filesystem")
     check_cluster_config(cfg)
-    if problem := serve_receivers_mismatch(cfg):  # as `meshrl train` checks it
-        raise ConfigError(problem)
-    if problem := serve_rollout_devices_mismatch(cfg):  # as `meshrl train` checks it
-        raise ConfigError(problem)
-    if problem := serve_trainer_devices_reserved(cfg):  # as `meshrl train` checks it
-        raise ConfigError(problem)
+    if problems := serve_launch_problems(cfg):  # as `meshrl train` checks them
+        raise ConfigError("\n".join(problems))
     proxy_location = _proxy_location(cfg)  # before wiring, which marks every field as set
     cfg = wire(absolute_paths(cfg), cfg.serve.grpc_port)
     cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"proxy_location": proxy_location})})

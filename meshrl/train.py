@@ -703,18 +703,13 @@ def train(
 ) -> dict[str, Any]:
     """Run a whole job; returns the summary (also written to RUN_DIR/summary.json). With
     max_train_s the run stops cleanly (as on Ctrl-C) that long after its first optimizer step."""
-    from meshrl.plan_layout import serve_rollout_devices_mismatch, serve_trainer_devices_reserved
+    from meshrl.plan_layout import serve_launch_problems
     from meshrl.trackers import check_loggers, start_tracking
     from services.common.logging import configure_logging
-    from services.weights.transports import serve_receivers_mismatch
 
     cfg = resolve_config(config, overrides, mode=mode, resume=resume)
-    if problem := serve_receivers_mismatch(cfg):  # the rollout runs under Serve: checked before anything starts
-        raise ConfigError(problem)
-    if problem := serve_rollout_devices_mismatch(cfg):  # as above: each replica's devices start its engine
-        raise ConfigError(problem)
-    if problem := serve_trainer_devices_reserved(cfg):  # as above
-        raise ConfigError(problem)
+    if problems := serve_launch_problems(cfg):  # the mesh runs under Serve: checked before anything starts
+        raise ConfigError("\n".join(problems))
     check_loggers(cfg.trainer.logger)  # a missing tracker package fails before anything starts
     mode = cfg.async_training.mode
     if resume is not None:

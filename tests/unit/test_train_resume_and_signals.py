@@ -205,44 +205,25 @@ def test_resume_of_a_dump_written_before_trainer_total_epochs_was_read(tmp_path:
     assert resolve_config(None, ["rollout.total_epochs=6"], resume=tmp_path).rollout.total_epochs == 6
 
 
-def test_collective_receivers_other_than_the_serve_rollout_replicas_stop_train_before_it_starts(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize(("overrides", "needle"), [
     # Each Serve rollout replica is one receiver of the broadcast group: 2 receivers for 1
     # replica made the sender wait for a rank that never checks in, on every version.
-    from services.common.errors import ConfigError
-    from tests.unit.test_train_cli_stops import _fake_mesh
-
-    seen: list[dict[str, Any]] = []
-    _fake_mesh(monkeypatch, seen)
-    with pytest.raises(ConfigError, match=r"param_server\.collective_receivers=2 .*serve\.rollout\.num_replicas=1"):
-        train_mod.train(None, ["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
-                               "param_server.collective_receivers=2"], run_dir=tmp_path / "run", report=False)
-    assert not seen and not (tmp_path / "run").exists()
-
-
-def test_serve_rollout_gpus_other_than_the_vllm_engine_stop_train_before_it_starts(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    (["actor_rollout_ref.rollout.checkpoint_engine.backend=gloo", "param_server.collective_receivers=2"],
+     r"param_server\.collective_receivers=2 .*serve\.rollout\.num_replicas=1"),
+    # each replica's devices start one vLLM engine of TP x DP devices
+    (["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+      "serve.rollout.num_gpus=4"], r"serve\.rollout\.num_gpus=4 .*= 2 devices.*set serve\.rollout\.num_gpus=2"),
+    # the trainer's replica only drives its ranks, which hold devices of their own
+    (["serve.trainer.num_gpus=1"], r"serve\.trainer\.num_gpus=1 .*set serve\.trainer\.num_gpus=0"),
+], ids=["collective_receivers", "rollout_gpus", "trainer_gpus"])
+def test_a_serve_deployment_that_cannot_work_stops_train_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, overrides: list[str], needle: str
 ) -> None:
     from services.common.errors import ConfigError
     from tests.unit.test_train_cli_stops import _fake_mesh
 
     seen: list[dict[str, Any]] = []
     _fake_mesh(monkeypatch, seen)
-    with pytest.raises(ConfigError, match=r"serve\.rollout\.num_gpus=4 .*= 2 devices.*set serve\.rollout\.num_gpus=2"):
-        train_mod.train(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                               "serve.rollout.num_gpus=4"], run_dir=tmp_path / "run", report=False)
-    assert not seen and not (tmp_path / "run").exists()
-
-
-def test_gpus_reserved_for_the_trainer_replica_stop_train_before_it_starts(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    from services.common.errors import ConfigError
-    from tests.unit.test_train_cli_stops import _fake_mesh
-
-    seen: list[dict[str, Any]] = []
-    _fake_mesh(monkeypatch, seen)
-    with pytest.raises(ConfigError, match=r"serve\.trainer\.num_gpus=1 .*set serve\.trainer\.num_gpus=0"):
-        train_mod.train(None, ["serve.trainer.num_gpus=1"], run_dir=tmp_path / "run", report=False)
+    with pytest.raises(ConfigError, match=needle):
+        train_mod.train(None, overrides, run_dir=tmp_path / "run", report=False)
     assert not seen and not (tmp_path / "run").exists()
