@@ -168,6 +168,11 @@ def _own(path: str) -> str | None:
     return lock
 
 
+def _file_id(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 def _disown(lock: str | None) -> None:
     entry = _owned.get(lock) if lock is not None else None
     if entry is None:
@@ -194,6 +199,10 @@ class Ledger:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             try:
                 self._open(synchronous)
+                # (device, inode) of the file opened, by absolute path (a later chdir moves nothing):
+                # see _check_file. None for ":memory:".
+                self._where = None if self.path == ":memory:" else os.path.abspath(self.path)
+                self._file = None if self._where is None else _file_id(self._where)
             except BaseException:
                 self._db.close()
                 raise
@@ -243,12 +252,34 @@ class Ledger:
         self._db.close()
         self._disown()
 
+    def _check_file(self) -> None:
+        """Raises when the ledger's path no longer names the file this ledger has open: it was
+        deleted, moved or replaced (an operator's cleanup, a restored backup, a remounted volume)
+        while the coordinator ran. SQLite (WAL) goes on writing to the file it holds open without
+        an error, so every RPC was acknowledged while a restart would read another ledger, or none
+        and start the run over from prompt 0. The open file keeps its inode number taken, so a new
+        file at the path cannot pass for it."""
+        if self._where is None:
+            return
+        try:
+            now: tuple[int, int] | None = _file_id(self._where)
+        except FileNotFoundError:
+            now = None
+        if now != self._file:
+            what = "deleted or moved away" if now is None else "replaced by another file"
+            raise FailedPrecondition(
+                f"ledger {self.path} was {what} while this coordinator ran: what it recorded since is in no file "
+                "that a restarted coordinator reads, so it refuses to record more; keep coordinator.ledger_path on "
+                "storage that nothing cleans, replaces or remounts while the run lasts"
+            )
+
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One atomic change. Nested use joins the outer transaction."""
         if self._in_tx:
             yield self._db
             return
+        self._check_file()  # a write that no restart would read is refused before anything changes
         # Marked open only once BEGIN succeeded: a BEGIN that fails (SQLITE_BUSY past the timeout,
         # an I/O error) left the mark set, and every later transaction then "joined" one that did
         # not exist: each statement committed alone and a failure rolled nothing back.
@@ -432,6 +463,7 @@ class Ledger:
         """Raises when the ledger no longer reads (the health check). One row, whatever the run's
         size: it runs on the owner's event loop every health_check_period_s, where counting the
         groups scanned an index that grows with every group submitted, stalling every RPC."""
+        self._check_file()
         if self._db.execute("SELECT json FROM run_state WHERE id = 1").fetchone() is None:
             raise FailedPrecondition(f"ledger {self.path} lost its run state (the run_state row)")
 
@@ -444,6 +476,7 @@ class Ledger:
         connection: call it on the owner's thread then."""
         if not self.wal:
             return self._cursor(self._db), self.live_seqs()
+        self._check_file()  # else it reads (or creates) whatever file is at the path now
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         try:
             db.execute("PRAGMA query_only = 1")

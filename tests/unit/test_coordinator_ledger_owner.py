@@ -130,3 +130,32 @@ def test_a_ledger_whose_run_state_holds_fields_this_meshrl_lacks_is_refused_by_n
     conn = sqlite3.connect(db)  # refused without a write: the newer meshrl continues on it
     assert "added_later" in conn.execute("SELECT json FROM run_state").fetchone()[0]
     conn.close()
+
+
+# ---- the file under a running coordinator ----------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_ledger_deleted_or_replaced_under_a_running_coordinator_fails_loudly(tmp_path: Path, how: str) -> None:
+    """An operator's cleanup, a restored backup or a remounted volume: SQLite (WAL) went on writing
+    to the file it had open, gone from coordinator.ledger_path or no longer the one there, and the
+    health check went on reading it. Every RPC was acknowledged while a restart would read another
+    ledger (or none: a fresh run from prompt 0). Now the health check and every write fail naming
+    the path, and the refused write changes nothing."""
+    db = tmp_path / "ledger.sqlite"
+    core = make_core(db)
+    core.lease("r", 1, 0.0)
+    core.ledger.check_readable()
+    if how == "deleted":
+        db.unlink()
+    else:
+        other = tmp_path / "restored.sqlite"
+        make_core(other).ledger.close()
+        os.replace(other, db)
+    with pytest.raises(FailedPrecondition, match=rf"ledger {re.escape(str(db))} .*coordinator\.ledger_path"):
+        core.ledger.check_readable()
+    state = core._state.to_json()
+    with pytest.raises(FailedPrecondition, match=r"coordinator\.ledger_path"):
+        core.lease("r", 1, 0.0)
+    assert core.in_flight == 1 and core._state.to_json() == state
+    core.ledger.close()
