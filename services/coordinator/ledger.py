@@ -288,7 +288,11 @@ class Ledger:
         try:
             yield self._db
         except BaseException:
-            self._db.execute("ROLLBACK")
+            # SQLite rolls the transaction back itself on some failures (SQLITE_FULL, SQLITE_IOERR,
+            # SQLITE_NOMEM): a ROLLBACK then failed too, and its "no transaction is active" replaced
+            # the error that says what went wrong (a full disk).
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
             raise
         else:
             try:

@@ -271,3 +271,23 @@ def test_a_begin_that_fails_leaves_later_transactions_atomic(tmp_path: Path) -> 
     core.ledger.close()
     again = make_core(db)
     assert again.in_flight == 2 and again.audit()["balanced"]
+
+
+def test_a_write_that_fails_on_a_full_disk_says_so_and_changes_nothing(tmp_path: Path) -> None:
+    """SQLite rolls the whole transaction back itself on some failures (SQLITE_FULL, SQLITE_IOERR,
+    SQLITE_NOMEM); the ROLLBACK that followed then failed too ("cannot rollback - no transaction
+    is active") and its error was the one the RPC answered with: a full disk (the ledger's
+    commonest write failure on a long run) read as a coordinator bug. max_page_count stands in for
+    the disk here."""
+    from tests.unit.coord_helpers import group_for, make_core
+
+    core = make_core(tmp_path / "ledger.sqlite")
+    (a,) = core.lease("r", 1, 0.0).leases
+    pages = core.ledger._db.execute("PRAGMA page_count").fetchone()[0]
+    core.ledger._db.execute(f"PRAGMA max_page_count = {pages + 1}")
+    with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+        core.submit("r", [group_for(a.lease_id, a.seq, 0, tokens=20_000)], 1.0)
+    assert core.in_flight == 1 and core.queued == 0
+    core.ledger._db.execute("PRAGMA max_page_count = 1073741823")  # space again: the same call goes through
+    assert [s.value for s in core.submit("r", [group_for(a.lease_id, a.seq, 0, tokens=20_000)], 1.0)] == ["accepted"]
+    core.ledger.close()
