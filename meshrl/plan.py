@@ -21,6 +21,8 @@ from .plan_layout import (
     megatron_layout,
     memory_estimate,
     rollout_checks,
+    rollout_engine_devices,
+    rollout_parallel,
     serve_launch_problems,
     trainer_checks,
 )
@@ -60,7 +62,8 @@ def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
     trainer_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     rollout_devices = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
     r = cfg.actor_rollout_ref.rollout
-    per_engine = r.tensor_model_parallel_size * r.data_parallel_size
+    sizes = rollout_parallel(cfg)  # engine_kwargs.vllm's sizes are the ones vLLM runs
+    per_engine = rollout_engine_devices(cfg)
     return {
         "device": cfg.trainer.device,
         "trainer": {
@@ -76,8 +79,9 @@ def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
             "engine": r.name,
             "devices_per_engine": per_engine,
             "engines": max(1, rollout_devices // per_engine),
-            "tensor_parallel": r.tensor_model_parallel_size,
-            "data_parallel": r.data_parallel_size,
+            "tensor_parallel": sizes["tp"][1],
+            "data_parallel": sizes["dp"][1],
+            "pipeline_parallel": sizes["pp"][1],
             "expert_parallel": r.expert_parallel_size,
         },
     }

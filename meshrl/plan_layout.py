@@ -194,6 +194,39 @@ def megatron_layout(cfg: MeshConfig, arch: ModelArch, errors: list[str]) -> dict
     }
 
 
+def rollout_parallel(cfg: MeshConfig) -> dict[str, tuple[str, int]]:
+    """One rollout engine's TP, DP and PP as the engine runs them, each as (the key that sets it,
+    size). vllm_args.py passes actor_rollout_ref.rollout's sizes and then engine_kwargs.vllm over
+    them, so a size given there is the one vLLM runs with: every check and number of the rollout's
+    layout reads the sizes here (reading the top-level key let an engine that cannot split the
+    heads, or fit the devices, pass). The transformers engine takes no engine_kwargs.vllm."""
+    r = cfg.actor_rollout_ref.rollout
+    vllm = r.engine_kwargs.get("vllm", {}) if r.name == "vllm" else {}
+
+    def size(vllm_key: str, key: str, value: int) -> tuple[str, int]:
+        if vllm_key in vllm:
+            return f"{_ARR}.rollout.engine_kwargs.vllm.{vllm_key}", int(vllm[vllm_key])
+        return f"{_ARR}.rollout.{key}", value
+
+    return {
+        "tp": size("tensor_parallel_size", "tensor_model_parallel_size", r.tensor_model_parallel_size),
+        "dp": size("data_parallel_size", "data_parallel_size", r.data_parallel_size),
+        "pp": size("pipeline_parallel_size", "engine_kwargs.vllm.pipeline_parallel_size", 1),
+    }
+
+
+def rollout_engine_devices(cfg: MeshConfig) -> int:
+    """Devices one rollout engine spans: TP x DP x PP (rollout_parallel)."""
+    sizes = rollout_parallel(cfg)
+    return sizes["tp"][1] * sizes["dp"][1] * sizes["pp"][1]
+
+
+def _engine_parts(sizes: dict[str, tuple[str, int]]) -> str:
+    """"key(TP) x key(DP)[ x key(PP)]" for messages, each size under the key that sets it."""
+    parts = [f"{key}({n})" for name, (key, n) in sizes.items() if name != "pp" or n > 1]
+    return " x ".join(parts)
+
+
 def serve_rollout_devices_mismatch(cfg: MeshConfig) -> str | None:
     """Why each Serve rollout replica's devices (serve.rollout.num_gpus, or resources NPU) do not fit
     the vLLM engine it starts, or None. One replica runs one AsyncLLM over TP x PP x DP devices
@@ -210,16 +243,11 @@ def serve_rollout_devices_mismatch(cfg: MeshConfig) -> str | None:
         "serve.rollout.resources.NPU", float(app.resources.get("NPU", 0)))
     if not count:
         return None
-    vllm = r.engine_kwargs.get("vllm", {})
-    tp = int(vllm.get("tensor_parallel_size", r.tensor_model_parallel_size))
-    dp = int(vllm.get("data_parallel_size", r.data_parallel_size))
-    pp = int(vllm.get("pipeline_parallel_size", 1))
-    engine = tp * dp * pp
+    sizes = rollout_parallel(cfg)
+    engine = rollout_engine_devices(cfg)
     if count == engine or (engine == 1 and count < 1):  # a fraction of one device: replicas share it
         return None
-    parts = f"{_ARR}.rollout.tensor_model_parallel_size({tp}) x data_parallel_size({dp})"
-    if pp > 1:
-        parts += f" x engine_kwargs.vllm.pipeline_parallel_size({pp})"
+    parts = _engine_parts(sizes)
     effect = ("vLLM places the missing workers on devices outside the replica's allocation, or waits for them"
               if count < engine else f"{count - engine:g} of them sit idle")
     return (f"{key}={count:g} but each rollout replica runs one vLLM engine of {parts} = {engine} devices: "
@@ -257,20 +285,22 @@ def serve_launch_problems(cfg: MeshConfig) -> list[str]:
 def rollout_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings: list[str]) -> None:
     r = cfg.actor_rollout_ref.rollout
     devices = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
-    engine = r.tensor_model_parallel_size * r.data_parallel_size
+    sizes = rollout_parallel(cfg)
+    engine = rollout_engine_devices(cfg)
     key = f"{_ARR}.rollout"
     if devices % engine:
         errors.append(
-            f"{key}: tensor_model_parallel_size({r.tensor_model_parallel_size}) x data_parallel_size({r.data_parallel_size}) "
-            f"= {engine} devices per engine does not divide the {devices} rollout devices (rollout.nnodes x rollout.n_gpus_per_node)"
+            f"{_engine_parts(sizes)} = {engine} devices per engine does not divide the {devices} rollout devices "
+            "(rollout.nnodes x rollout.n_gpus_per_node)"
         )
-    tp = r.tensor_model_parallel_size
+    tp_key, tp = sizes["tp"]
     if arch.num_attention_heads % tp:
-        errors.append(f"{key}.tensor_model_parallel_size={tp} must divide the {arch.num_attention_heads} attention heads")
+        errors.append(f"{tp_key}={tp} must divide the {arch.num_attention_heads} attention heads")
     kv = arch.num_key_value_heads
     if kv % tp and tp % kv:
-        errors.append(f"{key}.tensor_model_parallel_size={tp} and the {kv} key/value heads must divide one another")
+        errors.append(f"{tp_key}={tp} and the {kv} key/value heads must divide one another")
     ep = r.expert_parallel_size
+    engine = tp * sizes["dp"][1]  # vLLM's expert parallelism spans one pipeline stage's TP x DP
     if ep > 1:
         if not arch.is_moe:
             errors.append(f"{key}.expert_parallel_size={ep} > 1 but {arch.model_type} has no experts; set it to 1")
@@ -351,5 +381,7 @@ def _rollout_weight_bytes(cfg: MeshConfig, arch: ModelArch) -> float:
     counts = arch.param_counts()
     dense = counts["embedding"] + counts["output"] + counts["dense"]
     bytes_per = 4 if r.dtype == "float32" else 2
-    experts_split = max(r.expert_parallel_size, r.tensor_model_parallel_size)
-    return bytes_per * (dense / r.tensor_model_parallel_size + counts["expert"] / experts_split)
+    sizes = rollout_parallel(cfg)
+    tp, pp = sizes["tp"][1], sizes["pp"][1]
+    experts_split = max(r.expert_parallel_size, tp)
+    return bytes_per * (dense / tp + counts["expert"] / experts_split) / pp

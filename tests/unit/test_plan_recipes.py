@@ -160,3 +160,21 @@ def test_devices_reserved_for_the_trainer_replica_make_the_plan_not_runnable(res
         make_plan(None, ["trainer.n_gpus_per_node=8", reserve])
     assert f"{key}=" in str(info.value) and "trainer.n_gpus_per_node = 8 ranks" in str(info.value)
     assert f"set {key}=0" in str(info.value)
+
+
+def test_rollout_sizes_given_in_engine_kwargs_vllm_are_the_ones_checked() -> None:
+    # vllm_args.py passes engine_kwargs.vllm over actor_rollout_ref.rollout's sizes, so vLLM runs
+    # TP 3 here; the plan checked (and reported) the top-level TP 1 and called runnable an engine
+    # that cannot split the tiny model's 4 attention heads nor fit in the 2 rollout devices.
+    vllm = ["actor_rollout_ref.rollout.name=vllm", "rollout.n_gpus_per_node=2"]
+    with pytest.raises(ConfigError, match="not runnable") as info:
+        make_plan(None, [*vllm, "actor_rollout_ref.rollout.engine_kwargs={vllm: {tensor_parallel_size: 3}}"])
+    msg = str(info.value)
+    assert "actor_rollout_ref.rollout.engine_kwargs.vllm.tensor_parallel_size=3 must divide the 4 attention heads" in msg
+    assert "= 3 devices per engine does not divide the 2 rollout devices" in msg
+    plan = make_plan(None, [*vllm, "actor_rollout_ref.rollout.engine_kwargs={vllm: {tensor_parallel_size: 2}}"])
+    assert plan["layout"]["rollout"]["tensor_parallel"] == 2 and plan["layout"]["rollout"]["engines"] == 1
+    # PP takes devices too: 2 x 2 does not fit in 2
+    with pytest.raises(ConfigError, match=r"= 4 devices per engine does not divide the 2 rollout devices"):
+        make_plan(None, [*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                         "actor_rollout_ref.rollout.engine_kwargs={vllm: {pipeline_parallel_size: 2}}"])
