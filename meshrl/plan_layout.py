@@ -16,6 +16,7 @@ Offload flags move the at-rest copy to host memory; activations and KV are not e
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from services.common.config import MeshConfig
@@ -254,6 +255,35 @@ def serve_rollout_devices_mismatch(cfg: MeshConfig) -> str | None:
             f"{effect}; set {key}={engine} (or change the engine's parallel sizes)")
 
 
+def serve_rollout_pool_mismatch(cfg: MeshConfig) -> str | None:
+    """Why the devices the Serve rollout replicas take (replicas x serve.rollout.num_gpus, or
+    resources NPU) are not the rollout.nnodes x rollout.n_gpus_per_node the config asks for, or
+    None. A verl config sizes the rollout with those two keys and gets that many devices, in
+    engines of TP x DP x PP; under Serve the replicas are what run, so with fewer devices the run
+    had fewer engines than asked (the rest idle on the cluster sized for it), with more the
+    replicas past the pool waited unplaced on such a cluster. 0 devices per replica is left alone
+    (no reservation: a CPU run, or devices shared on purpose; serve_rollout_devices_mismatch); the
+    pool is the most an autoscaling rollout grows to."""
+    app = cfg.serve.rollout
+    key, count = ("serve.rollout.num_gpus", app.num_gpus) if app.num_gpus else (
+        "serve.rollout.resources.NPU", float(app.resources.get("NPU", 0)))
+    if not count:
+        return None
+    pool = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
+    rkey, replicas = (("serve.rollout.num_replicas", app.num_replicas) if app.autoscaling is None
+                      else ("serve.rollout.autoscaling.max_replicas", app.autoscaling.max_replicas))
+    used = math.ceil(round(replicas * count, 6))  # replicas given a fraction of a device share it
+    if used == pool:
+        return None
+    effect = (f"{pool - used} of the devices asked for run no engine" if used < pool
+              else f"the rollout takes {used - pool} device(s) more than asked for, and on a cluster sized for the "
+                   "run the replicas past them wait unplaced")
+    want = pool / count
+    fix = f"set {rkey}={int(want)} or " if want >= 1 and want.is_integer() else "set "
+    return (f"rollout.nnodes x rollout.n_gpus_per_node = {pool} rollout devices but {rkey}={replicas} x "
+            f"{key}={count:g} = {used}: {effect}; {fix}rollout.nnodes x rollout.n_gpus_per_node to {used}")
+
+
 def serve_trainer_devices_reserved(cfg: MeshConfig) -> str | None:
     """Why serve.trainer's devices (num_gpus, or resources NPU) are wrong, or None. The trainer's
     Serve replica only drives its ranks, which take trainer.nnodes x trainer.n_gpus_per_node
@@ -278,7 +308,8 @@ def serve_launch_problems(cfg: MeshConfig) -> list[str]:
     serve-config refuse it, `meshrl plan` lists it among its errors."""
     from services.weights.transports import serve_receivers_mismatch
 
-    checks = (serve_receivers_mismatch, serve_rollout_devices_mismatch, serve_trainer_devices_reserved)
+    checks = (serve_receivers_mismatch, serve_rollout_devices_mismatch, serve_rollout_pool_mismatch,
+              serve_trainer_devices_reserved)
     return [problem for check in checks if (problem := check(cfg))]
 
 

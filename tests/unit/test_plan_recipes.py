@@ -144,11 +144,14 @@ def test_serve_rollout_gpus_other_than_the_vllm_engine_make_the_plan_not_runnabl
 
 
 def test_serve_rollout_gpus_that_fit_the_vllm_engine_plan() -> None:
+    # the replicas fill rollout.nnodes x rollout.n_gpus_per_node (serve_rollout_pool_mismatch)
     vllm = ["actor_rollout_ref.rollout.name=vllm", "rollout.n_gpus_per_node=8"]
-    make_plan(None, [*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "serve.rollout.num_gpus=2"])
-    make_plan(None, [*vllm, "serve.rollout.num_gpus=0.5"])  # replicas sharing one GPU
+    make_plan(None, [*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "serve.rollout.num_replicas=4",
+                     "serve.rollout.num_gpus=2"])
+    make_plan(None, ["actor_rollout_ref.rollout.name=vllm", "serve.rollout.num_replicas=2",
+                     "serve.rollout.num_gpus=0.5"])  # replicas sharing one GPU
     make_plan(None, [*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])  # no GPUs reserved: left alone
-    make_plan(None, ["rollout.n_gpus_per_node=8", "serve.rollout.num_gpus=1"])  # transformers engine
+    make_plan(None, ["rollout.n_gpus_per_node=8", "serve.rollout.num_replicas=8", "serve.rollout.num_gpus=1"])  # transformers engine
 
 
 @pytest.mark.parametrize("reserve, key", [("serve.trainer.num_gpus=8", "serve.trainer.num_gpus"),
@@ -178,3 +181,24 @@ def test_rollout_sizes_given_in_engine_kwargs_vllm_are_the_ones_checked() -> Non
     with pytest.raises(ConfigError, match=r"= 4 devices per engine does not divide the 2 rollout devices"):
         make_plan(None, [*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                          "actor_rollout_ref.rollout.engine_kwargs={vllm: {pipeline_parallel_size: 2}}"])
+
+
+@pytest.mark.parametrize("serve, fix", [
+    # verl sizes the rollout by rollout.nnodes x rollout.n_gpus_per_node (8): 4 engines of TP 2.
+    # Serve started 1 replica of 2 GPUs and 6 of the 8 ran no engine.
+    (["serve.rollout.num_gpus=2"], "set serve.rollout.num_replicas=4"),
+    (["serve.rollout.num_replicas=8", "serve.rollout.num_gpus=2"], "set serve.rollout.num_replicas=4"),  # 16 > 8
+    (["serve.rollout.autoscaling={min_replicas: 1, max_replicas: 2}", "serve.rollout.num_gpus=2"],
+     "set serve.rollout.autoscaling.max_replicas=4"),
+    (["serve.rollout.num_replicas=2", "serve.rollout.resources={NPU: 2}"], "set serve.rollout.num_replicas=4"),
+])
+def test_serve_rollout_devices_other_than_the_rollout_pool_make_the_plan_not_runnable(serve: list[str], fix: str) -> None:
+    engine = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+              "rollout.n_gpus_per_node=8"]
+    with pytest.raises(ConfigError, match="not runnable") as info:
+        make_plan(None, [*engine, *serve])
+    msg = str(info.value)
+    assert "rollout.nnodes x rollout.n_gpus_per_node = 8" in msg and fix in msg, msg
+    assert "or rollout.nnodes x rollout.n_gpus_per_node" in msg
+    make_plan(None, [*engine, "serve.rollout.num_replicas=4", "serve.rollout.num_gpus=2"])
+    make_plan(None, [*engine, "serve.rollout.autoscaling={min_replicas: 1, max_replicas: 4}", "serve.rollout.num_gpus=2"])

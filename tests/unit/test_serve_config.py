@@ -75,7 +75,8 @@ def test_the_config_is_wired_like_meshrl_train(tmp_path: Path) -> None:
 
 def test_replicas_and_resources_come_from_the_serve_sections(tmp_path: Path) -> None:
     _, doc = _yaml(
-        tmp_path, "serve.rollout.num_replicas=3", "serve.rollout.num_cpus=4", "serve.rollout.resources={NPU: 1}",
+        tmp_path, "rollout.n_gpus_per_node=3", "serve.rollout.num_replicas=3", "serve.rollout.num_cpus=4",
+        "serve.rollout.resources={NPU: 1}",
         "serve.reward.num_gpus=0.25", "serve.reward.num_cpus=0.5", "serve.coordinator.num_cpus=2", "serve.trainer.num_cpus=0.5",
     )
     ServeDeploySchema.model_validate(doc)
@@ -319,7 +320,18 @@ def test_serve_rollout_gpus_other_than_the_vllm_engine_are_refused(tmp_path: Pat
     with pytest.raises(ConfigError, match=r"serve\.rollout\.num_gpus=1 .*tensor_model_parallel_size\(2\).*"
                                           r"set serve\.rollout\.num_gpus=2"):
         _yaml(tmp_path, *tp2, "serve.rollout.num_gpus=1")
-    _yaml(tmp_path, *tp2, "serve.rollout.num_gpus=2")
+    _yaml(tmp_path, *tp2, "rollout.n_gpus_per_node=2", "serve.rollout.num_gpus=2")
+
+
+def test_serve_rollout_devices_other_than_the_rollout_pool_are_refused(tmp_path: Path) -> None:
+    # rollout.nnodes x rollout.n_gpus_per_node = 8 asks for 4 engines of 2 GPUs; 1 replica of 2
+    # GPUs ran one, and 6 GPUs sat idle.
+    tp2 = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+           "rollout.n_gpus_per_node=8", "serve.rollout.num_gpus=2"]
+    with pytest.raises(ConfigError, match=r"rollout\.nnodes x rollout\.n_gpus_per_node = 8 .*serve\.rollout\.num_replicas=1 "
+                                          r".*set serve\.rollout\.num_replicas=4"):
+        _yaml(tmp_path, *tp2)
+    _yaml(tmp_path, *tp2, "serve.rollout.num_replicas=4")
 
 
 def test_gpus_reserved_for_the_trainer_replica_are_refused(tmp_path: Path) -> None:

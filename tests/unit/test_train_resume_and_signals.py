@@ -215,7 +215,10 @@ def test_resume_of_a_dump_written_before_trainer_total_epochs_was_read(tmp_path:
       "serve.rollout.num_gpus=4"], r"serve\.rollout\.num_gpus=4 .*= 2 devices.*set serve\.rollout\.num_gpus=2"),
     # the trainer's replica only drives its ranks, which hold devices of their own
     (["serve.trainer.num_gpus=1"], r"serve\.trainer\.num_gpus=1 .*set serve\.trainer\.num_gpus=0"),
-], ids=["collective_receivers", "rollout_gpus", "trainer_gpus"])
+    # the replicas' devices are the rollout devices verl's keys ask for: 1 x 1 of 4 ran one engine
+    (["rollout.n_gpus_per_node=4", "serve.rollout.num_gpus=1"],
+     r"rollout\.n_gpus_per_node = 4 .*set serve\.rollout\.num_replicas=4"),
+], ids=["collective_receivers", "rollout_gpus", "trainer_gpus", "rollout_pool"])
 def test_a_serve_deployment_that_cannot_work_stops_train_before_it_starts(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, overrides: list[str], needle: str
 ) -> None:
