@@ -85,6 +85,18 @@ def test_more_concurrent_groups_than_the_coordinator_takes_per_call_is_refused()
     load_config(None, ["coordinator.max_groups_per_call=8", "async_training.concurrent_samples_per_replica=8"])
 
 
+@pytest.mark.parametrize("value", ["0", "two", "true", "1.5"])
+def test_engine_kwargs_vllm_parallel_sizes_that_are_no_device_count_are_refused(value: str) -> None:
+    # vLLM runs with engine_kwargs.vllm's sizes over the top-level ones (vllm_args.py), and the
+    # launch checks read them (meshrl.plan_layout.rollout_parallel): 0 made `meshrl plan` die with
+    # ZeroDivisionError and "two" with int()'s ValueError, neither naming the key.
+    key = "actor_rollout_ref.rollout.engine_kwargs.vllm.tensor_parallel_size"
+    with pytest.raises(ConfigError, match=rf"{key}=.*whole number >= 1"):
+        load_config(None, ["actor_rollout_ref.rollout.name=vllm",
+                           f"actor_rollout_ref.rollout.engine_kwargs={{vllm: {{tensor_parallel_size: {value}}}}}"])
+    assert load_config(None, ["actor_rollout_ref.rollout.engine_kwargs={vllm: {data_parallel_size: 2}}"])
+
+
 def test_unknown_engine_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.name='sglang'"):
         get_engine_cls("sglang")

@@ -432,6 +432,19 @@ class RolloutEngineConfig(ConfigModel):
     multi_turn: MultiTurnConfig = MultiTurnConfig()
     """Multi-turn trajectories with tools and environments."""
 
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _vllm_parallel_sizes(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        # vllm_args.py passes these over the top-level sizes, and the launch checks read them
+        # (meshrl.plan_layout.rollout_parallel): one that is no device count crashed there
+        # (ZeroDivisionError, int()'s ValueError) instead of naming the key.
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
+            size = value.get("vllm", {}).get(name)
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+                raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{name}={size!r}: must be a whole "
+                                 "number >= 1 (the engine's devices along it)")
+        return value
+
     @model_validator(mode="after")
     def _training_temperature(self) -> RolloutEngineConfig:
         # The training samples' temperature: the trainer recomputes log-probs at it (logits / t),
