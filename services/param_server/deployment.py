@@ -117,7 +117,7 @@ class ParamServerDeployment:
             return self._refs
 
     def _store_served(self, stored: Any) -> None:
-        """The store's `on_served`: a consumer saw a version through the store (GetManifest,
+        """The store's `on_served`: a consumer loaded a version through the store (FetchWeights,
         AcquireVersion). An object_store version's content lives in the object_refs actor, which
         would still take it for unseen and let a republish swap its refs under that consumer (the
         store refuses the board post, logged only: its manifest and the objects would disagree for

@@ -23,7 +23,7 @@ only holder of the refs (the replica's store keeps the manifests alone).
 A version is immutable once looked up: the same number with other content is refused then, and
 replaces it before (a trainer that died between publish and commit, resumed from a checkpoint,
 publishes the same number with other weights; the param server's store has the same rule). A
-consumer that saw the version through the replica's store (GetManifest, AcquireVersion) makes it
+consumer that loaded the version through the replica's store (AcquireVersion, FetchWeights) makes it
 immutable here too: the replica tells this table (`seen`) as the store marks it.
 
 Lifetime: the replica creates the actor on first use, on its own node, and owns it: it dies with
@@ -112,7 +112,7 @@ class RefTable:
         return entry.manifest, entry.refs
 
     def seen(self, policy_version: int, checksum: str) -> bool:
-        """A consumer saw this version's manifest elsewhere (the replica's store: GetManifest,
+        """A consumer loaded this version elsewhere (the replica's store: FetchWeights,
         AcquireVersion): from now on it is immutable here too, as after a lookup. Returns whether
         this table holds that content (other content: the store refuses its board post itself)."""
         entry = self.versions.get(policy_version)

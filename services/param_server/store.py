@@ -66,7 +66,7 @@ class StoredVersion:
     payload: object | None = None
     """Transport data the store does not interpret (e.g. Ray object refs)."""
     served: bool = False
-    """Whether any consumer has seen it (manifest, hold or bytes). Until then it may be replaced:
+    """Whether any consumer has loaded it (a hold or bytes). Until then it may be replaced:
     see `WeightStore._commit`. Set through `WeightStore._seen`."""
 
     @property
@@ -381,16 +381,13 @@ class WeightStore:
         return self._resolve(policy_version)
 
     def manifest(self, policy_version: int) -> Manifest:
-        """A consumer's view of the version (GetManifest): from now on it is immutable. Not so for
-        a lookup of the newest (a negative version): it answers what was published last, committed
-        or not, so a status probe or a cold start's newest_ref would make a dead trainer's orphan
-        immutable and the resumed trainer's republish of its number fail for good. Its answer names
-        the checksum, which a later fetch checks (check_against_manifest), and loading the bytes
-        (AcquireVersion, FetchWeights) marks the version seen."""
-        stored = self._resolve(policy_version)
-        if policy_version >= 0:
-            self._seen(stored)
-        return stored.manifest
+        """A version's manifest (GetManifest). It does not mark the version seen, by number or as
+        the newest: a manifest hands out no weights, and the uncommitted orphan of a dead trainer
+        shows up in ListVersions, so a dashboard, grpcurl or the weights bench reading it made it
+        immutable and the resumed trainer's republish of its number (the only one CommitVersion
+        takes) failed on every restart. The answer names the checksum, which a later fetch checks
+        (check_against_manifest); loading the bytes (AcquireVersion, FetchWeights) marks it seen."""
+        return self._resolve(policy_version).manifest
 
     def newest_version(self) -> int | None:
         return max(self._versions) if self._versions else None

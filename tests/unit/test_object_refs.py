@@ -248,10 +248,11 @@ class CallsNow:
 
 
 def test_a_version_a_consumer_saw_through_the_store_is_immutable_in_the_object_refs_actor_too() -> None:
-    """GetManifest (or AcquireVersion) of an object_store version marked it seen in the replica's
-    store only: the object_refs actor, where its content lives, took it for unseen and let a
-    republish with other content swap its refs; the store then refused that board post (logged
-    only), so the manifest the consumer got and the objects every fetch gets disagreed for good."""
+    """AcquireVersion (and GetManifest, before it stopped marking versions seen) of an object_store
+    version marked it seen in the replica's store only: the object_refs actor, where its content
+    lives, took it for unseen and let a republish with other content swap its refs; the store then
+    refused that board post (logged only), so the manifest the consumer got and the objects every
+    fetch gets disagreed for good."""
     import dataclasses
     import types
 
@@ -272,7 +273,7 @@ def test_a_version_a_consumer_saw_through_the_store_is_immutable_in_the_object_r
     store.on_served = lambda stored: deployment._store_served(replica, stored)  # as the replica's __init__ wires it
     actor.register(a, [["a0"], ["a1"]])  # the trainer's publish: the actor, then the board behind it
     asyncio.run(deployment.register_object_store_version(replica, a))
-    seen = store.manifest(5)  # a consumer's GetManifest
+    seen = store.acquire("rollout-0", 5, 1.0)  # a consumer's AcquireVersion
     with pytest.raises(FailedPrecondition, match="consumers have seen it"):
         actor.register(b, [["b0"], ["b1"]])  # a republish with other content
     assert actor.table.lookup(5) == (a, [["a0"], ["a1"]]) and store.get(5).manifest.checksum == seen.checksum

@@ -99,18 +99,18 @@ def test_versions_are_immutable_but_republishing_the_same_content_is_idempotent(
     m, buffers = make_version(1)
     upload(store, m, buffers, 0.0, manifest_first=True)
     upload(store, m, buffers, 1.0, manifest_first=False)
-    store.manifest(1)  # a consumer saw it
+    store.acquire("rollout-0", 1, 1.5)  # a consumer holds it
     other, other_buffers = make_version(1, seed=9)
     with pytest.raises(FailedPrecondition, match="immutable once seen"):
         upload(store, other, other_buffers, 2.0, manifest_first=True)
     assert store.manifest(1).checksum == m.checksum
 
 
-@pytest.mark.parametrize("seen_by", ["manifest", "hold", "bytes"])
+@pytest.mark.parametrize("seen_by", ["hold", "bytes"])
 def test_a_version_no_consumer_has_seen_is_replaced_by_the_resumed_trainer(seen_by: str) -> None:
     """A trainer that died between publish and commit leaves an orphan; its successor resumes
-    from a checkpoint and publishes the same number with other weights. Until a consumer has seen
-    the orphan (manifest, hold or bytes) it is replaced; after, it is immutable."""
+    from a checkpoint and publishes the same number with other weights. Until a consumer has
+    loaded the orphan (a hold or its bytes) it is replaced; after, it is immutable."""
     store = WeightStore(StoreSettings())
     orphan, orphan_buffers = make_version(18)
     upload(store, orphan, orphan_buffers, 0.0, manifest_first=True)
@@ -122,9 +122,7 @@ def test_a_version_no_consumer_has_seen_is_replaced_by_the_resumed_trainer(seen_
 
     fresh = WeightStore(StoreSettings())
     upload(fresh, orphan, orphan_buffers, 0.0, manifest_first=True)
-    if seen_by == "manifest":
-        fresh.manifest(18)
-    elif seen_by == "hold":
+    if seen_by == "hold":
         fresh.acquire("rollout-0", 18, 0.5)
     else:
         with fresh.reading(18) as stored:
@@ -154,6 +152,25 @@ def test_a_manifest_asked_for_as_the_newest_does_not_make_the_orphan_immutable()
     assert fresh.acquire("rollout-0", -1, 0.5).checksum == orphan.checksum
     with pytest.raises(FailedPrecondition, match="immutable once seen"):
         upload(fresh, resumed, resumed_buffers, 1.0, manifest_first=True)
+
+
+def test_a_manifest_asked_for_by_number_does_not_make_the_orphan_immutable() -> None:
+    """GetManifest(18) (ListVersions then GetManifest from a dashboard, grpcurl, the weights
+    bench) of an uncommitted orphan marked it seen, as 7d8f14f stopped for GetManifest(-1) only:
+    the resumed trainer's republish of 18 was refused as immutable, a non-transient error, and the
+    coordinator takes no other number (CommitVersion wants committed + 1), so every restart of the
+    trainer failed the same way. A manifest hands out no weights; the fetch that would checks the
+    checksum (check_against_manifest). A hold of the version still makes it immutable."""
+    store = WeightStore(StoreSettings())
+    orphan, orphan_buffers = make_version(18)
+    upload(store, orphan, orphan_buffers, 0.0, manifest_first=True)
+    assert store.manifest(18).checksum == orphan.checksum
+    resumed, resumed_buffers = make_version(18, seed=9)
+    upload(store, resumed, resumed_buffers, 1.0, manifest_first=True)
+    assert store.manifest(18).checksum == resumed.checksum
+    store.acquire("rollout-0", 18, 2.0)
+    with pytest.raises(FailedPrecondition, match="immutable once seen"):
+        upload(store, orphan, orphan_buffers, 3.0, manifest_first=True)
 
 
 @pytest.mark.parametrize("bad", [{"bucket_indices": [7]}, {"names": ["no.such.weight"]}])
@@ -306,7 +323,7 @@ def test_a_refused_registration_leaves_the_upload_in_progress_tracked() -> None:
     store = WeightStore(StoreSettings())
     m, buffers = make_version(1)
     upload(store, m, buffers, 0.0, manifest_first=True)
-    store.manifest(1)  # seen: immutable
+    store.acquire("rollout-0", 1, 0.5)  # held: immutable
     live = store.begin_upload(1, 1.0)  # the publisher's retry of version 1, streaming
     live.set_manifest(m)
     other, _ = make_version(1, seed=9)
