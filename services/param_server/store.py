@@ -28,7 +28,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.common.logging import get_logger
 from services.weights.layout import BucketMeta, Fingerprinter, Manifest, validate_manifest, verify_bucket
 
@@ -170,9 +178,12 @@ class Upload:
 
     def _alive(self) -> None:
         if self.aborted:
-            raise FailedPrecondition(
+            # DEADLINE_EXCEEDED, as the servicer answers a stream silent for stall_timeout_s: the
+            # publisher sends the version again (TrainerLoop._republish retries transient errors
+            # only; FAILED_PRECONDITION failed the trainer's loop over a slow copy).
+            raise DeadlineExceeded(
                 f"the upload of version {self.policy_version} was dropped (stalled longer than "
-                "param_server.stall_timeout_s, or replaced by a newer upload of that version)"
+                "param_server.stall_timeout_s, or replaced by a newer upload of that version); publish it again"
             )
 
     def check_chunk(self, bucket_index: int, offset: int, size: int) -> _UploadBucket:
@@ -283,7 +294,11 @@ class WeightStore:
         pending = self._uploads.get(policy_version)
         if pending is not None:
             if now - pending.last_activity < self.settings.stall_timeout_s:
-                raise FailedPrecondition(
+                # UNAVAILABLE: the slot frees within stall_timeout_s (the stream ends or goes
+                # stale). Most often the other stream is the publisher's own attempt it gave up
+                # on, whose cancellation has not reached this server yet; the trainer retries
+                # transient errors with backoff (TrainerLoop._republish) and failed on any other.
+                raise Unavailable(
                     f"version {policy_version} is being uploaded by another stream (last progress "
                     f"{now - pending.last_activity:.1f}s ago); wait for it or for param_server.stall_timeout_s"
                 )

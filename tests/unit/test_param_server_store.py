@@ -7,7 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from services.param_server.rendezvous import RendezvousBoard
 from services.param_server.store import StoreSettings, WeightStore
 from services.weights.layout import (
@@ -87,11 +96,40 @@ def test_chunks_out_of_place_are_rejected_with_the_field() -> None:
     up.set_manifest(m)
     with pytest.raises(InvalidArgument, match=r"chunk\.offset"):
         up.check_chunk(0, 8, 4)
-    with pytest.raises(FailedPrecondition, match="another stream"):
+    with pytest.raises(Unavailable, match="another stream"):
         store.begin_upload(1, 1.0)
     store.begin_upload(1, 1000.0)  # a stalled upload is replaced ...
-    with pytest.raises(FailedPrecondition, match="dropped"):
+    with pytest.raises(DeadlineExceeded, match="dropped"):
         up.check_chunk(0, 0, 4)  # ... and its stream, should it wake up, cannot write any more
+
+
+def test_a_publish_refused_for_an_upload_slot_still_taken_is_retried_by_the_trainer() -> None:
+    """The trainer republishes a version after a transient failure (TrainerLoop._republish) and
+    fails its loop on anything else. An upload of that number the server has not let go yet (the
+    stream given up on, whose cancellation has not reached the server) refused the republish as
+    FAILED_PRECONDITION, and a stream the sweeper dropped for stalling (mid-write: its copy ran
+    past stall_timeout_s) was told the same on its next chunk: the trainer's loop failed, where
+    waiting for the slot (stall_timeout_s) or sending again (as the servicer's own stall answer,
+    DEADLINE_EXCEEDED, makes it) was all it took."""
+    from services.common.errors import transient
+
+    store = WeightStore(StoreSettings(stall_timeout_s=60.0))
+    m, buffers = make_version(3)
+    given_up = store.begin_upload(3, 0.0)
+    given_up.set_manifest(m)
+    with pytest.raises(MeshError, match="another stream") as info:
+        store.begin_upload(3, 1.0)
+    assert transient(info.value), repr(info.value)
+    given_up.abort()  # its cancellation reaches the server
+    assert upload(store, m, buffers, 2.0, manifest_first=True).checksum == m.checksum
+
+    stalled = store.begin_upload(4, 0.0)
+    stalled.set_manifest(make_version(4)[0])
+    for upload_ in store.stalled_uploads(61.0):
+        upload_.abort()  # the sweeper
+    with pytest.raises(MeshError, match="was dropped") as info:
+        stalled.check_chunk(0, 0, 4)
+    assert transient(info.value), repr(info.value)
 
 
 def test_versions_are_immutable_but_republishing_the_same_content_is_idempotent() -> None:
@@ -307,7 +345,7 @@ def test_a_stalled_upload_dropped_mid_write_keeps_its_buffer_from_the_next_uploa
         await servicer.PublishWeights(requests(mb, bb), LocalContext())  # B: same size, pool first
         release_a.set()
         hang.set()
-        with pytest.raises(FailedPrecondition, match="was dropped"):
+        with pytest.raises(DeadlineExceeded, match="was dropped"):
             await a
         await servicer.close()
 
