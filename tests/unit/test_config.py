@@ -173,6 +173,17 @@ def test_fp16_training_with_fsdp_is_refused(key: str) -> None:
     load_config(None, ["actor_rollout_ref.actor.strategy=megatron", f"actor_rollout_ref.actor.fsdp_config.{key}=fp16"])
 
 
+@pytest.mark.parametrize("value", ["nan", ".nan"])
+def test_a_nan_grad_clip_is_refused(value: str) -> None:
+    """Both engines clip only where grad_clip > 0, and NaN > 0 is false: a NaN grad_clip (a typo'd
+    sweep value, an unset variable read as .nan) was accepted and silently trained without any
+    gradient clipping. 0 or a negative value stays the documented "off", inf "no limit"."""
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor\.grad_clip"):
+        load_config(None, [f"actor_rollout_ref.actor.grad_clip={value}"])
+    for ok in ("0", "-1", ".inf", "0.5"):
+        load_config(None, [f"actor_rollout_ref.actor.grad_clip={ok}"])
+
+
 def test_every_rank_builds_a_remote_code_model_with_trust_remote_code(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks other than 0 build the model on the meta device from its config; without
     trust_remote_code a custom-code model (registered only in the process that loaded the

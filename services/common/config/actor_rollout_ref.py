@@ -252,7 +252,7 @@ class ActorConfig(ConfigModel):
     """KL estimator: k1 (`kl`), `abs`, k2 (`mse`), k3 (`low_var_kl`). A `+` suffix keeps the
     estimator's value but takes k2's (unbiased) gradient, straight-through (verl)."""
     grad_clip: float = 1.0
-    """Max gradient norm."""
+    """Max gradient norm; 0 or less: no clipping."""
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     """Policy loss variant."""
     use_rollout_log_probs: bool = True
@@ -271,6 +271,15 @@ class ActorConfig(ConfigModel):
     """Megatron-core options (strategy `megatron` / `mindspeed`)."""
     checkpoint: CheckpointContentsConfig = CheckpointContentsConfig()
     """Checkpoint contents."""
+
+    @field_validator("grad_clip")
+    @classmethod
+    def _grad_clip_not_nan(cls, v: float) -> float:
+        # Both engines clip only where grad_clip > 0, and NaN > 0 is false: a NaN trained the
+        # whole run without clipping, silently.
+        if math.isnan(v):
+            raise ValueError(f"grad_clip={v} is not a number; set a max gradient norm (1.0 is the default), or 0 for no clipping")
+        return v
 
     @model_validator(mode="after")
     def _fsdp_fp16(self) -> ActorConfig:
