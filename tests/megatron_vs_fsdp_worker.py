@@ -81,6 +81,8 @@ def main() -> None:
             "entropy_max_abs_diff": float((lp["fsdp"].entropy - lp["megatron"].entropy).abs().max()),  # type: ignore[operator]
             "grad_norms": {k: [r.grad_norm for r in v] for k, v in results.items()},
             "losses": {k: [r.metrics["pg_loss"] for r in v] for k, v in results.items()},
+            "num_tokens": {k: [r.num_tokens for r in v] for k, v in results.items()},
+            "batch_tokens": int(batch.attention_mask.sum()),
             "post_train_logprob_max_abs_diff": float((after["fsdp"].logprobs - after["megatron"].logprobs).abs().max()),
             "export_names_equal": sorted(f) == sorted(m),
             "export_max_abs_diff": max(float((f[k] - m[k]).abs().max()) for k in f if k in m),

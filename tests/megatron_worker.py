@@ -254,7 +254,8 @@ def main() -> None:
             skipped = engine.train_step(rejected, loss_fn)
             kept = {n: t for bucket in engine.export_weights(bucket_bytes=64 * 1024) for n, t in bucket}
             report["all_rejected"] = {
-                "step": skipped.step, "num_tokens": skipped.num_tokens,
+                # the FSDP engine's num_tokens: the step's non-padding tokens, trained on or not
+                "step": skipped.step, "num_tokens_are_the_batchs": skipped.num_tokens == int(batch.attention_mask.sum()),
                 "step_skipped": skipped.metrics.get("actor/step_skipped"),
                 "weights_kept": all(torch.equal(kept[k], exported[k]) for k in exported) if engine.rank == 0 else None,
             }

@@ -103,7 +103,7 @@ def test_one_gpu_and_its_own_slices(ckpts: dict[str, Path], tmp_path: Path, arch
     check_equivalence(r, n_micro=N_MICRO, **tol)
     assert r["shard_bytes_per_rank"] == [r["export_bytes"]]
     # a step whose every token was rejected: skipped, weights kept (the distributed optimizer too)
-    assert r["all_rejected"] == {"step": 4, "num_tokens": 0, "step_skipped": 1.0, "weights_kept": True}, r["all_rejected"]
+    assert r["all_rejected"] == {"step": 4, "num_tokens_are_the_batchs": True, "step_skipped": 1.0, "weights_kept": True}, r["all_rejected"]
     assert r["nonfinite"] == {
         "normal_step_skipped": 0.0, "normal_grad_norm_nonfinite": 0.0, "step": 5, "grad_norm_finite": False,
         "step_skipped": 1.0, "grad_norm_nonfinite": 1.0, "weights_kept": True, "next_step_skipped": 0.0,

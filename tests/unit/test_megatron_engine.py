@@ -73,7 +73,7 @@ def test_a_dp_rank_with_no_sequences_keeps_in_step(ckpts: dict[str, Path], tmp_p
     assert full[0][0] == 8 and empty == [[0, full[0][1]], [0, full[1][1]]], r["share_logprob_shapes"]
     # Then a step whose every response token is masked out (the rollout correction rejected them
     # all): skipped on every rank, weights kept. Its loss divided by zero tokens and raised.
-    assert r["all_rejected"] == {"step": 4, "num_tokens": 0, "step_skipped": 1.0, "weights_kept": True}, r["all_rejected"]
+    assert r["all_rejected"] == {"step": 4, "num_tokens_are_the_batchs": True, "step_skipped": 1.0, "weights_kept": True}, r["all_rejected"]
     # Then a step whose gradient norm is NaN (a bf16 overflow): skipped as the FSDP engine skips
     # it, with the same metrics, the schedule's step counted, and the next step clean. megatron's
     # optimizer skips only on an fp16 loss-scale overflow; otherwise it stepped every weight to NaN.

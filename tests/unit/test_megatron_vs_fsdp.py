@@ -29,6 +29,9 @@ def _check(r: dict) -> None:
     for f, m in zip(r["grad_norms"]["fsdp"], r["grad_norms"]["megatron"], strict=True):
         assert abs(f - m) <= 1e-4 * abs(f), r["grad_norms"]
     assert r["post_train_logprob_max_abs_diff"] <= 1e-3, r
+    # StepResult.num_tokens: the mini-batch's non-padding tokens (prompt and response) over all
+    # ranks, counted once, whichever way the engine splits it (megatron counted response tokens).
+    assert r["num_tokens"]["megatron"] == r["num_tokens"]["fsdp"] == [r["batch_tokens"]] * 3, r["num_tokens"]
     assert r["export_names_equal"] and r["export_max_abs_diff"] <= 1e-3, r
 
 

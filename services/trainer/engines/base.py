@@ -117,6 +117,7 @@ class StepResult:
     lr: float
     metrics: dict[str, float]
     num_tokens: int
+    """Non-padding tokens (prompt and response) of the whole mini-batch, over all ranks."""
     step: int
 
 

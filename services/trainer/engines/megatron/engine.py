@@ -325,14 +325,18 @@ class MegatronEngine(TrainEngine):
         for chunk in self.model:
             chunk.zero_grad_buffer()  # type: ignore[operator]
         self.optimizer.zero_grad()
+        # num_tokens reports the non-padding tokens (prompt and response) of the whole mini-batch,
+        # as the FSDP engine's StepResult does; the loss is normalised by the response tokens.
         counts = torch.tensor(
-            [sum(mb.num_response_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches)],
+            [sum(mb.num_response_tokens for mb in micro_batches), sum(mb.num_seqs for mb in micro_batches),
+             sum(int(mb.attention_mask.sum().item()) for mb in micro_batches)],
             dtype=torch.float64, device=self.device,
         )
         dp_group = ps.get_data_parallel_group()
         dist.all_reduce(counts, group=dp_group)
         dp = ps.get_data_parallel_world_size()
         lr = lr_at(self._schedule_optim, self._step, self.cfg.total_training_steps)
+        num_tokens = int(counts[2].item())
         if counts[0].item() == 0:
             # Every rank knows: nothing to learn from (e.g. the rollout correction rejected every
             # token); skipped together, as the FSDP engine does (its loss would divide by zero).
@@ -340,7 +344,7 @@ class MegatronEngine(TrainEngine):
             self._step += 1
             self._offload(after_step=True)
             skipped = {"actor/grad_norm_nonfinite": 0.0, "actor/step_skipped": 1.0}
-            return StepResult(grad_norm=0.0, lr=lr, metrics=skipped, num_tokens=0, step=self._step)
+            return StepResult(grad_norm=0.0, lr=lr, metrics=skipped, num_tokens=num_tokens, step=self._step)
         scale = LossScale(num_tokens=int(counts[0].item()), num_seqs=int(counts[1].item()), dp_size=dp)
         # An empty DP share (fewer sequences than DP ranks) runs dummies with a zero loss: the
         # gradient all-reduce over DP (and MoE's all-to-all) needs every rank.
@@ -369,7 +373,7 @@ class MegatronEngine(TrainEngine):
         metrics["actor/grad_norm_nonfinite"] = 0.0 if math.isfinite(grad_norm) else 1.0
         metrics["actor/step_skipped"] = 0.0 if updated else 1.0
         self._offload(after_step=True)
-        return StepResult(grad_norm=grad_norm, lr=lr, metrics=metrics, num_tokens=scale.num_tokens, step=self._step)
+        return StepResult(grad_norm=grad_norm, lr=lr, metrics=metrics, num_tokens=num_tokens, step=self._step)
 
     def _dummies(self) -> list[SequenceBatch]:
         """Stand-ins for an empty DP share: one all-padding sequence without response tokens, as
