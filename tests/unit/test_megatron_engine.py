@@ -165,3 +165,35 @@ def test_a_non_finite_grad_norm_skips_megatrons_optimizer_step() -> None:
     assert engine._optimizer_step(1e-3)[0] is False
     engine.optimizer = ok = _Bf16MegatronOptimizer(2.5, clip_grad=0.0)
     assert engine._optimizer_step(1e-3) == (True, 2.5) and ok.stepped and ok.param_groups[0]["lr"] == 1e-3
+
+
+def test_megatrons_loss_scale_reaches_the_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In fp16 megatron's optimizer unscales every gradient by 1 / its loss scale (2**32 at the
+    start, growing while nothing overflows); the schedule multiplies each micro-batch's loss by
+    it only through `config.grad_scale_func`, which Megatron-LM's training loop sets to
+    `optimizer.scale_loss`. Unset, an fp16 run backpropagated unscaled losses (small gradients
+    underflow in fp16) and stepped on gradients 2**32 times too small, with a grad norm to match.
+    CUDA-only in megatron, hence the stand-in optimizer."""
+    from types import SimpleNamespace
+
+    import megatron.core.optimizer as mopt
+    import torch
+
+    from services.trainer.engines.megatron.config import MegatronEngineConfig
+    from services.trainer.engines.megatron.engine import MegatronEngine
+
+    class Fp16Optimizer:
+        def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+            return loss * 2.0**16  # megatron's DynamicGradScaler, after some overflows
+
+    built: list = []
+    monkeypatch.setattr(mopt, "get_megatron_optimizer", lambda cfg, model: built.append(cfg) or Fp16Optimizer())
+    engine = MegatronEngine.__new__(MegatronEngine)
+    engine.cfg = MegatronEngineConfig(model_path="unused", dtype="float16")
+    engine.device_kind, engine.model, engine.tcfg = "cuda", [], SimpleNamespace(grad_scale_func=None)
+    opt = engine._build_optimizer()
+    assert built[0].fp16 and isinstance(opt, Fp16Optimizer)
+    # what megatron's backward_step (schedules.py) does with the last stage's loss
+    scale = engine.tcfg.grad_scale_func
+    assert scale is not None, "the schedule backpropagates the unscaled loss"
+    assert float(scale(torch.tensor(3.0))) == 3.0 * 2.0**16

@@ -241,7 +241,13 @@ class MegatronEngine(TrainEngine):
         self._schedule_optim = self.cfg.optim.model_copy(update={"lr": ocfg.lr})
         if self.device_kind == "cpu":
             return CpuOptimizer(self.model, ocfg)
-        return get_megatron_optimizer(ocfg, self.model)
+        optimizer = get_megatron_optimizer(ocfg, self.model)
+        # The schedule multiplies each micro-batch's loss by the optimizer's loss scale only through
+        # grad_scale_func (Megatron-LM's training loop sets it); the optimizer unscales the
+        # gradients by it either way, so without it an fp16 run stepped on gradients 2**32 times
+        # too small. bf16 / fp32 optimizers scale by 1.
+        self.tcfg.grad_scale_func = optimizer.scale_loss
+        return optimizer
 
     # ---- data --------------------------------------------------------------------------------
 
