@@ -510,6 +510,27 @@ def test_text_completions_stitch_on_the_text_prefix() -> None:
     assert ga.registry.counters["stitched_calls"] == 1
 
 
+def test_a_text_completion_cut_at_max_tokens_and_continued_as_is_extends_the_sample() -> None:
+    """An agent that generates in chunks (max_tokens per call) sends back exactly prompt + completion
+    to continue: nothing is added, so the call continues the exact ids so far. A new segment would
+    drop the first call's sampled tokens from training and make them the group's prompt."""
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        r1 = await c.completions.create(model="m", prompt="123+456=", max_tokens=2)
+        assert r1.choices[0].finish_reason == "length"
+        await c.completions.create(model="m", prompt="123+456=" + r1.choices[0].text, max_tokens=8)
+        await c.close()
+        await finish(url, key, {"reward": 1.0})
+
+    group, ga, policy = asyncio.run(play(agent, ["579<|im_end|>", "9<|im_end|>"], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (r,) = group.responses
+    assert policy.tok.decode(list(group.prompt_token_ids)) == "123+456="
+    assert policy.tok.decode(list(r.token_ids)) == "579<|im_end|>" and list(r.loss_mask) == [1] * len(r.token_ids)
+    assert ga.registry.counters["stitched_calls"] == 1 and ga.registry.counters["segments_dropped"] == 0
+    assert r.num_turns == 2
+
+
 AGENT_PROGRAM = textwrap.dedent("""
     import json, os, sys, time, httpx, openai
     prompt = json.load(sys.stdin)

@@ -436,8 +436,11 @@ class SessionRegistry:
             seg = s.segments[-1] if s.segments else None
             # The prompt continues the completion as sampled, or as returned (a stop string cut off: the
             # policy's tokens keep it, as a chat call's echo of cut content continues the raw turn).
+            # A completion cut at its max_tokens continues as it is (an agent generating in chunks
+            # adds nothing): a new segment dropped the sampled tokens so far from training.
+            whole = seg.text if seg is not None and seg.traj.finish_reason is Finish.LENGTH else None
             known = next((k for k in ((seg.text, seg.shown) if seg is not None and seg.kind == "completion" else ())
-                          if k and len(req.prompt) > len(k) and req.prompt.startswith(k)), None)
+                          if k and req.prompt.startswith(k) and (len(req.prompt) > len(k) or k == whole)), None)
             stitched = known is not None
             if known is not None and seg is not None:
                 env_ids = list(self.tok.encode(req.prompt[len(known):], add_special_tokens=False))
