@@ -106,8 +106,10 @@ async def _env_call(env: Environment, call: str, sid: str, aw: Awaitable[T]) -> 
         raise BadReply(f"environment {env.name!r}", f"{call} of session {sid} refused: {exc}") from exc
 
 
-def _truncate_prompt(ids: list[int], limit: int | None, truncation: Literal["error", "left", "right", "middle"],
-                     prompt_id: str) -> list[int]:
+def truncate_prompt(ids: list[int], limit: int | None, truncation: Literal["error", "left", "right", "middle"],
+                    prompt_id: str) -> list[int]:
+    """A first prompt held to data.max_prompt_length per data.truncation (error: InvalidArgument).
+    Shared with the gateway (sessions.py), which holds an agent's first prompt to the same rule."""
     if limit is None or len(ids) <= limit:
         return ids
     if truncation == "left":
@@ -123,7 +125,8 @@ def _truncate_prompt(ids: list[int], limit: int | None, truncation: Literal["err
     )
 
 
-def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
+def common_prefix(rows: Sequence[Sequence[int]]) -> int:
+    """How many leading ids all rows share: a group's prompt (also the gateway's, runner.py)."""
     first = rows[0]
     n = min(len(r) for r in rows)
     for k in range(n):
@@ -184,7 +187,7 @@ class AgentLoop:
                 assert isinstance(start, StartResult)
                 msgs = [m.as_dict() for m in start.messages] or [dict(m) for m in messages]
                 renderer = ChatRenderer(self.tok, start.tools)
-                ids = _truncate_prompt(renderer.prompt_ids(msgs), self.s.max_prompt_length, self.s.truncation, prompt.prompt_id)
+                ids = truncate_prompt(renderer.prompt_ids(msgs), self.s.max_prompt_length, self.s.truncation, prompt.prompt_id)
                 samples.append(_Sample(i, sid, start, msgs, renderer, ids))
         except BaseException:
             # Every session, also one whose start failed here but may have landed (a timed-out
@@ -194,7 +197,7 @@ class AgentLoop:
             raise
         # Samples whose environment starts them differently share the common prefix as the
         # group's prompt; each one's remainder opens its trajectory as environment tokens.
-        prompt_ids = samples[0].ids[: _common_prefix([s.ids for s in samples])]
+        prompt_ids = samples[0].ids[: common_prefix([s.ids for s in samples])]
         tasks = [asyncio.ensure_future(self._run_one(s, env, prompt_ids, spec, generate, cancelled, version)) for s in samples]
         try:
             trajectories = await asyncio.gather(*tasks)

@@ -49,7 +49,7 @@ from services.environment import convert as env_convert
 
 from .. import convert
 from ..agent.group import build_group
-from ..agent.loop import _common_prefix
+from ..agent.loop import common_prefix
 from ..agent.trajectory import Trajectory
 from ..engines.base import SamplingSpec
 from .sessions import GenerateFn, GroupSession, SampleSession, SessionRegistry
@@ -206,7 +206,7 @@ class GatewayAgent:
             await asyncio.gather(*tasks.values(), *retired, return_exceptions=True)
             self.registry.close_group(g)
         # the group's prompt: what its samples' last segments' prompts share
-        shared = _common_prefix([s.segments[-1].prompt_ids for s in g.samples]) if g.failure is None else 0
+        shared = common_prefix([s.segments[-1].prompt_ids for s in g.samples]) if g.failure is None else 0
         if g.failure is None and not shared:
             # an empty one reached the trainer, which cannot train a sequence without a prompt
             # token, and stopped the run

@@ -40,7 +40,7 @@ from services.common.logging import get_logger
 from services.environment.base import ToolCall
 
 from ..agent.chat import ChatRenderer
-from ..agent.loop import _truncate_prompt
+from ..agent.loop import truncate_prompt
 from ..agent.parser import parse_tool_calls
 from ..agent.trajectory import Trajectory
 from ..engines.base import Finish, GenerationRequest, SampleOutput, SamplingSpec, stop_across
@@ -498,7 +498,7 @@ class SessionRegistry:
             raise ApiError(400, f"this sample's first prompt is {len(ids)} tokens (chat template and tools applied), "
                            f"over data.max_prompt_length={limit}; shorten it, or raise data.max_prompt_length or set "
                            "data.truncation=left|right|middle", param=param, code="context_length_exceeded")
-        return _truncate_prompt(ids, limit, self.limits.truncation, "")
+        return truncate_prompt(ids, limit, self.limits.truncation, "")
 
     def _check_calls(self, s: SampleSession) -> None:
         if s.calls >= self.limits.max_calls_per_sample:
