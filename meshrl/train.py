@@ -170,9 +170,11 @@ class MeshRun:
 
     def __init__(
         self, cfg: MeshConfig, run_dir: Path, mode: str, *, max_train_s: float | None = None,
-        secret_env: dict[str, str] | None = None,
+        secret_env: dict[str, str] | None = None, resume: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.resume = resume
+        """`meshrl train --resume`: the coordinator refuses to start on a ledger that is not there."""
         self.secret_env = secret_env or {}
         self.max_train_s = max_train_s
         self._first_step_seen: float | None = None
@@ -249,7 +251,7 @@ class MeshRun:
             apps = builders.result()
         # One session per `meshrl train`: a Stop from an earlier session (Ctrl-C) does not stop a resume.
         args = {"config": self.cfg.model_dump(mode="json"), "run_dir": str(self.run_dir),
-                "session": uuid.uuid4().hex, "ranks": self.early_ranks}
+                "session": uuid.uuid4().hex, "ranks": self.early_ranks, "resume": self.resume}
         quiet = LoggingConfig(**APP_LOGGING)
         # Every application at once (serve.run_many returns when every replica is healthy), as
         # `serve deploy` of `meshrl serve-config` starts them: a rollout or trainer replica spends
@@ -732,7 +734,8 @@ def train(
     cfg, secret_env, restore_env = prepare_run_secrets(cfg, run_dir)
     write_resolved_config(cfg, run_dir)
     try:
-        run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s, secret_env=secret_env)
+        run = MeshRun(cfg, run_dir.resolve(), mode, max_train_s=max_train_s, secret_env=secret_env,
+                      resume=resume is not None)
     except BaseException:
         restore_env()  # it reads the val data: a bad row fails here, before anything started
         raise

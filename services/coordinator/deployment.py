@@ -35,7 +35,7 @@ class CoordinatorDeployment:
 
     @log_init_errors
     async def __init__(  # type: ignore[misc]
-        self, config: dict[str, Any], run_dir: str, run_id: str = "", session: str = ""
+        self, config: dict[str, Any], run_dir: str, run_id: str = "", session: str = "", resume: bool = False
     ) -> None:
         clock = StartupClock("coordinator")
         cfg = MeshConfig.model_validate(config)
@@ -43,7 +43,8 @@ class CoordinatorDeployment:
         set_niceness(cfg.tuning.nice.coordinator, key="tuning.nice.coordinator")
         serve_replica_security(cfg, None, "coordinator")
         # SESSION: fixed by whoever deploys the app, so a restarted replica keeps a pending Stop.
-        self._servicer = build_servicer(cfg, run_dir, run_id, session)
+        # RESUME (`meshrl train --resume`): the run's ledger must be there (Ledger's create).
+        self._servicer = build_servicer(cfg, run_dir, run_id, session, resume=resume)
         self._servicer.start_sweeper()
         self._metrics = ReplicaMetrics(metrics.FAMILIES)
         clock.mark("ready")
@@ -78,9 +79,11 @@ class CoordinatorDeployment:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder: args = {config: dict, run_dir: str, run_id?: str, session?: str}.
+    """Serve application builder: args = {config: dict, run_dir: str, run_id?: str, session?: str,
+    resume?: bool}.
     The replica's Ray resources come from the config's `serve.coordinator`."""
     actor = MeshConfig.model_validate(args["config"]).serve.coordinator.ray_actor_options()
     return CoordinatorDeployment.options(ray_actor_options=actor).bind(  # type: ignore[attr-defined]
-        args["config"], args["run_dir"], args.get("run_id", ""), args.get("session", "")
+        args["config"], args["run_dir"], args.get("run_id", ""), args.get("session", ""),
+        bool(args.get("resume", False)),
     )  # type: ignore[attr-defined]

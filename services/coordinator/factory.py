@@ -35,9 +35,10 @@ def ledger_path(cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> Path:
 
 
 def build_core(
-    cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "", session: str = ""
+    cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "", session: str = "", *, resume: bool = False
 ) -> CoordinatorCore:
-    """SESSION: see CoordinatorSettings.session; empty means a fresh one (this process)."""
+    """SESSION: see CoordinatorSettings.session; empty means a fresh one (this process). RESUME:
+    the caller continues a run, whose ledger must be there (Ledger's create)."""
     from services.environment.factory import prompt_tools
 
     dataset = train_dataset(cfg.data, cfg.actor_rollout_ref.model, prompt_tools(cfg))
@@ -59,15 +60,15 @@ def build_core(
         data_digest=stream_digest(dataset, shuffle=cfg.data.shuffle, seed=cfg.data.seed),
     )
     prompts = PromptStream(dataset, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-    ledger = Ledger(ledger_path(cfg, run_dir), synchronous=cfg.coordinator.ledger_synchronous)
+    ledger = Ledger(ledger_path(cfg, run_dir), synchronous=cfg.coordinator.ledger_synchronous, create=not resume)
     return CoordinatorCore(settings, prompts, ledger)
 
 
 def build_servicer(
-    cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "", session: str = ""
+    cfg: MeshConfig, run_dir: str | os.PathLike[str], run_id: str = "", session: str = "", *, resume: bool = False
 ) -> CoordinatorServicer:
     return CoordinatorServicer(
-        build_core(cfg, run_dir, run_id, session),
+        build_core(cfg, run_dir, run_id, session, resume=resume),
         sampling=sampling_from_config(cfg),
         auth=Authorizer.from_config(cfg),
         max_groups_per_call=cfg.coordinator.max_groups_per_call,

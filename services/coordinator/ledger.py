@@ -187,9 +187,13 @@ class Ledger:
     """Write-through persistence for CoordinatorCore. Not thread-safe: one owner (the core), one
     coordinator process per ledger file (see _own)."""
 
-    def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
+    def __init__(self, path: str | Path, synchronous: str = "NORMAL", *, create: bool = True) -> None:
+        """CREATE False: the caller continues a run (`meshrl train --resume`), and a ledger that
+        is not there, or holds no run, is refused before anything is written (see _refuse_lost)."""
         self.path = str(path)
         lock = None
+        if not create and self.path != ":memory:" and not os.path.exists(self.path):
+            self._refuse_lost("does not exist")
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             lock = _own(self.path)
@@ -198,6 +202,8 @@ class Ledger:
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             try:
+                if not create and not self._has_run_state():
+                    self._refuse_lost("holds no run")
                 self._open(synchronous)
                 # (device, inode) of the file opened, by absolute path (a later chdir moves nothing):
                 # see _check_file. None for ":memory:".
@@ -216,6 +222,22 @@ class Ledger:
             self._disown()  # a ledger that did not open is no one's
             raise
         self._in_tx = False
+
+    def _refuse_lost(self, what: str) -> None:
+        # A fresh ledger here would start the run over from prompt 0 beside the trainer's checkpoint
+        # of the old one, its loss seen, if ever, as a ResumeTrainer or CommitVersion refused later.
+        raise FailedPrecondition(
+            f"ledger {self.path} {what}, and this coordinator continues a run (`meshrl train --resume`): a new "
+            "ledger would start it over from prompt 0; point "
+            "coordinator.ledger_path at the run's ledger (ledger.sqlite in its run directory, or where its "
+            "volume is mounted now), or start a new run without --resume"
+        )
+
+    def _has_run_state(self) -> bool:
+        """Whether the file holds a run (the run_state row), read without a write: an empty file,
+        or a ledger whose first start failed before its first save, holds none."""
+        tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        return "run_state" in tables and self._db.execute("SELECT 1 FROM run_state WHERE id = 1").fetchone() is not None
 
     def _open(self, synchronous: str) -> None:
         # SQLite keeps the rollback journal, silently, where WAL cannot be used (a filesystem without

@@ -159,3 +159,44 @@ def test_a_ledger_deleted_or_replaced_under_a_running_coordinator_fails_loudly(t
         core.lease("r", 1, 0.0)
     assert core.in_flight == 1 and core._state.to_json() == state
     core.ledger.close()
+
+
+# ---- a run continued on a ledger that is not there -------------------------------------------
+
+
+@pytest.mark.parametrize("lost", ["missing", "empty file", "no run state"])
+def test_a_run_continued_on_a_lost_ledger_is_refused_before_anything_is_written(tmp_path: Path, lost: str) -> None:
+    """`meshrl train --resume` with the ledger deleted or coordinator.ledger_path pointing where it
+    no longer is (a remounted volume): the coordinator created a fresh ledger and leased from
+    prompt 0 beside the trainer's checkpoint of the old run; the loss showed, if ever, as a
+    ResumeTrainer or CommitVersion refused later. Continuing refuses at start, writing nothing;
+    a new run still creates its ledger."""
+    from services.common.config import load_config
+    from services.coordinator.factory import build_core
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+{i}="}}\n' for i in range(8)))
+    cfg = load_config(None, [f"data.train_files=[{data}]", "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+    run_dir = tmp_path / "run"
+    db = run_dir / "ledger.sqlite"
+    if lost == "empty file":
+        run_dir.mkdir()
+        db.write_bytes(b"")
+    elif lost == "no run state":
+        ledger_mod.Ledger(db).close()
+    def files() -> list[str] | None:  # the lock it takes (an empty side file) aside
+        return sorted(p.name for p in run_dir.iterdir() if p.suffix != ".lock") if run_dir.exists() else None
+
+    before = files()
+    content = db.read_bytes() if db.exists() else None
+    with pytest.raises(FailedPrecondition, match=rf"ledger {re.escape(str(db))} .*coordinator\.ledger_path.*without --resume"):
+        build_core(cfg, run_dir, session="b", resume=True)
+    assert files() == before, "files created"
+    assert (db.read_bytes() if db.exists() else None) == content, "the file was written"
+    # a new run creates it; continuing that run then goes on where it stood
+    core = build_core(cfg, tmp_path / "new", session="a")
+    core.lease("r", 2, 0.0)
+    core.ledger.close()
+    again = build_core(cfg, tmp_path / "new", session="b", resume=True)
+    assert again.in_flight == 2
+    again.ledger.close()

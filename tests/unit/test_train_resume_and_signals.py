@@ -230,3 +230,33 @@ def test_a_serve_deployment_that_cannot_work_stops_train_before_it_starts(
     with pytest.raises(ConfigError, match=needle):
         train_mod.train(None, overrides, run_dir=tmp_path / "run", report=False)
     assert not seen and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_meshrl_train_resume_tells_the_coordinator_it_continues_a_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume: bool
+) -> None:
+    """--resume reaches the coordinator replica, which then refuses a ledger that is not there
+    (Ledger's create) instead of starting the run over from prompt 0; a new run creates one."""
+    from ray import serve
+
+    from services.common import serve_util
+    from services.trainer import ranks
+
+    deployed: dict[str, Any] = {}
+
+    class Deployed(Exception):
+        """Raised by the stand-in serve.run_many once it has the applications: stops the run there."""
+
+    def run_many(targets: list[Any]) -> None:
+        deployed.update({t.name: t.target for t in targets})
+        raise Deployed
+
+    monkeypatch.setattr(serve_util, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(serve_util, "start_serve", lambda *a, **k: (lambda: None))
+    monkeypatch.setattr(ranks, "spawn_for", lambda cfg, **k: None)
+    monkeypatch.setattr(serve, "run_many", run_many)
+    cfg = resolve_config(None, ["serve.ray_address=auto", "serve.parallel_deploy=true"])
+    with pytest.raises(Deployed):
+        MeshRun(cfg, tmp_path, "fully_async", resume=resume).deploy()
+    assert deployed["coordinator"]._bound_deployment.init_args[4] is resume
