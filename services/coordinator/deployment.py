@@ -24,8 +24,28 @@ from services.common.startup import StartupClock
 
 from . import metrics
 from .factory import build_servicer
+from .servicer import CoordinatorServicer
 
 SERVICE = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
+KV_NAMESPACE = "meshrl_coordinator"
+
+
+def open_servicer(
+    cfg: MeshConfig, run_dir: str, run_id: str = "", session: str = "", resume: bool = False
+) -> CoordinatorServicer:
+    """The replica's servicer. A replica of a session whose ledger a replica opened before is
+    Serve restarting it (a failed health check: the ledger deleted or moved, check_readable; a
+    crash): it continues that run, as `meshrl train --resume` does, and refuses a ledger that is
+    not there (Ledger's create). Without this, that restart created a fresh ledger at the path
+    and leased from prompt 0 while the trainer went on at its step. The mark is kept in Ray's
+    key-value store (the GCS), which outlives the replicas of a session, not the cluster."""
+    from ray.experimental import internal_kv
+
+    seen = bool(session) and internal_kv._internal_kv_get(session, namespace=KV_NAMESPACE) is not None
+    servicer = build_servicer(cfg, run_dir, run_id, session, resume=resume or seen)
+    if session:
+        internal_kv._internal_kv_put(session, servicer.core.ledger.path, namespace=KV_NAMESPACE)
+    return servicer
 
 
 @serve.deployment(name="Coordinator", num_replicas=1, max_ongoing_requests=1024, health_check_period_s=10)
@@ -42,9 +62,9 @@ class CoordinatorDeployment:
         configure_logging("coordinator", json=True, run_id=run_id or None)
         set_niceness(cfg.tuning.nice.coordinator, key="tuning.nice.coordinator")
         serve_replica_security(cfg, None, "coordinator")
-        # SESSION: fixed by whoever deploys the app, so a restarted replica keeps a pending Stop.
-        # RESUME (`meshrl train --resume`): the run's ledger must be there (Ledger's create).
-        self._servicer = build_servicer(cfg, run_dir, run_id, session, resume=resume)
+        # SESSION: fixed by whoever deploys the app, so a restarted replica keeps a pending Stop
+        # and its run's ledger. RESUME (`meshrl train --resume`): that ledger must be there.
+        self._servicer = open_servicer(cfg, run_dir, run_id, session, resume)
         self._servicer.start_sweeper()
         self._metrics = ReplicaMetrics(metrics.FAMILIES)
         clock.mark("ready")

@@ -188,8 +188,9 @@ class Ledger:
     coordinator process per ledger file (see _own)."""
 
     def __init__(self, path: str | Path, synchronous: str = "NORMAL", *, create: bool = True) -> None:
-        """CREATE False: the caller continues a run (`meshrl train --resume`), and a ledger that
-        is not there, or holds no run, is refused before anything is written (see _refuse_lost)."""
+        """CREATE False: the caller continues a run (`meshrl train --resume`, a replica Serve
+        restarted), and a ledger that is not there, or holds no run, is refused before anything
+        is written (see _refuse_lost)."""
         self.path = str(path)
         lock = None
         if not create and self.path != ":memory:" and not os.path.exists(self.path):
@@ -227,10 +228,9 @@ class Ledger:
         # A fresh ledger here would start the run over from prompt 0 beside the trainer's checkpoint
         # of the old one, its loss seen, if ever, as a ResumeTrainer or CommitVersion refused later.
         raise FailedPrecondition(
-            f"ledger {self.path} {what}, and this coordinator continues a run (`meshrl train --resume`): a new "
-            "ledger would start it over from prompt 0; point "
-            "coordinator.ledger_path at the run's ledger (ledger.sqlite in its run directory, or where its "
-            "volume is mounted now), or start a new run without --resume"
+            f"ledger {self.path} {what}, and this coordinator continues a run (`meshrl train --resume`, or Serve "
+            "restarting its replica): a new ledger would start it over from prompt 0; point coordinator.ledger_path "
+            "at the run's ledger (ledger.sqlite in its run directory, or where its volume is mounted now), or start a new run (without --resume; a new `meshrl serve-config`)"
         )
 
     def _has_run_state(self) -> bool:

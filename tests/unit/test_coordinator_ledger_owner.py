@@ -200,3 +200,41 @@ def test_a_run_continued_on_a_lost_ledger_is_refused_before_anything_is_written(
     again = build_core(cfg, tmp_path / "new", session="b", resume=True)
     assert again.in_flight == 2
     again.ledger.close()
+
+
+def test_a_replica_serve_restarts_in_its_session_refuses_a_ledger_gone_from_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ledger deleted or moved under a running coordinator fails its health check
+    (check_readable), and Serve restarts the replica with the same args: that replica created a
+    fresh ledger at the path and leased from prompt 0 while the trainer went on at its step. A
+    replica of a session that opened its ledger before (Ray's key-value store, which outlives
+    replicas) continues that run and refuses; a new session creates its ledger."""
+    from ray.experimental import internal_kv
+
+    from services.common.config import load_config
+    from services.coordinator import deployment
+
+    kv: dict[tuple[object, object], object] = {}  # Ray's GCS key-value store
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda key, *, namespace=None: kv.get((namespace, key)))
+    monkeypatch.setattr(internal_kv, "_internal_kv_put",
+                        lambda key, value, overwrite=True, *, namespace=None: kv.__setitem__((namespace, key), value))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+{i}="}}\n' for i in range(8)))
+    cfg = load_config(None, [f"data.train_files=[{data}]", "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+    run_dir = tmp_path / "run"
+    db = run_dir / "ledger.sqlite"
+    first = deployment.open_servicer(cfg, str(run_dir), session="s")
+    first.core.lease("r", 2, 0.0)
+    first.core.ledger.close()
+    restarted = deployment.open_servicer(cfg, str(run_dir), session="s")  # the ledger there: it goes on
+    assert restarted.core.in_flight == 2
+    restarted.core.ledger.close()
+    for p in run_dir.glob("ledger.sqlite*"):
+        p.unlink()
+    with pytest.raises(FailedPrecondition, match=rf"ledger {re.escape(str(db))} does not exist.*coordinator\.ledger_path"):
+        deployment.open_servicer(cfg, str(run_dir), session="s")
+    assert not db.exists()
+    fresh = deployment.open_servicer(cfg, str(run_dir), session="t")  # a new run (session) creates it
+    assert fresh.core.in_flight == 0 and db.exists()
+    fresh.core.ledger.close()
