@@ -682,6 +682,18 @@ def check_fresh_run_dir(run_dir: Path) -> None:
                           f"`meshrl train --resume {run_dir}`, or give a new --run-dir")
 
 
+def pin_ledger_path(cfg: MeshConfig) -> MeshConfig:
+    """coordinator.ledger_path made absolute against the cwd, and so kept in config.resolved.yaml:
+    the coordinator replica resolved a relative one against its own working directory (a joined
+    cluster's: where `ray start` ran), and `meshrl train --resume` from another directory against
+    that one: another file, or none (a fresh ledger; now refused, see Ledger's create)."""
+    path = cfg.coordinator.ledger_path
+    if not path or Path(path).expanduser().is_absolute():
+        return cfg
+    pinned = str((Path.cwd() / Path(path).expanduser()).resolve())
+    return cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"ledger_path": pinned})})
+
+
 def check_resume_secrets(cfg: MeshConfig) -> None:
     """A resumed run reads its endpoints' tokens from the variables the first run moved inline
     tokens to (config.resolved.yaml holds no secret): they must be set again."""
@@ -709,7 +721,7 @@ def train(
     from meshrl.trackers import check_loggers, start_tracking
     from services.common.logging import configure_logging
 
-    cfg = resolve_config(config, overrides, mode=mode, resume=resume)
+    cfg = pin_ledger_path(resolve_config(config, overrides, mode=mode, resume=resume))
     if problems := serve_launch_problems(cfg):  # the mesh runs under Serve: checked before anything starts
         raise ConfigError("\n".join(problems))
     check_loggers(cfg.trainer.logger)  # a missing tracker package fails before anything starts

@@ -260,3 +260,27 @@ def test_meshrl_train_resume_tells_the_coordinator_it_continues_a_run(
     with pytest.raises(Deployed):
         MeshRun(cfg, tmp_path, "fully_async", resume=resume).deploy()
     assert deployed["coordinator"]._bound_deployment.init_args[4] is resume
+
+
+def test_a_relative_ledger_path_names_the_same_file_when_the_run_is_resumed_from_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """coordinator.ledger_path=ledgers/a.sqlite: the coordinator replica resolved it against its
+    own working directory (a joined cluster's: where `ray start` ran), and config.resolved.yaml
+    kept it relative, so `meshrl train --resume` from another directory named another file: a
+    fresh ledger, the run over from prompt 0 (now refused: Ledger's create). The driver makes it
+    absolute, as `meshrl serve-config` does."""
+    from tests.unit.test_train_cli_stops import _fake_mesh
+
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "home")
+    run_dir = tmp_path / "run"
+    train_mod.train(None, ["coordinator.ledger_path=ledgers/a.sqlite"], run_dir=run_dir, report=False)
+    ledger = str(tmp_path / "home" / "ledgers" / "a.sqlite")
+    assert seen[0]["cfg"].coordinator.ledger_path == ledger
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    train_mod.train(None, [], resume=run_dir, report=False)
+    assert seen[1]["cfg"].coordinator.ledger_path == ledger
