@@ -64,6 +64,7 @@ def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
     r = cfg.actor_rollout_ref.rollout
     sizes = rollout_parallel(cfg)  # engine_kwargs.vllm's sizes are the ones vLLM runs
     per_engine = rollout_engine_devices(cfg)
+    app = cfg.serve.rollout
     return {
         "device": cfg.trainer.device,
         "trainer": {
@@ -83,6 +84,10 @@ def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
             "data_parallel": sizes["dp"][1],
             "pipeline_parallel": sizes["pp"][1],
             "expert_parallel": r.expert_parallel_size,
+            # what runs under Serve (filled from the above when not given: resolve.py _serve_rollout_sizing);
+            # with autoscaling, the most replicas; 0 devices: none reserved
+            "serve_replicas": app.num_replicas if app.autoscaling is None else app.autoscaling.max_replicas,
+            "devices_per_replica": app.num_gpus or float(app.resources.get("NPU", 0)),
         },
     }
 

@@ -4,7 +4,7 @@ A config is written in verl's layout (a verl launch script translates line by li
 sections, and earlier meshrl spellings stay accepted. `resolve_tree` maps such an input onto the
 sections the services read, as a new mapping: verl's aliases (`rollout.n`), what a mode implies
 (`async_training.mode=sync`), defaults that depend on another section
-(`loss_scale_factor`), moved keys (`LEGACY_KEYS`), and the sections a service reads
+(`loss_scale_factor`, the Serve rollout replicas), moved keys (`LEGACY_KEYS`), and the sections a service reads
 that verl's keys fill (`LOOP_KEYS`). It runs as MeshConfig's `before`
 validator, so YAML, dotted overrides, a Serve application's args and a resolved config all go
 through it; a resolved config passes through unchanged. Validation afterwards only checks.
@@ -13,6 +13,7 @@ through it; a resolved config passes through unchanged. Validation afterwards on
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from .actor_rollout_ref import ActorConfig, CheckpointEngineConfig, RolloutEngin
 from .algorithm import FilterGroupsConfig, RolloutCorrectionConfig
 from .async_training import AsyncTrainingConfig
 from .data import DataConfig
+from .rollout_worker import RolloutWorkerConfig
 from .trainer import RolloutResourcesConfig, TrainerConfig
 
 LEGACY_KEYS: dict[str, str] = {
@@ -128,6 +130,7 @@ def resolve_tree(data: Any) -> Any:
     _total_epochs(tree)
     _sync_mode(tree)
     _loss_scale_factor(tree)
+    _serve_rollout_sizing(tree)
     _trainer_loop(tree)
     return tree
 
@@ -209,6 +212,69 @@ def _loss_scale_factor(tree: dict[str, Any]) -> None:
         return
     if _get(tree, key) in (_MISSING, None):
         _set(tree, key, _value(tree, "data.max_response_length", DataConfig))
+
+
+_SERVE_ROLLOUT_SIZING = ("serve.rollout.num_gpus", "serve.rollout.resources.NPU", "serve.rollout.num_replicas",
+                         "serve.rollout.autoscaling")
+"""The keys that size the Serve rollout replicas: one given, the user sized them."""
+
+
+def _whole(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
+    """A verl config sizes the rollout with rollout.nnodes x rollout.n_gpus_per_node devices, run
+    as engines of TP x DP x PP (vLLM's sizes: engine_kwargs.vllm over the top-level ones, as
+    vllm_args.py passes them); under Serve only the rollout replicas run, and the defaults (one
+    replica, no device reserved) ran one engine, placed by Ray on any device, the trainer's
+    included, while the rest of the pool sat idle. When the rollout runs on accelerators (vLLM, or
+    rollout_worker.device cuda / npu; the kind: rollout_worker.device, else verl's trainer.device,
+    the device of all its workers) and no key of `_SERVE_ROLLOUT_SIZING` is given, each engine
+    becomes one replica owning its devices: serve.rollout.num_gpus (resources NPU on npu) = the
+    engine's devices, serve.rollout.num_replicas = pool / that. A device kind of `auto` is decided
+    on the replica, after load: left alone, as is an engine larger than a node (no one replica
+    can hold it)."""
+    if any(_given(tree, key) for key in _SERVE_ROLLOUT_SIZING):
+        return
+    if any(_get(tree, key) is not _MISSING and not isinstance(_get(tree, key), dict) for key in ("serve", "serve.rollout")):
+        return  # not a section: validation reports it
+    name = _value(tree, "actor_rollout_ref.rollout.name", RolloutEngineConfig)
+    worker = _value(tree, "rollout_worker.device", RolloutWorkerConfig)
+    kind = worker if worker in ("cuda", "npu") else (
+        _value(tree, "trainer.device", TrainerConfig) if name == "vllm" and worker == "auto" else None)
+    if kind not in ("cuda", "npu"):
+        return
+    vllm = _get(tree, "actor_rollout_ref.rollout.engine_kwargs.vllm") if name == "vllm" else {}
+    vllm = vllm if isinstance(vllm, dict) else {}
+    # (the key that sets it, size), as meshrl/plan_layout.py rollout_parallel reads them; PP only in engine_kwargs.vllm
+    sizes: list[tuple[str, int | None]] = []
+    for vllm_key, key in (("tensor_parallel_size", "tensor_model_parallel_size"),
+                          ("data_parallel_size", "data_parallel_size"), ("pipeline_parallel_size", None)):
+        if vllm_key in vllm:
+            sizes.append((f"actor_rollout_ref.rollout.engine_kwargs.vllm.{vllm_key}", _whole(vllm[vllm_key])))
+        elif key is not None:
+            top = f"actor_rollout_ref.rollout.{key}"
+            sizes.append((top, _whole(_value(tree, top, RolloutEngineConfig))))
+    per_node = _whole(_value(tree, "rollout.n_gpus_per_node", RolloutResourcesConfig))
+    nnodes = _whole(_value(tree, "rollout.nnodes", RolloutResourcesConfig))
+    if per_node is None or nnodes is None or any(n is None for _, n in sizes):
+        return  # validation names the bad value
+    engine = math.prod(n for _, n in sizes if n is not None)
+    if engine > per_node:
+        return
+    pool = nnodes * per_node
+    if pool % engine:
+        parts = " x ".join(f"{key}({n})" for key, n in sizes)
+        raise ValueError(
+            f"rollout.nnodes x rollout.n_gpus_per_node = {pool} rollout devices are no whole number of engines of "
+            f"{parts} = {engine} devices, and under Serve each engine is one rollout replica; make "
+            f"rollout.nnodes x rollout.n_gpus_per_node a multiple of {engine} (or change the engine's parallel "
+            f"sizes), or size the replicas yourself with serve.rollout.num_gpus (resources NPU) and "
+            f"serve.rollout.num_replicas"
+        )
+    _set(tree, "serve.rollout.num_gpus" if kind == "cuda" else "serve.rollout.resources.NPU", engine)
+    _set(tree, "serve.rollout.num_replicas", pool // engine)
 
 
 def _trainer_loop(tree: dict[str, Any]) -> None:

@@ -1,0 +1,91 @@
+"""verl sizes the rollout with rollout.nnodes x rollout.n_gpus_per_node devices in engines of
+TP x DP x PP; under Serve only the rollout replicas run. A config that runs its rollout on
+accelerators and sizes no Serve replicas itself gets one replica per engine, each owning the
+engine's devices (resolve.py `_serve_rollout_sizing`). Nothing here starts Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshrl.plan import make_plan
+from meshrl.plan_layout import serve_launch_problems
+from meshrl.serve_config import build_serve_config, render_yaml
+from meshrl.train import resolve_config
+from services.common.config import MeshConfig, load_config, write_resolved_config
+from services.common.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_8 = ["actor_rollout_ref.rollout.name=vllm", "rollout.n_gpus_per_node=8",
+          "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]
+
+
+def _sizing(cfg: MeshConfig) -> tuple[float, int, dict[str, float]]:
+    app = cfg.serve.rollout
+    return app.num_gpus, app.num_replicas, app.resources
+
+
+@pytest.mark.parametrize(("recipe", "sizing"), [
+    # 1 node x 8 GPUs in engines of TP 4: two replicas of 4 GPUs (was one replica reserving none)
+    ("qwen3_5_27b_grpo_fsdp", (4.0, 2, {})),
+    ("qwen3_5_122b_a10b_grpo_megatron", (8.0, 4, {})),  # 4 x 8 GPUs, TP 8
+    ("qwen3_30b_a3b_dapo_fsdp_npu", (0.0, 8, {"NPU": 2.0})),  # 16 NPUs, TP 2
+    ("qwen3_8b_grpo_mindspeed_npu", (0.0, 4, {"NPU": 2.0})),  # 8 NPUs, TP 2
+    # TP 8 x DP 8 = 64 devices per engine span nodes of 16: no one replica can hold them, left alone
+    ("qwen3_235b_a22b_grpo_megatron_npu", (0.0, 1, {})),
+])
+def test_recipes_get_one_serve_rollout_replica_per_engine(recipe: str, sizing: tuple, tmp_path: Path) -> None:
+    cfg = load_config(ROOT / "configs" / "recipes" / f"{recipe}.yaml")
+    assert _sizing(cfg) == sizing
+    assert serve_launch_problems(cfg) == []
+    assert load_config(write_resolved_config(cfg, tmp_path)) == cfg
+
+
+@pytest.mark.parametrize(("overrides", "sizing"), [
+    (["trainer.device=cuda"], (4.0, 2, {})),  # verl's trainer.device is the device of every worker
+    (["rollout_worker.device=cuda"], (4.0, 2, {})),
+    (["trainer.device=npu"], (0.0, 2, {"NPU": 4.0})),
+    (["trainer.device=npu", "serve.rollout.resources={accelerator_type_x: 0.1}"],
+     (0.0, 2, {"accelerator_type_x": 0.1, "NPU": 4.0})),  # a placement resource is no device sizing
+    (["actor_rollout_ref.rollout.engine_kwargs={vllm: {tensor_parallel_size: 2}}", "trainer.device=cuda"],
+     (2.0, 4, {})),  # the TP vLLM runs
+    # the user's own sizing, or no accelerator known, stays as given
+    (["trainer.device=cuda", "serve.rollout.num_replicas=1"], (0.0, 1, {})),
+    (["trainer.device=cuda", "serve.rollout.num_gpus=0"], (0.0, 1, {})),
+    (["trainer.device=npu", "serve.rollout.resources={NPU: 4}", "serve.rollout.num_replicas=2"], (0.0, 2, {"NPU": 4.0})),
+    (["trainer.device=cuda", "rollout_worker.device=cpu"], (0.0, 1, {})),
+    ([], (0.0, 1, {})),  # device auto: decided on the replica, not at load
+])
+def test_an_accelerator_rollout_without_serve_sizing_gets_the_engines(overrides: list[str], sizing: tuple) -> None:
+    assert _sizing(load_config(None, [*VLLM_8, *overrides])) == sizing
+
+
+def test_the_transformers_engine_is_sized_only_on_an_explicit_accelerator() -> None:
+    pool = ["rollout.n_gpus_per_node=2"]
+    assert _sizing(load_config(None, [*pool, "rollout_worker.device=cuda"])) == (1.0, 2, {})
+    assert _sizing(load_config(None, [*pool, "trainer.device=cuda"])) == (0.0, 1, {})  # it may share the GPU
+
+
+def test_cpu_configs_are_unchanged() -> None:
+    for path in [ROOT / "meshrl" / "configs" / "example.yaml", *sorted((ROOT / "configs" / "recipes" / "mini").glob("*.yaml"))]:
+        assert _sizing(load_config(path)) == (0.0, 1, {}), path
+
+
+def test_a_pool_the_engine_does_not_divide_is_refused_naming_the_keys() -> None:
+    with pytest.raises(ConfigError, match=r"rollout\.nnodes x rollout\.n_gpus_per_node = 6 .*"
+                                          r"actor_rollout_ref\.rollout\.tensor_model_parallel_size\(4\).*serve\.rollout\.num_gpus"):
+        load_config(None, [*VLLM_8, "rollout.n_gpus_per_node=6", "trainer.device=cuda"])
+
+
+def test_plan_and_serve_config_show_the_filled_replicas(tmp_path: Path) -> None:
+    plan = make_plan("qwen3_5_27b_grpo_fsdp", [])
+    rollout = plan["layout"]["rollout"]
+    assert (rollout["serve_replicas"], rollout["devices_per_replica"]) == (2, 4.0)
+    cfg = resolve_config(str(ROOT / "configs" / "recipes" / "qwen3_5_27b_grpo_fsdp.yaml"),
+                         ["serve.grpc_port=9100", "param_server.port=50100"])
+    run_dir = tmp_path / "run"
+    doc = yaml.safe_load(render_yaml(build_serve_config(cfg, run_dir), cfg, run_dir, "test"))
+    (entry,) = next(a for a in doc["applications"] if a["name"] == "rollout")["deployments"]
+    assert entry["num_replicas"] == 2 and entry["ray_actor_options"]["num_gpus"] == 4.0
