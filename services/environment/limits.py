@@ -1,5 +1,5 @@
-"""Bounds on what crosses the environment boundary, shared by the rollout (which cuts each message
-to `max_tool_response_length` before the policy reads it) and `meshrl environment serve` (which
+"""Bounds on what crosses the environment boundary, shared by the rollout (which cuts each tool
+response to `max_tool_response_length` before the policy reads it) and `meshrl environment serve` (which
 cuts a Step's answer to `environment.max_message_chars` so it always fits a gRPC message).
 
 Why the server cuts in the middle: the rollout cuts again, on its configured side

@@ -223,10 +223,12 @@ class ScriptedEngine(RolloutEngine):
 
 
 class ScriptedEnv(Environment):
-    """Answers every turn with one long user message, done at `done_at`; may fail its step."""
+    """Answers every turn with one message of `role` (a user turn, as an interaction's), done at
+    `done_at`; may fail its step."""
 
-    def __init__(self, done_at: int = 1, reply: str = "next", fail: bool = False, starts: Sequence[StartResult] = ()) -> None:
-        self.done_at, self.reply, self.fail = done_at, reply, fail
+    def __init__(self, done_at: int = 1, reply: str = "next", fail: bool = False, starts: Sequence[StartResult] = (),
+                 role: str = "user") -> None:
+        self.done_at, self.reply, self.fail, self.role = done_at, reply, fail, role
         self.starts = list(starts)
         self.open: set[str] = set()
         self.steps = 0
@@ -240,7 +242,7 @@ class ScriptedEnv(Environment):
         self.steps += 1
         if self.fail:
             raise Unavailable("environment endpoint 'x' has been failing for 60s")
-        return StepResult(messages=(Message("user", self.reply),), done=turn >= self.done_at, reward=1.0 if turn >= self.done_at else None)
+        return StepResult(messages=(Message(self.role, self.reply),), done=turn >= self.done_at, reward=1.0 if turn >= self.done_at else None)
 
     async def close(self, session_id: str) -> CloseResult:
         self.open.discard(session_id)
@@ -304,13 +306,25 @@ def test_malformed_call_is_answered_and_counted_and_the_episode_goes_on(tok: Any
 
 def test_long_messages_are_truncated_and_the_budget_is_kept(tok: Any) -> None:
     engine = ScriptedEngine(tok, ["hi<|im_end|>"])
-    _, (t,) = _run(tok, engine, ScriptedEnv(done_at=9, reply="x" * 500), SamplingSpec(n=1, max_tokens=60),
+    _, (t,) = _run(tok, engine, ScriptedEnv(done_at=9, reply="x" * 500, role="tool"), SamplingSpec(n=1, max_tokens=60),
                    max_tool_response_length=10, tool_response_truncate_side="left")
     env = tok.decode([x for x, m in zip(t.token_ids, t.loss_mask, strict=True) if not m])
     assert "xxxxxxxxxx...(truncated)" in env and "x" * 11 not in env
     assert t.env_metrics["truncated_messages"] >= 1
     # The environment tokens that would cross the budget are not appended: length, within budget.
     assert len(t) <= 60 and t.finish_reason == Finish.LENGTH
+
+
+def test_user_turns_are_not_cut_to_the_tool_response_length(tok: Any) -> None:
+    """verl cuts only tool responses to multi_turn.max_tool_response_length; an interaction's user
+    turn reaches the policy whole (bounded by the response budget like any environment tokens)."""
+    engine = ScriptedEngine(tok, ["hi<|im_end|>"])
+    reply = "please think again about " + "y" * 40
+    _, (t,) = _run(tok, engine, ScriptedEnv(done_at=1, reply=reply), SamplingSpec(n=1, max_tokens=400),
+                   max_tool_response_length=10)
+    env = tok.decode([x for x, m in zip(t.token_ids, t.loss_mask, strict=True) if not m])
+    assert reply in env and "(truncated)" not in env
+    assert "truncated_messages" not in t.env_metrics
 
 
 def test_turn_limits_stop_without_asking_the_environment(tok: Any) -> None:

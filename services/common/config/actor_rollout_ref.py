@@ -354,9 +354,10 @@ class MultiTurnConfig(ConfigModel):
     group (its prompt is re-queued). null: no limit (a hung tool then holds its group and lease
     forever). External environments have their endpoint's `timeout_s` instead."""
     max_tool_response_length: int = Field(default=256, ge=1)
-    """Characters of one environment message kept; longer ones are truncated."""
+    """Characters of one tool response (role `tool`) kept; longer ones are truncated. As in verl,
+    other environment messages (an interaction's user turns) are not cut by it."""
     tool_response_truncate_side: Literal["left", "middle", "right"] = "middle"
-    """What is kept of a long environment message (verl): `left` its start, `right` its end,
+    """What is kept of a long tool response (verl): `left` its start, `right` its end,
     `middle` both ends."""
     tool_config_path: str | None = None
     """verl tool YAML (`tools: [{class_name, config, tool_schema}]`) for the in-process tool
