@@ -285,6 +285,34 @@ def test_a_history_that_does_not_extend_starts_a_new_segment() -> None:
     assert "sum: 123+456=" in policy.tok.decode(list(group.prompt_token_ids) + list(r.token_ids))
 
 
+def test_tool_call_ids_are_unique_within_a_session_across_segments() -> None:
+    """An agent that keeps its own history (and frameworks that key tool results by id) must never
+    see one tool_call id twice in a session: ids restarted at call_0_* in each new segment."""
+    ids: list[str] = []
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        r = await c.chat.completions.create(model="m", messages=prompt["messages"], tools=TOOLS)
+        ids.append(r.choices[0].message.tool_calls[0].id)
+        # the agent rewrites the conversation (a summary): a new segment
+        msgs: list[Any] = [{"role": "user", "content": "sum: 123+456="}]
+        r = await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)
+        msg = r.choices[0].message.model_dump(exclude_none=True)
+        ids.append(msg["tool_calls"][0]["id"])
+        msgs += [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "579"}]
+        r = await c.chat.completions.create(model="m", messages=msgs, tools=TOOLS)  # stitched to the second
+        ids.append(r.choices[0].message.tool_calls[0].id)
+        await c.close()
+        await finish(url, key, {"reward": 0.0})
+
+    group, ga, policy = asyncio.run(play(agent, [CALL, CALL, CALL], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    assert len(ids) == 3 and len(set(ids)) == 3, ids
+    (r,) = group.responses
+    assert ga.registry.counters["stitch_mismatches"] == 1 and ga.registry.counters["stitched_calls"] == 1
+    assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[1] + policy.turns[2]
+
+
 def test_a_last_call_with_tool_choice_none_continues_the_trajectory_and_parses_no_call() -> None:
     """Tool rounds, then "answer now": the same tools with tool_choice="none" (OpenAI keeps the
     tools in the context and only forbids calls, as vLLM's server renders them). Rendered without

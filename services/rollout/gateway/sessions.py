@@ -389,7 +389,9 @@ class SessionRegistry:
             raw = str(self.tok.decode(ids, skip_special_tokens=True))
             # Parsed before the commit: an error in it must leave the session as it was (a half-recorded
             # call would be the context of the client's retry).
-            parsed = parse_tool_calls(raw, seg.calls if stitched and seg is not None else 0) if parse_calls else None
+            # Ids numbered by the session's calls, not the segment's: an agent keeping its own history
+            # across a new segment (and frameworks keying tool results by id) saw call_0_0 again.
+            parsed = parse_tool_calls(raw, s.calls) if parse_calls else None
             # Commit (no await from here on): the call happened.
             if stitched and seg is not None and not new_msgs:  # stitched on token ids
                 seg.messages = [_template_message(m) for m in req.messages]
