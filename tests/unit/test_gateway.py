@@ -313,6 +313,29 @@ def test_tool_call_ids_are_unique_within_a_session_across_segments() -> None:
     assert [t for t, m in zip(r.token_ids, r.loss_mask, strict=True) if m] == policy.turns[1] + policy.turns[2]
 
 
+def test_malformed_tool_calls_count_as_calls_so_the_error_rate_is_per_call() -> None:
+    """agent/tool_error_rate is tool_errors / tool_calls: the in-process loop counts a malformed call
+    as a call and an error; the gateway counted only the error, so its rate passed 1."""
+    bad = '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call><|im_end|>'
+
+    async def agent(url: str, key: str, prompt: dict[str, Any]) -> None:
+        c = openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0)
+        r = await c.chat.completions.create(model="m", messages=prompt["messages"], tools=TOOLS)
+        assert r.choices[0].message.tool_calls is None  # answered as text: the agent sees what the policy wrote
+        await c.close()
+        await finish(url, key, {"reward": 0.0})
+
+    group, _, _ = asyncio.run(play(agent, [bad], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (r,) = group.responses
+    assert (r.tool_calls, r.tool_errors) == (2, 1)
+    # a turn cut at its max_tokens inside a block is neither (the loop does not parse a cut turn)
+    group, _, _ = asyncio.run(play(agent, ['<tool_call>{"name": "add", "arguments": {"a": 1'], n=1))
+    assert isinstance(group, common_pb2.TrajectoryGroup), group
+    (r,) = group.responses
+    assert (r.tool_calls, r.tool_errors, r.finish_reason) == (0, 0, common_pb2.FINISH_REASON_LENGTH)
+
+
 def test_a_last_call_with_tool_choice_none_continues_the_trajectory_and_parses_no_call() -> None:
     """Tool rounds, then "answer now": the same tools with tool_choice="none" (OpenAI keeps the
     tools in the context and only forbids calls, as vLLM's server renders them). Rendered without

@@ -417,7 +417,13 @@ class SessionRegistry:
             if parsed is not None:
                 text, calls = parsed
                 if any(c.parse_error for c in calls):
-                    seg.tool_errors += len([c for c in calls if c.parse_error])
+                    # Every call the policy wrote counts, malformed ones too, as the in-process loop
+                    # counts them (agent/tool_error_rate is errors per call; without them it passed
+                    # 1). A turn cut before it stopped (its last block unclosed) is neither: the loop
+                    # does not parse a cut turn.
+                    if finish is Finish.STOP:
+                        seg.tool_calls += len(calls)
+                        seg.tool_errors += len([c for c in calls if c.parse_error])
                     calls = []  # answered as plain text: the agent sees what the policy wrote
                 else:
                     content = text
