@@ -13,7 +13,8 @@ by the client's deadline (gRPC cancels the stream server-side when it passes) an
 `security.limits.stream_stall_timeout_s` (services/common/interceptor.py). Either way the stream's
 pin on its version is released.
 
-Quotas. At most `max_concurrent_uploads` PublishWeights streams at once; an upload may not
+Quotas. At most `max_concurrent_uploads` PublishWeights streams at once (more are answered
+UNAVAILABLE: a slot frees within `stall_timeout_s`, and publishers retry); an upload may not
 announce or allocate more than the store's `max_upload_bytes`. Only the trainer role may check in
 to a rendezvous as the sender, or probe it.
 """
@@ -31,7 +32,7 @@ from typing import Any
 
 from meshrl.v1 import param_server_pb2, param_server_pb2_grpc
 from services.common.auth import TRAINER, Authorizer
-from services.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.common.grpc_util import rpc_method
 from services.common.interceptor import require_role
 from services.common.logging import get_logger
@@ -130,9 +131,16 @@ class ParamServerServicer(param_server_pb2_grpc.ParamServerServiceServicer):
     @rpc_method()
     async def PublishWeights(self, request_iterator: Any, context: Any) -> param_server_pb2.PublishWeightsResponse:
         if self.uploads_in_flight >= self.max_concurrent_uploads:
-            raise ResourceExhausted(
+            # UNAVAILABLE, as for a version's upload slot (WeightStore.begin_upload): a slot frees
+            # when a stream ends, at the latest stall_timeout_s after it stops sending (a publisher
+            # that died or gave the attempt up), so the trainer's publish retries it with backoff
+            # (TrainerLoop._republish, bounded by trainer_service.coordinator_wait_s). It was
+            # RESOURCE_EXHAUSTED, which the trainer does not retry: its loop failed outright while
+            # attempts it had given up on still held the slots.
+            raise Unavailable(
                 f"{self.uploads_in_flight} uploads are in progress (param_server.max_concurrent_uploads="
-                f"{self.max_concurrent_uploads}); retry when one finishes"
+                f"{self.max_concurrent_uploads}); a slot frees when one ends, at the latest "
+                f"param_server.stall_timeout_s={self.stall_timeout_s:g}s after it stops sending; retry then"
             )
         self.uploads_in_flight += 1
         try:

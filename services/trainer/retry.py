@@ -7,7 +7,8 @@ Which calls are retried, and why each is safe:
     PublishWeights     a param server that died mid-upload kept nothing; the version is published
                        again to its replacement, from the group's weights as they are then. A live
                        one answers UNAVAILABLE while the attempt given up on still holds the
-                       version's upload slot, DEADLINE_EXCEEDED to a stream it dropped as stalled
+                       version's upload slot or one of max_concurrent_uploads, DEADLINE_EXCEEDED
+                       to a stream it dropped as stalled
     FetchBatch         not idempotent: the dead call may have delivered groups whose answer never
                        came. The loop re-syncs instead (TrainerLoop._resync: ResumeTrainer puts
                        every group delivered for the steps not trained back at the head of the

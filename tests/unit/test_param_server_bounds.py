@@ -89,3 +89,27 @@ def test_receiver_check_ins_that_time_out_leave_nothing_on_the_rendezvous_board(
     state = servicer.board.group("g")
     assert state is not None
     assert len(state.checked_in) <= 1 and len(state.delta_bases) <= 1, (len(state.checked_in), len(state.delta_bases))
+
+
+def test_publish_over_max_concurrent_uploads_is_transient_so_the_trainer_retries_it() -> None:
+    """A publish past param_server.max_concurrent_uploads waits only for a stream to end (or be
+    dropped after stall_timeout_s): the answer is transient, which the trainer's publish retries
+    with backoff (TrainerLoop._republish). It was RESOURCE_EXHAUSTED, and the trainer's loop
+    failed outright whenever attempts it had given up on still held the slots."""
+    from services.common.errors import transient
+
+    store = WeightStore(StoreSettings())
+    servicer = ParamServerServicer(store, clock=lambda: 1.0, max_concurrent_uploads=1)
+    servicer.uploads_in_flight = 1  # another stream holds the only slot
+
+    async def stream() -> AsyncIterator[pb.PublishWeightsRequest]:
+        yield pb.PublishWeightsRequest(manifest=convert.manifest_to_proto(make_version(1)[0]))
+
+    async def publish() -> None:
+        await servicer.PublishWeights(stream(), LocalContext())
+
+    with pytest.raises(MeshError) as info:
+        asyncio.run(publish())
+    assert transient(info.value), info.value
+    assert "param_server.max_concurrent_uploads=1" in str(info.value) and "stall_timeout_s" in str(info.value)
+    assert servicer.uploads_in_flight == 1 and store.versions() == []  # refused: nothing taken or registered

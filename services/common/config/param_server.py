@@ -62,7 +62,8 @@ class ParamServerConfig(ConfigModel):
     max_message_mb: int = Field(default=64, ge=1)
     """gRPC message size limit (both directions)."""
     max_concurrent_uploads: int = Field(default=4, ge=1)
-    """PublishWeights streams open at once; more are refused with RESOURCE_EXHAUSTED."""
+    """PublishWeights streams open at once; more are answered UNAVAILABLE (a slot frees within
+    stall_timeout_s), which publishers retry with backoff."""
     max_upload_mb: int | None = Field(default=None, ge=1)
     """Largest version one upload may announce or send; null: this host's physical memory (a
     bigger one could never be held)."""
