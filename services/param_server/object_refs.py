@@ -84,10 +84,7 @@ class RefTable:
             )
         old = self.versions.get(v)
         if old is not None and old.checksum != m.checksum and old.served:
-            raise FailedPrecondition(
-                f"version {v} was already published with different content (checksum {old.checksum[:12]} vs "
-                f"{m.checksum[:12]}) and consumers have seen it; versions are immutable once seen, publish a newer version"
-            )
+            raise immutable_refusal(v, old.checksum, m.checksum, [])
         seen = old is not None and old.checksum == m.checksum and old.served  # the same content again: still seen
         self.versions[v] = _Entry(manifest, list(refs), m.checksum, served=seen)
         self.registered_total += 1
@@ -120,6 +117,22 @@ class RefTable:
             return False
         entry.served = True
         return True
+
+
+def immutable_refusal(v: int, old_checksum: str, new_checksum: str, seen_by: list[str]) -> FailedPrecondition:
+    """The refusal of other content for a version a consumer has loaded (here and the store's),
+    with the way out. A trainer publishes only committed + 1 (the coordinator's CommitVersion takes
+    no other number), so "publish a newer version" was advice it could not follow, and each restart
+    of the trainer met the same refusal."""
+    return FailedPrecondition(
+        f"version {v} was already published with different content (checksum {old_checksum[:12]} vs "
+        f"{new_checksum[:12]}) and consumers have seen it ({', '.join(seen_by) or 'a consumer'}); versions are "
+        f"immutable once seen. If the coordinator's policy_version is {v - 1}, this is the uncommitted version "
+        f"of a trainer that died between publish and CommitVersion, loaded meanwhile: restart the param server "
+        "(it drops the versions it holds; the trainer publishes again, rollouts keep the weights they loaded), "
+        "and have such consumers load versions the coordinator announces, not the newest here. If it is "
+        f"already {v} or more, this publisher is stale (another trainer committed {v}): restart the trainer"
+    )
 
 
 class ObjectRefsActor:

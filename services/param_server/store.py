@@ -40,9 +40,12 @@ from services.common.errors import (
 from services.common.logging import get_logger
 from services.weights.layout import BucketMeta, Fingerprinter, Manifest, validate_manifest, verify_bucket
 
+from .object_refs import immutable_refusal
+
 log = get_logger(__name__)
 
 GRPC_TRANSPORT = "grpc"
+SEEN_BY_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class StoredVersion:
     served: bool = False
     """Whether any consumer has loaded it (a hold or bytes). Until then it may be replaced:
     see `WeightStore._commit`. Set through `WeightStore._seen`."""
+    seen_by: list[str] = field(default_factory=list)
+    """Who loaded it first (at most SEEN_BY_KEPT entries), named when a republish is refused."""
 
     @property
     def policy_version(self) -> int:
@@ -342,11 +347,7 @@ class WeightStore:
             if existing.manifest.checksum != manifest.checksum:
                 for b in buffers or ():
                     self.pool.give(b)
-                raise FailedPrecondition(
-                    f"version {v} was already published with different content (checksum "
-                    f"{existing.manifest.checksum[:12]} vs {manifest.checksum[:12]}) and consumers have seen "
-                    "it; versions are immutable once seen, publish a newer version"
-                )
+                raise immutable_refusal(v, existing.manifest.checksum, manifest.checksum, existing.seen_by)
             # Same content over another transport: merge what the two carry.
             existing.manifest = existing.manifest.with_transports(manifest.transports)
             if existing.buffers is None and buffers is not None:
@@ -364,7 +365,9 @@ class WeightStore:
         self.sweep(now)
         return stored.manifest
 
-    def _seen(self, stored: StoredVersion) -> None:
+    def _seen(self, stored: StoredVersion, who: str) -> None:
+        if len(stored.seen_by) < SEEN_BY_KEPT and who not in stored.seen_by:
+            stored.seen_by.append(who)
         if not stored.served:
             stored.served = True
             if self.on_served is not None:
@@ -419,7 +422,7 @@ class WeightStore:
                 f"version {stored.policy_version} travels over {list(stored.manifest.transports)}; the param "
                 "server does not hold its bytes (fetch it over that transport, or publish it over grpc too)"
             )
-        self._seen(stored)
+        self._seen(stored, "a FetchWeights stream")
         stored.readers += 1
         try:
             yield stored
@@ -439,7 +442,8 @@ class WeightStore:
                 "(param_server.max_holders_per_version); release holds you no longer need"
             )
         stored.holds[consumer_id] = now + self.settings.hold_ttl_s
-        self._seen(stored)
+        self._seen(stored, f"AcquireVersion({'newest' if policy_version < 0 else policy_version}) "
+                           f"by {consumer_id!r}")
         return stored.manifest
 
     def release(self, consumer_id: str, policy_version: int, now: float) -> None:

@@ -637,3 +637,21 @@ def test_an_object_store_lookup_of_a_version_not_in_the_object_store_takes_no_ho
         upload(store, mv, bv, 1.0, manifest_first=True)
     with pytest.raises(NotFound):
         store.get(1)  # evicted at once: nothing pins it
+
+
+def test_the_refusal_of_a_loaded_orphan_names_who_loaded_it_and_the_way_out() -> None:
+    """A dead trainer's uncommitted version that a consumer loaded (AcquireVersion / FetchWeights,
+    of the newest too) stays immutable, and the resumed trainer's republish of its number, the only
+    one CommitVersion takes, is refused on every restart. The refusal said "publish a newer
+    version", which the trainer cannot do; it names who loaded it and the way out."""
+    store = WeightStore(StoreSettings())
+    orphan, orphan_buffers = make_version(18)
+    upload(store, orphan, orphan_buffers, 0.0, manifest_first=True)
+    store.acquire("eval-job", -1, 0.5)
+    store.release("eval-job", 18, 0.6)
+    resumed, resumed_buffers = make_version(18, seed=9)
+    with pytest.raises(FailedPrecondition, match="immutable once seen") as info:
+        upload(store, resumed, resumed_buffers, 1.0, manifest_first=True)
+    msg = str(info.value)
+    assert "eval-job" in msg, msg
+    assert "restart the param server" in msg and "publish a newer version" not in msg, msg
