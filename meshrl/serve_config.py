@@ -59,9 +59,11 @@ def default_run_dir(cfg: MeshConfig) -> Path:
 
 
 def absolute_paths(cfg: MeshConfig, base: Path | None = None) -> MeshConfig:
-    """Relative paths made absolute against `base` (the cwd): replicas run in other working
-    directories, on other nodes. Inputs only when they exist here (a model path may be a hub id);
-    output directories always."""
+    """Relative paths made absolute against `base` (the cwd): replicas and rank actors run in
+    other working directories, on other nodes, and a resumed run may start from another
+    directory. Inputs only when they exist here (a model path may be a hub id); output
+    directories always. `meshrl serve-config` and `meshrl train` both use it, so one list of
+    keys (tool YAMLs: their own validator; hf_export_dir and metrics_file: under the run dir)."""
     base = base or Path.cwd()
     data = cfg.model_dump(mode="json")
 
@@ -74,6 +76,7 @@ def absolute_paths(cfg: MeshConfig, base: Path | None = None) -> MeshConfig:
     model = data["actor_rollout_ref"]["model"]
     model["path"] = fix(model["path"], must_exist=True)
     model["tokenizer_path"] = fix(model["tokenizer_path"], must_exist=True)
+    model["lora_adapter_path"] = fix(model["lora_adapter_path"], must_exist=True)
     for key in ("train_files", "val_files"):
         data["data"][key] = [fix(f, must_exist=True) for f in data["data"][key]]
     crf = data["custom_reward_function"]

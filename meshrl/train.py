@@ -682,18 +682,6 @@ def check_fresh_run_dir(run_dir: Path) -> None:
                           f"`meshrl train --resume {run_dir}`, or give a new --run-dir")
 
 
-def pin_ledger_path(cfg: MeshConfig) -> MeshConfig:
-    """coordinator.ledger_path made absolute against the cwd, and so kept in config.resolved.yaml:
-    the coordinator replica resolved a relative one against its own working directory (a joined
-    cluster's: where `ray start` ran), and `meshrl train --resume` from another directory against
-    that one: another file, or none (a fresh ledger; now refused, see Ledger's create)."""
-    path = cfg.coordinator.ledger_path
-    if not path or Path(path).expanduser().is_absolute():
-        return cfg
-    pinned = str((Path.cwd() / Path(path).expanduser()).resolve())
-    return cfg.model_copy(update={"coordinator": cfg.coordinator.model_copy(update={"ledger_path": pinned})})
-
-
 def check_resume_secrets(cfg: MeshConfig) -> None:
     """A resumed run reads its endpoints' tokens from the variables the first run moved inline
     tokens to (config.resolved.yaml holds no secret): they must be set again."""
@@ -718,10 +706,11 @@ def train(
     """Run a whole job; returns the summary (also written to RUN_DIR/summary.json). With
     max_train_s the run stops cleanly (as on Ctrl-C) that long after its first optimizer step."""
     from meshrl.plan_layout import serve_launch_problems
+    from meshrl.serve_config import absolute_paths
     from meshrl.trackers import check_loggers, start_tracking
     from services.common.logging import configure_logging
 
-    cfg = pin_ledger_path(resolve_config(config, overrides, mode=mode, resume=resume))
+    cfg = resolve_config(config, overrides, mode=mode, resume=resume)
     if problems := serve_launch_problems(cfg):  # the mesh runs under Serve: checked before anything starts
         raise ConfigError("\n".join(problems))
     check_loggers(cfg.trainer.logger)  # a missing tracker package fails before anything starts
@@ -740,7 +729,13 @@ def train(
     configure_logging("driver", json=False, level=os.environ.get("MESHRL_LOG_LEVEL", "WARNING"))
     cfg = ensure_model(cfg)
     port = cfg.serve.grpc_port if cfg.serve.grpc_port and port_is_free(cfg.serve.grpc_port) else free_port()
-    cfg = wire(cfg, port)
+    # Every path the services read made absolute against this cwd (and so kept in
+    # config.resolved.yaml): replicas and rank actors resolve a relative one against their own
+    # working directory (a joined cluster's: where `ray start` ran), and `--resume` from another
+    # directory against that one: a checkpoint dir with no checkpoint (the trainer back at step 0,
+    # every consumed group sent back), another ledger. After wire: its port choice reads which
+    # keys were given, which absolute_paths' reload marks all.
+    cfg = absolute_paths(wire(cfg, port))
     # Fresh tokens per run, passed to the services through the environment: config.resolved.yaml
     # and the applications' Serve config hold no secret.
     cfg, secret_env, restore_env = prepare_run_secrets(cfg, run_dir)

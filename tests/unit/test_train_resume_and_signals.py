@@ -15,6 +15,7 @@ import pytest
 
 import meshrl.train as train_mod
 from meshrl.train import MeshRun, resolve_config
+from services.common.config import load_config
 from services.common.startup import timeline
 
 
@@ -284,3 +285,34 @@ def test_a_relative_ledger_path_names_the_same_file_when_the_run_is_resumed_from
     monkeypatch.chdir(tmp_path / "elsewhere")
     train_mod.train(None, [], resume=run_dir, report=False)
     assert seen[1]["cfg"].coordinator.ledger_path == ledger
+
+
+def test_a_relative_checkpoint_dir_names_the_same_directory_when_the_run_is_resumed_from_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """trainer.default_local_dir=ckpts (and the other output directories: param_server.disk_dir)
+    stayed relative in what the services got and in config.resolved.yaml: the trainer replica
+    (and its rank actors, which write the shards) resolved it against their own working
+    directory, and `meshrl train --resume` from another directory found no checkpoint there and
+    started at step 0, its ResumeTrainer(0) sending every consumed group back. The driver makes
+    every path-valued key absolute against its cwd, as `meshrl serve-config` does."""
+    from tests.unit.test_train_cli_stops import _fake_mesh
+
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    for d in ("home", "elsewhere"):
+        (tmp_path / d).mkdir()
+    monkeypatch.chdir(tmp_path / "home")
+    run_dir = tmp_path / "run"
+    train_mod.train(None, ["trainer.default_local_dir=ckpts", "param_server.disk_dir=weights"],
+                    run_dir=run_dir, report=False)
+    ckpts, weights = str(tmp_path / "home" / "ckpts"), str(tmp_path / "home" / "weights")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    train_mod.train(None, [], resume=run_dir, report=False)
+    for got in seen:
+        cfg = got["cfg"]
+        assert cfg.trainer.default_local_dir == ckpts
+        assert cfg.trainer_service.loop.default_local_dir == ckpts  # what the trainer reads
+        assert cfg.param_server.disk_dir == weights
+    resolved = load_config(run_dir / "config.resolved.yaml")
+    assert resolved.trainer.default_local_dir == ckpts
