@@ -2,7 +2,7 @@
 
     meshrl plan CONFIG [overrides] [--json]
     meshrl serve-config [CONFIG] [overrides] [--run-dir DIR] > serve.yaml   (then `serve deploy serve.yaml`)
-    meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR]
+    meshrl coordinator serve [CONFIG] [overrides] [--run-dir DIR] [--resume]
     meshrl reward serve [CONFIG] [overrides] [--host H] [--port P]
     meshrl environment serve [CONFIG] [overrides] [--host H] [--port P]
     meshrl param-server serve [CONFIG] [overrides] [--run-dir DIR]
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     ps = csub.add_parser("serve", help="serve CoordinatorService on a plain grpc.aio server")
     _config_args(ps)
     ps.add_argument("--run-dir", default=None, help="run directory (ledger, resolved config)")
+    ps.add_argument("--resume", action="store_true",
+                    help="a restart: continue the run whose ledger is in --run-dir (or coordinator.ledger_path); "
+                         "refused when it is not there, never a fresh run from prompt 0")
 
     p = sub.add_parser("param-server", help="run the param server without Ray (the grpc/disk/collective transports)")
     psub = p.add_subparsers(dest="param_server_command", required=True)
@@ -387,19 +390,22 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 @_command("coordinator")
 def _coordinator(args: argparse.Namespace) -> int:
     from services.common.config import load_config, write_resolved_config
+    from services.common.errors import ConfigError
     from services.common.logging import configure_logging
     from services.coordinator.server import CoordinatorServer
 
     config, overrides = _split_config_and_overrides(args)
     cfg = load_config(config, overrides)
+    if args.resume and not args.run_dir and not cfg.coordinator.ledger_path:
+        raise ConfigError("--resume continues a run: give its --run-dir (or coordinator.ledger_path), where its ledger is")
     run_dir = _run_dir(args.run_dir, "coordinator")
-    write_resolved_config(cfg, run_dir)
     configure_logging("coordinator")
 
     async def main() -> None:
         import signal
 
-        server = CoordinatorServer(cfg, run_dir)
+        server = CoordinatorServer(cfg, run_dir, resume=args.resume)
+        write_resolved_config(cfg, run_dir)  # once the ledger is open: a refused --resume writes nothing
         await server.start()
         print(f"coordinator listening on {server.address} (run dir {run_dir})", flush=True)
         stop = asyncio.Event()

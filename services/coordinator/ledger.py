@@ -228,7 +228,7 @@ class Ledger:
         # A fresh ledger here would start the run over from prompt 0 beside the trainer's checkpoint
         # of the old one, its loss seen, if ever, as a ResumeTrainer or CommitVersion refused later.
         raise FailedPrecondition(
-            f"ledger {self.path} {what}, and this coordinator continues a run (`meshrl train --resume`, or Serve "
+            f"ledger {self.path} {what}, and this coordinator continues a run (`meshrl train --resume`, `meshrl coordinator serve --resume`, or Serve "
             "restarting its replica): a new ledger would start it over from prompt 0; point coordinator.ledger_path "
             "at the run's ledger (ledger.sqlite in its run directory, or where its volume is mounted now), or start a new run (without --resume; a new `meshrl serve-config`)"
         )

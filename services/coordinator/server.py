@@ -22,10 +22,13 @@ SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
 class CoordinatorServer:
     """Owns a grpc.aio server bound to host:port and the servicer behind it."""
 
-    def __init__(self, cfg: MeshConfig, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, cfg: MeshConfig, run_dir: str | os.PathLike[str], *, resume: bool = False) -> None:
+        """RESUME (`meshrl coordinator serve --resume`): a restart continuing the run, whose ledger
+        must be there (Ledger's create): without it a lost ledger was silently a fresh run, leasing
+        from prompt 0 beside the trainer's checkpoint."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.servicer: CoordinatorServicer = build_servicer(cfg, run_dir)
+        self.servicer: CoordinatorServicer = build_servicer(cfg, run_dir, resume=resume)
         c = cfg.coordinator
         # coordinator.tls_* (older keys) win over security.tls.* for this server.
         self.security = ServerSecurity.from_config(cfg, cert_file=c.tls_cert_file, key_file=c.tls_key_file)

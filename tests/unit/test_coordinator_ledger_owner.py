@@ -238,3 +238,38 @@ def test_a_replica_serve_restarts_in_its_session_refuses_a_ledger_gone_from_its_
     fresh = deployment.open_servicer(cfg, str(run_dir), session="t")  # a new run (session) creates it
     assert fresh.core.in_flight == 0 and db.exists()
     fresh.core.ledger.close()
+
+
+def test_meshrl_coordinator_serve_resume_refuses_a_ledger_gone_from_its_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`meshrl coordinator serve` (the plain gRPC server) had no --resume: restarted on a run
+    whose ledger was lost (deleted, a volume not mounted), it created a fresh one and leased from
+    prompt 0 beside the trainer's checkpoint. With --resume it continues the run's ledger, and
+    refuses one that is not there before writing anything."""
+    import asyncio
+
+    from meshrl.cli import main
+    from services.common.config import load_config
+    from services.coordinator.server import CoordinatorServer
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+{i}="}}\n' for i in range(8)))
+    overrides = [f"data.train_files=[{data}]", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "coordinator.port=0"]
+    run_dir = tmp_path / "run"
+    assert main(["coordinator", "serve", *overrides, "--run-dir", str(run_dir), "--resume"]) == 2
+    assert "ledger" in (err := capsys.readouterr().err) and "does not exist" in err
+    assert not (run_dir / "ledger.sqlite").exists() and not (run_dir / "config.resolved.yaml").exists()
+
+    cfg = load_config(None, overrides)
+
+    async def serve(resume: bool) -> int:
+        server = CoordinatorServer(cfg, run_dir, resume=resume)
+        in_flight = server.servicer.core.in_flight
+        if not resume:
+            server.servicer.core.lease("r", 2, 0.0)
+        server.servicer.core.ledger.close()
+        return in_flight
+
+    asyncio.run(serve(resume=False))  # the first start creates the ledger
+    assert asyncio.run(serve(resume=True)) == 2  # the restart goes on with its leases
