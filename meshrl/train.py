@@ -69,6 +69,10 @@ def resolve_config(
     example), then the mode's settings, then the user's overrides."""
     base: str | Path
     if resume is not None:
+        if config is not None:
+            # Never read: a changed config (a fixed learning rate, more epochs) silently not applied.
+            raise ConfigError(f"{config}: --resume {resume} continues that run with its config.resolved.yaml and "
+                              "reads no config file; leave it out and give the changes as dotted overrides")
         base = resume / "config.resolved.yaml"
         if not base.exists():
             raise FileNotFoundError(f"{resume} has no config.resolved.yaml; is it a meshrl run directory?")

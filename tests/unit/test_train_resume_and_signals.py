@@ -316,3 +316,19 @@ def test_a_relative_checkpoint_dir_names_the_same_directory_when_the_run_is_resu
         assert cfg.param_server.disk_dir == weights
     resolved = load_config(run_dir / "config.resolved.yaml")
     assert resolved.trainer.default_local_dir == ckpts
+
+
+def test_a_config_file_given_with_resume_is_refused_not_silently_ignored(tmp_path: Path) -> None:
+    """`meshrl train my.yaml --resume RUN_DIR` loaded RUN_DIR/config.resolved.yaml and never read
+    my.yaml: a changed config (a fixed learning rate, more epochs) was silently not applied to
+    the resumed run. Changes to a resumed run are dotted overrides."""
+    from services.common.config import write_resolved_config
+    from services.common.errors import ConfigError
+
+    run_dir = tmp_path / "run"
+    write_resolved_config(resolve_config(None, []), run_dir)
+    changed = tmp_path / "changed.yaml"
+    changed.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1.0e-07\n")
+    with pytest.raises(ConfigError, match=r"changed\.yaml.*--resume.*overrides"):
+        resolve_config(str(changed), [], resume=run_dir)
+    assert resolve_config(None, ["actor_rollout_ref.actor.optim.lr=1e-7"], resume=run_dir).actor_rollout_ref.actor.optim.lr == 1e-7
