@@ -222,6 +222,29 @@ def rollout_engine_devices(cfg: MeshConfig) -> int:
     return sizes["tp"][1] * sizes["dp"][1] * sizes["pp"][1]
 
 
+def rollout_engine_spans_nodes(cfg: MeshConfig) -> bool:
+    """Whether one vLLM engine is larger than a node (rollout.n_gpus_per_node): its Serve replica
+    then reserves no device, and vLLM's Ray executor places the engine's workers over whole nodes
+    (verl's RolloutReplica: rollout.n_gpus_per_node workers on each of TP x DP x PP / that nodes)."""
+    return cfg.actor_rollout_ref.rollout.name == "vllm" and rollout_engine_devices(cfg) > cfg.rollout.n_gpus_per_node
+
+
+def rollout_node_mismatch(cfg: MeshConfig) -> str | None:
+    """Why the vLLM engines of TP x DP x PP do not tile the rollout's nodes, or None. An engine
+    larger than a node spans whole nodes (rollout_engine_spans_nodes)."""
+    if cfg.actor_rollout_ref.rollout.name != "vllm":
+        return None
+    per_node = cfg.rollout.n_gpus_per_node
+    engine = rollout_engine_devices(cfg)
+    parts = _engine_parts(rollout_parallel(cfg))
+    if engine > per_node and engine % per_node:
+        return (f"{parts} = {engine} devices per engine is more than the rollout.n_gpus_per_node={per_node} devices of "
+                f"a node but no whole number of nodes: an engine spanning nodes takes all the devices of each of its "
+                f"nodes; make the engine's devices a multiple of {per_node} (or a divisor of it), or change "
+                f"rollout.n_gpus_per_node")
+    return None
+
+
 def _engine_parts(sizes: dict[str, tuple[str, int]]) -> str:
     """"key(TP) x key(DP)[ x key(PP)]" for messages, each size under the key that sets it."""
     parts = [f"{key}({n})" for name, (key, n) in sizes.items() if name != "pp" or n > 1]
@@ -246,9 +269,23 @@ def serve_rollout_devices_mismatch(cfg: MeshConfig) -> str | None:
         return None
     sizes = rollout_parallel(cfg)
     engine = rollout_engine_devices(cfg)
+    parts = _engine_parts(sizes)
+    per_node = cfg.rollout.n_gpus_per_node
+    if engine > per_node:
+        # No replica can reserve a whole engine (no node has the devices: it waited unplaced for
+        # ever); vLLM's Ray executor places the engine's workers over nodes in a placement group of
+        # its own, which cannot use devices reserved for the replica.
+        pool = cfg.rollout.nnodes * per_node
+        replicas = f" and serve.rollout.num_replicas={pool // engine}" if pool % engine == 0 else ""
+        # a pool smaller than one engine: rollout.n_gpus_per_node (default 1) likely undercounts a node
+        node = (f" (or, where a node has the {engine} devices, set rollout.n_gpus_per_node to its device count and "
+                f"set {key}={engine})" if pool < engine else "")
+        return (f"{key}={count:g} but each rollout replica runs one vLLM engine of {parts} = {engine} devices, more "
+                f"than the rollout.n_gpus_per_node={per_node} of a node: no node can hold such a reservation, and vLLM's "
+                f"Ray executor places the engine's workers over nodes in a placement group of its own, which devices "
+                f"reserved for the replica are kept from; set {key}=0{replicas}{node}")
     if count == engine or (engine == 1 and count < 1):  # a fraction of one device: replicas share it
         return None
-    parts = _engine_parts(sizes)
     effect = ("vLLM places the missing workers on devices outside the replica's allocation, or waits for them"
               if count < engine else f"{count - engine:g} of them sit idle")
     return (f"{key}={count:g} but each rollout replica runs one vLLM engine of {parts} = {engine} devices: "
@@ -262,16 +299,21 @@ def serve_rollout_pool_mismatch(cfg: MeshConfig) -> str | None:
     engines of TP x DP x PP; under Serve the replicas are what run, so with fewer devices the run
     had fewer engines than asked (the rest idle on the cluster sized for it), with more the
     replicas past the pool waited unplaced on such a cluster. 0 devices per replica is left alone
-    (no reservation: a CPU run, or devices shared on purpose; serve_rollout_devices_mismatch); the
-    pool is the most an autoscaling rollout grows to."""
+    (no reservation: a CPU run, or devices shared on purpose; serve_rollout_devices_mismatch),
+    except for an engine larger than a node, whose devices vLLM takes whatever the replica reserves;
+    the pool is the most an autoscaling rollout grows to."""
     app = cfg.serve.rollout
     key, count = ("serve.rollout.num_gpus", app.num_gpus) if app.num_gpus else (
         "serve.rollout.resources.NPU", float(app.resources.get("NPU", 0)))
-    if not count:
-        return None
     pool = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
     rkey, replicas = (("serve.rollout.num_replicas", app.num_replicas) if app.autoscaling is None
                       else ("serve.rollout.autoscaling.max_replicas", app.autoscaling.max_replicas))
+    if rollout_engine_spans_nodes(cfg):
+        # each replica's engine takes its devices through vLLM's own placement group, whatever the
+        # replica reserves (serve_rollout_devices_mismatch): one replica left half of 2 engines' pool idle
+        key, count = _engine_parts(rollout_parallel(cfg)), rollout_engine_devices(cfg)
+    if not count:
+        return None
     used = math.ceil(round(replicas * count, 6))  # replicas given a fraction of a device share it
     if used == pool:
         return None
@@ -308,8 +350,8 @@ def serve_launch_problems(cfg: MeshConfig) -> list[str]:
     serve-config refuse it, `meshrl plan` lists it among its errors."""
     from services.weights.transports import serve_receivers_mismatch
 
-    checks = (serve_receivers_mismatch, serve_rollout_devices_mismatch, serve_rollout_pool_mismatch,
-              serve_trainer_devices_reserved)
+    checks = (serve_receivers_mismatch, rollout_node_mismatch, serve_rollout_devices_mismatch,
+              serve_rollout_pool_mismatch, serve_trainer_devices_reserved)
     return [problem for check in checks if (problem := check(cfg))]
 
 

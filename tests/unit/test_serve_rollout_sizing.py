@@ -33,8 +33,9 @@ def _sizing(cfg: MeshConfig) -> tuple[float, int, dict[str, float]]:
     ("qwen3_5_122b_a10b_grpo_megatron", (8.0, 4, {})),  # 4 x 8 GPUs, TP 8
     ("qwen3_30b_a3b_dapo_fsdp_npu", (0.0, 8, {"NPU": 2.0})),  # 16 NPUs, TP 2
     ("qwen3_8b_grpo_mindspeed_npu", (0.0, 4, {"NPU": 2.0})),  # 8 NPUs, TP 2
-    # TP 8 x DP 8 = 64 devices per engine span nodes of 16: no one replica can hold them, left alone
-    ("qwen3_235b_a22b_grpo_megatron_npu", (0.0, 1, {})),
+    # TP 8 x DP 8 = 64 devices per engine span 4 nodes of 16: vLLM's Ray executor places them, the
+    # replica reserves none; 8 x 16 = 128 devices are 2 engines (was 1 replica: 64 devices idle)
+    ("qwen3_235b_a22b_grpo_megatron_npu", (0.0, 2, {})),
 ])
 def test_recipes_get_one_serve_rollout_replica_per_engine(recipe: str, sizing: tuple, tmp_path: Path) -> None:
     cfg = load_config(ROOT / "configs" / "recipes" / f"{recipe}.yaml")
@@ -77,6 +78,35 @@ def test_a_pool_the_engine_does_not_divide_is_refused_naming_the_keys() -> None:
     with pytest.raises(ConfigError, match=r"rollout\.nnodes x rollout\.n_gpus_per_node = 6 .*"
                                           r"actor_rollout_ref\.rollout\.tensor_model_parallel_size\(4\).*serve\.rollout\.num_gpus"):
         load_config(None, [*VLLM_8, "rollout.n_gpus_per_node=6", "trainer.device=cuda"])
+
+
+NPU_235B = ROOT / "configs" / "recipes" / "qwen3_235b_a22b_grpo_megatron_npu.yaml"
+
+
+@pytest.mark.parametrize(("sizing", "fix"), [
+    # 64 NPUs reserved per replica: no 16-NPU node has them (the advice was to set exactly that)
+    (["serve.rollout.resources={NPU: 64}", "serve.rollout.num_replicas=2"], "set serve.rollout.resources.NPU=0 and "
+                                                                            "serve.rollout.num_replicas=2"),
+    # its per-node share: vLLM's own placement group cannot use them, 16 NPUs idle or that group unplaced
+    (["serve.rollout.resources={NPU: 16}", "serve.rollout.num_replicas=2"], "set serve.rollout.resources.NPU=0"),
+    # no reservation, one replica: one engine of 64 ran, the other 64 devices idle
+    (["serve.rollout.num_replicas=1"], "set serve.rollout.num_replicas=2"),
+])
+def test_an_engine_larger_than_a_node_reserves_nothing_one_replica_per_engine(sizing: list[str], fix: str) -> None:
+    problems = serve_launch_problems(load_config(NPU_235B, sizing))
+    assert len(problems) == 1 and fix in problems[0], problems
+    assert "set serve.rollout.resources.NPU=64" not in problems[0]
+    assert serve_launch_problems(load_config(NPU_235B, ["serve.rollout.num_replicas=2"])) == []
+
+
+def test_an_engine_spanning_part_of_a_node_is_refused_naming_the_keys() -> None:
+    # 24 devices an engine over nodes of 16: one node and a half, no layout places it
+    tp24 = ["actor_rollout_ref.rollout.engine_kwargs={vllm: {tensor_parallel_size: 3}}", "rollout.nnodes=3"]
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.vllm\.tensor_parallel_size\(3\).*= 24 devices per engine span "
+                                          r"nodes of rollout\.n_gpus_per_node=16.*multiple of 16"):
+        load_config(NPU_235B, tp24)
+    problems = serve_launch_problems(load_config(NPU_235B, [*tp24, "serve.rollout.num_replicas=2"]))
+    assert any("no whole number of nodes" in p and "rollout.n_gpus_per_node" in p for p in problems), problems
 
 
 def test_plan_and_serve_config_show_the_filled_replicas(tmp_path: Path) -> None:

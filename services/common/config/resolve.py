@@ -233,8 +233,9 @@ def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
     the device of all its workers) and no key of `_SERVE_ROLLOUT_SIZING` is given, each engine
     becomes one replica owning its devices: serve.rollout.num_gpus (resources NPU on npu) = the
     engine's devices, serve.rollout.num_replicas = pool / that. A device kind of `auto` is decided
-    on the replica, after load: left alone, as is an engine larger than a node (no one replica
-    can hold it)."""
+    on the replica, after load: left alone. A vLLM engine larger than a node spans whole nodes
+    through vLLM's Ray executor: its replica reserves no device, num_replicas = pool / engine; one
+    that does not span whole nodes is refused naming the keys."""
     if any(_given(tree, key) for key in _SERVE_ROLLOUT_SIZING):
         return
     if any(_get(tree, key) is not _MISSING and not isinstance(_get(tree, key), dict) for key in ("serve", "serve.rollout")):
@@ -261,11 +262,24 @@ def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
     if per_node is None or nnodes is None or any(n is None for _, n in sizes):
         return  # validation names the bad value
     engine = math.prod(n for _, n in sizes if n is not None)
-    if engine > per_node:
-        return
+    parts = " x ".join(f"{key}({n})" for key, n in sizes)
     pool = nnodes * per_node
+    if engine > per_node:
+        if name != "vllm":
+            return  # the transformers engine runs in its replica: no one replica can hold it
+        # vLLM spans nodes with its Ray executor, whose placement group takes the engine's devices
+        # (whole nodes, as verl places them): the replica reserves none, one replica per engine
+        # (left as one replica, a pool of 2 engines ran 1 and half its devices idle)
+        if engine % per_node or pool % engine:
+            raise ValueError(
+                f"{parts} = {engine} devices per engine span nodes of rollout.n_gpus_per_node={per_node}, and an engine "
+                f"spanning nodes takes whole nodes, and each engine is one rollout replica; make the engine's devices a multiple of "
+                f"{per_node} (or a divisor of it) and rollout.nnodes x rollout.n_gpus_per_node = {pool} a multiple "
+                f"of them (or change the engine's parallel sizes)"
+            )
+        _set(tree, "serve.rollout.num_replicas", pool // engine)
+        return
     if pool % engine:
-        parts = " x ".join(f"{key}({n})" for key, n in sizes)
         raise ValueError(
             f"rollout.nnodes x rollout.n_gpus_per_node = {pool} rollout devices are no whole number of engines of "
             f"{parts} = {engine} devices, and under Serve each engine is one rollout replica; make "
