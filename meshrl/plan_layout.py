@@ -231,6 +231,9 @@ def rollout_engine_spans_nodes(cfg: MeshConfig) -> bool:
 
 def rollout_node_mismatch(cfg: MeshConfig) -> str | None:
     """Why the vLLM engines of TP x DP x PP do not tile the rollout's nodes, or None. An engine
+    within a node is one Serve replica placed on one node, so it must divide
+    rollout.n_gpus_per_node: 2 nodes of 6 in engines of 4 made 3 replicas of which one fits a
+    node each, the third waited unplaced for ever (and 2 devices a node ran nothing). An engine
     larger than a node spans whole nodes (rollout_engine_spans_nodes)."""
     if cfg.actor_rollout_ref.rollout.name != "vllm":
         return None
@@ -242,6 +245,12 @@ def rollout_node_mismatch(cfg: MeshConfig) -> str | None:
                 f"a node but no whole number of nodes: an engine spanning nodes takes all the devices of each of its "
                 f"nodes; make the engine's devices a multiple of {per_node} (or a divisor of it), or change "
                 f"rollout.n_gpus_per_node")
+    if engine <= per_node and per_node % engine:
+        return (f"{parts} = {engine} devices per engine does not divide the rollout.n_gpus_per_node={per_node} devices "
+                f"of a node: under Serve each engine is one rollout replica on one node, so a node holds "
+                f"{per_node // engine} of them and {per_node % engine} of its devices run no engine, and the replicas "
+                f"past that wait unplaced; make the engine's devices a divisor of {per_node}, or "
+                f"rollout.n_gpus_per_node a multiple of {engine}")
     return None
 
 

@@ -74,10 +74,24 @@ def test_cpu_configs_are_unchanged() -> None:
         assert _sizing(load_config(path)) == (0.0, 1, {}), path
 
 
-def test_a_pool_the_engine_does_not_divide_is_refused_naming_the_keys() -> None:
-    with pytest.raises(ConfigError, match=r"rollout\.nnodes x rollout\.n_gpus_per_node = 6 .*"
-                                          r"actor_rollout_ref\.rollout\.tensor_model_parallel_size\(4\).*serve\.rollout\.num_gpus"):
-        load_config(None, [*VLLM_8, "rollout.n_gpus_per_node=6", "trainer.device=cuda"])
+@pytest.mark.parametrize("nnodes", ["1", "2"])
+def test_a_node_the_engine_does_not_divide_is_refused_naming_the_keys(nnodes: str) -> None:
+    # 2 nodes of 6 in engines of TP 4: 12 devices are 3 engines, but a node holds one replica of 4,
+    # so the third waited unplaced for ever
+    with pytest.raises(ConfigError, match=r"rollout\.n_gpus_per_node = 6 .*"
+                                          r"actor_rollout_ref\.rollout\.tensor_model_parallel_size\(4\).*"
+                                          r"make rollout\.n_gpus_per_node a multiple of 4"):
+        load_config(None, [*VLLM_8, "rollout.n_gpus_per_node=6", f"rollout.nnodes={nnodes}", "trainer.device=cuda"])
+    # sized by hand, `meshrl plan` and the launch checks refuse it
+    cfg = load_config(None, [*VLLM_8, "rollout.n_gpus_per_node=6", "rollout.nnodes=2", "trainer.device=cuda",
+                             "serve.rollout.num_gpus=4", "serve.rollout.num_replicas=3"])
+    (problem,) = serve_launch_problems(cfg)
+    assert "does not divide the rollout.n_gpus_per_node=6 devices of a node" in problem
+    assert "the replicas past that wait unplaced" in problem
+    with pytest.raises(ConfigError, match="not runnable") as info:
+        make_plan(None, [*VLLM_8, "rollout.n_gpus_per_node=6", "rollout.nnodes=2", "serve.rollout.num_gpus=4",
+                         "serve.rollout.num_replicas=3"])
+    assert "make the engine's devices a divisor of 6, or rollout.n_gpus_per_node a multiple of 4" in str(info.value)
 
 
 NPU_235B = ROOT / "configs" / "recipes" / "qwen3_235b_a22b_grpo_megatron_npu.yaml"

@@ -234,8 +234,8 @@ def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
     becomes one replica owning its devices: serve.rollout.num_gpus (resources NPU on npu) = the
     engine's devices, serve.rollout.num_replicas = pool / that. A device kind of `auto` is decided
     on the replica, after load: left alone. A vLLM engine larger than a node spans whole nodes
-    through vLLM's Ray executor: its replica reserves no device, num_replicas = pool / engine; one
-    that does not span whole nodes is refused naming the keys."""
+    through vLLM's Ray executor: its replica reserves no device, num_replicas = pool / engine. An
+    engine that does not tile the nodes is refused naming the keys."""
     if any(_given(tree, key) for key in _SERVE_ROLLOUT_SIZING):
         return
     if any(_get(tree, key) is not _MISSING and not isinstance(_get(tree, key), dict) for key in ("serve", "serve.rollout")):
@@ -279,13 +279,15 @@ def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
             )
         _set(tree, "serve.rollout.num_replicas", pool // engine)
         return
-    if pool % engine:
+    if per_node % engine:
+        # each replica is placed on one node: 2 nodes of 6 in engines of 4 made 3 replicas, one a
+        # node, the third waiting unplaced for ever
         raise ValueError(
-            f"rollout.nnodes x rollout.n_gpus_per_node = {pool} rollout devices are no whole number of engines of "
-            f"{parts} = {engine} devices, and under Serve each engine is one rollout replica; make "
-            f"rollout.nnodes x rollout.n_gpus_per_node a multiple of {engine} (or change the engine's parallel "
-            f"sizes), or size the replicas yourself with serve.rollout.num_gpus (resources NPU) and "
-            f"serve.rollout.num_replicas"
+            f"rollout.n_gpus_per_node = {per_node} devices a node are no whole number of engines of {parts} = "
+            f"{engine} devices, and under Serve each engine is one rollout replica on one node; make "
+            f"rollout.n_gpus_per_node a multiple of {engine} (or change the engine's parallel sizes)"
+            + ("" if name == "vllm" else ", or size the replicas yourself with serve.rollout.num_gpus "
+               "(resources NPU) and serve.rollout.num_replicas")
         )
     _set(tree, "serve.rollout.num_gpus" if kind == "cuda" else "serve.rollout.resources.NPU", engine)
     _set(tree, "serve.rollout.num_replicas", pool // engine)
