@@ -88,8 +88,8 @@ def truncate_middle(text: str, limit: int) -> str:
     """The loop's `tool_response_truncate_side: middle`."""
     if len(text) <= limit:
         return text
-    head = limit // 2
-    return text[:head] + "...(truncated)..." + text[len(text) - (limit - head):]
+    half = limit // 2  # verl's middle cut: limit // 2 characters of each end
+    return text[:half] + "...(truncated)..." + text[len(text) - half:]
 
 
 class ToolAddAgent:

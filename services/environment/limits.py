@@ -19,16 +19,17 @@ TruncateSide = Literal["left", "middle", "right"]
 
 
 def truncate_text(text: str, limit: int, side: TruncateSide) -> tuple[str, bool]:
-    """verl's truncation of a long tool response: keep `limit` characters of its start (left), end
-    (right) or both ends (middle), marked."""
+    """verl's truncation of a long tool response (ToolAgentLoop, character for character): keep
+    `limit` characters of its start (left) or end (right), or `limit // 2` of each end (middle:
+    one fewer than `limit` when it is odd, as verl keeps), marked."""
     if len(text) <= limit:
         return text, False
     if side == "left":
         return text[:limit] + "...(truncated)", True
     if side == "right":
         return "(truncated)..." + text[-limit:], True
-    head = limit // 2
-    return text[:head] + "...(truncated)..." + text[len(text) - (limit - head) :], True
+    half = limit // 2  # verl's text[-half:] is the whole text at half 0; nothing is kept of either end here
+    return text[:half] + "...(truncated)..." + text[len(text) - half :], True
 
 
 def _fair_cap(lengths: Sequence[int], budget: int) -> int | None:

@@ -94,12 +94,22 @@ def test_a_tool_name_no_tool_could_have_is_a_parse_error() -> None:
 
 
 @pytest.mark.parametrize(("side", "expected"), [
-    ("left", "abcde...(truncated)"), ("right", "(truncated)...vwxyz"), ("middle", "ab...(truncated)...xyz"),
+    ("left", "abcde...(truncated)"), ("right", "(truncated)...vwxyz"), ("middle", "ab...(truncated)...yz"),
 ])
 def test_truncation_keeps_the_configured_side(side: Any, expected: str) -> None:
     text = "abcdefghijklmnopqrstuvwxyz"
     assert truncate_text(text, 5, side) == (expected, True)
     assert truncate_text("short", 5, side) == ("short", False)
+
+
+def test_a_middle_cut_keeps_what_verl_keeps() -> None:
+    """verl's ToolAgentLoop keeps limit // 2 characters of each end (2 * (limit // 2) in all, one
+    fewer than the limit when it is odd); a config ported from verl shows the policy the same text."""
+    text = "abcdefghijklmnopqrstuvwxyz"
+    for limit in (2, 5, 6, 9):
+        half = limit // 2
+        assert truncate_text(text, limit, "middle") == (text[:half] + "...(truncated)..." + text[-half:], True)
+    assert truncate_text(text, 1, "middle") == ("...(truncated)...", True)  # nothing of either end, not the whole text
 
 
 # ---- chat deltas ------------------------------------------------------------------------------------
