@@ -132,8 +132,10 @@ class ToolAddAgent:
                     text = "Error: unknown tool ''; available tools: ['add']"
                 else:
                     text = run_tool(fn.name, fn.arguments)
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": truncate_middle(text, self.max_tool_response_length)})
+                # The loop cuts a tool's answer, never an error text (verl); an answer is digits.
+                if not text.startswith("Error"):
+                    text = truncate_middle(text, self.max_tool_response_length)
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
         finish = await self.http.post(f"{base_url.rsplit('/v1', 1)[0]}/finish", json={},
                                       headers={"Authorization": f"Bearer {api_key}"})
         finish.raise_for_status()

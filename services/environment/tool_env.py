@@ -8,6 +8,8 @@ Per assistant turn (Step):
   `tool_errors` (verl's behaviour); calls beyond `max_parallel_calls` are answered with an error
   saying so (verl drops them silently), and a call that runs past `call_timeout_s`
   (`multi_turn.tool_timeout_s`) is cancelled and answered with an error. The episode goes on.
+  Error answers are marked (`Message.error`): the rollout shows them whole, as verl does, and cuts
+  only a tool's own responses to `max_tool_response_length`.
 - no tool calls, an interaction configured: the interaction writes the next `user` message and may
   end the episode with a turn score.
 - otherwise the episode is done.
@@ -182,7 +184,7 @@ class ToolEnvironment(Environment):
         errors = sum(1 for o in outcomes if o[3])
         self.calls += len(calls)
         self.errors += errors
-        msgs = tuple(Message("tool", o[0]) for o in outcomes)
+        msgs = tuple(Message("tool", o[0], error=o[3]) for o in outcomes)
         return StepResult(messages=msgs, done=False, reward=reward, metrics=metrics, tool_errors=errors)
 
     async def _create(self, session_id: str, s: _Session, name: str) -> None:

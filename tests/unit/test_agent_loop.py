@@ -337,6 +337,21 @@ def test_user_turns_are_not_cut_to_the_tool_response_length(tok: Any) -> None:
     assert "truncated_messages" not in t.env_metrics
 
 
+def test_tool_errors_are_not_cut_to_the_tool_response_length(tok: Any) -> None:
+    """verl answers a call it could not run (unknown tool, bad arguments, a tool that raised) with
+    its error text whole; only a tool's own response is cut to max_tool_response_length."""
+    calls = ('<tool_call>{"name":"mul","arguments":{"a":1,"b":2}}</tool_call>'
+             '<tool_call>{"name":"add","arguments":{"a":1,"c":2}}</tool_call><|im_end|>')
+    engine = ScriptedEngine(tok, [calls, "3<|im_end|>"])
+    _, (t,) = _run(tok, engine, ToolEnvironment(load_tools(TOOLS), max_parallel_calls=2), SamplingSpec(n=1, max_tokens=400),
+                   max_tool_response_length=10)
+    env = tok.decode([x for x, m in zip(t.token_ids, t.loss_mask, strict=True) if not m])
+    assert "Error: unknown tool 'mul'; available tools: ['add']" in env
+    assert "Error when executing tool add: add takes exactly the arguments a and b, got ['a', 'c']" in env
+    assert "(truncated)" not in env and "truncated_messages" not in t.env_metrics
+    assert (t.tool_calls, t.tool_errors, t.final_text) == (2, 2, "3")
+
+
 def test_turn_limits_stop_without_asking_the_environment(tok: Any) -> None:
     env = ScriptedEnv(done_at=9)
     _, (t,) = _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), env, SamplingSpec(n=1, max_tokens=200), max_assistant_turns=1)

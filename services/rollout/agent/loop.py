@@ -20,8 +20,8 @@ the response budget (`data.max_response_length`, policy + environment tokens; en
 that would cross it are not appended and the trajectory ends with `length`),
 `max_assistant_turns` (and the environment's own), `max_user_turns`. Tool responses (role `tool`)
 longer than `max_tool_response_length` characters are truncated (`tool_response_truncate_side`);
-other environment messages (an interaction's user turns) are kept whole, as verl keeps them, bounded
-only by the response budget and the context.
+other environment messages (an interaction's user turns) and the error texts answering calls that
+could not run are kept whole, as verl keeps them, bounded only by the response budget and the context.
 
 Failures: an environment error (after its endpoint's retry budget) fails the group; the worker
 returns the lease and the prompt is re-queued (counted), never scored. That includes an
@@ -362,7 +362,9 @@ class AgentLoop:
     def _truncated(self, messages: Sequence[Message], t: Trajectory) -> list[dict[str, Any]]:
         out = []
         for m in messages:
-            if m.role != "tool":  # verl cuts tool responses only; an interaction's user turn stays whole
+            # verl cuts a tool's own response only: an interaction's user turn and the error text
+            # answering a call that could not run (verl's "Error when executing tool") stay whole
+            if m.role != "tool" or m.error:
                 out.append({"role": m.role, "content": m.content})
                 continue
             content, cut = truncate_text(m.content, self.s.max_tool_response_length, self.s.tool_response_truncate_side)
