@@ -352,6 +352,31 @@ def test_tool_errors_are_not_cut_to_the_tool_response_length(tok: Any) -> None:
     assert (t.tool_calls, t.tool_errors, t.final_text) == (2, 2, "3")
 
 
+def test_the_message_that_ends_the_episode_is_appended_masked_within_the_budget(tok: Any) -> None:
+    """verl appends an interaction's last user message (loss mask 0) before it stops on its
+    terminate; the response (its length, what DAPO's overlong shaping counts) ends with it. Past the
+    response budget it is cut there, as verl cuts its response; the episode still ended `stop`."""
+    def run(budget: int) -> tuple[Any, AgentLoop]:
+        engine = ScriptedEngine(tok, ["a<|im_end|>", "b<|im_end|>"])
+        loop = AgentLoop(tok, EnvironmentRouter(ScriptedEnv(done_at=1, reply="well done"), []), AgentSettings())
+
+        async def go() -> Any:
+            return await loop.run_group(_prompt(), SamplingSpec(n=1, max_tokens=budget), "r/L1", engine.generate,
+                                        lambda: False, lambda: 0)
+
+        return asyncio.run(go())[1][0], loop
+
+    t, loop = run(200)
+    last = tok.encode("\n<|im_start|>user\nwell done<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert t.token_ids[-len(last):] == last and t.loss_mask[-len(last):] == [0] * len(last)
+    assert t.versions[-1] == -1 and t.logprobs[-1] == 0.0 and t.turn_starts[-1] == len(t) - len(last)
+    assert (t.final_text, t.num_turns, t.finish_reason, t.env_reward) == ("b", 2, Finish.STOP, 1.5)
+    assert loop.counters.tokenization_drift == 0
+    cut, loop = run(len(t) - 3)
+    assert cut.token_ids == t.token_ids[:-3] and cut.loss_mask == t.loss_mask[:-3]
+    assert cut.finish_reason == Finish.STOP and loop.counters.tokenization_drift == 0
+
+
 def test_turn_limits_stop_without_asking_the_environment(tok: Any) -> None:
     env = ScriptedEnv(done_at=9)
     _, (t,) = _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), env, SamplingSpec(n=1, max_tokens=200), max_assistant_turns=1)
@@ -443,7 +468,7 @@ def test_a_stop_string_across_the_cut_of_an_aborted_turn_ends_the_turn_there(tok
     assert engine.requests[1].prompt_token_ids == engine.requests[0].prompt_token_ids + ids[:5]
     policy = [x for x, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
     assert policy == ids[:6], tok.decode(policy)  # through the token that completes the stop string
-    assert t.finish_reason == "stop" and t.versions == [0] * 5 + [1]
+    assert t.finish_reason == "stop" and t.policy_versions() == [0] * 5 + [1]  # then the done message (verl)
 
 
 def test_samples_started_differently_share_the_common_prefix(tok: Any) -> None:

@@ -6,8 +6,9 @@ RolloutEngine (the contract in engines/base.py; nothing engine-specific here).
       loop:
         engine.generate(exact ids so far)   -> an assistant turn (loss mask 1, logprobs, versions)
         parse <tool_call> blocks            -> Step(session, turn, text, calls)
-        Step says done / a limit is hit     -> stop
+        a limit is hit                      -> stop
         tokenize only the new messages      -> environment tokens (loss mask 0), appended
+        Step says done                      -> stop (after its messages, appended as verl does)
       Close(session)                        -> final reward, metrics
 
 Each turn continues from the exact token ids generated so far (token-in/token-out, chat.py); the
@@ -251,6 +252,7 @@ class AgentLoop:
         limits = [x for x in (self.s.max_assistant_turns, s.start.max_turns) if x]
         max_turns = min(limits) if limits else None
         generated_end, ended_on_assistant, user_turns = "", False, 0
+        unappended: list[int] = []  # the end of the episode's last message, past the budget
         ok = False
         turn = -1
         try:
@@ -294,10 +296,25 @@ class AgentLoop:
                 self.counters.tool_errors += max(step.tool_errors, parse_errors)
                 t.add_reward(step.reward, source=f"environment {env.name!r}")
                 t.add_metrics(step.metrics)
-                if step.done:
+                if step.done and not step.messages:
                     break
                 new = self._truncated(step.messages, t)
                 env_ids = s.renderer.env_ids(history[:-1], history[-1], new, generated_end)
+                if step.done:
+                    # verl appends an interaction's last user message (loss mask 0) before it stops:
+                    # the response, and its length (DAPO's overlong shaping), ends with it. Past the
+                    # budget (or the context) it is cut there, as verl cuts its response; the episode
+                    # still ended `stop`, and the drift check reads the whole message.
+                    room = spec.max_tokens - len(t)
+                    if self.s.max_model_len is not None:
+                        room = min(room, self.s.max_model_len - len(ctx))
+                    room = max(room, 0)
+                    t.add_environment(env_ids[:room])
+                    unappended = env_ids[room:]
+                    history.extend(new)
+                    ended_on_assistant = False
+                    self.counters.environment_turns += 1
+                    break
                 if len(t) + len(env_ids) >= spec.max_tokens or (
                         self.s.max_model_len is not None and len(ctx) + len(env_ids) >= self.s.max_model_len):
                     t.finish_reason = Finish.LENGTH  # verl: what does not fit is not appended
@@ -312,7 +329,7 @@ class AgentLoop:
         finally:
             await self._close(env, s, t, raise_errors=ok)
         t.text = str(self.tok.decode(t.token_ids, skip_special_tokens=False))
-        if s.renderer.check_drift(prompt_ids + t.token_ids, history, ended_on_assistant=ended_on_assistant,
+        if s.renderer.check_drift(prompt_ids + t.token_ids + unappended, history, ended_on_assistant=ended_on_assistant,
                                   generated_end=generated_end, mode=self.s.sanity_mode):
             self.counters.tokenization_drift += 1
             if self.counters.tokenization_drift in (1, 10, 100, 1000):
