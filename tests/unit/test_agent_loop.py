@@ -495,7 +495,10 @@ def test_reward_sources_and_what_the_reward_service_scores(tok: Any) -> None:
     assert items[0].response_text == "579" and list(items[0].response_token_ids) == list(r.token_ids)
     assert 0 in r.loss_mask and r.loss_mask[0] == 1
     extra = json.loads(items[0].extra_info_json)
-    assert extra["num_turns"] == 2 and extra["rollout_reward_scores"] == {"env_reward": 1.5}  # step 1.0 + close 0.5
+    assert extra["rollout_reward_scores"] == {"env_reward": 1.5}  # step 1.0 + close 0.5
+    # verl's num_turns (ToolAgentLoop: user_turns + assistant_turns + 1): 2 assistant turns, the
+    # environment's 2 user turns (the one that ended the episode too), the prompt
+    assert r.num_turns == 2 and extra["num_turns"] == 5
     # The coordinator takes it: staleness from the policy tokens.
     (g,) = groups_from_request(coordinator_pb2.SubmitGroupsRequest(replica_id="r", groups=[group]), max_groups=1, max_tokens=200)
     assert (g.min_version, g.max_version) == (0, 0)
