@@ -133,3 +133,14 @@ def test_plan_and_serve_config_show_the_filled_replicas(tmp_path: Path) -> None:
     doc = yaml.safe_load(render_yaml(build_serve_config(cfg, run_dir), cfg, run_dir, "test"))
     (entry,) = next(a for a in doc["applications"] if a["name"] == "rollout")["deployments"]
     assert entry["num_replicas"] == 2 and entry["ray_actor_options"]["num_gpus"] == 4.0
+
+
+def test_the_transformers_engine_is_one_device_per_replica_whatever_its_parallel_sizes() -> None:
+    """The transformers engine runs on one device and reads no parallel size (only vLLM does): a
+    verl TP left in the config reserved TP devices per replica, all but one idle, and a pool that TP
+    did not divide was refused at load."""
+    tp2 = ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "rollout_worker.device=cuda"]
+    for pool in (4, 3):
+        cfg = load_config(None, [*tp2, f"rollout.n_gpus_per_node={pool}"])
+        assert _sizing(cfg) == (1.0, pool, {})
+        assert serve_launch_problems(cfg) == []

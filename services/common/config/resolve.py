@@ -248,10 +248,13 @@ def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
         return
     vllm = _get(tree, "actor_rollout_ref.rollout.engine_kwargs.vllm") if name == "vllm" else {}
     vllm = vllm if isinstance(vllm, dict) else {}
-    # (the key that sets it, size), as meshrl/plan_layout.py rollout_parallel reads them; PP only in engine_kwargs.vllm
+    # (the key that sets it, size), as meshrl/plan_layout.py rollout_parallel reads them; PP only in engine_kwargs.vllm.
+    # The transformers engine runs on one device and reads no parallel size: a verl TP left in its
+    # config reserved that many devices per replica (all but one idle), or refused a pool it did not divide.
     sizes: list[tuple[str, int | None]] = []
-    for vllm_key, key in (("tensor_parallel_size", "tensor_model_parallel_size"),
-                          ("data_parallel_size", "data_parallel_size"), ("pipeline_parallel_size", None)):
+    parallel = (("tensor_parallel_size", "tensor_model_parallel_size"), ("data_parallel_size", "data_parallel_size"),
+                ("pipeline_parallel_size", None)) if name == "vllm" else ()
+    for vllm_key, key in parallel:
         if vllm_key in vllm:
             sizes.append((f"actor_rollout_ref.rollout.engine_kwargs.vllm.{vllm_key}", _whole(vllm[vllm_key])))
         elif key is not None:
