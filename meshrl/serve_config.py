@@ -21,6 +21,7 @@ and shared by the five applications. Nothing here starts Ray.
 from __future__ import annotations
 
 import copy
+import os
 import time
 import uuid
 from pathlib import Path
@@ -68,7 +69,11 @@ def absolute_paths(cfg: MeshConfig, base: Path | None = None) -> MeshConfig:
     data = cfg.model_dump(mode="json")
 
     def fix(value: str | None, *, must_exist: bool) -> str | None:
-        if not value or Path(value).expanduser().is_absolute():
+        if value and value.startswith("~"):
+            # nothing on the replicas expands `~` (factory.ledger_path, SQLite, the checkpoint
+            # writer): each opened a directory named `~` in its own working directory
+            value = os.path.expanduser(value)
+        if not value or Path(value).is_absolute():
             return value
         p = base / Path(value).expanduser()
         return str(p.resolve()) if p.exists() or not must_exist else value

@@ -164,6 +164,17 @@ def test_relative_input_paths_become_absolute(tmp_path: Path, monkeypatch: pytes
     assert cfg.trainer.default_local_dir == str(tmp_path / "ckpt")
 
 
+def test_home_relative_paths_are_expanded_for_the_replicas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`~/...` (a YAML value, or a dotted override the shell does not expand) was left as it was:
+    nothing on the replicas expands it (factory.ledger_path, SQLite, the checkpoint writer), so
+    each opened a directory named `~` in its own working directory, one per node."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    _, doc = _yaml(tmp_path, "coordinator.ledger_path=~/ledgers/a.sqlite", "trainer.default_local_dir=~/ckpt")
+    cfg = MeshConfig.model_validate(doc["applications"][0]["args"]["config"])
+    assert cfg.coordinator.ledger_path == str(tmp_path / "home" / "ledgers" / "a.sqlite")
+    assert cfg.trainer.default_local_dir == str(tmp_path / "home" / "ckpt")
+
+
 def test_cli_prints_only_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
     model.mkdir()
