@@ -287,6 +287,20 @@ def test_a_relative_ledger_path_names_the_same_file_when_the_run_is_resumed_from
     assert seen[1]["cfg"].coordinator.ledger_path == ledger
 
 
+def test_a_home_relative_ledger_path_is_the_drivers_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """coordinator.ledger_path=~/ledgers/a.sqlite (a YAML value, or an override the shell did not
+    expand): nothing on the replica expands `~` (factory.ledger_path, SQLite), so it opened
+    ./~/ledgers/a.sqlite in its own working directory. `meshrl train` expands it on the driver."""
+    from tests.unit.test_train_cli_stops import _fake_mesh
+
+    seen: list[dict[str, Any]] = []
+    _fake_mesh(monkeypatch, seen)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    train_mod.train(None, ["coordinator.ledger_path=~/ledgers/a.sqlite"], run_dir=tmp_path / "run", report=False)
+    assert seen[0]["cfg"].coordinator.ledger_path == str(tmp_path / "home" / "ledgers" / "a.sqlite")
+
+
 def test_a_relative_checkpoint_dir_names_the_same_directory_when_the_run_is_resumed_from_elsewhere(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
