@@ -200,9 +200,15 @@ def rollout_parallel(cfg: MeshConfig) -> dict[str, tuple[str, int]]:
     size). vllm_args.py passes actor_rollout_ref.rollout's sizes and then engine_kwargs.vllm over
     them, so a size given there is the one vLLM runs with: every check and number of the rollout's
     layout reads the sizes here (reading the top-level key let an engine that cannot split the
-    heads, or fit the devices, pass). The transformers engine takes no engine_kwargs.vllm."""
+    heads, or fit the devices, pass). The transformers engine is one device."""
     r = cfg.actor_rollout_ref.rollout
-    vllm = r.engine_kwargs.get("vllm", {}) if r.name == "vllm" else {}
+    if r.name != "vllm":
+        # The transformers engine runs on one device and reads no parallel size: a verl TP left in
+        # its config made the plan split the pool into TP-device engines and check heads it never splits
+        # (as the auto-filled Serve sizing, resolve.py _serve_rollout_sizing, counts it).
+        one = (f"{_ARR}.rollout.name", 1)
+        return {"tp": one, "dp": one, "pp": one}
+    vllm = r.engine_kwargs.get("vllm", {})
 
     def size(vllm_key: str, key: str, value: int) -> tuple[str, int]:
         if vllm_key in vllm:

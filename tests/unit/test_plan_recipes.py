@@ -183,6 +183,16 @@ def test_rollout_sizes_given_in_engine_kwargs_vllm_are_the_ones_checked() -> Non
                          "actor_rollout_ref.rollout.engine_kwargs={vllm: {pipeline_parallel_size: 2}}"])
 
 
+def test_the_transformers_engine_is_planned_as_one_device_whatever_its_parallel_sizes() -> None:
+    # The transformers engine reads no TP / DP: a verl TP 3 left in its config made the plan call
+    # it unrunnable (3 does not split the tiny model's 4 heads, nor divide the 2 devices), and a
+    # TP 2 count one engine where the 2 rollout devices run two.
+    base = ["actor_rollout_ref.rollout.name=transformers", "rollout.n_gpus_per_node=2"]
+    plan = make_plan(None, [*base, "actor_rollout_ref.rollout.tensor_model_parallel_size=3"])
+    assert plan["layout"]["rollout"]["engines"] == 2 and plan["layout"]["rollout"]["devices_per_engine"] == 1
+    assert plan["layout"]["rollout"]["tensor_parallel"] == 1
+
+
 @pytest.mark.parametrize("serve, fix", [
     # verl sizes the rollout by rollout.nnodes x rollout.n_gpus_per_node (8): 4 engines of TP 2.
     # Serve started 1 replica of 2 GPUs and 6 of the 8 ran no engine.
