@@ -46,6 +46,16 @@ def max_model_len(cfg: MeshConfig) -> int:
     return r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
+def vllm_engine_args(cfg: MeshConfig, model_path: str, *, device: str | None) -> dict[str, Any]:
+    """The AsyncEngineArgs keywords of this config's vLLM engine (vllm_args.py)."""
+    from .engines.vllm_args import engine_args_from_config
+
+    r = cfg.actor_rollout_ref.rollout
+    return engine_args_from_config(model_path, r, max_model_len=max_model_len(cfg), seed=r.seed, device=device,
+                                   lora_rank=cfg.actor_rollout_ref.model.lora_rank,
+                                   node_devices=cfg.rollout.n_gpus_per_node)
+
+
 def build_engine(cfg: MeshConfig, *, model: Any = None, tokenizer: Any = None) -> tuple[RolloutEngine, Any]:
     """The engine named by actor_rollout_ref.rollout.name, not yet started."""
     r = cfg.actor_rollout_ref.rollout
@@ -68,15 +78,13 @@ def build_engine(cfg: MeshConfig, *, model: Any = None, tokenizer: Any = None) -
     if r.name == "vllm":
         from services.common.device import detect
 
-        from .engines.vllm_args import engine_args_from_config
         from .engines.vllm_engine import save_model_dir
 
         path = cfg.actor_rollout_ref.model.path or save_model_dir(model, tokenizer)
         # vLLM picks its platform itself; the device kind decides whether its sleep mode
         # (free_cache_engine) is on, which exists on accelerators only.
         device = detect("auto").kind if w.device == "auto" else w.device
-        args = engine_args_from_config(path, r, max_model_len=max_model_len(cfg), seed=r.seed, device=device,
-                                       lora_rank=cfg.actor_rollout_ref.model.lora_rank)
+        args = vllm_engine_args(cfg, path, device=device)
         return cls(args, tokenizer, version=w.initial_policy_version, free_cache_engine=r.free_cache_engine), tokenizer  # type: ignore[call-arg]
     raise ConfigError(f"no builder for rollout engine {r.name!r}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,8 @@ from services.rollout import convert, factory
 from services.rollout.deployment import CLOSE_TIMEOUT_S, DRAIN_TIMEOUT_S, deployment_options, in_flight_policy
 from services.rollout.engines import get_engine_cls
 from services.rollout.engines.vllm_args import engine_args_from_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_vllm_knobs_come_from_the_rollout_config() -> None:
@@ -147,3 +150,39 @@ def test_serve_options_and_in_flight_autoscaling() -> None:
     assert in_flight_policy(ctx([8, 4]))[0] == 2
     assert in_flight_policy(ctx([0, 0]))[0] == 1
     assert in_flight_policy(ctx([100]))[0] == 4
+
+
+_ROLLOUT_8 = ["actor_rollout_ref.rollout.name=vllm", "rollout.n_gpus_per_node=8"]
+
+
+@pytest.mark.parametrize(("overrides", "backends"), [
+    # within a node vLLM's own choice stays (its multiprocessing executor, one process per device)
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=4"], (None, None)),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=4", "actor_rollout_ref.rollout.data_parallel_size=2"],
+     (None, None)),
+    # larger than a node: the replica reserves no device, and only vLLM's Ray executor (and Ray data
+    # parallel for DP > 1) places the engine's workers on other nodes; the multiprocessing one ran
+    # them all on the replica's node (or refused: more workers than the node's devices)
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=16"], ("ray", None)),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+      "actor_rollout_ref.rollout.engine_kwargs={vllm: {pipeline_parallel_size: 4}}"], ("ray", None)),
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=8", "actor_rollout_ref.rollout.data_parallel_size=2"],
+     ("ray", "ray")),
+    (["actor_rollout_ref.rollout.engine_kwargs={vllm: {tensor_parallel_size: 8, data_parallel_size: 4}}"],
+     ("ray", "ray")),  # the sizes vLLM runs with
+    # the user's own choice wins
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=8", "actor_rollout_ref.rollout.data_parallel_size=2",
+      "actor_rollout_ref.rollout.engine_kwargs={vllm: {distributed_executor_backend: mp, data_parallel_backend: mp}}"],
+     ("mp", "mp")),
+])
+def test_an_engine_larger_than_a_node_runs_on_vllms_ray_backends(overrides: list[str], backends: tuple) -> None:
+    cfg = load_config(None, _ROLLOUT_8 + overrides)
+    args = factory.vllm_engine_args(cfg, "/m", device="cuda")
+    assert (args.get("distributed_executor_backend"), args.get("data_parallel_backend")) == backends
+
+
+def test_the_npu_recipe_whose_engine_spans_nodes_runs_on_ray() -> None:
+    # TP 8 x DP 8 = 64 NPUs per engine on nodes of 16 (its Serve replica reserves none)
+    cfg = load_config(ROOT / "configs" / "recipes" / "qwen3_235b_a22b_grpo_megatron_npu.yaml")
+    args = factory.vllm_engine_args(cfg, "/m", device="npu")
+    assert args["distributed_executor_backend"] == "ray" and args["data_parallel_backend"] == "ray"

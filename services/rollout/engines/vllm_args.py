@@ -16,11 +16,13 @@ def engine_args_from_config(
     seed: int | None = None,
     device: str | None = None,
     lora_rank: int = 0,
+    node_devices: int | None = None,
 ) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments from actor_rollout_ref.rollout (RolloutEngineConfig);
     `device` is the device kind the replica runs on (cuda, npu or cpu; None: unknown, and sleep
     mode stays off); `lora_rank` (actor_rollout_ref.model.lora_rank) > 0 turns on vLLM's LoRA
-    support."""
+    support; `node_devices` (rollout.n_gpus_per_node; None: unknown) decides whether the engine
+    spans nodes."""
     kwargs: dict[str, Any] = dict(
         model=model_path,
         dtype=rollout.dtype,
@@ -47,4 +49,16 @@ def engine_args_from_config(
     if seed is not None:
         kwargs["seed"] = seed
     kwargs.update(rollout.engine_kwargs.get("vllm", {}))
+    dp = int(kwargs["data_parallel_size"])
+    if node_devices is not None and (
+            int(kwargs["tensor_parallel_size"]) * dp * int(kwargs.get("pipeline_parallel_size") or 1) > node_devices):
+        # An engine larger than a node runs in a Serve replica that reserves no device
+        # (meshrl.plan_layout.rollout_engine_spans_nodes): only vLLM's Ray executor places its
+        # workers on other nodes, and only Ray data parallel its DP ranks. Left to vLLM, it picks
+        # its multiprocessing executor and DP off a Ray placement group, which start every worker
+        # on the replica's node (on CUDA it refuses: more workers than the node's devices). A
+        # backend set in engine_kwargs.vllm is the user's and stays.
+        kwargs.setdefault("distributed_executor_backend", "ray")
+        if dp > 1:
+            kwargs.setdefault("data_parallel_backend", "ray")
     return {k: v for k, v in kwargs.items() if v is not None}
