@@ -64,7 +64,8 @@ def absolute_paths(cfg: MeshConfig, base: Path | None = None) -> MeshConfig:
     other working directories, on other nodes, and a resumed run may start from another
     directory. Inputs only when they exist here (a model path may be a hub id); output
     directories always. `meshrl serve-config` and `meshrl train` both use it, so one list of
-    keys (tool YAMLs: their own validator; hf_export_dir and metrics_file: under the run dir)."""
+    keys (tool YAMLs and agent.args: their own validators; hf_export_dir and metrics_file: under
+    the run dir)."""
     base = base or Path.cwd()
     data = cfg.model_dump(mode="json")
 
@@ -84,8 +85,21 @@ def absolute_paths(cfg: MeshConfig, base: Path | None = None) -> MeshConfig:
     model["lora_adapter_path"] = fix(model["lora_adapter_path"], must_exist=True)
     for key in ("train_files", "val_files"):
         data["data"][key] = [fix(f, must_exist=True) for f in data["data"][key]]
+    for role in ("actor", "ref"):  # the initial weights the rank actors load
+        megatron = data["actor_rollout_ref"][role]["megatron"]
+        megatron["dist_checkpointing_path"] = fix(megatron["dist_checkpointing_path"], must_exist=True)
     crf = data["custom_reward_function"]
     crf["path"] = fix(crf["path"], must_exist=True)
+    # TLS files: every replica's plain servers and clients read them, an endpoint's CA its dialler
+    tls = data["security"]["tls"]
+    for key in ("cert_file", "key_file", "client_ca_file", "ca_file", "client_cert_file", "client_key_file"):
+        tls[key] = fix(tls[key], must_exist=True)
+    for section in ("coordinator", "environment"):
+        for key in ("tls_cert_file", "tls_key_file"):
+            data[section][key] = fix(data[section][key], must_exist=True)
+    for section in ("reward", "environment"):
+        for ep in data[section]["endpoints"]:
+            ep["ca_file"] = fix(ep["ca_file"], must_exist=True)
     trainer = data["trainer"]
     trainer["resume_from_path"] = fix(trainer["resume_from_path"], must_exist=True)
     trainer["default_local_dir"] = fix(trainer["default_local_dir"], must_exist=False)

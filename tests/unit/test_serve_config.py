@@ -175,6 +175,31 @@ def test_home_relative_paths_are_expanded_for_the_replicas(tmp_path: Path, monke
     assert cfg.trainer.default_local_dir == str(tmp_path / "home" / "ckpt")
 
 
+def test_relative_tls_files_and_dist_checkpoints_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TLS files every replica's servers and clients read (security.tls.*, an endpoint's
+    ca_file) and megatron's initial dist checkpoint (which the rank actors load) are inputs the
+    services read like the model path: relative, they were resolved against each replica's own
+    working directory (a joined cluster's: where `ray start` ran) and the run failed there, or a
+    `meshrl train --resume` from another directory read other files."""
+    from meshrl.serve_config import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("cert.pem", "key.pem", "ca.pem", "ep_ca.pem"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "dist").mkdir()
+    cfg = absolute_paths(resolve_config(None, [
+        "security.tls.cert_file=cert.pem", "security.tls.key_file=key.pem", "security.tls.ca_file=ca.pem",
+        "reward.endpoints=[{address: 'r:1', tls: true, ca_file: ep_ca.pem}]",
+        "actor_rollout_ref.actor.megatron.dist_checkpointing_path=dist",
+        "actor_rollout_ref.ref.megatron.dist_checkpointing_path=dist",
+    ]))
+    tls = cfg.security.tls
+    assert (tls.cert_file, tls.key_file, tls.ca_file) == tuple(str(tmp_path / n) for n in ("cert.pem", "key.pem", "ca.pem"))
+    assert cfg.reward.endpoints[0].ca_file == str(tmp_path / "ep_ca.pem")
+    assert cfg.actor_rollout_ref.actor.megatron.dist_checkpointing_path == str(tmp_path / "dist")
+    assert cfg.actor_rollout_ref.ref.megatron.dist_checkpointing_path == str(tmp_path / "dist")
+
+
 def test_cli_prints_only_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
     model.mkdir()
