@@ -144,3 +144,14 @@ def test_the_transformers_engine_is_one_device_per_replica_whatever_its_parallel
         cfg = load_config(None, [*tp2, f"rollout.n_gpus_per_node={pool}"])
         assert _sizing(cfg) == (1.0, pool, {})
         assert serve_launch_problems(cfg) == []
+
+
+def test_a_pool_smaller_than_one_engine_names_rollout_n_gpus_per_node_first() -> None:
+    # vLLM TP 2 on a 2-GPU box with verl's default rollout.n_gpus_per_node=1: the refusal spoke of
+    # engines spanning nodes of 1 device; the fix is almost always the pool's size.
+    with pytest.raises(ConfigError, match=r"is smaller than one engine; set rollout.n_gpus_per_node .*=2\)"):
+        load_config(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                           "trainer.device=cuda"])
+    cfg = load_config(None, ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                             "trainer.device=cuda", "rollout.n_gpus_per_node=2"])
+    assert (cfg.serve.rollout.num_gpus, cfg.serve.rollout.num_replicas) == (2.0, 1)

@@ -274,11 +274,16 @@ def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
         # (whole nodes, as verl places them): the replica reserves none, one replica per engine
         # (left as one replica, a pool of 2 engines ran 1 and half its devices idle)
         if engine % per_node or pool % engine:
+            # A pool smaller than one engine is most often verl's default of 1 device a node left
+            # as it was (vLLM TP 2 on a 2-GPU box): say that first.
+            small = (f"the rollout pool, rollout.nnodes x rollout.n_gpus_per_node = {pool}, is smaller than one engine; "
+                     f"set rollout.n_gpus_per_node to the devices a node gives the rollout (e.g. rollout.n_gpus_per_node="
+                     f"{engine}). Else: " if pool < engine else "")
             raise ValueError(
-                f"{parts} = {engine} devices per engine span nodes of rollout.n_gpus_per_node={per_node}, and an engine "
-                f"spanning nodes takes whole nodes, and each engine is one rollout replica; make the engine's devices a multiple of "
-                f"{per_node} (or a divisor of it) and rollout.nnodes x rollout.n_gpus_per_node = {pool} a multiple "
-                f"of them (or change the engine's parallel sizes)"
+                f"{small}{parts} = {engine} devices per engine span nodes of rollout.n_gpus_per_node={per_node}, and an "
+                f"engine spanning nodes takes whole nodes, and each engine is one rollout replica; make the engine's "
+                f"devices a multiple of {per_node} (or a divisor of it) and rollout.nnodes x rollout.n_gpus_per_node = "
+                f"{pool} a multiple of them (or change the engine's parallel sizes)"
             )
         _set(tree, "serve.rollout.num_replicas", pool // engine)
         return
