@@ -176,6 +176,19 @@ def resumed_from(root: Path) -> ResumedFrom | None:
         return None
 
 
+def names_resume_path(recorded: str, path: Path) -> bool:
+    """Whether a ResumedFrom's recorded path is `path`. `meshrl train` makes resume_from_path
+    absolute (620bdae); a run that recorded it relative before and is resumed after gets the
+    absolute path, which the bare string comparison took for another one: the trainer went back
+    to it again and set aside everything trained since. A relative record matches its tail."""
+    if recorded == str(path):
+        return True
+    rec = Path(recorded)
+    if not recorded or rec.is_absolute() or not path.is_absolute() or ".." in rec.parts:
+        return False
+    return path.parts[-len(rec.parts):] == rec.parts
+
+
 def record_resumed_from(root: Path, mark: ResumedFrom | None) -> None:
     """Write (or, with None, remove) the mark, atomically."""
     f = root / RESUMED_FROM

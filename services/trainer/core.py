@@ -288,7 +288,7 @@ class TrainerLoop:
             assert self.s.resume_from_path is not None
             path = Path(self.s.resume_from_path)
             done = checkpoints.resumed_from(root)
-            if done is not None and done.path == str(path):
+            if done is not None and checkpoints.names_resume_path(done.path, path):
                 # a restart after the rollback (Serve restarting a crashed replica): this line's
                 # newest checkpoint past it, never the path again (it would undo what trained since)
                 newer = checkpoints.newest(root)

@@ -71,6 +71,24 @@ def test_restart_under_resume_path_resumes_this_runs_newest_checkpoint(tmp_path:
     assert coord.resumes[-1] == 3, coord.resumes  # not a rollback to step 1
 
 
+def test_a_resume_path_recorded_relative_is_the_same_path_given_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that went back to resume_from_path=ckpt/global_step_1 recorded it relative; resumed
+    after `meshrl train` began making paths absolute (620bdae), it is given the absolute path,
+    which the bare string comparison took for another: the trainer went back to step 1 again."""
+    monkeypatch.chdir(tmp_path)
+    coord = FakeCoordinator(finite=False)
+    _fill(coord, 20)
+    root = tmp_path / "ckpt"
+    _run(_loop(tmp_path, coord, save_freq=1, total_steps=1, max_checkpoints_to_keep=3))  # an earlier run
+    same = {"resume_mode": "resume_path", "save_freq": 1, "max_checkpoints_to_keep": 3}
+    _run(_loop(tmp_path, coord, total_steps=3, resume_from_path="ckpt/global_step_1", **same))
+    assert checkpoints.resumed_from(root).path == "ckpt/global_step_1"  # type: ignore[union-attr]
+    _run(_loop(tmp_path, coord, total_steps=4, resume_from_path=str(root / "global_step_1"), **same))
+    assert coord.resumes[-1] == 3, coord.resumes  # not a rollback to step 1
+
+
 def test_restart_under_disable_goes_on_in_its_session_and_a_new_session_starts_over(tmp_path: Path) -> None:
     """resume_mode=disable went back to step 0 at every start, Serve's restart of a crashed replica
     included: the run's checkpoints were set aside, the coordinator re-queued every group since
