@@ -178,7 +178,7 @@ def resumed_from(root: Path) -> ResumedFrom | None:
 
 def names_resume_path(recorded: str, path: Path) -> bool:
     """Whether a ResumedFrom's recorded path is `path`. `meshrl train` makes resume_from_path
-    absolute (620bdae); a run that recorded it relative before and is resumed after gets the
+    absolute (025c251); a run that recorded it relative before and is resumed after gets the
     absolute path, which the bare string comparison took for another one: the trainer went back
     to it again and set aside everything trained since. A relative record matches its tail."""
     if recorded == str(path):

@@ -75,7 +75,7 @@ def test_a_resume_path_recorded_relative_is_the_same_path_given_absolute(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run that went back to resume_from_path=ckpt/global_step_1 recorded it relative; resumed
-    after `meshrl train` began making paths absolute (620bdae), it is given the absolute path,
+    after `meshrl train` began making paths absolute (025c251), it is given the absolute path,
     which the bare string comparison took for another: the trainer went back to step 1 again."""
     monkeypatch.chdir(tmp_path)
     coord = FakeCoordinator(finite=False)
