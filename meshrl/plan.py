@@ -22,6 +22,7 @@ from .plan_layout import (
     memory_estimate,
     rollout_checks,
     rollout_engine_devices,
+    rollout_expert_parallel,
     rollout_parallel,
     serve_launch_problems,
     trainer_checks,
@@ -83,7 +84,7 @@ def resource_layout(cfg: MeshConfig) -> dict[str, Any]:
             "tensor_parallel": sizes["tp"][1],
             "data_parallel": sizes["dp"][1],
             "pipeline_parallel": sizes["pp"][1],
-            "expert_parallel": r.expert_parallel_size,
+            "expert_parallel": rollout_expert_parallel(cfg)[1],  # TP x DP when on: vLLM has no EP size
             # what runs under Serve (filled from the above when not given: resolve.py _serve_rollout_sizing);
             # with autoscaling, the most replicas; 0 devices: none reserved
             "serve_replicas": app.num_replicas if app.autoscaling is None else app.autoscaling.max_replicas,

@@ -208,18 +208,25 @@ def rollout_parallel(cfg: MeshConfig) -> dict[str, tuple[str, int]]:
         # (as the auto-filled Serve sizing, resolve.py _serve_rollout_sizing, counts it).
         one = (f"{_ARR}.rollout.name", 1)
         return {"tp": one, "dp": one, "pp": one}
+    return r.vllm_parallel()
+
+
+def rollout_expert_parallel(cfg: MeshConfig) -> tuple[str, int]:
+    """One rollout engine's expert-parallel size as vLLM runs it, with the key that sets it. vLLM
+    has no EP size: enable_expert_parallel spreads the experts over the engine's TP x DP ranks;
+    vllm_args.py turns it on for expert_parallel_size > 1 and passes engine_kwargs.vllm's flag
+    over that (the plan read expert_parallel_size alone: 1 with the flag set there planned
+    TP-sharded experts where vLLM ran EP 64, 8x the expert weights per device)."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.name != "vllm":
+        return f"{_ARR}.rollout.name", 1
     vllm = r.engine_kwargs.get("vllm", {})
-
-    def size(vllm_key: str, key: str, value: int) -> tuple[str, int]:
-        if vllm_key in vllm:
-            return f"{_ARR}.rollout.engine_kwargs.vllm.{vllm_key}", int(vllm[vllm_key])
-        return f"{_ARR}.rollout.{key}", value
-
-    return {
-        "tp": size("tensor_parallel_size", "tensor_model_parallel_size", r.tensor_model_parallel_size),
-        "dp": size("data_parallel_size", "data_parallel_size", r.data_parallel_size),
-        "pp": size("pipeline_parallel_size", "engine_kwargs.vllm.pipeline_parallel_size", 1),
-    }
+    if "enable_expert_parallel" in vllm:
+        key, on = f"{_ARR}.rollout.engine_kwargs.vllm.enable_expert_parallel", bool(vllm["enable_expert_parallel"])
+    else:
+        key, on = f"{_ARR}.rollout.expert_parallel_size", r.expert_parallel_size > 1
+    sizes = rollout_parallel(cfg)
+    return key, sizes["tp"][1] * sizes["dp"][1] if on else 1
 
 
 def rollout_engine_devices(cfg: MeshConfig) -> int:
@@ -371,11 +378,9 @@ def serve_launch_problems(cfg: MeshConfig) -> list[str]:
 
 
 def rollout_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings: list[str]) -> None:
-    r = cfg.actor_rollout_ref.rollout
     devices = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
     sizes = rollout_parallel(cfg)
     engine = rollout_engine_devices(cfg)
-    key = f"{_ARR}.rollout"
     if devices % engine:
         errors.append(
             f"{_engine_parts(sizes)} = {engine} devices per engine does not divide the {devices} rollout devices "
@@ -387,18 +392,13 @@ def rollout_checks(cfg: MeshConfig, arch: ModelArch, errors: list[str], warnings
     kv = arch.num_key_value_heads
     if kv % tp and tp % kv:
         errors.append(f"{tp_key}={tp} and the {kv} key/value heads must divide one another")
-    ep = r.expert_parallel_size
-    engine = tp * sizes["dp"][1]  # vLLM's expert parallelism spans one pipeline stage's TP x DP
+    ep_key, ep = rollout_expert_parallel(cfg)  # TP x DP when on: load refuses another expert_parallel_size
     if ep > 1:
         if not arch.is_moe:
-            errors.append(f"{key}.expert_parallel_size={ep} > 1 but {arch.model_type} has no experts; set it to 1")
+            errors.append(f"{ep_key} turns on vLLM's expert parallelism but {arch.model_type} has no experts; turn it off")
         elif arch.num_experts % ep:
-            errors.append(f"{key}.expert_parallel_size={ep} does not divide the model's {arch.num_experts} experts")
-        if ep != engine:
-            errors.append(
-                f"{key}.expert_parallel_size={ep}: vLLM's expert parallelism spans an engine's TP x DP = {engine} ranks; "
-                f"set it to {engine} (or 1)"
-            )
+            errors.append(f"{ep_key}: vLLM's expert parallelism over TP x DP = {ep} ranks does not divide the "
+                          f"model's {arch.num_experts} experts")
 
 
 def memory_estimate(cfg: MeshConfig, arch: ModelArch) -> dict[str, Any]:
@@ -471,5 +471,7 @@ def _rollout_weight_bytes(cfg: MeshConfig, arch: ModelArch) -> float:
     bytes_per = 4 if r.dtype == "float32" else 2
     sizes = rollout_parallel(cfg)
     tp, pp = sizes["tp"][1], sizes["pp"][1]
-    experts_split = max(r.expert_parallel_size, tp)
+    # expert parallelism holds whole experts over TP x DP ranks; without it, TP shards each expert
+    ep = rollout_expert_parallel(cfg)[1]
+    experts_split = ep if ep > 1 else tp
     return bytes_per * (dense / tp + counts["expert"] / experts_split) / pp

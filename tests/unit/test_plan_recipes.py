@@ -62,8 +62,6 @@ def test_recipe2_qwen3_30b_numbers() -> None:
         ("qwen3_235b_a22b_grpo_megatron_npu",
          ["actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=10"],
          "num_layers_in_first_pipeline_stage"),
-        ("qwen3_235b_a22b_grpo_megatron_npu", ["actor_rollout_ref.rollout.expert_parallel_size=32"],
-         "set it to 64"),
         ("qwen3_30b_a3b_dapo_fsdp_npu", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"],
          "ulysses_sequence_parallel_size=3 does not divide"),
         ("qwen3_8b_grpo_mindspeed_npu", ["trainer.device=cuda"], "set trainer.device=npu"),
@@ -75,6 +73,27 @@ def test_rejections_name_the_fix(recipe: str, overrides: list[str], fix: str) ->
     with pytest.raises(ConfigError, match="not runnable") as info:
         make_plan(recipe, overrides)
     assert fix in str(info.value)
+
+
+def test_rollout_expert_parallel_is_the_one_vllm_runs() -> None:
+    """vLLM's EP is TP x DP when enable_expert_parallel is on, and engine_kwargs.vllm's flag is
+    passed over expert_parallel_size's (vllm_args.py). The plan read only expert_parallel_size:
+    EP 1 with the flag set in engine_kwargs said EP 1 and 6x the expert weights per device of the
+    EP 64 vLLM ran; EP 64 with the flag off said 1/6 of what each device holds."""
+    key = "actor_rollout_ref.rollout"
+    ep64 = make_plan("qwen3_235b_a22b_grpo_megatron_npu", [])
+    assert ep64["layout"]["rollout"]["expert_parallel"] == 64
+    on = make_plan("qwen3_235b_a22b_grpo_megatron_npu",
+                   [f"{key}.expert_parallel_size=1", f"{key}.engine_kwargs.vllm.enable_expert_parallel=true"])
+    assert on["layout"]["rollout"]["expert_parallel"] == 64
+    assert on["memory"]["rollout_weights_per_device_gib"] == ep64["memory"]["rollout_weights_per_device_gib"]
+    off = make_plan("qwen3_235b_a22b_grpo_megatron_npu", [f"{key}.engine_kwargs.vllm.enable_expert_parallel=false"])
+    tp8 = make_plan("qwen3_235b_a22b_grpo_megatron_npu", [f"{key}.expert_parallel_size=1"])
+    assert off["layout"]["rollout"]["expert_parallel"] == 1
+    assert off["memory"]["rollout_weights_per_device_gib"] == tp8["memory"]["rollout_weights_per_device_gib"] > 6 * 8.4
+    # an expert_parallel_size other than 1 or TP x DP is refused when the config loads
+    with pytest.raises(ConfigError, match=f"set {key}.expert_parallel_size=64"):
+        make_plan("qwen3_235b_a22b_grpo_megatron_npu", [f"{key}.expert_parallel_size=32"])
 
 
 def test_qwen35_megatron_recipe_warns_engine_gap() -> None:

@@ -100,6 +100,23 @@ def test_engine_kwargs_vllm_parallel_sizes_that_are_no_device_count_are_refused(
     assert load_config(None, ["actor_rollout_ref.rollout.engine_kwargs={vllm: {data_parallel_size: 2}}"])
 
 
+def test_vllm_expert_parallel_size_is_1_or_the_engines_tp_x_dp() -> None:
+    # vLLM has no EP size: enable_expert_parallel (what expert_parallel_size > 1 turns on,
+    # vllm_args.py) makes EP = TP x DP, as verl asserts. EP 2 at TP 2 x DP 2 ran EP 4 while the
+    # config (and the plan's numbers) said 2.
+    key = "actor_rollout_ref.rollout"
+    base = [f"{key}.name=vllm", f"{key}.tensor_model_parallel_size=2", f"{key}.data_parallel_size=2"]
+    with pytest.raises(ConfigError, match=rf"{key}.expert_parallel_size=2: .*TP x DP.*= 4.*set {key}.expert_parallel_size=4"):
+        load_config(None, [*base, f"{key}.expert_parallel_size=2"])
+    assert load_config(None, [*base, f"{key}.expert_parallel_size=4"])
+    assert load_config(None, [*base, f"{key}.expert_parallel_size=1"])
+    # engine_kwargs.vllm's sizes are the ones vLLM runs (rollout_parallel): EP 4 at DP 4 there is EP 8
+    with pytest.raises(ConfigError, match=rf"{key}.engine_kwargs.vllm.data_parallel_size\(4\).*= 8.*expert_parallel_size=8"):
+        load_config(None, [*base, f"{key}.expert_parallel_size=4", f"{key}.engine_kwargs={{vllm: {{data_parallel_size: 4}}}}"])
+    # the transformers engine reads no parallel size (a verl EP left in its config loads, as its TP does)
+    assert load_config(None, [f"{key}.tensor_model_parallel_size=2", f"{key}.expert_parallel_size=2"])
+
+
 def test_unknown_engine_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.rollout.name='sglang'"):
         get_engine_cls("sglang")

@@ -115,7 +115,8 @@ def test_an_engine_larger_than_a_node_reserves_nothing_one_replica_per_engine(si
 
 def test_an_engine_spanning_part_of_a_node_is_refused_naming_the_keys() -> None:
     # 24 devices an engine over nodes of 16: one node and a half, no layout places it
-    tp24 = ["actor_rollout_ref.rollout.engine_kwargs={vllm: {tensor_parallel_size: 3}}", "rollout.nnodes=3"]
+    tp24 = ["actor_rollout_ref.rollout.engine_kwargs={vllm: {tensor_parallel_size: 3}}", "rollout.nnodes=3",
+            "actor_rollout_ref.rollout.expert_parallel_size=24"]  # vLLM's EP is the engine's TP x DP
     with pytest.raises(ConfigError, match=r"engine_kwargs\.vllm\.tensor_parallel_size\(3\).*= 24 devices per engine span "
                                           r"nodes of rollout\.n_gpus_per_node=16.*multiple of 16"):
         load_config(NPU_235B, tp24)

@@ -414,7 +414,8 @@ class RolloutEngineConfig(ConfigModel):
     data_parallel_size: int = Field(default=1, ge=1)
     """Rollout DP degree inside one engine."""
     expert_parallel_size: int = Field(default=1, ge=1)
-    """Rollout EP degree (MoE)."""
+    """Rollout EP degree (MoE): 1 (off) or the engine's TP x DP, which vLLM's expert parallelism
+    always spans (it has no size of its own; > 1 turns on `enable_expert_parallel`)."""
     max_num_seqs: int = 256
     """Concurrent sequences per engine."""
     max_num_batched_tokens: int = 8192
@@ -454,6 +455,41 @@ class RolloutEngineConfig(ConfigModel):
                 raise ValueError(f"actor_rollout_ref.rollout.engine_kwargs.vllm.{name}={size!r}: must be a whole "
                                  "number >= 1 (the engine's devices along it)")
         return value
+
+    def vllm_parallel(self) -> dict[str, tuple[str, int]]:
+        """The vLLM engine's TP, DP and PP as it runs them, each as (the key that sets it, size):
+        vllm_args.py passes the top-level sizes and then engine_kwargs.vllm over them."""
+        vllm = self.engine_kwargs.get("vllm", {})
+
+        def size(vllm_key: str, key: str, value: int) -> tuple[str, int]:
+            if vllm_key in vllm:
+                return f"actor_rollout_ref.rollout.engine_kwargs.vllm.{vllm_key}", int(vllm[vllm_key])
+            return f"actor_rollout_ref.rollout.{key}", value
+
+        return {
+            "tp": size("tensor_parallel_size", "tensor_model_parallel_size", self.tensor_model_parallel_size),
+            "dp": size("data_parallel_size", "data_parallel_size", self.data_parallel_size),
+            "pp": size("pipeline_parallel_size", "engine_kwargs.vllm.pipeline_parallel_size", 1),
+        }
+
+    @model_validator(mode="after")
+    def _vllm_expert_parallel(self) -> RolloutEngineConfig:
+        # vLLM has no expert-parallel size: enable_expert_parallel (which expert_parallel_size > 1
+        # turns on, vllm_args.py) spreads the experts over the engine's TP x DP ranks (verl asserts
+        # the same). EP 8 at TP 8 x DP 8 silently ran EP 64 while the config and the plan said 8.
+        ep = self.expert_parallel_size
+        if self.name != "vllm" or ep == 1:
+            return self  # the transformers engine reads no parallel size
+        sizes = self.vllm_parallel()
+        (tp_key, tp), (dp_key, dp) = sizes["tp"], sizes["dp"]
+        if ep != tp * dp:
+            key = "actor_rollout_ref.rollout.expert_parallel_size"
+            raise ValueError(
+                f"{key}={ep}: vLLM has no expert-parallel size; its expert parallelism (on for {key} > 1) spreads the "
+                f"experts over the engine's TP x DP = {tp_key}({tp}) x {dp_key}({dp}) = {tp * dp} ranks; set "
+                f"{key}={tp * dp} (or 1 for none), or change the engine's TP / DP"
+            )
+        return self
 
     @model_validator(mode="after")
     def _training_temperature(self) -> RolloutEngineConfig:
