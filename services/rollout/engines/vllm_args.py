@@ -49,9 +49,9 @@ def engine_args_from_config(
     if seed is not None:
         kwargs["seed"] = seed
     kwargs.update(rollout.engine_kwargs.get("vllm", {}))
-    dp = int(kwargs["data_parallel_size"])
-    if node_devices is not None and (
-            int(kwargs["tensor_parallel_size"]) * dp * int(kwargs.get("pipeline_parallel_size") or 1) > node_devices):
+    sizes = {part: n for part, (_, n) in rollout.vllm_parallel().items()}  # engine_kwargs.vllm's win, as above
+    dp = sizes["dp"]
+    if node_devices is not None and sizes["tp"] * dp * sizes["pp"] > node_devices:
         # An engine larger than a node runs in a Serve replica that reserves no device
         # (meshrl.plan_layout.rollout_engine_spans_nodes): only vLLM's Ray executor places its
         # workers on other nodes, and only Ray data parallel its DP ranks. Left to vLLM, it picks
