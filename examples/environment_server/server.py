@@ -15,7 +15,8 @@ simulated user, a search engine ...). Keep the contract (see README.md next to t
 - a session idle for session_ttl_s is forgotten (its client died without a Close), then NOT_FOUND;
   a Step of a closed or finished session is FAILED_PRECONDITION, never acted on;
 - a malformed, unknown or failing tool call is answered with an error text as the tool's response
-  (and counted in tool_errors), never with a status code: the episode goes on;
+  (marked `error`, so the rollout shows it whole, and counted in tool_errors), never with a status
+  code: the episode goes on;
 - INVALID_ARGUMENT for a malformed request; UNAVAILABLE / RESOURCE_EXHAUSTED for temporary trouble
   (meshrl retries with backoff; after its budget the prompt is re-queued, never scored as zero).
 
@@ -186,7 +187,7 @@ class EnvironmentService(environment_pb2_grpc.EnvironmentServiceServicer):
             return reply
         for call in request.tool_calls:
             text, error = ep.answer_call(call)
-            reply.messages.add(role="tool", content=text)
+            reply.messages.add(role="tool", content=text, error=error)  # shown whole, not cut as a tool's answer
             reply.tool_errors += int(error)
         reply.metrics["tool_calls"] = float(len(request.tool_calls))
         return reply

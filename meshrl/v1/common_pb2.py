@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/common.proto\x12\tmeshrl.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbc\x01\n\x06Prompt\x12\x12\n\nprompt_seq\x18\x01 \x01(\x04\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.meshrl.v1.ChatMessage\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x62ility\x18\x06 \x01(\t\x12\x14\n\x0cground_truth\x18\x07 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x08 \x01(\t\"\x8c\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xbd\x04\n\x08Response\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.meshrl.v1.FinishReason\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x0e\n\x06reward\x18\x07 \x01(\x01\x12>\n\x0ereward_metrics\x18\x08 \x03(\x0b\x32&.meshrl.v1.Response.RewardMetricsEntry\x12\x13\n\x0bnum_resumes\x18\t \x01(\r\x12\x11\n\tloss_mask\x18\n \x03(\r\x12\x13\n\x0bturn_starts\x18\x0b \x03(\r\x12\x11\n\tnum_turns\x18\x0c \x01(\r\x12\x12\n\ntool_calls\x18\r \x01(\r\x12\x13\n\x0btool_errors\x18\x0e \x01(\r\x12\x17\n\nenv_reward\x18\x0f \x01(\x01H\x00\x88\x01\x01\x12\x38\n\x0b\x65nv_metrics\x18\x10 \x03(\x0b\x32#.meshrl.v1.Response.EnvMetricsEntry\x12\x12\n\nfinal_text\x18\x11 \x01(\t\x1a\x34\n\x12RewardMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x31\n\x0f\x45nvMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_env_reward\"\xfc\x01\n\x0fTrajectoryGroup\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Prompt\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12&\n\tresponses\x18\x04 \x03(\x0b\x32\x13.meshrl.v1.Response\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x06 \x01(\x03\x12\x1a\n\x12max_policy_version\x18\x07 \x01(\x03\x12\x14\n\x0cgeneration_s\x18\x08 \x01(\x01\x12\x10\n\x08reward_s\x18\t \x01(\x01\"r\n\nWeightsRef\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x1c\n\x14param_server_address\x18\x02 \x01(\t\x12\x19\n\x11manifest_checksum\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16meshrl/v1/common.proto\x12\tmeshrl.v1\";\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\x08\"\xbc\x01\n\x06Prompt\x12\x12\n\nprompt_seq\x18\x01 \x01(\x04\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.meshrl.v1.ChatMessage\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x61ta_source\x18\x05 \x01(\t\x12\x0f\n\x07\x61\x62ility\x18\x06 \x01(\t\x12\x14\n\x0cground_truth\x18\x07 \x01(\t\x12\x17\n\x0f\x65xtra_info_json\x18\x08 \x01(\t\"\x8c\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xbd\x04\n\x08Response\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.meshrl.v1.FinishReason\x12\x0c\n\x04text\x18\x06 \x01(\t\x12\x0e\n\x06reward\x18\x07 \x01(\x01\x12>\n\x0ereward_metrics\x18\x08 \x03(\x0b\x32&.meshrl.v1.Response.RewardMetricsEntry\x12\x13\n\x0bnum_resumes\x18\t \x01(\r\x12\x11\n\tloss_mask\x18\n \x03(\r\x12\x13\n\x0bturn_starts\x18\x0b \x03(\r\x12\x11\n\tnum_turns\x18\x0c \x01(\r\x12\x12\n\ntool_calls\x18\r \x01(\r\x12\x13\n\x0btool_errors\x18\x0e \x01(\r\x12\x17\n\nenv_reward\x18\x0f \x01(\x01H\x00\x88\x01\x01\x12\x38\n\x0b\x65nv_metrics\x18\x10 \x03(\x0b\x32#.meshrl.v1.Response.EnvMetricsEntry\x12\x12\n\nfinal_text\x18\x11 \x01(\t\x1a\x34\n\x12RewardMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x31\n\x0f\x45nvMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_env_reward\"\xfc\x01\n\x0fTrajectoryGroup\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12!\n\x06prompt\x18\x02 \x01(\x0b\x32\x11.meshrl.v1.Prompt\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12&\n\tresponses\x18\x04 \x03(\x0b\x32\x13.meshrl.v1.Response\x12\x12\n\nreplica_id\x18\x05 \x01(\t\x12\x1a\n\x12min_policy_version\x18\x06 \x01(\x03\x12\x1a\n\x12max_policy_version\x18\x07 \x01(\x03\x12\x14\n\x0cgeneration_s\x18\x08 \x01(\x01\x12\x10\n\x08reward_s\x18\t \x01(\x01\"r\n\nWeightsRef\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x1c\n\x14param_server_address\x18\x02 \x01(\t\x12\x19\n\x11manifest_checksum\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESPONSE_REWARDMETRICSENTRY']._serialized_options = b'8\001'
   _globals['_RESPONSE_ENVMETRICSENTRY']._loaded_options = None
   _globals['_RESPONSE_ENVMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1364
-  _globals['_FINISHREASON']._serialized_end=1484
+  _globals['_FINISHREASON']._serialized_start=1379
+  _globals['_FINISHREASON']._serialized_end=1499
   _globals['_CHATMESSAGE']._serialized_start=37
-  _globals['_CHATMESSAGE']._serialized_end=81
-  _globals['_PROMPT']._serialized_start=84
-  _globals['_PROMPT']._serialized_end=272
-  _globals['_SAMPLINGPARAMS']._serialized_start=275
-  _globals['_SAMPLINGPARAMS']._serialized_end=415
-  _globals['_RESPONSE']._serialized_start=418
-  _globals['_RESPONSE']._serialized_end=991
-  _globals['_RESPONSE_REWARDMETRICSENTRY']._serialized_start=873
-  _globals['_RESPONSE_REWARDMETRICSENTRY']._serialized_end=925
-  _globals['_RESPONSE_ENVMETRICSENTRY']._serialized_start=927
-  _globals['_RESPONSE_ENVMETRICSENTRY']._serialized_end=976
-  _globals['_TRAJECTORYGROUP']._serialized_start=994
-  _globals['_TRAJECTORYGROUP']._serialized_end=1246
-  _globals['_WEIGHTSREF']._serialized_start=1248
-  _globals['_WEIGHTSREF']._serialized_end=1362
+  _globals['_CHATMESSAGE']._serialized_end=96
+  _globals['_PROMPT']._serialized_start=99
+  _globals['_PROMPT']._serialized_end=287
+  _globals['_SAMPLINGPARAMS']._serialized_start=290
+  _globals['_SAMPLINGPARAMS']._serialized_end=430
+  _globals['_RESPONSE']._serialized_start=433
+  _globals['_RESPONSE']._serialized_end=1006
+  _globals['_RESPONSE_REWARDMETRICSENTRY']._serialized_start=888
+  _globals['_RESPONSE_REWARDMETRICSENTRY']._serialized_end=940
+  _globals['_RESPONSE_ENVMETRICSENTRY']._serialized_start=942
+  _globals['_RESPONSE_ENVMETRICSENTRY']._serialized_end=991
+  _globals['_TRAJECTORYGROUP']._serialized_start=1009
+  _globals['_TRAJECTORYGROUP']._serialized_end=1261
+  _globals['_WEIGHTSREF']._serialized_start=1263
+  _globals['_WEIGHTSREF']._serialized_end=1377
 # @@protoc_insertion_point(module_scope)

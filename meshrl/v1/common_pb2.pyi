@@ -61,17 +61,26 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     content: _builtins.str
+    error: _builtins.bool
+    """A `tool` message that answers a call which could not run (malformed, unknown tool, bad
+    arguments, the tool failed or timed out) with an error text. The rollout shows such a text
+    whole, as verl does, where it cuts a tool's own response to `max_tool_response_length`; unset
+    (an environment that predates it): cut like any tool response. A server's
+    `environment.max_message_chars` still bounds it.
+    """
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        error: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "error", b"error", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -45,8 +45,8 @@ class Message:
     error: bool = False
     """A tool call answered with an error text (unknown tool, bad arguments, a tool that raised):
     the rollout shows it whole, as verl does, where it cuts a tool's own response to
-    `max_tool_response_length`. In-process only: the gRPC message does not carry it, so a served
-    environment's error texts are cut like its other tool responses."""
+    `max_tool_response_length`. On the wire: `ChatMessage.error` (an environment that does not set
+    it has its error texts cut like its other tool responses)."""
 
     def as_dict(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}

@@ -64,7 +64,7 @@ def tool_calls_from_request(req: environment_pb2.StepRequest) -> list[ToolCall]:
 
 
 def _messages(msgs: Sequence[Message]) -> list[common_pb2.ChatMessage]:
-    return [common_pb2.ChatMessage(role=m.role, content=m.content) for m in msgs]
+    return [common_pb2.ChatMessage(role=m.role, content=m.content, error=m.error) for m in msgs]
 
 
 def start_response(session_id: str, r: StartResult) -> environment_pb2.StartResponse:
@@ -106,7 +106,7 @@ def _check_messages(msgs: Sequence[common_pb2.ChatMessage], source: str, where: 
     for i, m in enumerate(msgs):
         if m.role not in roles:
             raise BadReply(source, f"{where}.messages[{i}].role is {m.role!r}; an environment may send {list(roles)}")
-        out.append(Message(m.role, m.content))
+        out.append(Message(m.role, m.content, error=m.error))
     return tuple(out)
 
 

@@ -5,11 +5,14 @@ cuts a Step's answer to `environment.max_message_chars` so it always fits a gRPC
 Why the server cuts in the middle: the rollout cuts again, on its configured side
 (`tool_response_truncate_side`), to `max_tool_response_length`, normally far shorter. A middle cut
 keeps both ends, so that second cut reads the same characters, on any side, as it would have read
-from the whole message; the policy sees what the in-process environment would have shown it.
+from the whole message; the policy sees what the in-process environment would have shown it. An
+error text (`Message.error`, carried as `ChatMessage.error`) the rollout shows whole: the server's
+cut, which keeps the mark, is its only one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Literal
 
@@ -49,7 +52,8 @@ def _fair_cap(lengths: Sequence[int], budget: int) -> int | None:
 
 def bound_messages(messages: Sequence[Message], budget_chars: int) -> tuple[tuple[Message, ...], int]:
     """(the messages with at most `budget_chars` characters of content in all, how many were
-    cut). A cut message keeps both ends and says so ("...(truncated)...")."""
+    cut). A cut message keeps both ends and says so ("...(truncated)..."), and its role and
+    `error` mark: an error text past the budget is cut like any other, still shown as an error."""
     cap = _fair_cap([len(m.content) for m in messages], budget_chars)
     if cap is None:
         return tuple(messages), 0
@@ -57,7 +61,7 @@ def bound_messages(messages: Sequence[Message], budget_chars: int) -> tuple[tupl
     for m in messages:
         content, was_cut = truncate_text(m.content, cap, "middle")
         cut += was_cut
-        out.append(Message(m.role, content) if was_cut else m)
+        out.append(dataclasses.replace(m, content=content) if was_cut else m)
     return tuple(out), cut
 
 
@@ -68,4 +72,4 @@ def split_calls(calls: Sequence[ToolCall], max_calls: int) -> tuple[list[ToolCal
     run, extra = list(calls[:max_calls]), calls[max_calls:]
     error = (f"Error: more than {max_calls} tool calls in one turn; this call was not run "
              f"(environment.max_tool_calls={max_calls})")
-    return run, [Message("tool", error) for _ in extra]
+    return run, [Message("tool", error, error=True) for _ in extra]

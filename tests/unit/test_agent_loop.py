@@ -377,6 +377,40 @@ def test_the_message_that_ends_the_episode_is_appended_masked_within_the_budget(
     assert cut.finish_reason == Finish.STOP and loop.counters.tokenization_drift == 0
 
 
+def test_a_served_environments_tool_errors_are_not_cut_either(tok: Any) -> None:
+    """The same error texts from `meshrl environment serve` (ToolEnvironment behind gRPC): the
+    ChatMessage carries `error`, so they reach the policy whole as in process; they were cut to
+    max_tool_response_length, the flag lost on the wire. A served answer past the server's
+    max_message_chars is still cut there, error or not (test_environment_bounds)."""
+    from services.environment.client import RemoteEnvironment
+    from services.environment.config import EnvironmentConfig, EnvironmentEndpointConfig
+    from services.environment.server import EnvironmentServer
+
+    calls = ('<tool_call>{"name":"mul","arguments":{"a":1,"b":2}}</tool_call>'
+             '<tool_call>{"name":"add","arguments":{"a":1,"c":2}}</tool_call>' + CALL + '<|im_end|>')
+    engine = ScriptedEngine(tok, [calls, "3<|im_end|>"])
+
+    async def go() -> Any:
+        server = EnvironmentServer(ToolEnvironment(load_tools(TOOLS), max_parallel_calls=3), EnvironmentConfig(),
+                                   host="127.0.0.1", port=0)
+        await server.start()
+        env = RemoteEnvironment(EnvironmentEndpointConfig(address=server.address))
+        loop = AgentLoop(tok, EnvironmentRouter(env, []), AgentSettings(max_tool_response_length=10))
+        try:
+            return await loop.run_group(_prompt(), SamplingSpec(n=1, max_tokens=400), "r/L1", engine.generate,
+                                        lambda: False, lambda: engine.version)
+        finally:
+            await env.aclose()
+            await server.stop(None)
+
+    _, (t,) = asyncio.run(go())
+    env_text = tok.decode([x for x, m in zip(t.token_ids, t.loss_mask, strict=True) if not m])
+    assert "Error: unknown tool 'mul'; available tools: ['add']" in env_text
+    assert "Error when executing tool add: add takes exactly the arguments a and b, got ['a', 'c']" in env_text
+    assert "579" in env_text and t.env_metrics.get("truncated_messages") is None
+    assert (t.tool_calls, t.tool_errors, t.final_text) == (3, 2, "3")
+
+
 def test_turn_limits_stop_without_asking_the_environment(tok: Any) -> None:
     env = ScriptedEnv(done_at=9)
     _, (t,) = _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), env, SamplingSpec(n=1, max_tokens=200), max_assistant_turns=1)

@@ -61,13 +61,36 @@ def test_the_session_table_bounds_a_turn_instead_of_refusing_it() -> None:
         assert env.calls_seen == [3] and len(env.texts[0]) < 1100 and env.texts[0].startswith("a" * 500)
         assert "(truncated)" in env.texts[0] and env.texts[0].endswith("b" * 500)
         assert [m.role for m in r.messages] == ["tool"] * 5 and r.messages[0].content == "short"
-        assert all("environment.max_tool_calls=3" in m.content for m in r.messages[3:])
+        assert all("environment.max_tool_calls=3" in m.content and m.error for m in r.messages[3:])
         assert r.tool_errors == 1 + 2 and r.metrics["m"] == 1.0 and r.metrics["server_truncated_messages"] == 2
         long = [m.content for m in r.messages[1:3]]
         assert all(x.startswith("x" * 100) and "...(truncated)..." in x and x.endswith("x" * 100) for x in long)
         assert sum(len(m.content) for m in r.messages) <= 1000 + 2 * len("...(truncated)...")
         assert await table.step("s", 0, "again", calls) is r and env.calls_seen == [3]
         assert table.status()["truncated_messages"] == 2
+
+    asyncio.run(go())
+
+
+def test_a_served_error_text_keeps_its_mark_and_its_bound() -> None:
+    """An error answer (Message.error) crosses the wire marked, so the rollout shows it whole as in
+    process; past max_message_chars the server still cuts it like any answer (a tool that raised
+    with a huge message), and the cut text is still marked. bound_messages rebuilt a cut message
+    without the mark."""
+    class HugeErrorEnv(CountingEnv):
+        async def step(self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *,
+                       policy_version: int = 0) -> StepResult:
+            return StepResult(messages=(Message("tool", "Error: " + "e" * 5000, error=True), Message("tool", "ok")),
+                              tool_errors=1)
+
+    async def go() -> None:
+        table = SessionTable(HugeErrorEnv(), max_message_chars=1000)
+        await table.start("s", EnvPrompt())
+        r = await table.step("s", 0, "", [ToolCall("c0", "f", "{}"), ToolCall("c1", "f", "{}")])
+        again = convert.step_from_reply(convert.step_response("s", 0, r), "s", 0, "environment endpoint 'ep'")
+        assert [(m.content[:7], m.error) for m in again.messages] == [("Error: ", True), ("ok", False)]
+        assert "...(truncated)..." in again.messages[0].content and len(again.messages[0].content) < 1100
+        assert r.metrics["server_truncated_messages"] == 1
 
     asyncio.run(go())
 
