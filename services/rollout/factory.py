@@ -165,6 +165,7 @@ def build_agent(cfg: MeshConfig, tokenizer: Any, settings: WorkerSettings, score
         mt, max_prompt_length=settings.max_prompt_length, truncation=settings.truncation,
         max_resubmits=settings.max_resubmits, reward_source=cfg.environment.reward_source,
         max_json_depth=cfg.security.limits.max_json_depth, max_model_len=max_model_len(cfg),
+        max_message_chars=cfg.environment.max_message_chars,
     ))
 
 

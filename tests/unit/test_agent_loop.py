@@ -411,6 +411,41 @@ def test_a_served_environments_tool_errors_are_not_cut_either(tok: Any) -> None:
     assert (t.tool_calls, t.tool_errors, t.final_text) == (3, 2, "3")
 
 
+@pytest.mark.parametrize("message", [Message("tool", "Error when executing tool add: " + "e" * (3 << 20), error=True),
+                                     Message("user", "u" * (3 << 20))], ids=["tool-error", "user-turn"])
+def test_a_message_kept_whole_is_still_bounded(tok: Any, message: Message, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error text (a tool that raised with a huge message) or an interaction's user turn is not
+    cut to max_tool_response_length, but is cut (in the middle, counted) to
+    environment.max_message_chars, the bound a served environment's answer has: whole, the rollout
+    tokenized any size in its event loop (and again in the drift check) before the response budget
+    dropped it."""
+    seen: list[int] = []
+
+    def spy(self: ChatRenderer, history: Any, assistant: Any, new: Sequence[dict[str, Any]], end: str) -> list[int]:
+        seen.append(max(len(m["content"]) for m in new))
+        return list(tok.encode("x", add_special_tokens=False))  # not tokenized: the length is the point
+
+    class Once(ScriptedEnv):
+        async def step(self, session_id: str, turn: int, assistant_text: str, tool_calls: Sequence[ToolCall], *,
+                       policy_version: int = 0) -> StepResult:
+            return StepResult(messages=(message,), done=True)
+
+    monkeypatch.setattr(ChatRenderer, "env_ids", spy)
+    _, (t,) = _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), Once(), SamplingSpec(n=1, max_tokens=50),
+                   sanity_mode="disable")
+    limit = 1 << 20  # environment.max_message_chars' default
+    assert seen and seen[0] <= limit + len("...(truncated)..."), f"{seen[0]} characters reached the tokenizer"
+    assert t.env_metrics["truncated_messages"] == 1
+
+
+def test_environment_max_message_chars_reaches_the_agent_loop(tok: Any) -> None:
+    from services.common.config import load_config
+    from services.rollout.factory import build_agent, worker_settings
+
+    cfg = load_config(None, ["environment.max_message_chars=4096", "actor_rollout_ref.rollout.multi_turn.enable=true"])
+    assert build_agent(cfg, tok, worker_settings(cfg, None)).s.max_message_chars == 4096
+
+
 def test_turn_limits_stop_without_asking_the_environment(tok: Any) -> None:
     env = ScriptedEnv(done_at=9)
     _, (t,) = _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), env, SamplingSpec(n=1, max_tokens=200), max_assistant_turns=1)

@@ -63,7 +63,9 @@ class EnvironmentConfig(ConfigModel):
     max_message_chars: int = Field(default=1 << 20, ge=1, le=8 << 20)
     """A Step's assistant text past this many characters is cut (in the middle, marked) before the
     environment reads it, and a Step's answer is cut to this many characters in all (at most 4
-    bytes each: within the 64 MiB gRPC message limit up to the bound of 8 Mi)."""
+    bytes each: within the 64 MiB gRPC message limit up to the bound of 8 Mi). In the rollout: a
+    message it keeps whole (an error text, an interaction's user turn; not cut to
+    `max_tool_response_length`) is cut to this many characters."""
     max_tool_calls: int = Field(default=64, ge=1)
     """Calls of one Step past this many are answered with tool errors, not run."""
 

@@ -22,7 +22,8 @@ that would cross it are not appended and the trajectory ends with `length`),
 `max_assistant_turns` (and the environment's own), `max_user_turns`. Tool responses (role `tool`)
 longer than `max_tool_response_length` characters are truncated (`tool_response_truncate_side`);
 other environment messages (an interaction's user turns) and the error texts answering calls that
-could not run are kept whole, as verl keeps them, bounded only by the response budget and the context.
+could not run are kept whole, as verl keeps them, bounded by the response budget and the context (and,
+against a runaway, cut to `environment.max_message_chars`, as a served environment's answer is).
 
 Failures: an environment error (after its endpoint's retry budget) fails the group; the worker
 returns the lease and the prompt is re-queued (counted), never scored. That includes an
@@ -83,6 +84,11 @@ class AgentSettings:
     max_model_len: int | None = None
     """The engine's context length: environment tokens that would leave no room for the next turn
     are not appended (the trajectory ends with `length`, as at the response budget)."""
+    max_message_chars: int = 1 << 20
+    """environment.max_message_chars: a message kept whole (an error text, a user turn) is still cut
+    to this many characters (in the middle, counted), the bound a served environment's answer has.
+    Unbounded, a tool that raised with a huge message was tokenized whole in the event loop (and
+    again by the drift check) before the response budget dropped it."""
 
 
 @dataclass
@@ -380,11 +386,12 @@ class AgentLoop:
         out = []
         for m in messages:
             # verl cuts a tool's own response only: an interaction's user turn and the error text
-            # answering a call that could not run (verl's "Error when executing tool") stay whole
+            # answering a call that could not run (verl's "Error when executing tool") stay whole, up
+            # to a bound no real message reaches (a tool that raised with a whole file in its message)
             if m.role != "tool" or m.error:
-                out.append({"role": m.role, "content": m.content})
-                continue
-            content, cut = truncate_text(m.content, self.s.max_tool_response_length, self.s.tool_response_truncate_side)
+                content, cut = truncate_text(m.content, self.s.max_message_chars, "middle")
+            else:
+                content, cut = truncate_text(m.content, self.s.max_tool_response_length, self.s.tool_response_truncate_side)
             if cut:
                 self.counters.truncated_messages += 1
                 t.add_metrics({"truncated_messages": 1.0})
@@ -426,7 +433,7 @@ class AgentLoop:
 def settings_from_config(
     multi_turn: Any, *, max_prompt_length: int | None, truncation: Literal["error", "left", "right", "middle"],
     max_resubmits: int, reward_source: Literal["reward_service", "environment", "sum"],
-    max_json_depth: int = DEFAULT_MAX_DEPTH, max_model_len: int | None = None,
+    max_json_depth: int = DEFAULT_MAX_DEPTH, max_model_len: int | None = None, max_message_chars: int = 1 << 20,
 ) -> AgentSettings:
     mt = multi_turn
     return AgentSettings(
@@ -434,5 +441,6 @@ def settings_from_config(
         max_tool_response_length=mt.max_tool_response_length, tool_response_truncate_side=mt.tool_response_truncate_side,
         sanity_mode=mt.tokenization_sanity_check_mode, max_resubmits=max_resubmits, max_prompt_length=max_prompt_length,
         truncation=truncation, reward_source=reward_source, max_json_depth=max_json_depth, max_model_len=max_model_len,
+        max_message_chars=max_message_chars,
     )
 
