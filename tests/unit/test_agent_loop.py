@@ -446,6 +446,34 @@ def test_environment_max_message_chars_reaches_the_agent_loop(tok: Any) -> None:
     assert build_agent(cfg, tok, worker_settings(cfg, None)).s.max_message_chars == 4096
 
 
+def test_a_user_turn_past_the_budget_is_appended_cut_there_as_verl_does(tok: Any) -> None:
+    """verl's ToolAgentLoop appends an interaction's user turn (loss mask 0) without a budget check
+    and cuts its response at response_length at the end: a user turn that crosses the budget is in
+    the response up to it (what DAPO's overlong shaping and the trainer see), and no turn follows.
+    A tool response that would cross it is not appended (verl's tool branch), as before."""
+    def run(budget: int, role: str = "user") -> tuple[Any, ScriptedEngine, AgentLoop]:
+        engine = ScriptedEngine(tok, ["a<|im_end|>", "b<|im_end|>"])
+        env = ScriptedEnv(done_at=1, reply="please think again about it", role=role)
+        loop = AgentLoop(tok, EnvironmentRouter(env, []), AgentSettings())
+
+        async def go() -> Any:
+            return await loop.run_group(_prompt(), SamplingSpec(n=1, max_tokens=budget), "r/L1", engine.generate,
+                                        lambda: False, lambda: 0)
+
+        return asyncio.run(go())[1][0], engine, loop
+
+    full, _, _ = run(200)
+    first = full.turn_starts[2]  # the first assistant turn and the user turn after it
+    for budget in (first - 3, first):
+        t, engine, loop = run(budget)
+        assert t.token_ids == full.token_ids[:budget] and t.loss_mask == full.loss_mask[:budget]
+        assert t.versions[-1] == -1 and t.logprobs[-1] == 0.0 and t.turn_starts == full.turn_starts[:2]
+        assert (len(t), t.finish_reason, t.num_turns, len(engine.requests)) == (budget, Finish.LENGTH, 1, 1)
+        assert loop.counters.tokenization_drift == 0
+    t, engine, _ = run(first - 3, role="tool")
+    assert t.token_ids == full.token_ids[:full.turn_starts[1]] and t.finish_reason == Finish.LENGTH
+
+
 def test_turn_limits_stop_without_asking_the_environment(tok: Any) -> None:
     env = ScriptedEnv(done_at=9)
     _, (t,) = _run(tok, ScriptedEngine(tok, ["a<|im_end|>"]), env, SamplingSpec(n=1, max_tokens=200), max_assistant_turns=1)

@@ -17,8 +17,9 @@ engine keeps decoding the others (its continuous batching sees only the turns th
 no slot idles on I/O. A weight update inside a turn: with partial rollout `keep` the engine carries
 on; with `abort` the turn comes back cut and is continued from prompt + everything so far (its new
 tokens carry the new version); between turns nothing special happens. Limits (verl's meanings):
-the response budget (`data.max_response_length`, policy + environment tokens; environment tokens
-that would cross it are not appended and the trajectory ends with `length`),
+the response budget (`data.max_response_length`, policy + environment tokens; tool responses
+that would cross it are not appended, an interaction's user turn is appended cut at it, and the
+trajectory ends with `length`),
 `max_assistant_turns` (and the environment's own), `max_user_turns`. Tool responses (role `tool`)
 longer than `max_tool_response_length` characters are truncated (`tool_response_truncate_side`);
 other environment messages (an interaction's user turns) and the error texts answering calls that
@@ -83,7 +84,7 @@ class AgentSettings:
     """security.limits.max_json_depth: a prompt's extra_info nests at most this deep."""
     max_model_len: int | None = None
     """The engine's context length: environment tokens that would leave no room for the next turn
-    are not appended (the trajectory ends with `length`, as at the response budget)."""
+    are treated as at the response budget (tool responses not appended, a user turn cut; `length`)."""
     max_message_chars: int = 1 << 20
     """environment.max_message_chars: a message kept whole (an error text, a user turn) is still cut
     to this many characters (in the middle, counted), the bound a served environment's answer has.
@@ -306,24 +307,28 @@ class AgentLoop:
                     break
                 new = self._truncated(step.messages, t)
                 env_ids = s.renderer.env_ids(history[:-1], history[-1], new, generated_end)
-                if step.done:
-                    # verl appends an interaction's last user message (loss mask 0) before it stops:
-                    # the response, and its length (DAPO's overlong shaping), ends with it. Past the
-                    # budget (or the context) it is cut there, as verl cuts its response; the episode
-                    # still ended `stop`, and the drift check reads the whole message.
-                    room = spec.max_tokens - len(t)
-                    if self.s.max_model_len is not None:
-                        room = min(room, self.s.max_model_len - len(ctx))
-                    room = max(room, 0)
+                room = spec.max_tokens - len(t)
+                if self.s.max_model_len is not None:
+                    room = min(room, self.s.max_model_len - len(ctx))
+                room = max(room, 0)
+                crosses = len(env_ids) >= room
+                if step.done or (crosses and not any(m["role"] == "tool" for m in new)):
+                    # verl appends an interaction's user message (loss mask 0) without a budget check
+                    # and cuts its response at the budget at the end: the response, and its length
+                    # (DAPO's overlong shaping), ends with the message, cut there past the budget (or
+                    # the context), and no turn follows. An episode that ended is still `stop`; one
+                    # cut is `length`. The drift check reads the whole message.
                     t.add_environment(env_ids[:room])
                     unappended = env_ids[room:]
                     history.extend(new)
                     ended_on_assistant = False
                     self.counters.environment_turns += 1
+                    if not step.done:
+                        user_turns += 1
+                        t.finish_reason = Finish.LENGTH
                     break
-                if len(t) + len(env_ids) >= spec.max_tokens or (
-                        self.s.max_model_len is not None and len(ctx) + len(env_ids) >= self.s.max_model_len):
-                    t.finish_reason = Finish.LENGTH  # verl: what does not fit is not appended
+                if crosses:
+                    t.finish_reason = Finish.LENGTH  # verl: tool responses that do not fit are not appended
                     break
                 t.add_environment(env_ids)
                 ctx += env_ids
