@@ -23,6 +23,7 @@ from typing import Any
 from meshrl.v1 import common_pb2, rollout_pb2
 from services.common.config import MeshConfig
 from services.common.data import RecordList, prompt_to_proto
+from services.rollout.agent.trajectory import verl_num_turns
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ async def run_validation(
     agent = [r for r in responses if r.loss_mask]
     if agent:  # multi-turn: how the policy used its tools
         record["val/tool_call_rate"] = sum(1 for r in agent if r.tool_calls) / len(agent)
-        record["val/num_turns"] = sum(r.num_turns for r in agent) / len(agent)
+        record["val/num_turns"] = sum(verl_num_turns(r) for r in agent) / len(agent)  # verl's, as agent/num_turns
         record["val/tool_errors"] = sum(r.tool_errors for r in agent) / len(agent)
     path = run_dir / "metrics" / "validation.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ from meshrl.v1 import common_pb2, reward_pb2
 from services.common.data import chat_prompt_text
 from services.common.errors import InvalidArgument
 
+from .agent.trajectory import verl_num_turns
 from .engines.base import Finish, SampleOutput, SamplingSpec
 
 _FINISH = {
@@ -147,14 +148,7 @@ def score_items(group: common_pb2.TrajectoryGroup, prompt_str: str, max_tokens: 
 
 def _agent_extra_info(extra_json: str, r: common_pb2.Response) -> str:
     extra = json.loads(extra_json) if extra_json else {}
-    # verl's num_turns (ToolAgentLoop: user_turns + assistant_turns + 1), which a ported reward
-    # function reads; Response.num_turns counts the assistant turns only. A user turn is each run
-    # of environment tokens after the first policy token (a turn's tool answers, an interaction's
-    # message); the run before it is the rest of the sample's own first prompt.
-    mask = list(r.loss_mask)
-    first = mask.index(1) if 1 in mask else len(mask)
-    user_turns = sum(1 for i in r.turn_starts if first < i < len(mask) and not mask[i])
-    extra["num_turns"] = r.num_turns + user_turns + 1
+    extra["num_turns"] = verl_num_turns(r)  # which a reward function ported from verl reads
     extra["rollout_reward_scores"] = {"env_reward": r.env_reward} if r.HasField("env_reward") else {}
     return json.dumps(extra, separators=(",", ":"))
 

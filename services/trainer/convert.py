@@ -13,8 +13,9 @@ mask, so environment tokens carry no gradient and change no metric; lengths are 
     seq_tensors: group_index (group of the sequence in this batch), reward, response_length
                  (policy tokens), prompt_length, finish_length (1 where the response was cut at its
                  length limit: finish_reason LENGTH), min_version (of the policy tokens), plus every reward metric
-                 the rollout reported (e.g. "acc"); for multi-turn trajectories also num_turns,
-                 tool_calls, tool_errors, trajectory_length (all response tokens), env_latency_s
+                 the rollout reported (e.g. "acc"); for multi-turn trajectories also num_turns
+                 (verl's: user + assistant turns + 1), assistant_turns, tool_calls, tool_errors,
+                 trajectory_length (all response tokens), env_latency_s
     tensors:     rollout_logprobs (zeros outside the mask)
 """
 
@@ -26,10 +27,11 @@ import torch
 
 from meshrl.v1 import common_pb2
 from services.common.errors import InvalidArgument
+from services.rollout.agent.trajectory import verl_num_turns
 
 from .engines.base import SequenceBatch
 
-AGENT_SEQ_TENSORS = ("num_turns", "tool_calls", "tool_errors", "trajectory_length", "env_latency_s")
+AGENT_SEQ_TENSORS = ("num_turns", "assistant_turns", "tool_calls", "tool_errors", "trajectory_length", "env_latency_s")
 
 
 def _loss_mask(r: common_pb2.Response, where: str, lease_id: str) -> list[float]:
@@ -76,7 +78,8 @@ def sequence_tensors(groups: Sequence[common_pb2.TrajectoryGroup]) -> dict[str, 
             for k in metric_names:
                 metrics[k].append(float(r.reward_metrics.get(k, r.reward)))
             if agentic:
-                agent["num_turns"].append(float(r.num_turns or 1))
+                agent["num_turns"].append(float(verl_num_turns(r)))
+                agent["assistant_turns"].append(float(r.num_turns or 1))
                 agent["tool_calls"].append(float(r.tool_calls))
                 agent["tool_errors"].append(float(r.tool_errors))
                 agent["trajectory_length"].append(float(len(r.token_ids)))
@@ -148,9 +151,10 @@ def check_batch(batch: SequenceBatch, vocab_size: int | None) -> None:
 
 def agent_metrics(batch: SequenceBatch) -> dict[str, float]:
     """Trajectory shape of a multi-turn batch (empty for single-turn batches): turns per
-    trajectory, tool calls per trajectory, the fraction of trajectories that called a tool, tool
-    errors per call, response tokens per trajectory (policy + environment), and the seconds a
-    trajectory waited on its environment."""
+    trajectory (verl's num_turns: user + assistant turns + 1, as verl's num_turns/mean; and the
+    assistant turns alone, what max_assistant_turns bounds), tool calls per trajectory, the
+    fraction of trajectories that called a tool, tool errors per call, response tokens per
+    trajectory (policy + environment), and the seconds a trajectory waited on its environment."""
     st = batch.seq_tensors
     if "num_turns" not in st:
         return {}
@@ -158,6 +162,8 @@ def agent_metrics(batch: SequenceBatch) -> dict[str, float]:
     return {
         "agent/num_turns/mean": float(st["num_turns"].mean()),
         "agent/num_turns/max": float(st["num_turns"].max()),
+        "agent/num_turns/min": float(st["num_turns"].min()),
+        "agent/assistant_turns/mean": float(st["assistant_turns"].mean()),
         "agent/tool_calls/mean": float(calls.mean()),
         "agent/tool_call_rate": float((calls > 0).float().mean()),
         "agent/tool_error_rate": float(st["tool_errors"].sum() / calls.sum().clamp(min=1)),

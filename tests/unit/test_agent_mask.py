@@ -79,7 +79,10 @@ def test_batch_mask_lengths_and_versions_are_the_policy_tokens() -> None:
     assert batch.seq_tensors["response_length"].tolist() == [float(sum(m)) for m in MASKS] * 2
     assert batch.seq_tensors["min_version"].tolist() == [3] * 4 + [5] * 4
     m = agent_metrics(batch)
-    assert m["agent/num_turns/mean"] == 2.0 and m["agent/tool_call_rate"] == 1.0
+    # verl's num_turns (ToolAgentLoop: user turns + assistant turns + 1), as its num_turns/mean
+    # plots it and extra_info.num_turns carries it: 2 assistant turns and 1 environment turn
+    assert m["agent/num_turns/mean"] == 4.0 and m["agent/assistant_turns/mean"] == 2.0
+    assert m["agent/tool_call_rate"] == 1.0
     assert m["agent/trajectory_length/mean"] == len(MASKS[0])
     assert loss_scale_counts(batch) == (2 * sum(sum(x) for x in MASKS), 8)
 

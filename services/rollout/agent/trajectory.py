@@ -101,3 +101,15 @@ def to_response(t: Trajectory) -> common_pb2.Response:
     if t.env_reward is not None:
         r.env_reward = t.env_reward
     return r
+
+
+def verl_num_turns(r: common_pb2.Response) -> int:
+    """verl's num_turns of a response (ToolAgentLoop: user turns + assistant turns + 1; its
+    single-turn loop's 2): what verl gives the reward manager and plots as num_turns/mean.
+    Response.num_turns counts the assistant turns only. A user turn is each run of environment
+    tokens after the first policy token (a turn's tool answers, an interaction's message); the run
+    before it is the rest of the sample's own first prompt."""
+    mask = r.loss_mask
+    first = next((i for i, m in enumerate(mask) if m), len(mask))
+    user_turns = sum(1 for i in r.turn_starts if first < i < len(mask) and not mask[i])
+    return max(r.num_turns, 1) + user_turns + 1
