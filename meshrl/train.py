@@ -271,8 +271,7 @@ class MeshRun:
                 serve.run_many(targets)
             except RuntimeError as exc:
                 proxies_ready()  # a proxy that failed to start (its port taken) is the error to report
-                errors = "\n".join(f"{name} did not start: {_last_error(self.run_dir, name)}" for name, _ in wave)
-                raise RuntimeError(f"{exc}\n{errors}") from None
+                raise RuntimeError(_not_started(self.run_dir, [name for name, _ in wave], exc, self.started)) from None
             self.startup["deploy_" + "+".join(name for name, _ in wave) + "_s"] = round(time.monotonic() - t0, 2)
         proxies_ready()
         if not self.cfg.serve.ray_address:  # the proxies, which started beside the deploy, step back too
@@ -574,9 +573,53 @@ class MeshRun:
         return summary
 
 
-def _last_error(run_dir: Path, service: str) -> str:
-    """The last error a service logged in the run directory (the reason a replica did not start)."""
+_FAILED = ("DEPLOY_FAILED", "UNHEALTHY")
+
+
+def _not_started(run_dir: Path, names: list[str], exc: Exception, since: float) -> str:
+    """Why a deploy wave failed, the replica's own error first: serve.run_many's error ("Deploying
+    application X failed: Failed to update the deployments [...]") names no cause, and the
+    reason `meshrl train` prints is cut at 500 characters (first_cause). Only the applications
+    Serve reports failed are named (every one of the wave when Serve cannot say): the others of
+    a parallel deploy started or are still starting, and a "did not start: no error logged" line
+    for each came first and pushed the cause (a missing ledger's coordinator.ledger_path, a bad
+    model path) out of what was printed."""
+    from ray import serve
+
+    try:
+        apps = serve.status().applications
+    except Exception:  # noqa: BLE001 -- Serve's own error below still says which failed
+        apps = {}
+    serve_says: dict[str, str] = {}
+    for name in names:
+        app = apps.get(name)
+        if app is None or _status(app.status) not in _FAILED:
+            continue
+        # a deployment's message ends with its replica's exception (the last line of a traceback)
+        lines = [line.strip() for d in app.deployments.values() if _status(d.status) in _FAILED
+                 for line in str(d.message or "").splitlines() if line.strip()]
+        serve_says[name] = lines[-1] if lines else str(app.message or "")
+    failed = list(serve_says) or names
+    errors = [f"{name} did not start: {_last_error(run_dir, name, since) or serve_says.get(name) or _no_error(run_dir)}"
+              for name in failed]
+    return "\n".join([*errors, str(exc)])
+
+
+def _status(status: Any) -> str:
+    return str(getattr(status, "value", status))
+
+
+def _no_error(run_dir: Path) -> str:
+    return f"no error logged; see {run_dir / 'logs'} and Ray's logs under /tmp/ray/session_latest/logs/serve"
+
+
+def _last_error(run_dir: Path, service: str, since: float = 0.0) -> str:
+    """The last error a service logged in the run directory (the reason a replica did not start),
+    in a log written since SINCE (a resumed run's directory holds every earlier session's logs); ""
+    when none."""
     for path in sorted((run_dir / "logs").glob(f"{service}.*.jsonl"), key=lambda p: p.stat().st_mtime, reverse=True):
+        if path.stat().st_mtime < since:
+            break
         for line in reversed(path.read_text().splitlines()):
             try:
                 rec = json.loads(line)
@@ -586,7 +629,7 @@ def _last_error(run_dir: Path, service: str) -> str:
                 exc = rec.get("exception")
                 detail = exc[-1].get("exc_value") if isinstance(exc, list) and exc else rec.get("error")
                 return f"{rec.get('event')}: {detail}" if detail else str(rec.get("event"))
-    return f"no error logged; see {run_dir / 'logs'} and Ray's logs under /tmp/ray/session_latest/logs/serve"
+    return ""
 
 
 def _rewards(run_dir: Path) -> list[float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -346,3 +347,78 @@ def test_a_config_file_given_with_resume_is_refused_not_silently_ignored(tmp_pat
     with pytest.raises(ConfigError, match=r"changed\.yaml.*--resume.*overrides"):
         resolve_config(str(changed), [], resume=run_dir)
     assert resolve_config(None, ["actor_rollout_ref.actor.optim.lr=1e-7"], resume=run_dir).actor_rollout_ref.actor.optim.lr == 1e-7
+
+
+_LEDGER_REFUSAL = (
+    "FailedPrecondition: ledger {path} does not exist, and this coordinator continues a run (`meshrl train "
+    "--resume`, `meshrl coordinator serve --resume`, or Serve restarting its replica): a new ledger would start "
+    "it over from prompt 0; point coordinator.ledger_path at the run's ledger (ledger.sqlite in its run "
+    "directory, or where its volume is mounted now), or start a new run (without --resume; a new `meshrl "
+    "serve-config`)"
+)
+
+
+@pytest.mark.parametrize("failed,needle", [
+    ("coordinator", "coordinator.ledger_path"),
+    ("rollout", "actor_rollout_ref.model.path"),
+])
+def test_a_replica_that_does_not_start_is_the_error_meshrl_train_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failed: str, needle: str
+) -> None:
+    """serve.run_many raises Serve's generic "Deploying application X failed: Failed to update the
+    deployments [...]" once a replica's constructor failed its retries; the replica's own error
+    (logged into the run's logs by log_init_errors) is what the user must read. It was appended
+    after a "did not start" line for EVERY application of the wave (all five by default: the
+    healthy ones said "no error logged", or an error a previous session logged) and the whole cut
+    at 500 characters, so `meshrl train --resume` on a missing ledger printed neither the refusal
+    nor coordinator.ledger_path, and a rollout's bad model path was cut off behind four lines about
+    services that had started."""
+    from ray import serve
+
+    from services.common import serve_util
+    from services.trainer import ranks
+
+    run_dir = tmp_path / ("runs-of-a-team-on-a-shared-volume/fully_async-20261207-233000" + "-x" * 20)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True)
+    ledger = run_dir / "ledger.sqlite"
+    errors = {"coordinator": _LEDGER_REFUSAL.format(path=ledger),
+              "rollout": "InvalidArgument: actor_rollout_ref.model.path: /models/qwen3-8b is not a model directory"}
+    deployments = {"coordinator": "Coordinator", "rollout": "RolloutDeployment"}
+
+    def run_many(targets: list[Any]) -> None:
+        raise RuntimeError(f"Deploying application {failed} failed: Failed to update the deployments "
+                           f"['{deployments[failed]}'].")
+
+    def status() -> Any:
+        apps = {}
+        for name in ("coordinator", "param_server", "reward", "rollout", "trainer"):
+            state = "DEPLOY_FAILED" if name == failed else "RUNNING" if name != "trainer" else "DEPLOYING"
+            message = (f"The deployment failed to start 3 times in a row. This may be due to a problem with its "
+                       f"constructor or initial health check failing. See controller logs for details. Error:\n"
+                       f"Traceback (most recent call last):\n  File \"x.py\", line 1\n{errors[failed]}"
+                       if name == failed else "")
+            apps[name] = SimpleNamespace(status=state, message="", deployments={
+                deployments.get(name, name): SimpleNamespace(status=state, message=message)})
+        return SimpleNamespace(applications=apps)
+
+    monkeypatch.setattr(serve_util, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(serve_util, "start_serve", lambda *a, **k: (lambda: None))
+    monkeypatch.setattr(ranks, "spawn_for", lambda cfg, **k: None)
+    monkeypatch.setattr(serve, "run_many", run_many)
+    monkeypatch.setattr(serve, "status", status)
+    cfg = resolve_config(None, ["serve.ray_address=auto", "serve.parallel_deploy=true"])
+    run = MeshRun(cfg, run_dir, "fully_async", resume=True)
+    # a previous session's trainer logged an error; this session's trainer is only still starting
+    old = logs / "trainer.111.jsonl"
+    old.write_text(json.dumps({"event": "commit_failed", "level": "error", "error": "old"}) + "\n")
+    os.utime(old, (run.started - 3600, run.started - 3600))
+    (logs / f"{failed}.222.jsonl").write_text(json.dumps(
+        {"event": "replica_init_failed", "level": "error", "error": errors[failed]}) + "\n")
+    with pytest.raises(RuntimeError) as caught:
+        run.deploy()
+    reason = train_mod._failed(run, caught.value).reason
+    assert needle in reason, reason
+    assert reason.startswith(f"RuntimeError: {failed} did not start"), reason
+    for other in {"coordinator", "param_server", "reward", "rollout", "trainer"} - {failed}:
+        assert f"{other} did not start" not in reason, reason
