@@ -394,10 +394,8 @@ class MeshRun:
         except Exception as exc:  # noqa: BLE001 -- reporting only
             log.debug("serve_status_failed", error=first_cause(exc))
             return
-        self.watchdog.serve_status(now, {
-            name: (str(getattr(app.status, "value", app.status)), " ".join(str(app.message or "").split())[:300])
-            for name, app in st.applications.items()
-        })
+        self.watchdog.serve_status(now, {name: (_status(app.status), _app_message(app))
+                                         for name, app in st.applications.items()})
 
     async def _sample_rollout(self) -> None:
         """One rollout replica's counters -> metrics/rollout.jsonl (idle ratio since the last
@@ -607,6 +605,21 @@ def _not_started(run_dir: Path, names: list[str], exc: Exception, since: float) 
 
 def _status(status: Any) -> str:
     return str(getattr(status, "value", status))
+
+
+def _app_message(app: Any) -> str:
+    """An application's message, and the error of each deployment not healthy: the application's
+    own says only "The deployments [...] are UNHEALTHY"; a deployment's ends with its replica's
+    exception (the last line of a traceback), e.g. a restarted coordinator refusing a ledger that
+    is gone (coordinator.ledger_path)."""
+    parts = [" ".join(str(app.message or "").split())[:300]]
+    for name, d in (getattr(app, "deployments", None) or {}).items():
+        if _status(d.status) not in _FAILED:
+            continue  # one still updating may say "slow to start" with a count: reported on each change
+        lines = [line.strip() for line in str(d.message or "").splitlines() if line.strip()]
+        if lines:
+            parts.append(f"{name}: {lines[-1][:500]}")
+    return "; ".join(p for p in parts if p)
 
 
 def _no_error(run_dir: Path) -> str:

@@ -92,6 +92,8 @@ class Watchdog:
     """The trainer replica seen last: another one is a restart, seen failing or not."""
     _reported: set[str] = field(default_factory=set)
     _app_status: dict[str, str] = field(default_factory=dict)
+    _app_message: dict[str, str] = field(default_factory=dict)
+    """Serve's message for each application not RUNNING (its failing deployments' errors)."""
 
     @property
     def resume_command(self) -> str:
@@ -114,7 +116,11 @@ class Watchdog:
             self._incident(now, "coordinator_unreachable", error, hint="Serve restarts it on its ledger; waiting")
         down = self._coordinator.failed(now, error)
         if down > OUTAGE_LIMIT_S:
-            raise RunFailure(f"the coordinator has not answered for {down:.0f} s: {error}")
+            # Serve's word on the coordinator (its replacement's constructor error, e.g. a ledger
+            # that is gone) is the cause; the call's error only says that nothing answers
+            serve = self._app_message.get("coordinator", "")
+            raise RunFailure(f"the coordinator has not answered for {down:.0f} s: {error}"
+                             + (f"; Serve: {serve}" if serve else ""))
 
     def coordinator_ok(self, now: float, status: Any) -> None:
         """A GetStatus answer: report new failures, stop on a halt."""
@@ -193,11 +199,14 @@ class Watchdog:
     # ---- Serve ---------------------------------------------------------------------------------
 
     def serve_status(self, now: float, apps: dict[str, tuple[str, str]]) -> None:
-        """app -> (status, message) from Serve: a change away from RUNNING is reported once."""
+        """app -> (status, message) from Serve: a change away from RUNNING is reported once, and a
+        new message under the same status (a replica that failed its health check, then the
+        constructor of each replacement refusing to start: UNHEALTHY throughout)."""
         for app, (status, message) in apps.items():
-            before = self._app_status.get(app, "RUNNING")
+            before = (self._app_status.get(app, "RUNNING"), self._app_message.get(app, ""))
             self._app_status[app] = status
-            if status != before:
+            self._app_message[app] = message if status != "RUNNING" else ""
+            if status != before[0] or (status != "RUNNING" and message != before[1]):
                 self._incident(now, "serve_app_status", f"{app}: {status}" + (f": {message}" if message else ""),
                                app=app, status=status)
 

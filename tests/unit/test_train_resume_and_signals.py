@@ -422,3 +422,39 @@ def test_a_replica_that_does_not_start_is_the_error_meshrl_train_reports(
     assert reason.startswith(f"RuntimeError: {failed} did not start"), reason
     for other in {"coordinator", "param_server", "reward", "rollout", "trainer"} - {failed}:
         assert f"{other} did not start" not in reason, reason
+
+
+def test_a_coordinator_replica_serve_cannot_restart_is_reported_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mid-run the ledger is deleted: the coordinator fails its health check, and each replacement
+    Serve starts refuses the missing ledger (a Serve restart continues the session's run). The
+    driver reported only the application's message ("The deployments ['Coordinator'] are
+    UNHEALTHY."), once per status change (the health-check failure, not the refusals after it,
+    which leave the status UNHEALTHY), and stopped 300 s later with "the coordinator has not
+    answered" and the gRPC error: nowhere the refusal or coordinator.ledger_path."""
+    from ray import serve
+
+    from meshrl.watchdog import OUTAGE_LIMIT_S, RunFailure
+
+    refusal = _LEDGER_REFUSAL.format(path=tmp_path / "ledger.sqlite")
+    deployment = {"message": "The replica failed its health check 3 times: ledger unreadable"}
+
+    def status() -> Any:
+        app = SimpleNamespace(status="UNHEALTHY", message="The deployments ['Coordinator'] are UNHEALTHY.",
+                              deployments={"Coordinator": SimpleNamespace(status="UNHEALTHY", **deployment)})
+        return SimpleNamespace(applications={"coordinator": app})
+
+    monkeypatch.setattr(serve, "status", status)
+    cfg = resolve_config(None, ["serve.ray_address=auto"])
+    run = MeshRun(cfg, tmp_path, "fully_async")
+    run.watchdog.started = 0.0
+    run.watchdog.coordinator_failed(100.0, "UNAVAILABLE: failed to connect to all addresses")
+    asyncio.run(run._check_serve(100.0))
+    deployment["message"] = ("A replica failed to start with exception. Retrying. Error:\nTraceback (most recent "
+                             f"call last):\n  File \"deployment.py\", line 67\n{refusal}")
+    asyncio.run(run._check_serve(110.0))
+    assert any("coordinator.ledger_path" in i["detail"] for i in run.watchdog.incidents), run.watchdog.incidents
+    with pytest.raises(RunFailure) as caught:
+        run.watchdog.coordinator_failed(101.0 + OUTAGE_LIMIT_S, "UNAVAILABLE: failed to connect to all addresses")
+    assert "coordinator.ledger_path" in str(caught.value), caught.value
