@@ -246,9 +246,15 @@ def log_init_errors(init: Callable[..., Any]) -> Callable[..., Any]:
     import functools
     import inspect
 
+    from services.common.errors import first_cause
     from services.common.logging import get_logger
 
     log = get_logger("services.serve")
+
+    def failed(self: Any, exc: BaseException) -> None:
+        # the error the replica's code raised, on one line: a rank actor's RayTaskError reads as its
+        # whole remote traceback, and `meshrl train` prints the first 500 characters of what is logged
+        log.error("replica_init_failed", deployment=type(self).__name__, error=first_cause(exc, limit=2000))
 
     if inspect.iscoroutinefunction(init):
 
@@ -257,7 +263,7 @@ def log_init_errors(init: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 await init(self, *args, **kwargs)
             except BaseException as exc:
-                log.error("replica_init_failed", deployment=type(self).__name__, error=f"{type(exc).__name__}: {exc}")
+                failed(self, exc)
                 raise
 
         return async_wrapper
@@ -267,7 +273,7 @@ def log_init_errors(init: Callable[..., Any]) -> Callable[..., Any]:
         try:
             init(self, *args, **kwargs)
         except BaseException as exc:
-            log.error("replica_init_failed", deployment=type(self).__name__, error=f"{type(exc).__name__}: {exc}")
+            failed(self, exc)
             raise
 
     return wrapper

@@ -93,3 +93,28 @@ def test_transient_failures_are_those_of_the_service_not_of_the_request() -> Non
     assert not transient(err(grpc.StatusCode.INTERNAL, "KeyError: 'x'"))
     assert not transient(err(grpc.StatusCode.INVALID_ARGUMENT, "groups[0].lease_id: unknown"))
     assert not transient(InvalidArgument("f", "bad")) and not transient(RuntimeError("Unavailable"))
+
+
+def test_a_replica_constructor_failure_is_logged_as_its_remote_cause_on_one_line() -> None:
+    """A trainer replica whose rank actors fail to build their engine (a model path that is not
+    there, a checkpoint that does not load) raises the RayTaskError Ray wraps the rank's error in:
+    its text is the rank's whole remote traceback, the error last. log_init_errors logged that
+    text, and `meshrl train` reports the logged error cut at 500 characters (first_cause), so the
+    user read a traceback's first lines and not the error."""
+    from structlog.testing import capture_logs
+
+    from services.common.serve_util import log_init_errors
+
+    cause = OSError("actor_rollout_ref.model.path: /models/qwen3-8b has no config.json")
+    traceback = "Traceback (most recent call last):\n" + '  File "/site-packages/x.py", line 1, in f\n    g()\n' * 20
+    wrapped = RayTaskError("TrainWorker.init_engine", traceback + "OSError: ...", cause).as_instanceof_cause()
+
+    class Deployment:
+        @log_init_errors
+        async def __init__(self) -> None:
+            raise wrapped
+
+    with capture_logs() as logs, pytest.raises(RayTaskError):
+        asyncio.run(Deployment.__init__(object.__new__(Deployment)))  # Serve awaits the async constructor
+    (rec,) = [r for r in logs if r["event"] == "replica_init_failed"]
+    assert rec["error"] == f"OSError: {cause}", rec["error"][:300]
