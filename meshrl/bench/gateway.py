@@ -101,7 +101,7 @@ async def _run(tok: Any, model: Any, *, calls: int, rounds: int, max_tokens: int
             await direct(-1 - k)
         out["direct_s"].clear()
         out["direct_tokens"].clear()
-        prompt = common_pb2.Prompt(prompt_id="bench", messages=[common_pb2.ChatMessage(**messages[0])])
+        prompt = common_pb2.Prompt(prompt_id="bench", messages=[common_pb2.ChatMessage(role=messages[0]["role"], content=messages[0]["content"])])
         await ga.play(prompt, SamplingSpec(n=1, max_tokens=max_tokens), "bench/g", "bench", "bench", timed_generate,
                       cancelled=lambda: False, version=lambda: 0)
     finally:
