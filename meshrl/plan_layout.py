@@ -273,6 +273,14 @@ def _engine_parts(sizes: dict[str, tuple[str, int]]) -> str:
     return " x ".join(parts)
 
 
+def _reserved(app: Any, section: str) -> tuple[str, float]:
+    """The devices a Serve deployment's replica reserves, with the key that sets them: num_gpus,
+    else resources NPU (0: none)."""
+    if app.num_gpus:
+        return f"{section}.num_gpus", app.num_gpus
+    return f"{section}.resources.NPU", float(app.resources.get("NPU", 0))
+
+
 def serve_rollout_devices_mismatch(cfg: MeshConfig) -> str | None:
     """Why each Serve rollout replica's devices (serve.rollout.num_gpus, or resources NPU) do not fit
     the vLLM engine it starts, or None. One replica runs one AsyncLLM over TP x PP x DP devices
@@ -285,8 +293,7 @@ def serve_rollout_devices_mismatch(cfg: MeshConfig) -> str | None:
     if r.name != "vllm":
         return None
     app = cfg.serve.rollout
-    key, count = ("serve.rollout.num_gpus", app.num_gpus) if app.num_gpus else (
-        "serve.rollout.resources.NPU", float(app.resources.get("NPU", 0)))
+    key, count = _reserved(app, "serve.rollout")
     if not count:
         return None
     sizes = rollout_parallel(cfg)
@@ -325,8 +332,7 @@ def serve_rollout_pool_mismatch(cfg: MeshConfig) -> str | None:
     except for an engine larger than a node, whose devices vLLM takes whatever the replica reserves;
     the pool is the most an autoscaling rollout grows to."""
     app = cfg.serve.rollout
-    key, count = ("serve.rollout.num_gpus", app.num_gpus) if app.num_gpus else (
-        "serve.rollout.resources.NPU", float(app.resources.get("NPU", 0)))
+    key, count = _reserved(app, "serve.rollout")
     pool = cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node
     rkey, replicas = (("serve.rollout.num_replicas", app.num_replicas) if app.autoscaling is None
                       else ("serve.rollout.autoscaling.max_replicas", app.autoscaling.max_replicas))
@@ -355,8 +361,7 @@ def serve_trainer_devices_reserved(cfg: MeshConfig) -> str | None:
     device reserved for the replica is never trained on, and on a cluster sized for the run it
     is the one the ranks' placement group lacks, so the trainer waits for it until it times out."""
     app = cfg.serve.trainer
-    key, count = ("serve.trainer.num_gpus", app.num_gpus) if app.num_gpus else (
-        "serve.trainer.resources.NPU", float(app.resources.get("NPU", 0)))
+    key, count = _reserved(app, "serve.trainer")
     if not count:
         return None
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node

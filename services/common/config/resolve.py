@@ -267,9 +267,7 @@ def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
     engine = math.prod(n for _, n in sizes if n is not None)
     parts = " x ".join(f"{key}({n})" for key, n in sizes)
     pool = nnodes * per_node
-    if engine > per_node:
-        if name != "vllm":
-            return  # the transformers engine runs in its replica: no one replica can hold it
+    if engine > per_node:  # vLLM only: the transformers engine is one device
         # vLLM spans nodes with its Ray executor, whose placement group takes the engine's devices
         # (whole nodes, as verl places them): the replica reserves none, one replica per engine
         # (left as one replica, a pool of 2 engines ran 1 and half its devices idle)
@@ -294,8 +292,6 @@ def _serve_rollout_sizing(tree: dict[str, Any]) -> None:
             f"rollout.n_gpus_per_node = {per_node} devices a node are no whole number of engines of {parts} = "
             f"{engine} devices, and under Serve each engine is one rollout replica on one node; make "
             f"rollout.n_gpus_per_node a multiple of {engine} (or change the engine's parallel sizes)"
-            + ("" if name == "vllm" else ", or size the replicas yourself with serve.rollout.num_gpus "
-               "(resources NPU) and serve.rollout.num_replicas")
         )
     _set(tree, "serve.rollout.num_gpus" if kind == "cuda" else "serve.rollout.resources.NPU", engine)
     _set(tree, "serve.rollout.num_replicas", pool // engine)
