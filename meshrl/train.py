@@ -593,10 +593,8 @@ def _not_started(run_dir: Path, names: list[str], exc: Exception, since: float) 
         app = apps.get(name)
         if app is None or _status(app.status) not in _FAILED:
             continue
-        # a deployment's message ends with its replica's exception (the last line of a traceback)
-        lines = [line.strip() for d in app.deployments.values() if _status(d.status) in _FAILED
-                 for line in str(d.message or "").splitlines() if line.strip()]
-        serve_says[name] = lines[-1] if lines else str(app.message or "")
+        errors = list(_deployment_errors(app).values())
+        serve_says[name] = errors[-1] if errors else str(app.message or "")
     failed = list(serve_says) or names
     errors = [f"{name} did not start: {_last_error(run_dir, name, since) or serve_says.get(name) or _no_error(run_dir)}"
               for name in failed]
@@ -613,13 +611,20 @@ def _app_message(app: Any) -> str:
     exception (the last line of a traceback), e.g. a restarted coordinator refusing a ledger that
     is gone (coordinator.ledger_path)."""
     parts = [" ".join(str(app.message or "").split())[:300]]
-    for name, d in (getattr(app, "deployments", None) or {}).items():
-        if _status(d.status) not in _FAILED:
-            continue  # one still updating may say "slow to start" with a count: reported on each change
-        lines = [line.strip() for line in str(d.message or "").splitlines() if line.strip()]
-        if lines:
-            parts.append(f"{name}: {lines[-1][:500]}")
+    parts += [f"{name}: {error[:500]}" for name, error in _deployment_errors(app).items()]
     return "; ".join(p for p in parts if p)
+
+
+def _deployment_errors(app: Any) -> dict[str, str]:
+    """The error of each deployment of an application that failed or is unhealthy: the last line
+    of its message, which ends with its replica's exception (the last line of a traceback). One
+    still updating may say "slow to start" with a count, which changes on every poll: left out."""
+    errors: dict[str, str] = {}
+    for name, d in (getattr(app, "deployments", None) or {}).items():
+        lines = [line.strip() for line in str(d.message or "").splitlines() if line.strip()]
+        if _status(d.status) in _FAILED and lines:
+            errors[name] = lines[-1]
+    return errors
 
 
 def _no_error(run_dir: Path) -> str:
